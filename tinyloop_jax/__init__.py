@@ -1,0 +1,11 @@
+"""tinyloop-jax: a JAX/XLA inference runtime for looped transformer LMs with prefix caching."""
+
+from . import functional
+from .cache import KVCache
+from .config import KV_MODES, ModelConfig
+from .params import Weights
+from .prefix import PrefixCache
+from .runtime import Model
+
+__all__ = ["KV_MODES", "KVCache", "Model", "ModelConfig", "PrefixCache", "Weights", "functional"]
+__version__ = "0.1.0"

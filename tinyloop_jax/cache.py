@@ -1,0 +1,167 @@
+"""The KV cache: an immutable pytree of fixed-capacity buffers, and its storage modes.
+
+One `KVCache` is one *segment* of a sequence's attention context. A plain generation has one
+segment; a request served from a prefix reads the prefix's segment (never written) and
+writes only its own:
+
+    prefix segment (read-only, shared)        own segment (per request, written)
+    ┌─────────────────────────────┐           ┌──────────────────────┐
+    │ pos 0 .. P-1                │           │ pos P .. P+n-1       │
+    └─────────────────────────────┘           └──────────────────────┘
+    layers[l] = {"k": [H, C, hd], "v": [H, C, hd]}    (fp modes; other modes store other keys)
+    pos       = [C] int32: absolute position held by each slot, -1 = empty
+    length    = []  int32: one past the last position written
+
+Slot of position p is `p % C`. A contiguous run of at most C positions never collides, so
+the same rule serves a full cache (C >= tokens) and a sliding-window ring buffer (C >= W:
+old positions are overwritten, and attention masks by position anyway).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from .config import check_kv_mode
+
+
+@struct.dataclass
+class KVCache:
+    layers: tuple  # tuple[dict[str, Array], ...], one per cache layer
+    pos: jax.Array  # [C] int32
+    length: jax.Array  # [] int32
+    kv_mode: str = struct.field(pytree_node=False)
+
+    @property
+    def capacity(self) -> int:
+        return int(self.pos.shape[0])
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self)))
+
+
+# ---- storage modes ---------------------------------------------------------------------------
+# Each mode maps fresh K/V [H, T, hd] float32 to stored arrays and back. The seam for the
+# quantized and h modes: they add entries here, nothing else in the model changes.
+
+_STORE_DTYPE = {"fp32": jnp.float32, "fp16": jnp.float16}
+
+
+def layer_shapes(kv_mode: str, n_heads: int, capacity: int, head_dim: int) -> dict:
+    """Stored arrays of one cache layer: name -> (shape, dtype)."""
+    dt = _STORE_DTYPE[check_kv_mode(kv_mode)]
+    return {"k": ((n_heads, capacity, head_dim), dt), "v": ((n_heads, capacity, head_dim), dt)}
+
+
+def encode(kv_mode: str, k: jax.Array, v: jax.Array) -> dict:
+    """[H, T, hd] float32 K and V -> stored arrays of the same token count."""
+    dt = _STORE_DTYPE[kv_mode]
+    return {"k": k.astype(dt), "v": v.astype(dt)}
+
+
+def decode(kv_mode: str, entry: dict) -> tuple[jax.Array, jax.Array]:
+    """Stored arrays -> float32 K, V [H, C, hd]."""
+    return entry["k"].astype(jnp.float32), entry["v"].astype(jnp.float32)
+
+
+def roundtrip(kv_mode: str, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """What attention sees of fresh K/V: exactly what reading them back from a cache gives.
+    This is why a chunk prefilled at once equals the same tokens decoded one by one."""
+    return decode(kv_mode, encode(kv_mode, k, v))
+
+
+# ---- allocation ------------------------------------------------------------------------------
+
+MIN_BUCKET = 16
+
+
+def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
+    """Smallest power of two >= n (and >= minimum): few distinct shapes, few compiles."""
+    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+def segment_capacity(n_tokens: int, cache_window: int) -> int:
+    """Slots needed to hold `n_tokens` positions, or only the last `cache_window` of them."""
+    need = n_tokens if cache_window <= 0 else min(n_tokens, cache_window)
+    return bucket(max(need, 1))
+
+
+def cache_nbytes(kv_mode: str, n_layers: int, n_heads: int, capacity: int, head_dim: int) -> int:
+    per_layer = sum(int(np.prod(s)) * np.dtype(d).itemsize
+                    for s, d in layer_shapes(kv_mode, n_heads, capacity, head_dim).values())
+    return n_layers * per_layer + capacity * 4 + 4
+
+
+def _free_bytes() -> int | None:
+    """Memory the backend can still hand out, if it says; else host memory available."""
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - backends without stats
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def empty(kv_mode: str, n_layers: int, n_heads: int, capacity: int, head_dim: int) -> KVCache:
+    """A fresh cache. Out of memory is a RuntimeError, checked before allocating so that
+    nothing is half-built (and the host is not pushed into swap)."""
+    need = cache_nbytes(kv_mode, n_layers, n_heads, capacity, head_dim)
+    free = _free_bytes()
+    if free is not None and need > free:
+        raise RuntimeError(
+            f"out of memory: a KV cache of {n_layers} layers x {capacity} slots ({kv_mode}) needs "
+            f"{need / 2**20:.1f} MiB but only {free / 2**20:.1f} MiB is free; "
+            "shorten the prompt, lower loops, or set cache_window")
+    shapes = layer_shapes(kv_mode, n_heads, capacity, head_dim)
+    try:
+        layers = tuple({name: jnp.zeros(s, d) for name, (s, d) in shapes.items()} for _ in range(n_layers))
+        return KVCache(layers=layers, pos=jnp.full((capacity,), -1, jnp.int32),
+                       length=jnp.zeros((), jnp.int32), kv_mode=kv_mode)
+    except Exception as e:  # noqa: BLE001 - XLA reports OOM as a generic runtime error
+        if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
+            raise RuntimeError(f"out of memory while allocating a KV cache: {e}") from e
+        raise
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+def write_slots(positions: jax.Array, n_valid: jax.Array, capacity: int) -> jax.Array:
+    """Slots for a chunk of positions [T]; tokens that must not be stored point past the end
+    (dropped): padding (index >= n_valid) and all but the last `capacity` valid tokens."""
+    idx = jnp.arange(positions.shape[0])
+    keep = (idx < n_valid) & (idx >= n_valid - capacity)
+    return jnp.where(keep, positions % capacity, capacity)
+
+
+def write_layer(entry: dict, fresh: dict, slots: jax.Array) -> dict:
+    """Scatter a chunk's stored arrays ([H, T, ...]) into a layer's buffers at `slots` [T]."""
+    if slots.shape[0] == 1:  # decode: one in-place dynamic-update-slice per buffer
+        return {n: jax.lax.dynamic_update_slice_in_dim(entry[n], fresh[n], slots[0], axis=1)
+                for n in entry}
+    return {n: entry[n].at[:, slots].set(fresh[n], mode="drop") for n in entry}
+
+
+def write_positions(cache_pos: jax.Array, positions: jax.Array, slots: jax.Array) -> jax.Array:
+    if slots.shape[0] == 1:
+        return jax.lax.dynamic_update_slice_in_dim(cache_pos, positions, slots[0], axis=0)
+    return cache_pos.at[slots].set(positions, mode="drop")

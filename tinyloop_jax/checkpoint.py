@@ -1,0 +1,105 @@
+"""Orbax-backed folders of named arrays plus a JSON record, written atomically.
+
+    <path>/
+      tinyloop.json   {"kind": ..., "format": 1, "digests": {name: sha256}, ...caller's meta}
+      arrays/         orbax PyTree checkpoint of {name: np.ndarray}
+
+A save goes to a temporary sibling folder and is renamed into place only when complete, so
+a failed save leaves nothing half-written. A load checks the kind, that every array is
+present with the recorded shape/dtype, and every digest: a truncated, corrupted or foreign
+folder is an error, never a wrong result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+FORMAT = 1
+META_FILE = "tinyloop.json"
+
+
+def _digest(a: np.ndarray) -> str:
+    h = hashlib.sha256(str((a.shape, a.dtype.str)).encode())
+    h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def save(path: str, kind: str, arrays: dict[str, np.ndarray], meta: dict) -> None:
+    path = os.path.abspath(os.fspath(path))
+    if os.path.exists(path):
+        raise ValueError(f"{path} already exists; choose a new path or remove it first")
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=parent)
+    try:
+        arrays = {k: np.asarray(v) for k, v in arrays.items()}
+        ocp.PyTreeCheckpointer().save(os.path.join(tmp, "arrays"), arrays)
+        record = dict(meta, kind=kind, format=FORMAT,
+                      shapes={k: [list(a.shape), a.dtype.str] for k, a in arrays.items()},
+                      digests={k: _digest(a) for k, a in arrays.items()})
+        with open(os.path.join(tmp, META_FILE), "w") as f:
+            json.dump(record, f, indent=1, sort_keys=True)
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_meta(path: str, kind: str) -> dict:
+    path = os.path.abspath(os.fspath(path))
+    meta_path = os.path.join(path, META_FILE)
+    if not os.path.isdir(path):
+        raise ValueError(f"{path} is not a folder")
+    if not os.path.isfile(meta_path):
+        raise ValueError(f"{path} is not a tinyloop {kind} checkpoint (no {META_FILE})")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise RuntimeError(f"{meta_path} is unreadable or corrupted: {e}") from e
+    if meta.get("kind") != kind:
+        raise ValueError(f"{path} holds a {meta.get('kind')!r} checkpoint, not a {kind!r} one")
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path} has checkpoint format {meta.get('format')!r}; this version reads {FORMAT}")
+    return meta
+
+
+def load(path: str, kind: str) -> tuple[dict[str, np.ndarray], dict]:
+    meta = read_meta(path, kind)
+    path = os.path.abspath(os.fspath(path))
+    try:
+        restored = ocp.PyTreeCheckpointer().restore(os.path.join(path, "arrays"))
+    except Exception as e:  # noqa: BLE001 - orbax raises many types for damaged folders
+        raise RuntimeError(f"{path}: arrays could not be read (truncated or corrupted checkpoint): {e}") from e
+    arrays = {}
+    for name, (shape, dtype) in meta["shapes"].items():
+        if name not in restored:
+            raise RuntimeError(f"{path}: array {name!r} is missing (truncated checkpoint)")
+        a = np.asarray(restored[name])
+        if list(a.shape) != shape or a.dtype.str != dtype:
+            raise RuntimeError(f"{path}: array {name!r} has shape {a.shape} {a.dtype}, recorded {shape} {dtype}")
+        if _digest(a) != meta["digests"][name]:
+            raise RuntimeError(f"{path}: array {name!r} does not match its recorded digest (corrupted checkpoint)")
+        arrays[name] = a
+    return arrays, meta
+
+
+def flatten(tree, prefix: str = "") -> dict[str, np.ndarray]:
+    """Nested dict/list/tuple of arrays -> {"a.0.k": array}."""
+    if isinstance(tree, dict):
+        items = tree.items()
+    elif isinstance(tree, (list, tuple)):
+        items = enumerate(tree)
+    else:
+        return {prefix: np.asarray(tree)}
+    out = {}
+    for k, v in items:
+        out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out

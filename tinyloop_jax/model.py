@@ -1,0 +1,108 @@
+"""The looped GPT-2 forward pass as pure functions over (params, caches).
+
+One function, `forward`, serves prefill (a chunk of T tokens) and decode (T = 1). A chunk
+attends to three kinds of keys, with one softmax over all of them:
+
+    read-only segments (a shared prefix)  +  own segment (earlier tokens)  +  the chunk itself
+
+and is then written into the own segment. Masks come from absolute positions, so causality
+and the sliding window hold across segments, and a reused prefix is only ever read.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import cache as kvc
+from .config import ModelConfig
+from .params import BlockParams, Params, block_for_layer
+
+_NEG = -1e30  # finite: a fully masked (padding) row must give numbers, not NaN
+
+
+def layer_norm(x: jax.Array, g: jax.Array, b: jax.Array, eps: float) -> jax.Array:
+    mu = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True)
+    return (x - mu) * jax.lax.rsqrt(var + eps) * g + b
+
+
+def gelu(x: jax.Array) -> jax.Array:
+    """GPT-2's tanh approximation ("gelu_new")."""
+    return 0.5 * x * (1.0 + jnp.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+def attend_mask(key_pos: jax.Array, q_pos: jax.Array, window: int) -> jax.Array:
+    """[T, C] bool: key at absolute position key_pos is visible to query at q_pos."""
+    k, q = key_pos[None, :], q_pos[:, None]
+    ok = (k >= 0) & (k <= q)
+    if window > 0:
+        ok &= k > q - window
+    return ok
+
+
+def attention(q: jax.Array, q_pos: jax.Array, kvs: list, window: int) -> jax.Array:
+    """q [H, T, hd]; kvs: list of (k [H, C, hd], v [H, C, hd], key_pos [C]) -> [H, T, hd].
+
+    Scores of every segment are concatenated (they are small: [H, T, C]) and normalised
+    together, which equals merging per-segment softmaxes by log-sum-exp."""
+    scale = q.shape[-1] ** -0.5
+    scores = [jnp.where(attend_mask(p, q_pos, window)[None],
+                        jnp.einsum("htd,hcd->htc", q, k) * scale, _NEG) for k, _, p in kvs]
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    out, start = 0.0, 0
+    for (_, v, p) in kvs:
+        c = p.shape[0]
+        out = out + jnp.einsum("htc,hcd->htd", probs[..., start:start + c], v)
+        start += c
+    return out
+
+
+def block(x, blk: BlockParams, cfg: ModelConfig, layer: int, q_pos, key_pos_self, ro, own, window):
+    """One transformer block on a chunk x [T, D]. Returns (x', the chunk's stored K/V entry)."""
+    T, H, hd = x.shape[0], cfg.n_heads, cfg.head_dim
+    h = layer_norm(x, blk.ln1_g, blk.ln1_b, cfg.layer_norm_eps)
+    qkv = (h @ blk.w_qkv + blk.b_qkv).reshape(T, 3, H, hd).transpose(1, 2, 0, 3)  # [3, H, T, hd]
+    q, k, v = qkv[0], qkv[1], qkv[2]
+    fresh = kvc.encode(cfg.kv_mode, k, v)
+    k_self, v_self = kvc.decode(cfg.kv_mode, fresh)  # the chunk sees its K/V as a cache would
+    kvs = [(*kvc.decode(cfg.kv_mode, seg.layers[layer]), seg.pos) for seg in ro]
+    kvs.append((*kvc.decode(cfg.kv_mode, own.layers[layer]), own.pos))
+    kvs.append((k_self, v_self, key_pos_self))
+    a = attention(q, q_pos, kvs, window).transpose(1, 0, 2).reshape(T, H * hd)
+    x = x + a @ blk.w_o + blk.b_o
+    h2 = layer_norm(x, blk.ln2_g, blk.ln2_b, cfg.layer_norm_eps)
+    x = x + gelu(h2 @ blk.w_fc + blk.b_fc) @ blk.w_proj + blk.b_proj
+    return x, fresh
+
+
+def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array,
+            start_pos: jax.Array, ro: tuple, own: kvc.KVCache, loops: int, window: int):
+    """Run a chunk through the model and append it to `own`.
+
+    tokens [T] int32 (only the first n_valid are real; the rest is bucket padding), at
+    absolute positions start_pos + i. ro: read-only KVCache segments (a prefix). own: the
+    segment this call writes, with n_pre_blocks + loops layers.
+    Returns (hidden [T, D] after the final LayerNorm, new own cache).
+    """
+    T = tokens.shape[0]
+    if own.n_layers != cfg.n_cache_layers(loops) or any(s.n_layers != own.n_layers for s in ro):
+        raise ValueError(f"cache has {own.n_layers} layers; loops={loops} needs {cfg.n_cache_layers(loops)}")
+    q_pos = start_pos + jnp.arange(T, dtype=jnp.int32)
+    key_pos_self = jnp.where(jnp.arange(T) < n_valid, q_pos, -1)
+    x = params.wte[tokens] + params.wpe[jnp.minimum(q_pos, params.wpe.shape[0] - 1)]
+    slots = kvc.write_slots(q_pos, n_valid, own.capacity)
+    new_layers = []
+    for layer in range(cfg.n_cache_layers(loops)):
+        x, fresh = block(x, block_for_layer(params, layer), cfg, layer, q_pos, key_pos_self, ro, own, window)
+        new_layers.append(kvc.write_layer(own.layers[layer], fresh, slots))
+    x = layer_norm(x, params.lnf_g, params.lnf_b, cfg.layer_norm_eps)
+    new_own = own.replace(layers=tuple(new_layers),
+                          pos=kvc.write_positions(own.pos, q_pos, slots),
+                          length=(start_pos + n_valid).astype(jnp.int32))
+    return x, new_own
+
+
+def lm_head(params: Params, x: jax.Array) -> jax.Array:
+    """[..., D] -> [..., V] with the tied embedding."""
+    return jnp.einsum("...d,vd->...v", x, params.wte)

@@ -1,0 +1,118 @@
+"""Parameter pytrees (Flax `struct` dataclasses) and their random initialisation.
+
+Layout follows GPT-2 (`x @ W + b`, weights stored `[in, out]`), so Hugging Face tensors map
+one to one:
+
+    wte [V, D]   wpe [S_max, D]          tied LM head: logits = ln_f(x) @ wte.T
+    pre[i]: BlockParams                  i < n_pre_blocks, each run once
+    loop:   BlockParams                  run `loops` times
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from .config import ModelConfig
+
+
+@struct.dataclass
+class BlockParams:
+    ln1_g: jax.Array  # [D]
+    ln1_b: jax.Array  # [D]
+    w_qkv: jax.Array  # [D, 3D]  (q | k | v, heads contiguous inside each)
+    b_qkv: jax.Array  # [3D]
+    w_o: jax.Array  # [D, D]
+    b_o: jax.Array  # [D]
+    ln2_g: jax.Array  # [D]
+    ln2_b: jax.Array  # [D]
+    w_fc: jax.Array  # [D, F]
+    b_fc: jax.Array  # [F]
+    w_proj: jax.Array  # [F, D]
+    b_proj: jax.Array  # [D]
+
+
+@struct.dataclass
+class Params:
+    wte: jax.Array  # [V, D]
+    wpe: jax.Array  # [S_max, D]
+    pre: tuple  # tuple[BlockParams, ...], length n_pre_blocks
+    loop: BlockParams
+    lnf_g: jax.Array  # [D]
+    lnf_b: jax.Array  # [D]
+
+
+@struct.dataclass
+class Weights:
+    """What `Model.weights` returns: parameters plus their (static) config."""
+
+    params: Params
+    config: ModelConfig = struct.field(pytree_node=False)
+
+
+def block_for_layer(params: Params, layer: int) -> BlockParams:
+    """Cache layer `layer` belongs to pre block `layer`, or to the loop block after them."""
+    return params.pre[layer] if layer < len(params.pre) else params.loop
+
+
+def _random_block(rng: np.random.Generator, d: int, f: int) -> BlockParams:
+    # Large matrices (not GPT-2's 0.02): each block moves the residual stream more than the
+    # embedding does, so a random model's greedy output is varied, not "repeat the input".
+    std, proj_std = 2.0 / np.sqrt(d), 2.0 / np.sqrt(f)
+    n = lambda shape, s: rng.normal(0.0, s, shape).astype(np.float32)  # noqa: E731
+    # Biases and LayerNorm affine terms are small random values (not GPT-2's zeros) so that
+    # tests exercise every term of the forward pass.
+    return BlockParams(
+        ln1_g=1.0 + n((d,), 0.1), ln1_b=n((d,), 0.02),
+        w_qkv=n((d, 3 * d), std), b_qkv=n((3 * d,), 0.02),
+        w_o=n((d, d), proj_std), b_o=n((d,), 0.02),
+        ln2_g=1.0 + n((d,), 0.1), ln2_b=n((d,), 0.02),
+        w_fc=n((d, f), std), b_fc=n((f,), 0.02),
+        w_proj=n((f, d), proj_std), b_proj=n((d,), 0.02),
+    )
+
+
+def random_params(config: ModelConfig, seed: int = 0) -> Params:
+    """Seeded random weights. The embedding is scaled so logits spread over ~unit range,
+    which keeps greedy decoding away from near-ties (tests compare argmaxes)."""
+    rng = np.random.default_rng(seed)
+    d, f = config.d_model, config.d_model * config.mlp_ratio
+    tree = Params(
+        wte=rng.normal(0.0, 1.0 / np.sqrt(d), (config.vocab_size, d)).astype(np.float32),
+        wpe=rng.normal(0.0, 0.05, (config.max_seq_len, d)).astype(np.float32),
+        pre=tuple(_random_block(rng, d, f) for _ in range(config.n_pre_blocks)),
+        loop=_random_block(rng, d, f),
+        lnf_g=np.ones((d,), np.float32),
+        lnf_b=np.zeros((d,), np.float32),
+    )
+    return jax.tree.map(jnp.asarray, tree)
+
+
+def check_shapes(params: Params, config: ModelConfig) -> None:
+    """Raise ValueError naming the first tensor whose shape disagrees with `config`."""
+    d, f, v, s = config.d_model, config.d_model * config.mlp_ratio, config.vocab_size, config.max_seq_len
+    want_block = dict(ln1_g=(d,), ln1_b=(d,), w_qkv=(d, 3 * d), b_qkv=(3 * d,), w_o=(d, d), b_o=(d,),
+                      ln2_g=(d,), ln2_b=(d,), w_fc=(d, f), b_fc=(f,), w_proj=(f, d), b_proj=(d,))
+    checks = [("wte", params.wte, (v, d)), ("wpe", params.wpe, (s, d)),
+              ("lnf_g", params.lnf_g, (d,)), ("lnf_b", params.lnf_b, (d,))]
+    if len(params.pre) != config.n_pre_blocks:
+        raise ValueError(f"expected {config.n_pre_blocks} pre blocks, got {len(params.pre)}")
+    for name, blk in [(f"pre[{i}]", b) for i, b in enumerate(params.pre)] + [("loop", params.loop)]:
+        checks += [(f"{name}.{k}", getattr(blk, k), shp) for k, shp in want_block.items()]
+    for name, arr, shape in checks:
+        if tuple(arr.shape) != shape:
+            raise ValueError(f"tensor {name} has shape {tuple(arr.shape)}, expected {shape}")
+
+
+def params_digest(params: Params) -> str:
+    """sha256 over every parameter's bytes, in pytree order (for fingerprints)."""
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(params):
+        a = np.asarray(leaf)
+        h.update(str((a.shape, a.dtype.str)).encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()

@@ -1,0 +1,265 @@
+"""`Model`: the Python-side object at the API edge — validation, errors, and host/device glue.
+
+Every request is served the same way: a prompt (or prefix) segment that is only read, plus
+an own segment that the request writes. `generate(prompt)` is literally "build a prefix of
+the prompt, then generate from it".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import cache as kvc
+from . import checkpoint, engine
+from . import validation as check
+from .config import ModelConfig, check_kv_mode
+from .params import Params, Weights, check_shapes, params_digest, random_params
+from .prefix import PrefixCache
+from .sampling import SamplingParams, StopSpec
+
+
+class Model:
+    """A looped GPT-2-style LM with prefix caching.
+
+    >>> import tinyloop_jax as tl
+    >>> model = tl.Model.random(tl.ModelConfig(vocab_size=256, default_loops=4), seed=0)
+    >>> prefix = model.build_prefix_cache([1, 2, 3, 4], loops=4)
+    >>> out = model.generate_from_prefix_cache(prefix, max_tokens=8, suffix=[5, 6])
+    >>> len(out) <= 4 + 2 + 8
+    True
+    """
+
+    def __init__(self, params: Params, config: ModelConfig):
+        check_shapes(params, config)
+        self._params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+        self._config = config
+        self._closed = False
+        self._token = object()  # identity for prefixes built by this instance
+        self._fingerprint = None
+        self._lock = threading.Lock()
+
+    # ---- construction, persistence, lifetime -------------------------------------------------
+
+    @classmethod
+    def random(cls, config: ModelConfig, seed: int = 0) -> "Model":
+        return cls(random_params(config, seed), config)
+
+    @classmethod
+    def load(cls, path: str, kv_mode: str | None = None) -> "Model":
+        """Load weights + config saved by `save`; `kv_mode` overrides the saved mode."""
+        arrays, meta = checkpoint.load(path, "model")
+        config = ModelConfig.from_dict(meta["config"])
+        if kv_mode is not None:
+            config = ModelConfig.from_dict(dict(config.to_dict(), kv_mode=check_kv_mode(kv_mode)))
+        return cls(_unflatten_params(arrays, config), config)
+
+    def save(self, path: str) -> None:
+        """Write weights and config to a new folder (orbax), atomically."""
+        self._check_open()
+        arrays = checkpoint.flatten(_params_to_tree(self._params))
+        checkpoint.save(path, "model", arrays, {"config": self._config.to_dict()})
+
+    def close(self) -> None:
+        """Release the weights; every later call raises RuntimeError."""
+        self._closed = True
+        self._params = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("model was closed; construct or load a new Model")
+
+    def config(self) -> dict:
+        self._check_open()
+        return self._config.to_dict()
+
+    @property
+    def weights(self) -> Weights:
+        """Params + config, the input of the pure functions in `tinyloop_jax.functional`."""
+        self._check_open()
+        return Weights(params=self._params, config=self._config)
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the config (mode included) and every weight; computed once."""
+        self._check_open()
+        with self._lock:
+            if self._fingerprint is None:
+                cfg = json.dumps(self._config.to_dict(), sort_keys=True)
+                self._fingerprint = hashlib.sha256((cfg + params_digest(self._params)).encode()).hexdigest()
+            return self._fingerprint
+
+    def cache_nbytes(self, seq_len: int, loops: int | None = None) -> int:
+        """Bytes of a cache holding `seq_len` positions at depth `loops` (exact, unbucketed)."""
+        self._check_open()
+        c = self._config
+        loops = c.default_loops if loops is None else check.loops(loops)
+        return kvc.cache_nbytes(c.kv_mode, c.n_cache_layers(loops), c.n_heads, seq_len, c.head_dim)
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _loops(self, loops) -> int:
+        return self._config.default_loops if loops is None else check.loops(loops)
+
+    def _empty(self, n_tokens: int, loops: int, window: int, start: int = 0) -> kvc.KVCache:
+        c = self._config
+        own = kvc.empty(c.kv_mode, c.n_cache_layers(loops), c.n_heads,
+                        kvc.segment_capacity(n_tokens, window), c.head_dim)
+        return own.replace(length=jnp.int32(start))
+
+    def _prefill(self, tokens: np.ndarray, ro: tuple, own: kvc.KVCache, loops: int, window: int,
+                 start_pos: int | None = None):
+        """Append `tokens` to `own` (bucket-padded chunk). Returns (logits [V] device, own)."""
+        n = len(tokens)
+        padded = np.zeros((kvc.bucket(n),), np.int32)
+        padded[:n] = tokens
+        start = own.length if start_pos is None else jnp.int32(start_pos)
+        return engine.prefill(self._params, self._config, jnp.asarray(padded), jnp.int32(n), start,
+                              ro, own, loops=loops, window=window)
+
+    def _check_length(self, n_tokens: int, what: str) -> None:
+        if n_tokens > self._config.max_seq_len:
+            raise RuntimeError(f"{what} is {n_tokens} tokens, longer than max_seq_len={self._config.max_seq_len}")
+
+    def _build(self, prompt: np.ndarray, loops: int, window: int) -> PrefixCache:
+        own = self._empty(len(prompt), loops, window)
+        logits, own = self._prefill(prompt, (), own, loops, window)
+        prompt = prompt.copy()
+        prompt.setflags(write=False)
+        logits = np.asarray(logits, np.float32)
+        logits.setflags(write=False)
+        return PrefixCache(cache=own, prompt=prompt, loops=loops, cache_window=window,
+                           kv_mode=self._config.kv_mode, logits=logits,
+                           model_fingerprint=self.fingerprint, model_token=self._token)
+
+    def _check_prefix(self, prefix) -> None:
+        if not isinstance(prefix, PrefixCache):
+            raise ValueError(f"prefix must be a PrefixCache from build_prefix_cache, got {type(prefix).__name__}")
+        if prefix.model_token is not self._token and prefix.model_fingerprint != self.fingerprint:
+            raise ValueError("prefix was built by another model (weights, config or kv_mode differ)")
+
+    def _decode(self, prefix: PrefixCache, suffix: np.ndarray, max_tokens: int, sampling: tuple,
+                stop_sequences: list, loops: int, window: int) -> list[int]:
+        t, k, p, r, s = sampling
+        P, n_suffix = len(prefix), len(suffix)
+        own = self._empty(n_suffix + max_tokens, loops, window, start=P)
+        ro = (prefix.cache,)
+        if n_suffix:
+            logits, own = self._prefill(suffix, ro, own, loops, window)
+        else:
+            logits = jnp.asarray(prefix.logits)
+        seen = np.zeros((self._config.vocab_size,), bool)
+        seen[prefix.prompt] = True
+        seen[suffix] = True
+        out, n, _ = engine.decode(self._params, self._config, ro, own, logits, jnp.asarray(seen),
+                                  SamplingParams.make(t, k, p, r, s), StopSpec.make(stop_sequences),
+                                  jnp.int32(max_tokens), loops=loops, window=window,
+                                  out_len=kvc.bucket(max_tokens, minimum=8))
+        emitted = np.asarray(out)[: int(n)]
+        return prefix.prompt.tolist() + suffix.tolist() + emitted.tolist()
+
+    # ---- public API --------------------------------------------------------------------------
+
+    def next_token_logits(self, prompt, loops: int | None = None, cache_window: int = 0) -> np.ndarray:
+        """Next-token logits [V] float32 after `prompt`, by a from-scratch forward."""
+        self._check_open()
+        prompt = check.tokens(prompt, self._config.vocab_size)
+        loops, window = self._loops(loops), check.cache_window(cache_window)
+        self._check_length(len(prompt), "prompt")
+        own = self._empty(len(prompt), loops, window)
+        logits, _ = self._prefill(prompt, (), own, loops, window)
+        return np.asarray(logits, np.float32)
+
+    def generate(self, prompt, max_tokens: int = 32, loops: int | None = None, temperature: float = 0.0,
+                 top_k: int = 50, top_p: float = 1.0, cache_window: int = 0, repetition_penalty: float = 1.0,
+                 stop_sequences=(), seed: int = 0) -> list[int]:
+        """Prompt + up to `max_tokens` emitted tokens (a list of ints)."""
+        self._check_open()
+        prompt = check.tokens(prompt, self._config.vocab_size)
+        max_tokens = check.max_tokens(max_tokens)
+        loops, window = self._loops(loops), check.cache_window(cache_window)
+        sampling = check.sampling(temperature, top_k, top_p, repetition_penalty, seed)
+        stops = check.stop_sequences(list(stop_sequences), self._config.vocab_size)
+        self._check_length(len(prompt) + max_tokens, "prompt + max_tokens")
+        prefix = self._build(prompt, loops, window)
+        return self._decode(prefix, np.zeros((0,), np.int32), max_tokens, sampling, stops, loops, window)
+
+    def build_prefix_cache(self, prompt, loops: int | None = None, cache_window: int = 0) -> PrefixCache:
+        """Prefill `prompt` once (no decode) into a PrefixCache for many later requests."""
+        self._check_open()
+        prompt = check.tokens(prompt, self._config.vocab_size)
+        loops, window = self._loops(loops), check.cache_window(cache_window)
+        self._check_length(len(prompt), "prompt")
+        return self._build(prompt, loops, window)
+
+    def _prefix_call(self, prefix, loops, cache_window, suffix) -> tuple[int, int, np.ndarray]:
+        self._check_prefix(prefix)
+        loops = prefix.loops if loops is None else check.loops(loops)
+        if loops != prefix.loops:
+            raise RuntimeError(f"loops mismatch: the call asks for loops={loops} but the prefix was "
+                               f"built at loops={prefix.loops}; rebuild the prefix at the target depth")
+        window = prefix.cache_window if cache_window is None else check.cache_window(cache_window)
+        if window != prefix.cache_window:
+            raise RuntimeError(f"cache_window mismatch: the call asks for {window} but the prefix was "
+                               f"built with cache_window={prefix.cache_window}")
+        suffix = (np.zeros((0,), np.int32) if suffix is None
+                  else check.tokens(suffix, self._config.vocab_size, name="suffix", allow_empty=True))
+        return loops, window, suffix
+
+    def generate_from_prefix_cache(self, prefix: PrefixCache, max_tokens: int = 32, loops: int | None = None,
+                                   temperature: float = 0.0, top_k: int = 50, top_p: float = 1.0,
+                                   cache_window: int | None = None, repetition_penalty: float = 1.0,
+                                   stop_sequences=(), suffix=None, seed: int = 0) -> list[int]:
+        """prefix.prompt + suffix + up to `max_tokens` emitted tokens. The prefix is only read.
+
+        `loops` / `cache_window` default to the prefix's own; any other value is a RuntimeError.
+        """
+        self._check_open()
+        loops, window, suffix = self._prefix_call(prefix, loops, cache_window, suffix)
+        max_tokens = check.max_tokens(max_tokens)
+        sampling = check.sampling(temperature, top_k, top_p, repetition_penalty, seed)
+        stops = check.stop_sequences(list(stop_sequences), self._config.vocab_size)
+        self._check_length(len(prefix) + len(suffix) + max_tokens, "prefix + suffix + max_tokens")
+        return self._decode(prefix, suffix, max_tokens, sampling, stops, loops, window)
+
+    def next_token_logits_from_prefix(self, prefix: PrefixCache, suffix, loops: int | None = None) -> np.ndarray:
+        """Next-token logits [V] float32 after prefix.prompt + suffix, reusing the prefix."""
+        self._check_open()
+        loops, window, suffix = self._prefix_call(prefix, loops, None, suffix)
+        self._check_length(len(prefix) + len(suffix), "prefix + suffix")
+        if len(suffix) == 0:
+            return np.array(prefix.logits)
+        own = self._empty(len(suffix), loops, window, start=len(prefix))
+        logits, _ = self._prefill(suffix, (prefix.cache,), own, loops, window)
+        return np.asarray(logits, np.float32)
+
+
+# ---- params <-> flat arrays -------------------------------------------------------------------
+
+def _params_to_tree(params: Params) -> dict:
+    blk = lambda b: {k: getattr(b, k) for k in b.__dataclass_fields__}  # noqa: E731
+    return {"wte": params.wte, "wpe": params.wpe, "lnf_g": params.lnf_g, "lnf_b": params.lnf_b,
+            "pre": [blk(b) for b in params.pre], "loop": blk(params.loop)}
+
+
+def _unflatten_params(arrays: dict, config: ModelConfig) -> Params:
+    from .params import BlockParams
+
+    def blk(prefix):
+        names = BlockParams.__dataclass_fields__
+        missing = [f"{prefix}.{n}" for n in names if f"{prefix}.{n}" not in arrays]
+        if missing:
+            raise ValueError(f"checkpoint lacks tensor {missing[0]}")
+        return BlockParams(**{n: arrays[f"{prefix}.{n}"] for n in names})
+
+    for name in ("wte", "wpe", "lnf_g", "lnf_b"):
+        if name not in arrays:
+            raise ValueError(f"checkpoint lacks tensor {name}")
+    return Params(wte=arrays["wte"], wpe=arrays["wpe"], lnf_g=arrays["lnf_g"], lnf_b=arrays["lnf_b"],
+                  pre=tuple(blk(f"pre.{i}") for i in range(config.n_pre_blocks)), loop=blk("loop"))

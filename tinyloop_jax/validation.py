@@ -1,0 +1,95 @@
+"""Argument checks at the API edge. Each raises with a message naming the bad value."""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+
+def tokens(ids, vocab_size: int, name: str = "prompt", allow_empty: bool = False) -> np.ndarray:
+    """1-D integer token ids in [0, vocab_size) -> a fresh np.ndarray[int32] (a copy)."""
+    if isinstance(ids, (str, bytes)):
+        raise ValueError(f"{name} must be token ids, got a {type(ids).__name__}; encode text first")
+    arr = np.array(ids, copy=True)
+    if arr.size == 0 and arr.ndim <= 1:
+        if allow_empty:
+            return np.zeros((0,), np.int32)
+        raise ValueError(f"{name} is empty; it needs at least one token id")
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D token ids, got shape {arr.shape}")
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name} must have an integer dtype, got {arr.dtype}")
+    bad = (arr < 0) | (arr >= vocab_size)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"{name}[{i}] = {int(arr[i])} is not a token id in [0, {vocab_size})")
+    return arr.astype(np.int32)
+
+
+def _int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    return int(value)
+
+
+def _float(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not np.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def loops(value) -> int:
+    v = _int(value, "loops")
+    if v < 1:
+        raise ValueError(f"loops must be >= 1, got {v}")
+    return v
+
+
+def cache_window(value) -> int:
+    v = _int(value, "cache_window")
+    if v < 0:
+        raise ValueError(f"cache_window must be >= 0, got {v}")
+    return v
+
+
+def max_tokens(value) -> int:
+    v = _int(value, "max_tokens")
+    if v < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {v}")
+    return v
+
+
+def sampling(temperature, top_k, top_p, repetition_penalty, seed) -> tuple:
+    t = _float(temperature, "temperature")
+    if t < 0:
+        raise ValueError(f"temperature must be >= 0, got {t}")
+    k = _int(top_k, "top_k")
+    if k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {k}")
+    p = _float(top_p, "top_p")
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {p}")
+    r = _float(repetition_penalty, "repetition_penalty")
+    if r <= 0:
+        raise ValueError(f"repetition_penalty must be > 0, got {r}")
+    s = _int(seed, "seed")
+    if not 0 <= s < 2**32:
+        raise ValueError(f"seed must be in [0, 2**32), got {s}")
+    return t, k, p, r, s
+
+
+def stop_sequences(value, vocab_size: int) -> list[list[int]]:
+    """A list of non-empty token-id lists."""
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"stop_sequences must be a list of token-id lists, got {value!r}")
+    out = []
+    for i, seq in enumerate(value):
+        if isinstance(seq, (str, bytes, numbers.Number)) or not hasattr(seq, "__len__"):
+            raise ValueError(f"stop_sequences[{i}] must be a list of token ids, got {seq!r}")
+        if len(seq) == 0:
+            raise ValueError(f"stop_sequences[{i}] is empty")
+        out.append(tokens(seq, vocab_size, name=f"stop_sequences[{i}]").tolist())
+    return out
