@@ -58,22 +58,30 @@ def attention(q: jax.Array, q_pos: jax.Array, kvs: list, window: int) -> jax.Arr
     return out
 
 
-def block(x, blk: BlockParams, cfg: ModelConfig, layer: int, q_pos, key_pos_self, ro, own, window):
-    """One transformer block on a chunk x [T, D]. Returns (x', the chunk's stored K/V entry)."""
+def block(x, blk: BlockParams, cfg: ModelConfig, layer: int, q_pos, key_pos_self, slots, ro, own, window):
+    """One transformer block on a chunk x [T, D]. Returns (x', own's new entry for `layer`)."""
     T, H, hd = x.shape[0], cfg.n_heads, cfg.head_dim
     h = layer_norm(x, blk.ln1_g, blk.ln1_b, cfg.layer_norm_eps)
     qkv = (h @ blk.w_qkv + blk.b_qkv).reshape(T, 3, H, hd).transpose(1, 2, 0, 3)  # [3, H, T, hd]
     q, k, v = qkv[0], qkv[1], qkv[2]
     fresh = kvc.encode(cfg.kv_mode, k, v)
-    k_self, v_self = kvc.decode(cfg.kv_mode, fresh)  # the chunk sees its K/V as a cache would
     kvs = [(*kvc.decode(cfg.kv_mode, seg.layers[layer]), seg.pos) for seg in ro]
-    kvs.append((*kvc.decode(cfg.kv_mode, own.layers[layer]), own.pos))
-    kvs.append((k_self, v_self, key_pos_self))
+    if T == 1:
+        # Decode: write first, then attend to the updated buffer. The data dependency lets XLA
+        # update the buffer in place; reading the old buffer beside the write forces a copy.
+        entry = kvc.write_layer(own.layers[layer], fresh, slots)
+        kvs.append((*kvc.decode(cfg.kv_mode, entry), kvc.write_positions(own.pos, q_pos, slots)))
+    else:
+        # Prefill: the chunk attends to itself directly (it may be longer than a window's ring
+        # buffer), seeing its K/V exactly as a cache would hold them; then it is written.
+        kvs.append((*kvc.decode(cfg.kv_mode, own.layers[layer]), own.pos))
+        kvs.append((*kvc.decode(cfg.kv_mode, fresh), key_pos_self))
+        entry = kvc.write_layer(own.layers[layer], fresh, slots)
     a = attention(q, q_pos, kvs, window).transpose(1, 0, 2).reshape(T, H * hd)
     x = x + a @ blk.w_o + blk.b_o
     h2 = layer_norm(x, blk.ln2_g, blk.ln2_b, cfg.layer_norm_eps)
     x = x + gelu(h2 @ blk.w_fc + blk.b_fc) @ blk.w_proj + blk.b_proj
-    return x, fresh
+    return x, entry
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array,
@@ -94,8 +102,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Ar
     slots = kvc.write_slots(q_pos, n_valid, own.capacity)
     new_layers = []
     for layer in range(cfg.n_cache_layers(loops)):
-        x, fresh = block(x, block_for_layer(params, layer), cfg, layer, q_pos, key_pos_self, ro, own, window)
-        new_layers.append(kvc.write_layer(own.layers[layer], fresh, slots))
+        x, entry = block(x, block_for_layer(params, layer), cfg, layer, q_pos, key_pos_self, slots, ro, own, window)
+        new_layers.append(entry)
     x = layer_norm(x, params.lnf_g, params.lnf_b, cfg.layer_norm_eps)
     new_own = own.replace(layers=tuple(new_layers),
                           pos=kvc.write_positions(own.pos, q_pos, slots),

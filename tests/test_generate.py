@@ -1,0 +1,147 @@
+"""Incremental decode == recompute, sampling semantics, compile counts, in-place decode."""
+
+import numpy as np
+import pytest
+
+import tinyloop_jax as tl
+from tinyloop_jax import cache as kvc
+from tinyloop_jax import engine, functional as F
+from conftest import prompt_of, tiny_config
+
+
+def greedy_reference(model, prompt, n, loops, window=0, penalty=1.0, stops=()):
+    """Independent loop: a from-scratch forward per token, argmax in numpy."""
+    seq, emitted = list(prompt), []
+    for _ in range(n):
+        logits = model.next_token_logits(seq, loops=loops, cache_window=window).astype(np.float64)
+        if penalty != 1.0:
+            seen = np.zeros_like(logits, bool)
+            seen[seq] = True
+            logits = np.where(seen, np.where(logits > 0, logits / penalty, logits * penalty), logits)
+        tok = int(np.argmax(logits))
+        seq.append(tok)
+        emitted.append(tok)
+        if any(len(emitted) >= len(s) and emitted[-len(s):] == list(s) for s in stops):
+            break
+    return seq
+
+
+@pytest.mark.parametrize("mode", ["fp32", "fp16"])
+@pytest.mark.parametrize("loops", [1, 3, 8])
+@pytest.mark.parametrize("window", [0, 6])
+def test_incremental_decode_matches_recompute(models, mode, loops, window):
+    model = models[mode]
+    prompt = prompt_of(20, seed=loops + window)
+    n = 14  # with window 6 the own segment (capacity 16) and prompt segment both wrap
+    out = model.generate(prompt, max_tokens=n, loops=loops, cache_window=window)
+    ref = greedy_reference(model, prompt, n, loops, window)
+    assert out == ref
+    # the cached path's logits, step by step, against a from-scratch forward of each prefix
+    w = model.weights
+    cache = F.empty_cache(w, len(out), loops=loops, cache_window=window)
+    logits, cache = F.prefill(w, prompt, cache, loops=loops, cache_window=window)
+    for i in range(len(prompt), len(out)):
+        fresh = model.next_token_logits(out[:i], loops=loops, cache_window=window)
+        np.testing.assert_allclose(np.asarray(logits), fresh, atol=1e-3, rtol=1e-2)
+        logits, cache = F.decode_step(w, out[i], cache, loops=loops, cache_window=window)
+    assert int(cache.length) == len(out)
+
+
+def test_chunked_prefill_equals_token_by_token(models):
+    """A prompt prefilled in uneven chunks gives the same logits and cache as one chunk."""
+    model = models["fp16"]
+    w, prompt = model.weights, prompt_of(29, seed=5)
+    one = F.empty_cache(w, 29)
+    l1, one = F.prefill(w, prompt, one)
+    many = F.empty_cache(w, 29)
+    for a, b in [(0, 1), (1, 9), (9, 10), (10, 29)]:
+        l2, many = F.prefill(w, prompt[a:b], many)
+    np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), atol=1e-4, rtol=1e-4)
+    for x, y in zip(one.layers, many.layers):
+        np.testing.assert_allclose(np.asarray(x["k"], np.float32), np.asarray(y["k"], np.float32), atol=2e-3)
+
+
+def test_top_k_1_is_greedy(models):
+    model, p = models["fp32"], prompt_of(12, seed=7)
+    greedy = model.generate(p, max_tokens=16)
+    assert model.generate(p, max_tokens=16, temperature=1.7, top_k=1, seed=3) == greedy
+    assert model.generate(p, max_tokens=16, temperature=1.0, top_k=0, top_p=1e-6, seed=4) == greedy
+
+
+def test_seed_determinism(models):
+    model, p = models["fp32"], prompt_of(12, seed=8)
+    kw = dict(max_tokens=24, temperature=2.0, top_k=0)
+    a = model.generate(p, seed=11, **kw)
+    assert model.generate(p, seed=11, **kw) == a
+    assert model.generate(p, seed=12, **kw) != a
+
+
+def test_sampled_tokens_respect_top_k_and_top_p(models):
+    """Over many seeds, the first sampled token always lies in the numpy-computed top-k set /
+    top-p nucleus of the first step's distribution."""
+    model, p = models["fp32"], prompt_of(12, seed=9)
+    logits = model.next_token_logits(p).astype(np.float64)
+    order = np.argsort(-logits)
+    top5 = set(order[:5].tolist())
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    before = np.cumsum(probs[order]) - probs[order]
+    nucleus = set(order[before < 0.6].tolist())
+    firsts_k = {model.generate(p, max_tokens=1, temperature=1.0, top_k=5, seed=s)[-1] for s in range(40)}
+    firsts_p = {model.generate(p, max_tokens=1, temperature=1.0, top_k=0, top_p=0.6, seed=s)[-1] for s in range(40)}
+    assert firsts_k <= top5 and len(firsts_k) > 1
+    assert firsts_p <= nucleus
+
+
+def test_repetition_penalty_matches_reference(models):
+    model, p = models["fp32"], prompt_of(15, seed=10)
+    out = model.generate(p, max_tokens=20, repetition_penalty=1.8, loops=3)
+    assert out == greedy_reference(model, p, 20, 3, penalty=1.8)
+    assert out != model.generate(p, max_tokens=20, loops=3)  # the penalty changed something
+
+
+def test_stop_sequences_match_reference(models):
+    model, p = models["fp32"], prompt_of(15, seed=4)
+    free = model.generate(p, max_tokens=24, loops=1)
+    emitted = free[len(p):]
+    stop = emitted[5:7]  # a pair the free run emits: generation must end right after it
+    first = next(i for i in range(len(emitted) - 1) if emitted[i:i + 2] == stop)
+    out = model.generate(p, max_tokens=24, loops=1, stop_sequences=[[127, 126, 125], stop])
+    assert out == greedy_reference(model, p, 24, 1, stops=[[127, 126, 125], stop])
+    assert out == free[: len(p) + first + 2]
+
+
+def test_output_length_contract(models):
+    model, p = models["fp32"], prompt_of(9, seed=1)
+    for n in (1, 2, 7, 33):
+        out = model.generate(p, max_tokens=n, temperature=1.0, seed=n)
+        assert len(out) == len(p) + n and out[: len(p)] == p.tolist()
+        assert all(0 <= t < 128 for t in out)
+
+
+def test_compiles_a_handful_of_programs_for_20_prompt_lengths():
+    model = tl.Model.random(tiny_config(kv_mode="fp32", max_seq_len=128, d_model=16), seed=3)
+    before = engine.prefill._cache_size() + engine.decode._cache_size()
+    lengths = np.random.default_rng(0).choice(np.arange(1, 100), 20, replace=False)
+    for n in lengths:
+        model.generate(prompt_of(int(n), seed=int(n)), max_tokens=8)
+    compiled = engine.prefill._cache_size() + engine.decode._cache_size() - before
+    assert compiled <= 8, compiled  # buckets 16/32/64/128: one prefill + one decode each
+
+
+def test_decode_updates_cache_in_place():
+    """The decode program aliases the donated cache buffers to its outputs, and its scratch
+    memory is far below one copy of the cache (no per-step cache copy)."""
+    cfg = tiny_config(kv_mode="fp32", max_seq_len=1024)
+    model = tl.Model.random(cfg, seed=0)
+    prefix = model.build_prefix_cache(prompt_of(16), loops=3)
+    own = kvc.empty("fp32", cfg.n_cache_layers(3), cfg.n_heads, 1024, cfg.head_dim)
+    from tinyloop_jax.sampling import SamplingParams, StopSpec
+    import jax.numpy as jnp
+    compiled = engine.decode.lower(
+        model.weights.params, cfg, (prefix.cache,), own, jnp.zeros((cfg.vocab_size,)),
+        jnp.zeros((cfg.vocab_size,), bool), SamplingParams.make(), StopSpec.make([]), jnp.int32(8),
+        loops=3, window=0, out_len=16).compile()
+    mem = compiled.memory_analysis()
+    assert mem.alias_size_in_bytes >= own.nbytes - 8
+    assert mem.temp_size_in_bytes < own.nbytes / 4, (mem.temp_size_in_bytes, own.nbytes)
