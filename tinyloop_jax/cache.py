@@ -85,8 +85,12 @@ MIN_BUCKET = 16
 
 
 def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
-    """Smallest power of two >= n (and >= minimum): few distinct shapes, few compiles."""
-    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+    """Capacity/length bucket for n: powers of two up to 128, then multiples of 128. Few
+    distinct shapes (few compiles) while padding wastes at most 127 tokens on long prompts."""
+    n = max(int(n), 1)
+    if n > 128:
+        return -(-n // 128) * 128
+    return max(minimum, 1 << (n - 1).bit_length())
 
 
 def segment_capacity(n_tokens: int, cache_window: int) -> int:

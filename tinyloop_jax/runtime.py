@@ -18,6 +18,7 @@ import numpy as np
 
 from . import cache as kvc
 from . import checkpoint, engine
+from . import functional as F
 from . import validation as check
 from .config import ModelConfig, check_kv_mode
 from .params import Params, Weights, check_shapes, params_digest, random_params
@@ -108,20 +109,11 @@ class Model:
         return self._config.default_loops if loops is None else check.loops(loops)
 
     def _empty(self, n_tokens: int, loops: int, window: int, start: int = 0) -> kvc.KVCache:
-        c = self._config
-        own = kvc.empty(c.kv_mode, c.n_cache_layers(loops), c.n_heads,
-                        kvc.segment_capacity(n_tokens, window), c.head_dim)
-        return own.replace(length=jnp.int32(start))
+        return F.empty_cache(self.weights, n_tokens, loops, window, start)
 
-    def _prefill(self, tokens: np.ndarray, ro: tuple, own: kvc.KVCache, loops: int, window: int,
-                 start_pos: int | None = None):
+    def _prefill(self, tokens: np.ndarray, ro: tuple, own: kvc.KVCache, loops: int, window: int):
         """Append `tokens` to `own` (bucket-padded chunk). Returns (logits [V] device, own)."""
-        n = len(tokens)
-        padded = np.zeros((kvc.bucket(n),), np.int32)
-        padded[:n] = tokens
-        start = own.length if start_pos is None else jnp.int32(start_pos)
-        return engine.prefill(self._params, self._config, jnp.asarray(padded), jnp.int32(n), start,
-                              ro, own, loops=loops, window=window)
+        return F.prefill(self.weights, tokens, own, ro, loops=loops, cache_window=window)
 
     def _check_length(self, n_tokens: int, what: str) -> None:
         if n_tokens > self._config.max_seq_len:
