@@ -1,0 +1,78 @@
+"""What the compiled decode and prefix programs allocate, from XLA's own memory analysis.
+
+    python scripts/measure_memory.py
+
+Shows that the decode loop updates its (donated) cache in place — scratch memory is a small
+fraction of one cache copy — and that a request served from a prefix allocates only its own
+segment, whatever the prefix length.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _report  # noqa: E402
+
+import tinyloop_jax as tl  # noqa: E402
+from tinyloop_jax import cache as kvc, engine  # noqa: E402
+from tinyloop_jax.sampling import SamplingParams, StopSpec  # noqa: E402
+
+
+def decode_memory(model, prefix, own_capacity, loops, out_len=32):
+    cfg = model._config
+    own = kvc.empty(cfg.kv_mode, cfg.n_cache_layers(loops), cfg.n_heads, own_capacity, cfg.head_dim)
+    c = engine.decode.lower(model.weights.params, cfg, (prefix.cache,), own, jnp.zeros((cfg.vocab_size,)),
+                            jnp.zeros((cfg.vocab_size,), bool), SamplingParams.make(), StopSpec.make([]),
+                            jnp.int32(out_len), loops=loops, window=0, out_len=out_len).compile()
+    return c.memory_analysis(), own.nbytes
+
+
+def main():
+    loops = 8
+    rows = []
+    for mode in ("fp32", "fp16"):
+        cfg = tl.ModelConfig(vocab_size=4096, d_model=384, n_heads=6, n_pre_blocks=2, default_loops=loops,
+                             max_seq_len=4096, kv_mode=mode)
+        model = tl.Model.random(cfg, seed=0)
+        for P in (512, 2048):
+            prefix = model.build_prefix_cache(np.arange(P) % cfg.vocab_size)
+            for own_cap in (64, 1024):
+                mem, own_bytes = decode_memory(model, prefix, own_cap, loops)
+                rows.append((mode, P, prefix.nbytes, own_cap, own_bytes, mem.alias_size_in_bytes,
+                             mem.temp_size_in_bytes))
+                print(rows[-1])
+    lines = [
+        "## Decode memory: in-place cache updates, no prefix copies (`scripts/measure_memory.py`)",
+        "",
+        f"Command: `{_report.command()}`  ",
+        f"Machine: {_report.machine()}  ",
+        "Model: n_pre_blocks=2, loops=8, D=384, vocab 4096. Numbers are XLA's `memory_analysis()` of the "
+        "compiled decode loop (`engine.decode`) serving a request from a prefix. *aliased* = donated own-segment "
+        "bytes updated in place; *scratch* = everything else the program allocates.",
+        "",
+        "| kv_mode | prefix tokens | prefix MiB | own slots | own segment KiB | aliased KiB | scratch KiB | scratch / own segment |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, P, pb, cap, ob, al, tmp in rows:
+        lines.append(f"| {mode} | {P} | {pb / 2**20:.1f} | {cap} | {ob / 1024:.0f} | {al / 1024:.0f} | "
+                     f"{tmp / 1024:.0f} | {tmp / ob:.2f} |")
+    lines += ["", "The prefix is an argument, never an output: it is not written and no stored copy of it is "
+              "made. In fp32 mode the decode loop's scratch is ~0.14 MiB whatever the prefix or own-segment "
+              "size: a decode step does not copy the cache (before the decode path wrote the new token "
+              "ahead of attending, XLA inserted a full copy of every layer per step: scratch = 1.01× the "
+              "cache). In fp16 mode the scratch is dominated by the float32 upcast of the K/V that attention "
+              "reads (about 2× the fp16 bytes of prefix + own segment): compute is fp32 on CPU and XLA "
+              "materialises the converted operands of its dots, for all layers at once. It is transient "
+              "scratch, not a stored copy, but it is memory a request holds; removing it (fp16 dots, or a "
+              "fused dequantize-attend kernel) belongs with the quantized modes (issue 5) and shared-prefix "
+              "batching (issue 7)."]
+    print("wrote", _report.write_section("measure_memory", "\n".join(lines)))
+
+
+if __name__ == "__main__":
+    main()
