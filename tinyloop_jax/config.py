@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 # Storage modes of the KV cache (SPEC §3). Modes listed in KV_MODES_PLANNED are named by the
 # spec but not built yet; asking for one is a clear error rather than a silent fallback.
@@ -17,19 +16,6 @@ def check_kv_mode(kv_mode: str) -> str:
     if kv_mode in KV_MODES_PLANNED:
         raise ValueError(f"kv_mode {kv_mode!r} is not implemented yet; available: {', '.join(KV_MODES)}")
     raise ValueError(f"unknown kv_mode {kv_mode!r}; valid modes: {', '.join(KV_MODES + KV_MODES_PLANNED)}")
-
-
-def kv_mode_from_env(default: str = "fp16") -> str:
-    """The seed's environment switches, used only when no mode is named explicitly."""
-    h = os.environ.get("TINYLOOP_KV_H_MODE") == "1"
-    int4 = os.environ.get("TINYLOOP_KV_INT4") == "1"
-    if h and int4:
-        return "int4-h"
-    if h:
-        return "fp16-h"
-    if int4:
-        return "int4"
-    return default
 
 
 @dataclasses.dataclass(frozen=True)
