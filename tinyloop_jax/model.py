@@ -58,12 +58,26 @@ def attention(q: jax.Array, q_pos: jax.Array, kvs: list, window: int) -> jax.Arr
     return out
 
 
+def qkv_heads(x: jax.Array, blk: BlockParams, cfg: ModelConfig):
+    """x [T, D] -> q, k, v, each [H, T, hd]."""
+    T = x.shape[0]
+    h = layer_norm(x, blk.ln1_g, blk.ln1_b, cfg.layer_norm_eps)
+    qkv = (h @ blk.w_qkv + blk.b_qkv).reshape(T, 3, cfg.n_heads, cfg.head_dim).transpose(1, 2, 0, 3)
+    return qkv[0], qkv[1], qkv[2]
+
+
+def block_out(x: jax.Array, a: jax.Array, blk: BlockParams, cfg: ModelConfig) -> jax.Array:
+    """Residual update from the attention output a [H, T, hd], then the MLP."""
+    T = x.shape[0]
+    x = x + a.transpose(1, 0, 2).reshape(T, cfg.d_model) @ blk.w_o + blk.b_o
+    h2 = layer_norm(x, blk.ln2_g, blk.ln2_b, cfg.layer_norm_eps)
+    return x + gelu(h2 @ blk.w_fc + blk.b_fc) @ blk.w_proj + blk.b_proj
+
+
 def block(x, blk: BlockParams, cfg: ModelConfig, layer: int, q_pos, key_pos_self, slots, ro, own, window):
     """One transformer block on a chunk x [T, D]. Returns (x', own's new entry for `layer`)."""
-    T, H, hd = x.shape[0], cfg.n_heads, cfg.head_dim
-    h = layer_norm(x, blk.ln1_g, blk.ln1_b, cfg.layer_norm_eps)
-    qkv = (h @ blk.w_qkv + blk.b_qkv).reshape(T, 3, H, hd).transpose(1, 2, 0, 3)  # [3, H, T, hd]
-    q, k, v = qkv[0], qkv[1], qkv[2]
+    T = x.shape[0]
+    q, k, v = qkv_heads(x, blk, cfg)
     fresh = kvc.encode(cfg.kv_mode, k, v)
     kvs = [(*kvc.decode(cfg.kv_mode, seg.layers[layer]), seg.pos) for seg in ro]
     if T == 1:
@@ -77,11 +91,7 @@ def block(x, blk: BlockParams, cfg: ModelConfig, layer: int, q_pos, key_pos_self
         kvs.append((*kvc.decode(cfg.kv_mode, own.layers[layer]), own.pos))
         kvs.append((*kvc.decode(cfg.kv_mode, fresh), key_pos_self))
         entry = kvc.write_layer(own.layers[layer], fresh, slots)
-    a = attention(q, q_pos, kvs, window).transpose(1, 0, 2).reshape(T, H * hd)
-    x = x + a @ blk.w_o + blk.b_o
-    h2 = layer_norm(x, blk.ln2_g, blk.ln2_b, cfg.layer_norm_eps)
-    x = x + gelu(h2 @ blk.w_fc + blk.b_fc) @ blk.w_proj + blk.b_proj
-    return x, entry
+    return block_out(x, attention(q, q_pos, kvs, window), blk, cfg), entry
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array,
@@ -114,3 +124,16 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Ar
 def lm_head(params: Params, x: jax.Array) -> jax.Array:
     """[..., D] -> [..., V] with the tied embedding."""
     return jnp.einsum("...d,vd->...v", x, params.wte)
+
+
+def forward_seq(params: Params, cfg: ModelConfig, tokens: jax.Array, loops: int, window: int = 0) -> jax.Array:
+    """Cache-free forward over a whole sequence (training and evaluation): tokens [T] -> logits
+    [T, V]. K/V pass through the kv_mode round trip, as the cached path sees them."""
+    pos = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    x = params.wte[tokens] + params.wpe[pos]
+    for layer in range(cfg.n_cache_layers(loops)):
+        blk = block_for_layer(params, layer)
+        q, k, v = qkv_heads(x, blk, cfg)
+        k, v = kvc.roundtrip(cfg.kv_mode, k, v)
+        x = block_out(x, attention(q, pos, [(k, v, pos)], window), blk, cfg)
+    return lm_head(params, layer_norm(x, params.lnf_g, params.lnf_b, cfg.layer_norm_eps))

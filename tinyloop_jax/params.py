@@ -76,9 +76,26 @@ def _random_block(rng: np.random.Generator, d: int, f: int) -> BlockParams:
     )
 
 
+def gpt2_init(config: ModelConfig, seed: int = 0) -> Params:
+    """GPT-2's initialisation (std 0.02, scaled residual projections, zero biases): for training."""
+    rng = np.random.default_rng(seed)
+    d, f = config.d_model, config.d_model * config.mlp_ratio
+    proj = 0.02 / np.sqrt(2 * (config.n_pre_blocks + config.default_loops))
+    n = lambda *shape, s=0.02: rng.normal(0.0, s, shape).astype(np.float32)  # noqa: E731
+    z, o = (lambda k: np.zeros((k,), np.float32)), (lambda k: np.ones((k,), np.float32))  # noqa: E731
+
+    def blk():
+        return BlockParams(ln1_g=o(d), ln1_b=z(d), w_qkv=n(d, 3 * d), b_qkv=z(3 * d), w_o=n(d, d, s=proj), b_o=z(d),
+                           ln2_g=o(d), ln2_b=z(d), w_fc=n(d, f), b_fc=z(f), w_proj=n(f, d, s=proj), b_proj=z(d))
+
+    tree = Params(wte=n(config.vocab_size, d), wpe=n(config.max_seq_len, d, s=0.01),
+                  pre=tuple(blk() for _ in range(config.n_pre_blocks)), loop=blk(), lnf_g=o(d), lnf_b=z(d))
+    return jax.tree.map(jnp.asarray, tree)
+
+
 def random_params(config: ModelConfig, seed: int = 0) -> Params:
-    """Seeded random weights. The embedding is scaled so logits spread over ~unit range,
-    which keeps greedy decoding away from near-ties (tests compare argmaxes)."""
+    """Seeded random weights for tests and benchmarks. The embedding is scaled so logits
+    spread over ~unit range, which keeps greedy decoding away from near-ties."""
     rng = np.random.default_rng(seed)
     d, f = config.d_model, config.d_model * config.mlp_ratio
     tree = Params(

@@ -1,0 +1,189 @@
+"""`tinyloop` command line: generate, demo (prefix sharing), eval (bits per byte)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+BUNDLED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "tinyloop-pydoc")
+
+# The bundled model has a 256-byte context: prompt + question + answer must fit in it.
+SYSTEM_PROMPT = (
+    "The \"pass\" statement\n**********************\n\n"
+    "\"pass\" is a null operation -- when it is executed, nothing happens.\n\n"
+)
+# pydoc-style section titles; the asterisk underline is added so the model starts on the body
+TITLES = ["The \"while\" statement", "The \"import\" statement", "The \"return\" statement",
+          "The \"del\" statement", "The \"for\" statement", "The \"global\" statement",
+          "Boolean operations", "Comparisons"]
+QUESTIONS = [f"{t}\n{'*' * len(t)}\n\n" for t in TITLES]
+
+
+class UsageError(Exception):
+    """A user mistake: printed as one line, exit code 2."""
+
+
+def _load(path: str | None, kv_mode: str | None):
+    import tinyloop_jax as tl
+
+    path = path or BUNDLED
+    if not os.path.isdir(path):
+        raise UsageError(f"no model at {path}" + ("" if path != BUNDLED else " (the bundled checkpoint is missing)"))
+    return tl.Model.load(path, kv_mode=kv_mode)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _str_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def cmd_generate(args) -> None:
+    import tinyloop_jax as tl
+
+    tok = tl.ByteTokenizer()
+    model = _load(args.model, args.kv_mode)
+    prompt = tok.encode(args.prompt)
+    if len(prompt) == 0:
+        raise UsageError("the prompt is empty")
+    stops = [tok.encode(s.encode().decode("unicode_escape")).tolist() for s in args.stop]
+    t = time.perf_counter()
+    out = model.generate(prompt, max_tokens=args.max_tokens, loops=args.loops, temperature=args.temperature,
+                         top_k=args.top_k, top_p=args.top_p, cache_window=args.cache_window,
+                         repetition_penalty=args.repetition_penalty, stop_sequences=stops, seed=args.seed)
+    ms = (time.perf_counter() - t) * 1e3
+    print(args.prompt + tok.decode(out[len(prompt):]))
+    loops = model.config()["default_loops"] if args.loops is None else args.loops
+    print(f"\n[{len(out) - len(prompt)} tokens in {ms:.0f} ms, loops={loops}]", file=sys.stderr)
+
+
+def cmd_demo(args) -> None:
+    import tinyloop_jax as tl
+
+    tok = tl.ByteTokenizer()
+    model = _load(args.model, args.kv_mode)
+    system = tok.encode(SYSTEM_PROMPT)
+    questions = [tok.encode(q) for q in (QUESTIONS * 4)[: args.questions]]
+    kw = dict(max_tokens=args.max_tokens, loops=args.loops, temperature=args.temperature, top_k=args.top_k,
+              seed=args.seed)
+    # compile every program once so the timings below measure serving, not compiling
+    warm = model.build_prefix_cache(system, loops=args.loops)
+    model.generate_from_prefix_cache(warm, suffix=questions[0], **kw)
+    model.generate(np.concatenate([system, questions[0]]), **kw)
+
+    t = time.perf_counter()
+    for q in questions:
+        model.generate(np.concatenate([system, q]), **kw)
+    no_cache = time.perf_counter() - t
+    t = time.perf_counter()
+    prefix = model.build_prefix_cache(system, loops=args.loops)
+    answers = [model.generate_from_prefix_cache(prefix, suffix=q, **kw) for q in questions]
+    shared = time.perf_counter() - t
+
+    print(f"shared system prompt ({len(system)} bytes, loops={prefix.loops}, "
+          f"prefix cache {prefix.nbytes / 2**20:.2f} MiB):\n")
+    print(SYSTEM_PROMPT.rstrip())
+    for q, a in zip(questions, answers):
+        print("\n" + "-" * 60)
+        print(tok.decode(q) + tok.decode(a[len(system) + len(q):]))
+    n = len(questions)
+    print("\n" + "-" * 60)
+    print(f"{'arm':<10}{'requests':>10}{'total ms':>12}{'ms/request':>12}")
+    print(f"{'NO_CACHE':<10}{n:>10}{no_cache * 1e3:>12.0f}{no_cache * 1e3 / n:>12.0f}")
+    print(f"{'SHARED':<10}{n:>10}{shared * 1e3:>12.0f}{shared * 1e3 / n:>12.0f}")
+    print(f"speedup: {no_cache / shared:.2f}x")
+
+
+def cmd_eval(args) -> None:
+    import tinyloop_jax as tl
+    from tinyloop_jax.data import pydoc_split
+    from tinyloop_jax.evaluate import bits_per_byte
+
+    _, val = pydoc_split()
+    rows = []
+    grid = [(m, L, w) for m in args.kv_modes for w in args.windows for L in args.loops]
+    for mode in args.kv_modes:
+        model = _load(args.model, mode)
+        w_ = model.weights
+        for window in args.windows:
+            for loops in args.loops:
+                if loops < 1 or window < 0:
+                    raise UsageError(f"loops must be >= 1 and windows >= 0, got loops={loops}, window={window}")
+                i = len(rows)
+                bpb = bits_per_byte(w_.params, w_.config, val, loops, window, max_bytes=args.max_bytes,
+                                    progress=lambda k, n, i=i: _bar(i, len(grid), k, n))
+                rows.append((mode, window, loops, bpb))
+    sys.stderr.write("\n")
+    print(f"held-out bits per byte ({args.max_bytes or len(val)} of {len(val)} held-out bytes)")
+    print(f"{'kv_mode':<8}{'window':>8}{'loops':>7}{'bits/byte':>11}")
+    for mode, window, loops, bpb in rows:
+        print(f"{mode:<8}{window:>8}{loops:>7}{bpb:>11.4f}")
+
+
+def _bar(i, total, k, n):
+    done = (i + k / n) / total
+    sys.stderr.write(f"\r[{'#' * int(30 * done):<30}] {100 * done:5.1f}%")
+    sys.stderr.flush()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tinyloop", description="Looped-transformer inference with prefix caching.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    model_arg = argparse.ArgumentParser(add_help=False)
+    model_arg.add_argument("--model", help="checkpoint folder (default: the bundled model)")
+    common = argparse.ArgumentParser(add_help=False, parents=[model_arg])
+    common.add_argument("--kv-mode", default=None, help="KV cache storage mode (fp16, fp32)")
+
+    g = sub.add_parser("generate", parents=[common], help="continue a prompt")
+    g.add_argument("prompt")
+    g.add_argument("--loops", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=50)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--stop", action="append", default=[], help="stop text (repeatable; \\n escapes allowed)")
+    g.add_argument("--cache-window", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", parents=[common], help="one shared system prompt, many questions")
+    d.add_argument("--questions", type=int, default=4)
+    d.add_argument("--max-tokens", type=int, default=88)
+    d.add_argument("--loops", type=int, default=None)
+    d.add_argument("--temperature", type=float, default=0.6)
+    d.add_argument("--top-k", type=int, default=20)
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=cmd_demo)
+
+    e = sub.add_parser("eval", parents=[model_arg], help="held-out bits per byte")
+    e.add_argument("--loops", type=_int_list, default=[1, 2, 4, 8, 16])
+    e.add_argument("--kv-modes", type=_str_list, default=["fp32"])
+    e.add_argument("--windows", type=_int_list, default=[0])
+    e.add_argument("--max-bytes", type=int, default=None, help="evaluate only the first N held-out bytes")
+    e.set_defaults(func=cmd_eval)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)  # argparse itself exits 2 on malformed arguments
+    try:
+        args.func(args)
+    except (UsageError, ValueError, RuntimeError) as e:
+        print(f"tinyloop: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

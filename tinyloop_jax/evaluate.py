@@ -1,0 +1,46 @@
+"""Held-out bits-per-byte: the quality number for loops, kv_mode and cache_window."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import model as M
+from .config import ModelConfig
+from .params import Params
+
+
+@partial(jax.jit, static_argnames=("cfg", "loops", "window"))
+def _nll_bits(params: Params, cfg: ModelConfig, seqs: jax.Array, loops: int, window: int) -> jax.Array:
+    """seqs [B, T] -> per-sequence next-token negative log-likelihood [B], in bits, summed over
+    positions 1..T-1."""
+    logits = jax.vmap(lambda s: M.forward_seq(params, cfg, s, loops, window))(seqs)[:, :-1]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, seqs[:, 1:, None], axis=-1)
+    return jnp.sum(nll, axis=(1, 2)) / jnp.log(2.0)
+
+
+def bits_per_byte(params: Params, cfg: ModelConfig, data: np.ndarray, loops: int, window: int = 0,
+                  seq_len: int | None = None, batch: int = 8, max_bytes: int | None = None,
+                  progress=None) -> float:
+    """Mean bits per predicted byte over non-overlapping windows of `seq_len` bytes of `data`
+    (the first byte of each window is context only)."""
+    T = seq_len or cfg.max_seq_len
+    data = np.asarray(data[:max_bytes] if max_bytes else data, np.int32)
+    n = len(data) // T
+    if n == 0:
+        raise ValueError(f"need at least {T} bytes of data, got {len(data)}")
+    seqs = data[: n * T].reshape(n, T)
+    total = 0.0
+    for i in range(0, n, batch):
+        chunk = seqs[i:i + batch]
+        real = len(chunk)
+        if real < batch:  # pad the last batch (one compiled shape), count only the real rows
+            chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch - real, 0)])
+        total += float(np.asarray(_nll_bits(params, cfg, jnp.asarray(chunk), loops, window))[:real].sum())
+        if progress:
+            progress(min(i + batch, n), n)
+    return total / (n * (T - 1))
