@@ -18,3 +18,13 @@ def models():
 
 def prompt_of(n: int, seed: int = 0, vocab: int = TINY["vocab_size"]) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop compiled programs after each test module. The suite compiles a few hundred XLA:CPU
+    programs (every mode x depth x window); holding all of them in one process crashed XLA's
+    compiler (a segfault in backend_compile, reproducible at the same test)."""
+    yield
+    import jax
+    jax.clear_caches()

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from . import quant
 from .config import check_kv_mode
 
 
@@ -50,33 +51,85 @@ class KVCache:
 
 
 # ---- storage modes ---------------------------------------------------------------------------
-# Each mode maps fresh K/V [H, T, hd] float32 to stored arrays and back. The seam for the
-# quantized and h modes: they add entries here, nothing else in the model changes.
+# What one cache layer stores per token, by mode. Every stored array has the slot axis at
+# position 1, so writing and slicing never depend on the mode.
+#
+#   fp32 / fp16     k, v            [H, C, hd]        float32 / float16
+#   int8            k, v            [H, C, hd]        int8, + ks, vs [H, C, 1] float32 (per token, per head)
+#   int4            k, v            [H, C, hd/2]      uint8 (two per byte), + ks, vs [H, C, 1]
+#   fp16-h          h               [1, C, D]         float16: the block's normalized input
+#   int8-h / int4-h h               [1, C, D or D/2], + hs [1, C, D/G] float32 (groups of G channels)
+#
+# h modes rebuild K/V = h @ W_kv + b_kv from the layer's weights whenever they are read.
 
-_STORE_DTYPE = {"fp32": jnp.float32, "fp16": jnp.float16}
+H_GROUP = 64
+_FLOAT = {"fp32": jnp.float32, "fp16": jnp.float16}
+_BITS = {"int8": 8, "int4": 4}
+
+
+def _split(kv_mode: str) -> tuple[str, bool]:
+    """'int4-h' -> ('int4', True)."""
+    check_kv_mode(kv_mode)
+    return (kv_mode[:-2], True) if kv_mode.endswith("-h") else (kv_mode, False)
+
+
+def h_group(d_model: int) -> int:
+    return H_GROUP if d_model % H_GROUP == 0 else d_model
 
 
 def layer_shapes(kv_mode: str, n_heads: int, capacity: int, head_dim: int) -> dict:
     """Stored arrays of one cache layer: name -> (shape, dtype)."""
-    dt = _STORE_DTYPE[check_kv_mode(kv_mode)]
-    return {"k": ((n_heads, capacity, head_dim), dt), "v": ((n_heads, capacity, head_dim), dt)}
+    base, is_h = _split(kv_mode)
+    lead, width = (1, n_heads * head_dim) if is_h else (n_heads, head_dim)
+    names = ("h",) if is_h else ("k", "v")
+    out = {}
+    for n in names:
+        if base in _FLOAT:
+            out[n] = ((lead, capacity, width), _FLOAT[base])
+        else:
+            groups = width // h_group(width) if is_h else 1
+            out[n] = ((lead, capacity, width // 2 if base == "int4" else width), jnp.uint8 if base == "int4" else jnp.int8)
+            out[n + "s"] = ((lead, capacity, groups), jnp.float32)
+    return out
 
 
-def encode(kv_mode: str, k: jax.Array, v: jax.Array) -> dict:
-    """[H, T, hd] float32 K and V -> stored arrays of the same token count."""
-    dt = _STORE_DTYPE[kv_mode]
-    return {"k": k.astype(dt), "v": v.astype(dt)}
+def _store(base: str, x: jax.Array, group: int) -> dict:
+    """x [lead, T, width] float32 -> stored arrays (value, and scale for integer modes)."""
+    if base in _FLOAT:
+        return {"": x.astype(_FLOAT[base])}
+    q, scale = quant.quantize(x, _BITS[base], group)
+    return {"": quant.pack_int4(q) if base == "int4" else q, "s": scale}
 
 
-def decode(kv_mode: str, entry: dict) -> tuple[jax.Array, jax.Array]:
-    """Stored arrays -> float32 K, V [H, C, hd]."""
-    return entry["k"].astype(jnp.float32), entry["v"].astype(jnp.float32)
+def _load(base: str, entry: dict, name: str, group: int) -> jax.Array:
+    if base in _FLOAT:
+        return entry[name].astype(jnp.float32)
+    q = quant.unpack_int4(entry[name]) if base == "int4" else entry[name]
+    return quant.dequantize(q, entry[name + "s"], group)
 
 
-def roundtrip(kv_mode: str, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """What attention sees of fresh K/V: exactly what reading them back from a cache gives.
-    This is why a chunk prefilled at once equals the same tokens decoded one by one."""
-    return decode(kv_mode, encode(kv_mode, k, v))
+def encode(kv_mode: str, h: jax.Array, k: jax.Array, v: jax.Array) -> dict:
+    """Fresh h [T, D] and K, V [H, T, hd] float32 -> the stored arrays of a chunk."""
+    base, is_h = _split(kv_mode)
+    if is_h:
+        return {"h" + sfx: a for sfx, a in _store(base, h[None], h_group(h.shape[-1])).items()}
+    out = {}
+    for name, x in (("k", k), ("v", v)):
+        out.update({name + sfx: a for sfx, a in _store(base, x, x.shape[-1]).items()})
+    return out
+
+
+def decode(kv_mode: str, entry: dict, w_kv: jax.Array, b_kv: jax.Array, n_heads: int) -> tuple[jax.Array, jax.Array]:
+    """Stored arrays -> float32 K, V [H, C, hd]. h modes rebuild them with the layer's K/V
+    projection (w_kv [D, 2D], b_kv [2D])."""
+    base, is_h = _split(kv_mode)
+    if not is_h:
+        hd = entry["k"].shape[-1] * (2 if base == "int4" else 1)
+        return _load(base, entry, "k", hd), _load(base, entry, "v", hd)
+    h = _load(base, entry, "h", h_group(w_kv.shape[0]))[0]  # [C, D]
+    C, D = h.shape
+    kv = (h @ w_kv + b_kv).reshape(C, 2, n_heads, D // n_heads).transpose(1, 2, 0, 3)
+    return kv[0], kv[1]
 
 
 # ---- allocation ------------------------------------------------------------------------------

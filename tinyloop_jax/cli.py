@@ -9,6 +9,8 @@ import time
 
 import numpy as np
 
+from .config import KV_MODES
+
 BUNDLED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "tinyloop-pydoc")
 
 # The bundled model has a 256-byte context: prompt + question + answer must fit in it.
@@ -141,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_arg = argparse.ArgumentParser(add_help=False)
     model_arg.add_argument("--model", help="checkpoint folder (default: the bundled model)")
     common = argparse.ArgumentParser(add_help=False, parents=[model_arg])
-    common.add_argument("--kv-mode", default=None, help="KV cache storage mode (fp16, fp32)")
+    common.add_argument("--kv-mode", default=None, help="KV cache storage mode: " + ", ".join(KV_MODES))
 
     g = sub.add_parser("generate", parents=[common], help="continue a prompt")
     g.add_argument("prompt")
@@ -167,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", parents=[model_arg], help="held-out bits per byte")
     e.add_argument("--loops", type=_int_list, default=[1, 2, 4, 8, 16])
-    e.add_argument("--kv-modes", type=_str_list, default=["fp32"])
+    e.add_argument("--kv-modes", type=_str_list, default=["fp32"], help="comma-separated, from: " + ", ".join(KV_MODES))
     e.add_argument("--windows", type=_int_list, default=[0])
     e.add_argument("--max-bytes", type=int, default=None, help="evaluate only the first N held-out bytes")
     e.set_defaults(func=cmd_eval)

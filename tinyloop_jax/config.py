@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
-# Storage modes of the KV cache (SPEC §3). Modes listed in KV_MODES_PLANNED are named by the
-# spec but not built yet; asking for one is a clear error rather than a silent fallback.
-KV_MODES = ("fp16", "fp32")
-KV_MODES_PLANNED = ("int8", "int4", "fp16-h", "int8-h", "int4-h")
+# Storage modes of the KV cache (SPEC §3): K/V as floats or quantized integers, or the
+# "-h" forms that store the block's normalized input h and rebuild K/V from it.
+KV_MODES = ("fp16", "fp32", "int8", "int4", "fp16-h", "int8-h", "int4-h")
 
 
 def check_kv_mode(kv_mode: str) -> str:
     if kv_mode in KV_MODES:
         return kv_mode
-    if kv_mode in KV_MODES_PLANNED:
-        raise ValueError(f"kv_mode {kv_mode!r} is not implemented yet; available: {', '.join(KV_MODES)}")
-    raise ValueError(f"unknown kv_mode {kv_mode!r}; valid modes: {', '.join(KV_MODES + KV_MODES_PLANNED)}")
+    raise ValueError(f"unknown kv_mode {kv_mode!r}; valid modes: {', '.join(KV_MODES)}")
+
+
+def kv_mode_from_env(default: str = "fp16") -> str:
+    """The seed's switches, used only when no mode is named: TINYLOOP_KV_H_MODE=1 -> an h
+    mode, TINYLOOP_KV_INT4=1 -> int4, both -> int4-h."""
+    h = os.environ.get("TINYLOOP_KV_H_MODE") == "1"
+    int4 = os.environ.get("TINYLOOP_KV_INT4") == "1"
+    if int4:
+        return "int4-h" if h else "int4"
+    return "fp16-h" if h else default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +41,7 @@ class ModelConfig:
     n_pre_blocks: int = 2
     default_loops: int = 4
     max_seq_len: int = 512
-    kv_mode: str = "fp16"
+    kv_mode: str | None = None  # None: the environment switches, else fp16
     mlp_ratio: int = 4
     layer_norm_eps: float = 1e-5
 
@@ -47,7 +55,11 @@ class ModelConfig:
             raise ValueError(f"default_loops must be >= 1, got {self.default_loops!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        if self.kv_mode is None:
+            object.__setattr__(self, "kv_mode", kv_mode_from_env())
         check_kv_mode(self.kv_mode)
+        if self.kv_mode.startswith("int4") and self.d_model % 2:
+            raise ValueError(f"int4 modes pack two values per byte: d_model {self.d_model} must be even")
 
     @property
     def head_dim(self) -> int:

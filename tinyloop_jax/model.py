@@ -59,11 +59,22 @@ def attention(q: jax.Array, q_pos: jax.Array, kvs: list, window: int) -> jax.Arr
 
 
 def qkv_heads(x: jax.Array, blk: BlockParams, cfg: ModelConfig):
-    """x [T, D] -> q, k, v, each [H, T, hd]."""
+    """x [T, D] -> h [T, D] (the normalized input), q, k, v, each [H, T, hd]."""
     T = x.shape[0]
     h = layer_norm(x, blk.ln1_g, blk.ln1_b, cfg.layer_norm_eps)
     qkv = (h @ blk.w_qkv + blk.b_qkv).reshape(T, 3, cfg.n_heads, cfg.head_dim).transpose(1, 2, 0, 3)
-    return qkv[0], qkv[1], qkv[2]
+    return h, qkv[0], qkv[1], qkv[2]
+
+
+def kv_weights(blk: BlockParams, cfg: ModelConfig):
+    """The K/V half of the fused projection: w [D, 2D], b [2D] (for the h modes)."""
+    D = cfg.d_model
+    return blk.w_qkv[:, D:], blk.b_qkv[D:]
+
+
+def read_kv(cfg: ModelConfig, entry: dict, blk: BlockParams):
+    """A cache layer's stored arrays -> float32 K, V [H, C, hd]."""
+    return kvc.decode(cfg.kv_mode, entry, *kv_weights(blk, cfg), cfg.n_heads)
 
 
 def block_out(x: jax.Array, a: jax.Array, blk: BlockParams, cfg: ModelConfig) -> jax.Array:
@@ -77,19 +88,19 @@ def block_out(x: jax.Array, a: jax.Array, blk: BlockParams, cfg: ModelConfig) ->
 def block(x, blk: BlockParams, cfg: ModelConfig, layer: int, q_pos, key_pos_self, slots, ro, own, window):
     """One transformer block on a chunk x [T, D]. Returns (x', own's new entry for `layer`)."""
     T = x.shape[0]
-    q, k, v = qkv_heads(x, blk, cfg)
-    fresh = kvc.encode(cfg.kv_mode, k, v)
-    kvs = [(*kvc.decode(cfg.kv_mode, seg.layers[layer]), seg.pos) for seg in ro]
+    h, q, k, v = qkv_heads(x, blk, cfg)
+    fresh = kvc.encode(cfg.kv_mode, h, k, v)
+    kvs = [(*read_kv(cfg, seg.layers[layer], blk), seg.pos) for seg in ro]
     if T == 1:
         # Decode: write first, then attend to the updated buffer. The data dependency lets XLA
         # update the buffer in place; reading the old buffer beside the write forces a copy.
         entry = kvc.write_layer(own.layers[layer], fresh, slots)
-        kvs.append((*kvc.decode(cfg.kv_mode, entry), kvc.write_positions(own.pos, q_pos, slots)))
+        kvs.append((*read_kv(cfg, entry, blk), kvc.write_positions(own.pos, q_pos, slots)))
     else:
         # Prefill: the chunk attends to itself directly (it may be longer than a window's ring
         # buffer), seeing its K/V exactly as a cache would hold them; then it is written.
-        kvs.append((*kvc.decode(cfg.kv_mode, own.layers[layer]), own.pos))
-        kvs.append((*kvc.decode(cfg.kv_mode, fresh), key_pos_self))
+        kvs.append((*read_kv(cfg, own.layers[layer], blk), own.pos))
+        kvs.append((*read_kv(cfg, fresh, blk), key_pos_self))
         entry = kvc.write_layer(own.layers[layer], fresh, slots)
     return block_out(x, attention(q, q_pos, kvs, window), blk, cfg), entry
 
@@ -133,7 +144,7 @@ def forward_seq(params: Params, cfg: ModelConfig, tokens: jax.Array, loops: int,
     x = params.wte[tokens] + params.wpe[pos]
     for layer in range(cfg.n_cache_layers(loops)):
         blk = block_for_layer(params, layer)
-        q, k, v = qkv_heads(x, blk, cfg)
-        k, v = kvc.roundtrip(cfg.kv_mode, k, v)
+        h, q, k, v = qkv_heads(x, blk, cfg)
+        k, v = read_kv(cfg, kvc.encode(cfg.kv_mode, h, k, v), blk)  # as a cache would hold them
         x = block_out(x, attention(q, pos, [(k, v, pos)], window), blk, cfg)
     return lm_head(params, layer_norm(x, params.lnf_g, params.lnf_b, cfg.layer_norm_eps))
