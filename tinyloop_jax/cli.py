@@ -106,7 +106,6 @@ def cmd_demo(args) -> None:
 
 
 def cmd_eval(args) -> None:
-    import tinyloop_jax as tl
     from tinyloop_jax.data import pydoc_split
     from tinyloop_jax.evaluate import bits_per_byte
 
