@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from . import cache as kvc
+from . import int4_attention as i4
 from .config import ModelConfig
 from .params import BlockParams, Params, block_for_layer
 
@@ -58,6 +59,15 @@ def attention(q: jax.Array, q_pos: jax.Array, kvs: list, window: int) -> jax.Arr
     return out
 
 
+def attention_int4_decode(q: jax.Array, q_pos: jax.Array, segs: list, window: int) -> jax.Array:
+    """Decode (T = 1) attention over int4 segments [(entry, key_pos [C])] read packed: one
+    partial softmax per segment (the Pallas kernel on GPU), merged by log-sum-exp."""
+    qs = q[:, 0] * q.shape[-1] ** -0.5
+    parts = [i4.int4_attention(qs, q_pos[0], e["k"], e["ks"], e["v"], e["vs"], p, window=window) for e, p in segs]
+    o, _, l = i4.merge(*(jnp.stack(x) for x in zip(*parts)))
+    return (o / l[:, None])[:, None]
+
+
 def qkv_heads(x: jax.Array, blk: BlockParams, cfg: ModelConfig):
     """x [T, D] -> h [T, D] (the normalized input), q, k, v, each [H, T, hd]."""
     T = x.shape[0]
@@ -72,9 +82,9 @@ def kv_weights(blk: BlockParams, cfg: ModelConfig):
     return blk.w_qkv[:, D:], blk.b_qkv[D:]
 
 
-def read_kv(cfg: ModelConfig, entry: dict, blk: BlockParams):
-    """A cache layer's stored arrays -> float32 K, V [H, C, hd]."""
-    return kvc.decode(cfg.kv_mode, entry, *kv_weights(blk, cfg), cfg.n_heads)
+def read_kv(cfg: ModelConfig, entry: dict, blk: BlockParams, kv_mode: str | None = None):
+    """A cache layer's stored arrays (in `kv_mode`, default the model's) -> float32 K, V [H, C, hd]."""
+    return kvc.decode(kv_mode or cfg.kv_mode, entry, *kv_weights(blk, cfg), cfg.n_heads)
 
 
 def block_out(x: jax.Array, a: jax.Array, blk: BlockParams, cfg: ModelConfig) -> jax.Array:
@@ -90,7 +100,12 @@ def block(x, blk: BlockParams, cfg: ModelConfig, layer: int, q_pos, key_pos_self
     T = x.shape[0]
     h, q, k, v = qkv_heads(x, blk, cfg)
     fresh = kvc.encode(cfg.kv_mode, h, k, v)
-    kvs = [(*read_kv(cfg, seg.layers[layer], blk), seg.pos) for seg in ro]
+    if T == 1 and cfg.kv_mode == "int4":  # packed K/V straight into the attention kernel
+        entry = kvc.write_layer(own.layers[layer], fresh, slots)
+        segs = [(seg.layers[layer], seg.pos) for seg in ro]
+        segs.append((entry, kvc.write_positions(own.pos, q_pos, slots)))
+        return block_out(x, attention_int4_decode(q, q_pos, segs, window), blk, cfg), entry
+    kvs = [(*read_kv(cfg, seg.layers[layer], blk, seg.kv_mode), seg.pos) for seg in ro]
     if T == 1:
         # Decode: write first, then attend to the updated buffer. The data dependency lets XLA
         # update the buffer in place; reading the old buffer beside the write forces a copy.
