@@ -123,3 +123,14 @@ def test_model_decode_through_kernel_matches_reference(monkeypatch, window):
     np.testing.assert_allclose(out["interpret"][1], out["jnp"][1], atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(out["interpret"][1], model.next_token_logits_from_prefix(prefix, prompt[14:]),
                                atol=1e-4, rtol=1e-4)
+
+
+def test_gpu_check_script_runs_interpreted():
+    """scripts/gpu_check.py is only run for real on a GPU; keep it working here, interpreted."""
+    import subprocess
+    import sys
+    root = __import__("os").path.dirname(__import__("os").path.dirname(__file__))
+    r = subprocess.run([sys.executable, "scripts/gpu_check.py", "--interpret", "--quick"], cwd=root,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "| 4 | 100 | 32 | 0 |" in r.stdout

@@ -31,6 +31,26 @@ def test_reuse_matches_recompute_every_mode(mode_models, mode, loops, window):
         assert a == model.generate(prompt, max_tokens=10, loops=loops, cache_window=window)
 
 
+@pytest.mark.parametrize("mode", ["fp16-h", "int8-h", "int4-h"])
+@pytest.mark.parametrize("window", [0, 5])
+def test_h_mode_call_scoped_rebuild_matches_step_by_step(mode_models, mode, window):
+    """Model calls rebuild an h prefix's K/V once per call and keep the request's own K/V in
+    float32 (`model.materialize`); greedy tokens equal a loop of single functional steps that
+    store h and re-project it at every step."""
+    model = mode_models[mode]
+    w, loops = model.weights, 2
+    prompt = prompt_of(18, seed=window)
+    prefix = model.build_prefix_cache(prompt[:12], loops=loops, cache_window=window)
+    got = model.generate_from_prefix_cache(prefix, suffix=prompt[12:], max_tokens=10)[len(prompt):]
+    own = F.empty_cache(w, 6 + 10, loops, window, start=12)
+    logits, own = F.prefill(w, prompt[12:], own, ro=(prefix.cache,), loops=loops, cache_window=window)
+    want = []
+    for _ in range(10):
+        want.append(int(np.argmax(np.asarray(logits))))
+        logits, own = F.decode_step(w, want[-1], own, ro=(prefix.cache,), loops=loops, cache_window=window)
+    assert own.kv_mode == mode and got == want
+
+
 @pytest.mark.parametrize("mode", QUANTIZED)
 def test_position_reset_is_detected_every_mode(mode_models, mode):
     model = mode_models[mode]

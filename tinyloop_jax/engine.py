@@ -31,6 +31,12 @@ def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Ar
     return model.lm_head(params, last), own
 
 
+@partial(jax.jit, static_argnames=("cfg",))
+def materialize(params: Params, cfg: ModelConfig, seg: KVCache) -> KVCache:
+    """A read-only segment with its K/V rebuilt/dequantized to float32 (see model.materialize)."""
+    return model.materialize(params, cfg, seg)
+
+
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len"), donate_argnames=("own",))
 def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logits: jax.Array,
            seen: jax.Array, sp: SamplingParams, stop: StopSpec, max_tokens: jax.Array,

@@ -22,11 +22,13 @@ from .params import Weights
 
 
 def empty_cache(weights: Weights, n_tokens: int, loops: int | None = None, cache_window: int = 0,
-                start: int = 0) -> KVCache:
-    """A fresh segment with room for `n_tokens` positions, starting at position `start`."""
+                start: int = 0, kv_mode: str | None = None) -> KVCache:
+    """A fresh segment with room for `n_tokens` positions, starting at position `start`, stored
+    in `kv_mode` (default the model's; another mode makes a working segment whose values are
+    those of the model's mode, see `model.block`)."""
     c = weights.config
     loops = c.default_loops if loops is None else loops
-    own = kvc.empty(c.kv_mode, c.n_cache_layers(loops), c.n_heads, kvc.segment_capacity(n_tokens, cache_window),
+    own = kvc.empty(kv_mode or c.kv_mode, c.n_cache_layers(loops), c.n_heads, kvc.segment_capacity(n_tokens, cache_window),
                     c.head_dim)
     return own.replace(length=jnp.int32(start))
 

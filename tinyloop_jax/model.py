@@ -100,7 +100,12 @@ def block(x, blk: BlockParams, cfg: ModelConfig, layer: int, q_pos, key_pos_self
     T = x.shape[0]
     h, q, k, v = qkv_heads(x, blk, cfg)
     fresh = kvc.encode(cfg.kv_mode, h, k, v)
-    if T == 1 and cfg.kv_mode == "int4":  # packed K/V straight into the attention kernel
+    if own.kv_mode != cfg.kv_mode:
+        # A call-scoped working segment (see `materialize`): store the values the model's mode
+        # would give when read back, so results do not depend on where a token is kept.
+        fresh = kvc.encode(own.kv_mode, h, *read_kv(cfg, fresh, blk))
+    if T == 1 and own.kv_mode == "int4" and all(seg.kv_mode == "int4" for seg in ro):
+        # packed K/V straight into the attention kernel
         entry = kvc.write_layer(own.layers[layer], fresh, slots)
         segs = [(seg.layers[layer], seg.pos) for seg in ro]
         segs.append((entry, kvc.write_positions(own.pos, q_pos, slots)))
@@ -110,12 +115,12 @@ def block(x, blk: BlockParams, cfg: ModelConfig, layer: int, q_pos, key_pos_self
         # Decode: write first, then attend to the updated buffer. The data dependency lets XLA
         # update the buffer in place; reading the old buffer beside the write forces a copy.
         entry = kvc.write_layer(own.layers[layer], fresh, slots)
-        kvs.append((*read_kv(cfg, entry, blk), kvc.write_positions(own.pos, q_pos, slots)))
+        kvs.append((*read_kv(cfg, entry, blk, own.kv_mode), kvc.write_positions(own.pos, q_pos, slots)))
     else:
         # Prefill: the chunk attends to itself directly (it may be longer than a window's ring
         # buffer), seeing its K/V exactly as a cache would hold them; then it is written.
-        kvs.append((*read_kv(cfg, own.layers[layer], blk), own.pos))
-        kvs.append((*read_kv(cfg, fresh, blk), key_pos_self))
+        kvs.append((*read_kv(cfg, own.layers[layer], blk, own.kv_mode), own.pos))
+        kvs.append((*read_kv(cfg, fresh, blk, own.kv_mode), key_pos_self))
         entry = kvc.write_layer(own.layers[layer], fresh, slots)
     return block_out(x, attention(q, q_pos, kvs, window), blk, cfg), entry
 
@@ -145,6 +150,15 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Ar
                           pos=kvc.write_positions(own.pos, q_pos, slots),
                           length=(start_pos + n_valid).astype(jnp.int32))
     return x, new_own
+
+
+def materialize(params: Params, cfg: ModelConfig, seg: kvc.KVCache) -> kvc.KVCache:
+    """The same segment with K/V stored in float32 ("fp32" mode): for h modes, K/V rebuilt
+    from the stored h once, so that a whole call (every decode step, every request of a batch)
+    reads them instead of re-projecting h at each step."""
+    layers = tuple(dict(zip("kv", read_kv(cfg, entry, block_for_layer(params, i), seg.kv_mode)))
+                   for i, entry in enumerate(seg.layers))
+    return seg.replace(layers=layers, kv_mode="fp32")
 
 
 def lm_head(params: Params, x: jax.Array) -> jax.Array:

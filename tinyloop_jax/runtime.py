@@ -139,8 +139,14 @@ class Model:
                 stop_sequences: list, loops: int, window: int) -> list[int]:
         t, k, p, r, s = sampling
         P, n_suffix = len(prefix), len(suffix)
-        own = self._empty(n_suffix + max_tokens, loops, window, start=P)
         ro = (prefix.cache,)
+        work_mode = None
+        if self._config.kv_mode.endswith("-h"):
+            # h modes: rebuild the prefix's K/V once for the whole call (not at every decode
+            # step), and keep this request's own K/V in float32 while it runs. The prefix at
+            # rest stays in h form; the rebuilt copy lives only during the call.
+            ro, work_mode = (engine.materialize(self._params, self._config, prefix.cache),), "fp32"
+        own = F.empty_cache(self.weights, n_suffix + max_tokens, loops, window, start=P, kv_mode=work_mode)
         if n_suffix:
             logits, own = self._prefill(suffix, ro, own, loops, window)
         else:
