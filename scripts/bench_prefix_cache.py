@@ -1,6 +1,6 @@
 """The seed's prefix-sharing table on this machine: NO_CACHE vs SHARED, and the asymptote.
 
-    python scripts/bench_prefix_cache.py                 # full table (a few minutes on 2 CPUs)
+    python scripts/bench_prefix_cache.py                 # full table, every KV mode (~15 min on 2 CPUs)
     python scripts/bench_prefix_cache.py --quick         # a smoke run
 
 Each request = a distinct 8-token suffix + 32 greedy tokens on top of a shared prefix.
@@ -34,7 +34,7 @@ def run_arm(fn, n):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", default="fp16,fp32")
+    ap.add_argument("--modes", default=",".join(tl.KV_MODES), help="the seed's 'backend' column")
     ap.add_argument("--prefix", default="500,1024")
     ap.add_argument("--n", default="10,50")
     ap.add_argument("--loops", type=int, default=8)

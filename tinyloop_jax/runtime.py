@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import cache as kvc
-from . import checkpoint, engine
+from . import checkpoint, engine, hf_gpt2
 from . import functional as F
 from . import validation as check
 from .config import ModelConfig, check_kv_mode
@@ -50,6 +50,12 @@ class Model:
     @classmethod
     def random(cls, config: ModelConfig, seed: int = 0) -> "Model":
         return cls(random_params(config, seed), config)
+
+    @classmethod
+    def from_hf_gpt2(cls, path: str, kv_mode: str | None = None) -> "Model":
+        """A Hugging Face GPT-2 folder (config.json + model.safetensors, any size) as a model
+        with n_pre_blocks = n_layer - 1 and default_loops = 1. See `hf_gpt2`."""
+        return cls(*hf_gpt2.load(path, kv_mode))
 
     @classmethod
     def load(cls, path: str, kv_mode: str | None = None) -> "Model":

@@ -1,0 +1,118 @@
+"""Import a Hugging Face GPT-2 folder (`config.json` + `model.safetensors`) as TinyLoop params.
+
+A k-layer GPT-2 is a TinyLoop model with n_pre_blocks = k - 1 and the last layer as the loop
+block, run once (default_loops = 1). Hugging Face's `Conv1D` stores weights as [in, out], like
+ours, so every tensor maps one to one:
+
+    wte.weight [V, D] -> wte        h.{i}.ln_1.{weight,bias}     -> ln1_g, ln1_b
+    wpe.weight [S, D] -> wpe        h.{i}.attn.c_attn.{weight,bias} [D, 3D] -> w_qkv, b_qkv
+    ln_f.{weight,bias} -> lnf_*     h.{i}.attn.c_proj.{weight,bias} [D, D]  -> w_o, b_o
+                                    h.{i}.ln_2.{weight,bias}     -> ln2_g, ln2_b
+                                    h.{i}.mlp.c_fc.{weight,bias} [D, F]     -> w_fc, b_fc
+                                    h.{i}.mlp.c_proj.{weight,bias} [F, D]   -> w_proj, b_proj
+
+Read with `safetensors.numpy` (no torch). Anything that does not fit is a ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from .config import ModelConfig
+from .params import BlockParams, Params
+
+_BLOCK = {  # our field -> (HF name inside h.{i}., shape as a function of (D, F))
+    "ln1_g": ("ln_1.weight", lambda D, F: (D,)), "ln1_b": ("ln_1.bias", lambda D, F: (D,)),
+    "w_qkv": ("attn.c_attn.weight", lambda D, F: (D, 3 * D)), "b_qkv": ("attn.c_attn.bias", lambda D, F: (3 * D,)),
+    "w_o": ("attn.c_proj.weight", lambda D, F: (D, D)), "b_o": ("attn.c_proj.bias", lambda D, F: (D,)),
+    "ln2_g": ("ln_2.weight", lambda D, F: (D,)), "ln2_b": ("ln_2.bias", lambda D, F: (D,)),
+    "w_fc": ("mlp.c_fc.weight", lambda D, F: (D, F)), "b_fc": ("mlp.c_fc.bias", lambda D, F: (F,)),
+    "w_proj": ("mlp.c_proj.weight", lambda D, F: (F, D)), "b_proj": ("mlp.c_proj.bias", lambda D, F: (D,)),
+}
+_BUFFERS = ("attn.bias", "attn.masked_bias")  # causal-mask buffers of older checkpoints: not weights
+_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")
+
+
+def read_config(path: str, kv_mode: str | None = None) -> ModelConfig:
+    """config.json -> ModelConfig (n_pre_blocks = n_layer - 1, default_loops = 1)."""
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise ValueError(f"{path!r} has no config.json: not a Hugging Face GPT-2 folder")
+    try:
+        with open(cfg_file) as f:
+            hf = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file} is not valid JSON: {e}") from e
+    if hf.get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"model_type {hf['model_type']!r} in {cfg_file}; only 'gpt2' can be imported")
+    act = hf.get("activation_function", "gelu_new")
+    if act not in _GELU_TANH:
+        raise ValueError(f"activation_function {act!r}; supported: {', '.join(_GELU_TANH)} (GPT-2's tanh GELU)")
+    for flag, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
+        if hf.get(flag, want) != want:
+            raise ValueError(f"{flag}={hf[flag]!r} is not supported (GPT-2 uses {want})")
+    try:
+        D, n_layer = int(hf["n_embd"]), int(hf["n_layer"])
+        n_head, n_pos, vocab = int(hf["n_head"]), int(hf["n_positions"]), int(hf["vocab_size"])
+    except KeyError as e:
+        raise ValueError(f"{cfg_file} lacks {e.args[0]!r}") from e
+    if n_layer < 1:
+        raise ValueError(f"n_layer={n_layer}: need at least one layer")
+    inner = hf.get("n_inner") or 4 * D
+    if inner % D:
+        raise ValueError(f"n_inner={inner} is not a multiple of n_embd={D}")
+    return ModelConfig(vocab_size=vocab, d_model=D, n_heads=n_head, n_pre_blocks=n_layer - 1, default_loops=1,
+                       max_seq_len=n_pos, kv_mode=kv_mode, mlp_ratio=inner // D,
+                       layer_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
+
+
+def read_tensors(path: str) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    st = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(st):
+        raise ValueError(f"{path!r} has no model.safetensors (sharded or .bin checkpoints are not supported)")
+    try:
+        raw = load_file(st)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise ValueError(f"cannot read {st}: {e}") from e
+    # GPT2LMHeadModel saves "transformer."-prefixed names; the bare GPT2Model does not.
+    return {k.removeprefix("transformer."): v for k, v in raw.items()}
+
+
+def load(path: str, kv_mode: str | None = None) -> tuple[Params, ModelConfig]:
+    """A Hugging Face GPT-2 folder -> (float32 Params, ModelConfig)."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"{path!r} is not a folder")
+    cfg = read_config(path, kv_mode)
+    tensors = read_tensors(path)
+    D, F = cfg.d_model, cfg.d_model * cfg.mlp_ratio
+    used = set()
+
+    def take(name: str, shape: tuple) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(f"tensor {name!r} is missing from {path}/model.safetensors")
+        a = tensors[name]
+        if tuple(a.shape) != shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(a.shape)}; config.json implies {shape}")
+        used.add(name)
+        return np.asarray(a, np.float32)
+
+    blocks = [BlockParams(**{f: take(f"h.{i}.{hf}", shape(D, F)) for f, (hf, shape) in _BLOCK.items()})
+              for i in range(cfg.n_pre_blocks + 1)]
+    wte = take("wte.weight", (cfg.vocab_size, D))
+    params = Params(wte=wte, wpe=take("wpe.weight", (cfg.max_seq_len, D)), pre=tuple(blocks[:-1]),
+                    loop=blocks[-1], lnf_g=take("ln_f.weight", (D,)), lnf_b=take("ln_f.bias", (D,)))
+    if "lm_head.weight" in tensors:  # only a tied head (a copy of wte) is supported
+        head = tensors["lm_head.weight"]
+        if head.shape != wte.shape or not np.array_equal(np.asarray(head, np.float32), wte):
+            raise ValueError("tensor 'lm_head.weight' differs from 'wte.weight': untied LM heads are not supported")
+        used.add("lm_head.weight")
+    extra = sorted(k for k in tensors if k not in used and not k.endswith(_BUFFERS))
+    if extra:
+        raise ValueError(f"unexpected tensors in {path}/model.safetensors (not GPT-2?): {', '.join(extra[:5])}")
+    return params, cfg
