@@ -39,7 +39,10 @@ def write_section(name: str, body: str, path: str = "benchmarks.md") -> str:
     """Replace (or append) the section `name` of docs/<path>, delimited by HTML comments."""
     os.makedirs(DOCS, exist_ok=True)
     full = os.path.join(DOCS, path)
-    text = open(full).read() if os.path.exists(full) else "# Benchmarks\n\nEach section is written by the script it names.\n"
+    text = "# Benchmarks\n\nEach section is written by the script it names.\n"
+    if os.path.exists(full):
+        with open(full) as f:
+            text = f.read()
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     block = f"{start}\n{body.rstrip()}\n{end}"
     if start in text:

@@ -85,7 +85,8 @@ def main():
         kv_bytes = cfg.n_cache_layers(1) * 2 * (args.prompt + args.new / 2) * cfg.d_model * kv_item
         bound_step = (weight_bytes + kv_bytes) / bw
         rows.append((mode, 1 / step, 1 / bound_step, bound_step / step, weight_bytes, kv_bytes, t_long))
-        print(f"{mode}: {1 / step:.2f} tok/s, bound {1 / bound_step:.2f} tok/s, {100 * bound_step / step:.0f}% of bound")
+        print(f"{mode}: {1 / step:.2f} tok/s, bound {1 / bound_step:.2f} tok/s, "
+              f"{100 * bound_step / step:.0f}% of bound")
 
     lines = [
         "## Batch-1 decode vs the memory-bandwidth bound (`scripts/bench_decode.py`)",
@@ -93,7 +94,8 @@ def main():
         f"Command: `{_report.command()}`  ",
         f"Machine: {_report.machine()}  ",
         f"Model: GPT-2-small shape (n_pre_blocks=11, loops=1, D=768, 12 heads, vocab 50257), random weights, "
-        f"prompt {args.prompt}, {args.new} new tokens, greedy. Per-step time = (t[{args.new + 1} tokens] − t[1 token]) / {args.new}, "
+        f"prompt {args.prompt}, {args.new} new tokens, greedy. "
+        f"Per-step time = (t[{args.new + 1} tokens] − t[1 token]) / {args.new}, "
         f"medians of {args.repeats}. Large-GEMV bandwidth (512 MiB fp32 matrix, jitted): **{bw / 1e9:.2f} GB/s**.",
         "",
         "| kv_mode | decode tok/s | bound tok/s | share of bound | weight MB/step | KV MB/step |",

@@ -133,7 +133,8 @@ def main():
         f"Machine: {_report.machine()}  ",
         f"Bytes and decode: random model n_pre_blocks=2, loops=8, D={D}, {D // 64} heads, a {P}-token prefix "
         f"(real `PrefixCache.nbytes`, scales included), batch-1 decode with an 8-token suffix, median of {repeats}. "
-        f"Seed shape: the `Model.cache_nbytes` formula at 1024 tokens for D 2048, 16 heads, n_pre 2, L 8 (formula, nothing allocated). "
+        "Seed shape: the `Model.cache_nbytes` formula at 1024 tokens for D 2048, 16 heads, n_pre 2, L 8 "
+        "(nothing allocated). "
         f"Quality: bundled model `{os.path.relpath(BUNDLED)}` at its default depth, teacher-forced over "
         f"{n_pred:,} held-out predicted bytes; KL(fp32 ‖ mode) in nats per position.",
         "",

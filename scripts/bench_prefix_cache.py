@@ -101,7 +101,8 @@ def main():
         f"{base.n_heads} heads, vocab {base.vocab_size}. Each request: distinct {args.suffix}-token suffix "
         f"+ {args.new} greedy tokens; SHARED and NO_CACHE outputs are checked identical.",
         "",
-        "| mode | prefix | N | NO_CACHE ms | SHARED ms | speedup | asymptote | share of asymptote | prefill ms | per-request ms | prefix MiB |",
+        "| mode | prefix | N | NO_CACHE ms | SHARED ms | speedup | asymptote | share of asymptote | prefill ms "
+        "| per-request ms | prefix MiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m, P, N, tn, ts, sp, asym, share, pf, dc, nb in rows:

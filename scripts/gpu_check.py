@@ -19,7 +19,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _report  # noqa: E402
@@ -83,7 +82,8 @@ def main():
         f"`{_report.command()}` on {dev} ({_report.machine()}){' — kernel INTERPRETED' if args.interpret else ''}. "
         f"Median of {repeats} calls; one query token per head.",
         "",
-        "| heads | slots | head_dim | window | packed K/V MiB | max abs err | kernel µs | dequant+attend µs | speedup |",
+        "| heads | slots | head_dim | window | packed K/V MiB | max abs err | kernel µs | dequant+attend µs "
+        "| speedup |",
         "|---|---|---|---|---|---|---|---|---|",
         *rows,
     ])

@@ -55,7 +55,8 @@ def main():
         "compiled decode loop (`engine.decode`) serving a request from a prefix. *aliased* = donated own-segment "
         "bytes updated in place; *scratch* = everything else the program allocates.",
         "",
-        "| kv_mode | prefix tokens | prefix MiB | own slots | own segment KiB | aliased KiB | scratch KiB | scratch / own segment |",
+        "| kv_mode | prefix tokens | prefix MiB | own slots | own segment KiB | aliased KiB | scratch KiB "
+        "| scratch / own segment |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for mode, P, pb, cap, ob, al, tmp in rows:

@@ -88,7 +88,8 @@ def layer_shapes(kv_mode: str, n_heads: int, capacity: int, head_dim: int) -> di
             out[n] = ((lead, capacity, width), _FLOAT[base])
         else:
             groups = width // h_group(width) if is_h else 1
-            out[n] = ((lead, capacity, width // 2 if base == "int4" else width), jnp.uint8 if base == "int4" else jnp.int8)
+            packed = base == "int4"
+            out[n] = ((lead, capacity, width // 2 if packed else width), jnp.uint8 if packed else jnp.int8)
             out[n + "s"] = ((lead, capacity, groups), jnp.float32)
     return out
 

@@ -28,8 +28,8 @@ def empty_cache(weights: Weights, n_tokens: int, loops: int | None = None, cache
     those of the model's mode, see `model.block`)."""
     c = weights.config
     loops = c.default_loops if loops is None else loops
-    own = kvc.empty(kv_mode or c.kv_mode, c.n_cache_layers(loops), c.n_heads, kvc.segment_capacity(n_tokens, cache_window),
-                    c.head_dim)
+    capacity = kvc.segment_capacity(n_tokens, cache_window)
+    own = kvc.empty(kv_mode or c.kv_mode, c.n_cache_layers(loops), c.n_heads, capacity, c.head_dim)
     return own.replace(length=jnp.int32(start))
 
 
