@@ -32,6 +32,20 @@ def run_arm(fn, n):
     return time.perf_counter() - t, outs
 
 
+def check_outputs(model, pre, prompt, a, b) -> bool:
+    """SHARED (a) vs NO_CACHE (b) tokens of one request. Identical -> True. Otherwise the two
+    paths' next-token logits where they part must agree within allclose(1e-3, 1e-2) — a near
+    tie that a quantization boundary tipped (quantized modes) — else this raises."""
+    if a == b:
+        return True
+    j = next(k for k in range(min(len(a), len(b))) if a[k] != b[k])
+    ctx = np.asarray(a[:j], np.int32)
+    np.testing.assert_allclose(model.next_token_logits_from_prefix(pre, ctx[len(prompt):]),
+                               model.next_token_logits(ctx), atol=1e-3, rtol=1e-2,
+                               err_msg="SHARED and NO_CACHE differ beyond a near tie")
+    return False
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", default=",".join(tl.KV_MODES), help="the seed's 'backend' column")
@@ -74,12 +88,12 @@ def main():
                 _, out_sh = run_arm(lambda i: model.generate_from_prefix_cache(pre, suffix=suffixes[i],
                                                                               max_tokens=args.new), N)
                 t_sh = time.perf_counter() - t0
-                assert out_sh == out_no, "SHARED and NO_CACHE emitted different tokens"
+                same = sum(check_outputs(model, pre, prompt, a, b) for a, b in zip(out_sh, out_no))
                 decode = (t_sh - prefill) / N
                 asym = (prefill + decode) / (prefill / N + decode)
                 speed = t_no / t_sh
                 rows.append((mode, P, N, t_no * 1e3, t_sh * 1e3, speed, asym, speed / asym, prefill * 1e3,
-                             decode * 1e3, pre.nbytes))
+                             decode * 1e3, pre.nbytes, same))
                 done += 1
                 if not alloc_note:
                     c = model._config
@@ -99,15 +113,17 @@ def main():
         f"Machine: {_report.machine()}  ",
         f"Model: random weights, n_pre_blocks=2, loops={args.loops}, D={args.d_model}, "
         f"{base.n_heads} heads, vocab {base.vocab_size}. Each request: distinct {args.suffix}-token suffix "
-        f"+ {args.new} greedy tokens; SHARED and NO_CACHE outputs are checked identical.",
+        f"+ {args.new} greedy tokens. *identical outputs*: requests whose SHARED and NO_CACHE tokens are "
+        "identical; where they part, the script checks that both paths' logits at that step agree within "
+        "allclose(1e-3, 1e-2), i.e. a near tie tipped by a quantization boundary, not a wrong cache.",
         "",
         "| mode | prefix | N | NO_CACHE ms | SHARED ms | speedup | asymptote | share of asymptote | prefill ms "
-        "| per-request ms | prefix MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| per-request ms | prefix MiB | identical outputs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for m, P, N, tn, ts, sp, asym, share, pf, dc, nb in rows:
+    for m, P, N, tn, ts, sp, asym, share, pf, dc, nb, same in rows:
         lines.append(f"| {m} | {P} | {N} | {tn:,.0f} | {ts:,.0f} | {sp:.2f}× | {asym:.2f}× | {100 * share:.0f}% | "
-                     f"{pf:,.0f} | {dc:,.0f} | {nb / 2**20:.1f} |")
+                     f"{pf:,.0f} | {dc:,.0f} | {nb / 2**20:.2f} | {same}/{N} |")
     lines += ["", alloc_note]
     print("\n".join(lines))
     if not args.quick:
