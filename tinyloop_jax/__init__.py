@@ -6,7 +6,8 @@ from .config import KV_MODES, ModelConfig
 from .params import Weights
 from .prefix import PrefixCache
 from .runtime import Model
+from .store import PrefixStore
 from .tokenizer import ByteTokenizer
 
-__all__ = ["ByteTokenizer", "KV_MODES", "KVCache", "Model", "ModelConfig", "PrefixCache", "Weights", "functional"]
+__all__ = ["ByteTokenizer", "KV_MODES", "KVCache", "Model", "ModelConfig", "PrefixCache", "PrefixStore", "Weights", "functional"]
 __version__ = "0.1.0"

@@ -39,7 +39,7 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return int(self.pos.shape[0])
+        return int(self.pos.shape[-1])
 
     @property
     def n_layers(self) -> int:
@@ -180,10 +180,13 @@ def _free_bytes() -> int | None:
         return None
 
 
-def empty(kv_mode: str, n_layers: int, n_heads: int, capacity: int, head_dim: int) -> KVCache:
-    """A fresh cache. Out of memory is a RuntimeError, checked before allocating so that
-    nothing is half-built (and the host is not pushed into swap)."""
-    need = cache_nbytes(kv_mode, n_layers, n_heads, capacity, head_dim)
+def empty(kv_mode: str, n_layers: int, n_heads: int, capacity: int, head_dim: int,
+          batch: int | None = None) -> KVCache:
+    """A fresh cache (with `batch`: one per request, every array with a leading request axis).
+    Out of memory is a RuntimeError, checked before allocating so that nothing is half-built
+    (and the host is not pushed into swap)."""
+    lead = () if batch is None else (batch,)
+    need = cache_nbytes(kv_mode, n_layers, n_heads, capacity, head_dim) * (batch or 1)
     free = _free_bytes()
     if free is not None and need > free:
         raise RuntimeError(
@@ -192,9 +195,9 @@ def empty(kv_mode: str, n_layers: int, n_heads: int, capacity: int, head_dim: in
             "shorten the prompt, lower loops, or set cache_window")
     shapes = layer_shapes(kv_mode, n_heads, capacity, head_dim)
     try:
-        layers = tuple({name: jnp.zeros(s, d) for name, (s, d) in shapes.items()} for _ in range(n_layers))
-        return KVCache(layers=layers, pos=jnp.full((capacity,), -1, jnp.int32),
-                       length=jnp.zeros((), jnp.int32), kv_mode=kv_mode)
+        layers = tuple({name: jnp.zeros(lead + s, d) for name, (s, d) in shapes.items()} for _ in range(n_layers))
+        return KVCache(layers=layers, pos=jnp.full(lead + (capacity,), -1, jnp.int32),
+                       length=jnp.zeros(lead, jnp.int32), kv_mode=kv_mode)
     except Exception as e:  # noqa: BLE001 - XLA reports OOM as a generic runtime error
         if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
             raise RuntimeError(f"out of memory while allocating a KV cache: {e}") from e
@@ -223,3 +226,17 @@ def write_positions(cache_pos: jax.Array, positions: jax.Array, slots: jax.Array
     if slots.shape[0] == 1:
         return jax.lax.dynamic_update_slice_in_dim(cache_pos, positions, slots[0], axis=0)
     return cache_pos.at[slots].set(positions, mode="drop")
+
+
+def copy_prefix(src: KVCache, k: jax.Array, capacity: int) -> KVCache:
+    """A new segment of `capacity` slots holding src's positions in [k - capacity, k) (those
+    src still holds), length k: the first k tokens of a cached prompt, ready to be extended.
+    Stored values are copied as they are (no re-quantization), so the result is exact."""
+    s = jnp.arange(capacity)
+    p = s + capacity * ((k - 1 - s) // capacity)  # the last position < k that lands in slot s
+    src_slot = p % src.capacity
+    ok = (p >= 0) & (src.pos[src_slot] == p)
+    layers = tuple({n: jnp.where(ok[None, :, None], jnp.take(a, src_slot, axis=1), jnp.zeros((), a.dtype))
+                    for n, a in entry.items()} for entry in src.layers)
+    return KVCache(layers=layers, pos=jnp.where(ok, p, -1).astype(jnp.int32), length=jnp.asarray(k, jnp.int32),
+                   kv_mode=src.kv_mode)

@@ -13,6 +13,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from . import cache as kvc
 from . import model
 from .cache import KVCache
 from .config import ModelConfig
@@ -29,6 +30,9 @@ def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Ar
     x, own = model.forward(params, cfg, tokens, n_valid, start_pos, ro, own, loops, window)
     last = jax.lax.dynamic_index_in_dim(x, n_valid - 1, axis=0, keepdims=False)
     return model.lm_head(params, last), own
+
+
+copy_prefix = jax.jit(kvc.copy_prefix, static_argnames=("capacity",))
 
 
 @partial(jax.jit, static_argnames=("cfg",))

@@ -22,15 +22,15 @@ from .params import Weights
 
 
 def empty_cache(weights: Weights, n_tokens: int, loops: int | None = None, cache_window: int = 0,
-                start: int = 0, kv_mode: str | None = None) -> KVCache:
+                start: int = 0, kv_mode: str | None = None, batch: int | None = None) -> KVCache:
     """A fresh segment with room for `n_tokens` positions, starting at position `start`, stored
     in `kv_mode` (default the model's; another mode makes a working segment whose values are
     those of the model's mode, see `model.block`)."""
     c = weights.config
     loops = c.default_loops if loops is None else loops
     capacity = kvc.segment_capacity(n_tokens, cache_window)
-    own = kvc.empty(kv_mode or c.kv_mode, c.n_cache_layers(loops), c.n_heads, capacity, c.head_dim)
-    return own.replace(length=jnp.int32(start))
+    own = kvc.empty(kv_mode or c.kv_mode, c.n_cache_layers(loops), c.n_heads, capacity, c.head_dim, batch)
+    return own.replace(length=jnp.full(own.length.shape, start, jnp.int32))
 
 
 def prefill(weights: Weights, tokens, cache: KVCache, ro: tuple = (), start_pos: int | None = None,

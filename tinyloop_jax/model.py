@@ -42,21 +42,31 @@ def attend_mask(key_pos: jax.Array, q_pos: jax.Array, window: int) -> jax.Array:
     return ok
 
 
+def attend_partial(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array, key_pos: jax.Array, window: int):
+    """One segment's partial softmax: q [H, T, hd] (pre-scaled), k, v [H, C, hd], key_pos [C] ->
+    (o [H, T, hd] unnormalized, m [H, T] row max, l [H, T] row sum of exp(s - m))."""
+    ok = attend_mask(key_pos, q_pos, window)[None]
+    s = jnp.where(ok, jnp.einsum("htd,hcd->htc", q, k), _NEG)
+    m = jnp.max(s, axis=-1)
+    p = jnp.where(ok, jnp.exp(s - m[..., None]), 0.0)
+    return jnp.einsum("htc,hcd->htd", p, v), m, jnp.sum(p, axis=-1)
+
+
+def merge_partials(parts: list) -> jax.Array:
+    """Partial softmaxes of several segments -> normalized attention output, by log-sum-exp:
+    the result equals one softmax over all the segments' keys (cascade attention)."""
+    o, _, l = i4.merge(*(jnp.stack(x) for x in zip(*parts)))
+    return o / jnp.where(l > 0, l, 1.0)[..., None]  # l = 0 only for padding rows that see no key
+
+
 def attention(q: jax.Array, q_pos: jax.Array, kvs: list, window: int) -> jax.Array:
     """q [H, T, hd]; kvs: list of (k [H, C, hd], v [H, C, hd], key_pos [C]) -> [H, T, hd].
 
-    Scores of every segment are concatenated (they are small: [H, T, C]) and normalised
-    together, which equals merging per-segment softmaxes by log-sum-exp."""
-    scale = q.shape[-1] ** -0.5
-    scores = [jnp.where(attend_mask(p, q_pos, window)[None],
-                        jnp.einsum("htd,hcd->htc", q, k) * scale, _NEG) for k, _, p in kvs]
-    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
-    out, start = 0.0, 0
-    for (_, v, p) in kvs:
-        c = p.shape[0]
-        out = out + jnp.einsum("htc,hcd->htd", probs[..., start:start + c], v)
-        start += c
-    return out
+    Each segment (a shared prefix, the own cache, the chunk itself) gives a partial softmax;
+    they are merged by log-sum-exp. Under `vmap` over requests with a shared prefix left
+    unbatched, the prefix's part is one matmul of all requests' queries against one copy."""
+    q = q * q.shape[-1] ** -0.5
+    return merge_partials([attend_partial(q, q_pos, k, v, p, window) for k, v, p in kvs])
 
 
 def attention_int4_decode(q: jax.Array, q_pos: jax.Array, segs: list, window: int) -> jax.Array:
@@ -64,8 +74,7 @@ def attention_int4_decode(q: jax.Array, q_pos: jax.Array, segs: list, window: in
     partial softmax per segment (the Pallas kernel on GPU), merged by log-sum-exp."""
     qs = q[:, 0] * q.shape[-1] ** -0.5
     parts = [i4.int4_attention(qs, q_pos[0], e["k"], e["ks"], e["v"], e["vs"], p, window=window) for e, p in segs]
-    o, _, l = i4.merge(*(jnp.stack(x) for x in zip(*parts)))
-    return (o / l[:, None])[:, None]
+    return merge_partials(parts)[:, None]
 
 
 def qkv_heads(x: jax.Array, blk: BlockParams, cfg: ModelConfig):

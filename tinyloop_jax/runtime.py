@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import cache as kvc
-from . import checkpoint, engine, hf_gpt2
+from . import batch, checkpoint, engine, hf_gpt2
 from . import functional as F
 from . import validation as check
 from .config import ModelConfig, check_kv_mode
@@ -127,6 +127,18 @@ class Model:
     def _build(self, prompt: np.ndarray, loops: int, window: int) -> PrefixCache:
         own = self._empty(len(prompt), loops, window)
         logits, own = self._prefill(prompt, (), own, loops, window)
+        return self._wrap(own, prompt, logits, loops, window)
+
+    def _extend_prefix(self, source: PrefixCache, k: int, prompt: np.ndarray) -> PrefixCache:
+        """The prefix of `prompt` whose first k tokens are source's first k: those positions are
+        copied (no compute), only prompt[k:] is prefilled. Needs 0 < k < len(prompt)."""
+        self._check_prefix(source)
+        loops, window = source.loops, source.cache_window
+        own = engine.copy_prefix(source.cache, jnp.int32(k), capacity=kvc.segment_capacity(len(prompt), window))
+        logits, own = self._prefill(prompt[k:], (), own, loops, window)
+        return self._wrap(own, prompt, logits, loops, window)
+
+    def _wrap(self, own: kvc.KVCache, prompt: np.ndarray, logits, loops: int, window: int) -> PrefixCache:
         prompt = prompt.copy()
         prompt.setflags(write=False)
         logits = np.asarray(logits, np.float32)
@@ -230,6 +242,77 @@ class Model:
         stops = check.stop_sequences(list(stop_sequences), self._config.vocab_size)
         self._check_length(len(prefix) + len(suffix) + max_tokens, "prefix + suffix + max_tokens")
         return self._decode(prefix, suffix, max_tokens, sampling, stops, loops, window)
+
+    def _decode_batch(self, prefix: PrefixCache | None, suffixes: list, max_tokens: int, sampling: tuple,
+                      stops: list, seeds: list, loops: int, window: int) -> list[list[int]]:
+        """N requests, each = prefix (shared, read once per step for all) + its suffix + decode."""
+        t, k, p, r, _ = sampling
+        c, N = self._config, len(suffixes)
+        P = 0 if prefix is None else len(prefix)
+        lens = np.array([len(x) for x in suffixes], np.int32)
+        ro, work_mode = (() if prefix is None else (prefix.cache,)), None
+        if c.kv_mode.endswith("-h"):  # as in _decode: K/V rebuilt once, shared by the whole batch
+            ro = tuple(engine.materialize(self._params, c, seg) for seg in ro)
+            work_mode = "fp32"
+        own = F.empty_cache(self.weights, int(lens.max()) + max_tokens, loops, window, start=P,
+                            kv_mode=work_mode, batch=N)
+        logits = jnp.broadcast_to(jnp.asarray(prefix.logits), (N, c.vocab_size)) if prefix is not None else None
+        if lens.max() > 0:
+            tokens = np.zeros((N, kvc.bucket(int(lens.max()))), np.int32)
+            for i, x in enumerate(suffixes):
+                tokens[i, :len(x)] = x
+            fresh, own = batch.prefill(self._params, c, jnp.asarray(tokens), jnp.asarray(lens),
+                                       jnp.full((N,), P, jnp.int32), ro, own, loops=loops, window=window)
+            logits = fresh if logits is None else jnp.where(jnp.asarray(lens > 0)[:, None], fresh, logits)
+        seen = np.zeros((N, c.vocab_size), bool)
+        for i, x in enumerate(suffixes):
+            seen[i, x] = True
+            if prefix is not None:
+                seen[i, prefix.prompt] = True
+        out, n, _ = batch.decode(self._params, c, ro, own, logits, jnp.asarray(seen),
+                                 SamplingParams.make_batch(t, k, p, r, seeds), StopSpec.make_batch(stops),
+                                 jnp.int32(max_tokens), loops=loops, window=window,
+                                 out_len=kvc.bucket(max_tokens, minimum=8))
+        out, n = np.asarray(out), np.asarray(n)
+        head = [] if prefix is None else prefix.prompt.tolist()
+        return [head + x.tolist() + out[i, : n[i]].tolist() for i, x in enumerate(suffixes)]
+
+    def generate_batch_from_prefix_cache(self, prefix: PrefixCache, suffixes, max_tokens: int = 32,
+                                         loops: int | None = None, temperature: float = 0.0, top_k: int = 50,
+                                         top_p: float = 1.0, cache_window: int | None = None,
+                                         repetition_penalty: float = 1.0, stop_sequences=(),
+                                         seeds=None) -> list[list[int]]:
+        """N requests off one prefix, decoded together: the i-th result equals
+        `generate_from_prefix_cache(prefix, suffix=suffixes[i], seed=seeds[i], ...)`.
+
+        Suffixes may differ in length (or be empty). `stop_sequences` is one list for all
+        requests or one list per request; `seeds` one per request (default 0 each). The prefix
+        is read once per step for the whole batch and never copied or written.
+        """
+        self._check_open()
+        loops, window, _ = self._prefix_call(prefix, loops, cache_window, None)
+        suffixes = check.token_lists(suffixes, self._config.vocab_size, "suffixes", allow_empty=True)
+        return self._batch_call(prefix, suffixes, max_tokens, (temperature, top_k, top_p, repetition_penalty),
+                                stop_sequences, seeds, loops, window)
+
+    def generate_batch(self, prompts, max_tokens: int = 32, loops: int | None = None, temperature: float = 0.0,
+                       top_k: int = 50, top_p: float = 1.0, cache_window: int = 0, repetition_penalty: float = 1.0,
+                       stop_sequences=(), seeds=None) -> list[list[int]]:
+        """Unrelated prompts decoded together (ragged, padded and masked): the i-th result
+        equals `generate(prompts[i], seed=seeds[i], ...)`."""
+        self._check_open()
+        prompts = check.token_lists(prompts, self._config.vocab_size, "prompts", allow_empty=False)
+        return self._batch_call(None, prompts, max_tokens, (temperature, top_k, top_p, repetition_penalty),
+                                stop_sequences, seeds, self._loops(loops), check.cache_window(cache_window))
+
+    def _batch_call(self, prefix, suffixes, max_tokens, knobs, stop_sequences, seeds, loops, window):
+        max_tokens = check.max_tokens(max_tokens)
+        sampling = check.sampling(*knobs, 0)
+        stops = check.batch_stop_sequences(stop_sequences, len(suffixes), self._config.vocab_size)
+        seeds = check.seeds(seeds, len(suffixes))
+        P = 0 if prefix is None else len(prefix)
+        self._check_length(P + max(len(x) for x in suffixes) + max_tokens, "prefix + longest suffix + max_tokens")
+        return self._decode_batch(prefix, suffixes, max_tokens, sampling, stops, seeds, loops, window)
 
     def next_token_logits_from_prefix(self, prefix: PrefixCache, suffix, loops: int | None = None) -> np.ndarray:
         """Next-token logits [V] float32 after prefix.prompt + suffix, reusing the prefix."""

@@ -25,6 +25,14 @@ class SamplingParams:
         return cls(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
                    jnp.float32(repetition_penalty), jax.random.key(seed))
 
+    @classmethod
+    def make_batch(cls, temperature, top_k, top_p, repetition_penalty, seeds):
+        """The same knobs for every request, one seed each: every field gets a leading axis."""
+        n = len(seeds)
+        full = lambda v, dt: jnp.full((n,), v, dt)  # noqa: E731
+        return cls(full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32),
+                   full(repetition_penalty, jnp.float32), jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32)))
+
 
 def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, penalty: jax.Array) -> jax.Array:
     """HF semantics over tokens seen so far (seen [V] bool): positive logits divided,
@@ -66,15 +74,27 @@ class StopSpec:
     @classmethod
     def make(cls, stop_sequences: list[list[int]]):
         """Pad to power-of-two shapes so varied stop lists share compiled programs."""
-        n = max(1, len(stop_sequences))
-        lmax = max([1] + [len(s) for s in stop_sequences])
-        S, L = 1 << (n - 1).bit_length(), 1 << (lmax - 1).bit_length()
-        toks = np.full((S, L), -1, np.int32)
-        lens = np.zeros((S,), np.int32)
-        for i, s in enumerate(stop_sequences):
-            toks[i, :len(s)] = s
-            lens[i] = len(s)
+        toks, lens = cls._padded([stop_sequences])
+        return cls(jnp.asarray(toks[0]), jnp.asarray(lens[0]))
+
+    @classmethod
+    def make_batch(cls, per_request: list[list[list[int]]]):
+        """One stop list per request, padded to one shape: tokens [N, S, L], lengths [N, S]."""
+        toks, lens = cls._padded(per_request)
         return cls(jnp.asarray(toks), jnp.asarray(lens))
+
+    @staticmethod
+    def _padded(lists):
+        n = max([1] + [len(x) for x in lists])
+        lmax = max([1] + [len(s) for x in lists for s in x])
+        S, L = 1 << (n - 1).bit_length(), 1 << (lmax - 1).bit_length()
+        toks = np.full((len(lists), S, L), -1, np.int32)
+        lens = np.zeros((len(lists), S), np.int32)
+        for r, x in enumerate(lists):
+            for i, s in enumerate(x):
+                toks[r, i, :len(s)] = s
+                lens[r, i] = len(s)
+        return toks, lens
 
 
 def stop_hit(out: jax.Array, n: jax.Array, stop: StopSpec) -> jax.Array:

@@ -93,3 +93,33 @@ def stop_sequences(value, vocab_size: int) -> list[list[int]]:
             raise ValueError(f"stop_sequences[{i}] is empty")
         out.append(tokens(seq, vocab_size, name=f"stop_sequences[{i}]").tolist())
     return out
+
+
+def token_lists(value, vocab_size: int, name: str, allow_empty: bool) -> list[np.ndarray]:
+    """A non-empty list of token-id sequences (one per request)."""
+    if isinstance(value, (str, bytes, np.ndarray)) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list with one token-id sequence per request, got {type(value).__name__}")
+    if len(value) == 0:
+        raise ValueError(f"{name} is empty; give at least one request")
+    return [tokens(x, vocab_size, name=f"{name}[{i}]", allow_empty=allow_empty) for i, x in enumerate(value)]
+
+
+def batch_stop_sequences(value, n: int, vocab_size: int) -> list[list[list[int]]]:
+    """Stop sequences for N requests: one list shared by all (`[[1, 2], [3]]`), or one list per
+    request (`[[[1, 2]], [], [[3]]]`: N items, each a list of token-id lists)."""
+    if value is None:
+        return [[] for _ in range(n)]
+    value = list(value)
+    nested = lambda x: isinstance(x, (list, tuple)) and not any(isinstance(e, numbers.Number) for e in x)  # noqa: E731
+    if len(value) == n and all(nested(x) for x in value):
+        return [stop_sequences(list(x), vocab_size) for x in value]
+    shared = stop_sequences(value, vocab_size)
+    return [shared for _ in range(n)]
+
+
+def seeds(value, n: int) -> list[int]:
+    if value is None:
+        return [0] * n
+    if isinstance(value, (int, np.integer)) or len(value) != n:
+        raise ValueError(f"seeds must be a list with one seed per request ({n}), got {value!r}")
+    return [sampling(0.0, 0, 1.0, 1.0, s)[4] for s in value]

@@ -1,0 +1,121 @@
+"""Shared-prefix batching: N requests decoded together equal N separate calls; the prefix is
+read, not replicated."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tinyloop_jax as tl
+from tinyloop_jax import batch, functional as F
+from tinyloop_jax.sampling import SamplingParams, StopSpec
+from conftest import prompt_of, tiny_config
+
+CLOSE = dict(atol=1e-3, rtol=1e-2)
+
+
+@pytest.fixture(scope="module")
+def mode_models():
+    return {m: tl.Model.random(tiny_config(kv_mode=m), seed=0) for m in tl.KV_MODES}
+
+
+def ragged(seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 128, n).astype(np.int32) for n in (5, 0, 1, 12, 3)]
+
+
+@pytest.mark.parametrize("mode,window", [(m, 0) for m in tl.KV_MODES] + [("fp32", 7), ("int8-h", 7), ("int4", 7)])
+def test_batched_greedy_equals_separate_calls(mode_models, mode, window):
+    model = mode_models[mode]
+    prefix = model.build_prefix_cache(prompt_of(20, seed=1), loops=2, cache_window=window)
+    suffixes = ragged()
+    got = model.generate_batch_from_prefix_cache(prefix, suffixes, max_tokens=9)
+    want = [model.generate_from_prefix_cache(prefix, suffix=s, max_tokens=9) for s in suffixes]
+    assert got == want
+
+
+def test_batched_logits_match_separate_prefills(mode_models):
+    """The batched prefill's per-request next-token logits == one request at a time."""
+    for mode in ("fp32", "int4-h"):
+        model = mode_models[mode]
+        w, cfg = model.weights, model.weights.config
+        prefix = model.build_prefix_cache(prompt_of(20, seed=1), loops=2)
+        suffixes = [s for s in ragged() if len(s)]
+        lens = np.array([len(s) for s in suffixes], np.int32)
+        tokens = np.zeros((len(suffixes), 16), np.int32)
+        for i, s in enumerate(suffixes):
+            tokens[i, :len(s)] = s
+        ro = (prefix.cache,)
+        own = F.empty_cache(w, 16, 2, start=20, batch=len(suffixes))
+        logits, _ = batch.prefill(w.params, cfg, jnp.asarray(tokens), jnp.asarray(lens), jnp.full((len(lens),), 20),
+                                  ro, own, loops=2, window=0)
+        for i, s in enumerate(suffixes):
+            np.testing.assert_allclose(np.asarray(logits[i]), model.next_token_logits_from_prefix(prefix, s), **CLOSE)
+
+
+def test_sampling_seeds_and_mixed_stops(mode_models):
+    model = mode_models["fp32"]
+    prefix = model.build_prefix_cache(prompt_of(16, seed=2), loops=3)
+    suffixes = ragged(3)
+    greedy = [model.generate_from_prefix_cache(prefix, suffix=s, max_tokens=12)[len(prefix) + len(s):]
+              for s in suffixes]
+    # per-request stop lists: stop request i after its 3rd greedy token (none for request 1)
+    stops = [[[int(g[2])]] if i != 1 else [] for i, g in enumerate(greedy)]
+    got = model.generate_batch_from_prefix_cache(prefix, suffixes, max_tokens=12, stop_sequences=stops)
+    want = [model.generate_from_prefix_cache(prefix, suffix=s, max_tokens=12, stop_sequences=st)
+            for s, st in zip(suffixes, stops)]
+    assert got == want and len(got[1]) == len(prefix) + len(suffixes[1]) + 12
+    assert all(len(g) < len(prefix) + len(s) + 12 for i, (g, s) in enumerate(zip(got, suffixes)) if i != 1)
+    # sampling: each request with its own seed equals the same call made alone
+    kw = dict(max_tokens=10, temperature=0.9, top_k=20, top_p=0.9)
+    seeds = [3, 1, 4, 1, 5]
+    got = model.generate_batch_from_prefix_cache(prefix, suffixes, seeds=seeds, **kw)
+    assert got == [model.generate_from_prefix_cache(prefix, suffix=s, seed=sd, **kw) for s, sd in zip(suffixes, seeds)]
+    shared = model.generate_batch_from_prefix_cache(prefix, suffixes[:2], max_tokens=12,
+                                                    stop_sequences=[[int(greedy[0][2])]])
+    assert shared[0] == model.generate_from_prefix_cache(prefix, suffix=suffixes[0], max_tokens=12,
+                                                         stop_sequences=[[int(greedy[0][2])]])
+
+
+@pytest.mark.parametrize("mode,window", [("fp32", 0), ("int8", 5), ("fp16-h", 0)])
+def test_generate_batch_of_unrelated_prompts(mode_models, mode, window):
+    model = mode_models[mode]
+    prompts = [prompt_of(n, seed=n) for n in (3, 17, 1, 9)]
+    got = model.generate_batch(prompts, max_tokens=8, loops=2, cache_window=window)
+    assert got == [model.generate(p, max_tokens=8, loops=2, cache_window=window) for p in prompts]
+
+
+def test_prefix_is_not_copied_per_request(mode_models):
+    """XLA's memory analysis of the batched decode program: its scratch stays far below N
+    copies of the prefix (the prefix is an argument, read by one matmul per layer)."""
+    model = mode_models["fp32"]
+    w, cfg = model.weights, model.weights.config
+    prefix = model.build_prefix_cache(prompt_of(120, seed=0), loops=3)
+    N = 8
+    own = F.empty_cache(w, 24, 3, start=120, batch=N)
+    compiled = batch.decode.lower(
+        w.params, cfg, (prefix.cache,), own, jnp.zeros((N, cfg.vocab_size)), jnp.zeros((N, cfg.vocab_size), bool),
+        SamplingParams.make_batch(0.0, 0, 1.0, 1.0, list(range(N))), StopSpec.make_batch([[]] * N),
+        jnp.int32(16), loops=3, window=0, out_len=16).compile()
+    mem = compiled.memory_analysis()
+    assert mem.temp_size_in_bytes < prefix.nbytes, (mem.temp_size_in_bytes, prefix.nbytes)
+    assert mem.argument_size_in_bytes < prefix.nbytes + own.nbytes + sum(
+        x.nbytes for x in jax.tree.leaves(w.params)) + 2**20
+
+
+def test_prefix_unchanged_and_bad_batches(mode_models):
+    model = mode_models["fp32"]
+    prefix = model.build_prefix_cache(prompt_of(10), loops=2)
+    before = [np.asarray(x).copy() for x in jax.tree.leaves(prefix.cache)]
+    model.generate_batch_from_prefix_cache(prefix, ragged(), max_tokens=4)
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(before, jax.tree.leaves(prefix.cache)))
+    with pytest.raises(ValueError, match="suffixes is empty"):
+        model.generate_batch_from_prefix_cache(prefix, [])
+    with pytest.raises(ValueError, match=r"suffixes\[1\]\[0\] = 999"):
+        model.generate_batch_from_prefix_cache(prefix, [[1], [999]])
+    with pytest.raises(ValueError, match="seeds must be a list with one seed per request"):
+        model.generate_batch_from_prefix_cache(prefix, [[1], [2]], seeds=[1])
+    with pytest.raises(ValueError, match="prompts\\[0\\] is empty"):
+        model.generate_batch([[]])
+    with pytest.raises(RuntimeError, match="loops mismatch"):
+        model.generate_batch_from_prefix_cache(prefix, [[1]], loops=3)

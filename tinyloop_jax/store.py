@@ -1,0 +1,286 @@
+"""`PrefixStore`: many cached prefixes, longest-prefix match, extension, LRU eviction, persistence.
+
+    store = tl.PrefixStore(model, max_bytes=256 << 20)
+    out = store.generate(system_prompt + question, max_tokens=64)   # == model.generate(...)
+
+A request's prompt is matched against every cached entry through a radix tree whose edges
+are chunks of at most 32 token ids (`CHUNK`); inside the first chunk that differs the match
+continues token by token, so the match is exact to the token. Any entry passing through the
+matched node serves that prefix (an entry serves every shorter prefix of itself). The matched
+positions are copied out of that entry (`cache.copy_prefix`, no model compute), the unmatched
+rest of the prompt is prefilled on top of them, the result is inserted as a new entry, and the
+request decodes from it. Entries are immutable; eviction is LRU by count and by bytes, and an
+entry a running call holds is never evicted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from . import validation as check
+from .prefix import PrefixCache
+
+CHUNK = 32
+
+
+class _Node:
+    __slots__ = ("children", "entries")
+
+    def __init__(self):
+        self.children: dict[tuple, _Node] = {}
+        self.entries: set[int] = set()  # ids of the entries whose prompt runs through this node
+
+
+def _chunks(tokens: np.ndarray):
+    return [tuple(int(t) for t in tokens[i:i + CHUNK]) for i in range(0, len(tokens), CHUNK)]
+
+
+def _common(a: tuple, b: tuple) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class PrefixStore:
+    """Cached prefixes of one model at one depth and window. Thread-safe."""
+
+    def __init__(self, model, max_entries: int | None = None, max_bytes: int | None = None, loops: int | None = None,
+                 cache_window: int = 0):
+        if max_entries is not None and check._int(max_entries, "max_entries") < 1:
+            raise ValueError(f"max_entries must be >= 1 or None, got {max_entries}")
+        if max_bytes is not None and check._int(max_bytes, "max_bytes") < 1:
+            raise ValueError(f"max_bytes must be >= 1 or None, got {max_bytes}")
+        self.model = model
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self.loops = model.config()["default_loops"] if loops is None else check.loops(loops)
+        self.cache_window = check.cache_window(cache_window)
+        self._root = _Node()
+        self._entries: OrderedDict[int, PrefixCache] = OrderedDict()  # LRU first, MRU last
+        self._by_prompt: dict[bytes, int] = {}
+        self._pins: dict[int, int] = {}
+        self._used: dict[int, int] = {}  # entry id -> tick of its last use
+        self._tick = 0
+        self._next_id = 0
+        self._lock = threading.RLock()
+        self._stats = dict(hits=0, misses=0, tokens_reused=0, tokens_prefilled=0, evictions=0)
+
+    # ---- the index ---------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return dict(self._stats, entries=len(self._entries), bytes=self._bytes())
+
+    def entries(self) -> list[PrefixCache]:
+        """The cached prefixes, least recently used first."""
+        with self._lock:
+            return list(self._entries.values())
+
+    def _bytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def _match(self, prompt: np.ndarray) -> tuple[int, int | None]:
+        """(matched tokens, id of the most recently used entry that holds them)."""
+        node, k = self._root, 0
+        for chunk in _chunks(prompt):
+            child = node.children.get(chunk)
+            if child is not None:
+                node, k = child, k + len(chunk)
+                continue
+            best, best_child = 0, None
+            for key, ch in node.children.items():
+                n = _common(key, chunk)
+                if n > best:
+                    best, best_child = n, ch
+            if best_child is not None:
+                node, k = best_child, k + best
+            break
+        if k == 0 or not node.entries:
+            return 0, None
+        return k, max(node.entries, key=self._used.__getitem__)
+
+    def _insert(self, entry: PrefixCache) -> int:
+        key = entry.prompt.tobytes()
+        if key in self._by_prompt:  # an equal entry was inserted meanwhile (another thread)
+            return self._by_prompt[key]
+        i, self._next_id = self._next_id, self._next_id + 1
+        self._entries[i] = entry
+        self._by_prompt[key] = i
+        self._touch(i)
+        node = self._root
+        node.entries.add(i)
+        for chunk in _chunks(entry.prompt):
+            node = node.children.setdefault(chunk, _Node())
+            node.entries.add(i)
+        return i
+
+    def _remove(self, i: int) -> None:
+        entry = self._entries.pop(i)
+        del self._by_prompt[entry.prompt.tobytes()]
+        del self._used[i]
+        node = self._root
+        node.entries.discard(i)
+        for chunk in _chunks(entry.prompt):
+            child = node.children[chunk]
+            child.entries.discard(i)
+            if not child.entries:
+                del node.children[chunk]
+                break
+            node = child
+
+    def _evict(self) -> None:
+        def over():
+            return ((self.max_entries is not None and len(self._entries) > self.max_entries)
+                    or (self.max_bytes is not None and self._bytes() > self.max_bytes))
+        for i in list(self._entries):  # LRU first
+            if not over():
+                break
+            if self._pins.get(i, 0) == 0:
+                self._remove(i)
+                self._stats["evictions"] += 1
+
+    def _touch(self, i: int) -> None:
+        self._entries.move_to_end(i)
+        self._tick += 1
+        self._used[i] = self._tick
+
+    def _pin(self, i: int, delta: int) -> None:
+        self._pins[i] = self._pins.get(i, 0) + delta
+        if self._pins[i] == 0:
+            del self._pins[i]
+
+    # ---- serving -----------------------------------------------------------------------------
+
+    def lookup(self, prompt) -> tuple[PrefixCache | None, int]:
+        """(the entry that would serve `prompt`, how many of its tokens match) — no side effects."""
+        prompt = check.tokens(prompt, self.model.config()["vocab_size"])
+        with self._lock:
+            k, i = self._match(prompt)
+            return (self._entries[i] if i is not None else None), k
+
+    def prefix_for(self, prompt) -> PrefixCache:
+        """The PrefixCache of exactly `prompt`: reused, extended from the longest cached
+        prefix, or built; inserted (most recently used) either way."""
+        prefix, i = self._acquire(check.tokens(prompt, self.model.config()["vocab_size"]))
+        with self._lock:
+            self._pin(i, -1)
+            self._evict()
+        return prefix
+
+    def _acquire(self, prompt: np.ndarray) -> tuple[PrefixCache, int]:
+        """Find or make the entry for `prompt` and pin it (the caller unpins)."""
+        with self._lock:
+            k, src = self._match(prompt)
+            if src is not None:
+                k = self._usable(self._entries[src], k, len(prompt))
+            if src is not None and k == len(prompt) == len(self._entries[src]):  # exact hit
+                self._touch(src)
+                self._pin(src, +1)
+                self._stats["hits"] += 1
+                self._stats["tokens_reused"] += k
+                return self._entries[src], src
+            source = self._entries[src] if k > 0 else None
+            if source is not None:
+                self._touch(src)
+                self._pin(src, +1)
+        try:
+            if source is None:
+                entry = self.model.build_prefix_cache(prompt, loops=self.loops, cache_window=self.cache_window)
+            else:
+                entry = self.model._extend_prefix(source, k, prompt)
+        finally:
+            if source is not None:
+                with self._lock:
+                    self._pin(src, -1)
+        with self._lock:
+            self._stats["hits" if k > 0 else "misses"] += 1
+            self._stats["tokens_reused"] += k
+            self._stats["tokens_prefilled"] += len(prompt) - k
+            i = self._insert(entry)
+            self._touch(i)
+            self._pin(i, +1)
+            return self._entries[i], i
+
+    def _usable(self, entry: PrefixCache, k: int, n_prompt: int) -> int:
+        """How many of the k matched positions this entry can hand over: the next-token logits
+        are stored only for an entry's last position, so a full-prompt match inside a longer
+        entry re-runs its last token; a ring buffer (window) must still hold the last W of them."""
+        if k == n_prompt and len(entry) > k:
+            k -= 1
+        if self.cache_window > 0 and k > 0:
+            held = set(np.asarray(entry.cache.pos).tolist())
+            if any(p not in held for p in range(max(0, k - self.cache_window), k)):
+                return 0
+        return k
+
+    def generate(self, prompt, max_tokens: int = 32, temperature: float = 0.0, top_k: int = 50, top_p: float = 1.0,
+                 repetition_penalty: float = 1.0, stop_sequences=(), seed: int = 0) -> list[int]:
+        """`model.generate(prompt, ...)` at the store's depth and window, prefilling only the part
+        of `prompt` that no cached entry holds."""
+        prompt = check.tokens(prompt, self.model.config()["vocab_size"])
+        prefix, i = self._acquire(prompt)
+        try:
+            return self.model.generate_from_prefix_cache(
+                prefix, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed)
+        finally:
+            with self._lock:
+                self._pin(i, -1)
+                self._evict()
+
+    # ---- persistence -------------------------------------------------------------------------
+
+    def save(self, path: str) -> None:
+        """Write every entry (orbax prefix checkpoints) and the LRU order to a new folder.
+        Atomic: written beside `path`, then renamed."""
+        path = os.fspath(path)
+        if os.path.exists(path):
+            raise ValueError(f"{path!r} already exists; choose a new folder")
+        with self._lock:
+            entries = list(self._entries.values())
+        parent = os.path.dirname(os.path.abspath(path))
+        tmp = tempfile.mkdtemp(prefix=".prefix_store-", dir=parent)
+        try:
+            for n, e in enumerate(entries):
+                e.save(os.path.join(tmp, f"entry_{n:05d}"))
+            with open(os.path.join(tmp, "store.json"), "w") as f:
+                json.dump(dict(format="tinyloop-prefix-store", version=1, loops=self.loops,
+                               cache_window=self.cache_window, max_entries=self.max_entries,
+                               max_bytes=self.max_bytes, n_entries=len(entries)), f, indent=1)
+            os.rename(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    @classmethod
+    def load(cls, path: str, model) -> "PrefixStore":
+        """A store saved by `save`, for `model` (entries of another model are refused)."""
+        path = os.fspath(path)
+        meta_file = os.path.join(path, "store.json")
+        if not os.path.isfile(meta_file):
+            raise ValueError(f"{path!r} is not a saved PrefixStore (no store.json)")
+        with open(meta_file) as f:
+            meta = json.load(f)
+        if meta.get("format") != "tinyloop-prefix-store":
+            raise ValueError(f"{meta_file} is not a PrefixStore record")
+        store = cls(model, meta["max_entries"], meta["max_bytes"], meta["loops"], meta["cache_window"])
+        for n in range(meta["n_entries"]):
+            entry = PrefixCache.load(os.path.join(path, f"entry_{n:05d}"), model)
+            if entry.loops != store.loops or entry.cache_window != store.cache_window:
+                raise ValueError(f"entry_{n:05d} was built at loops={entry.loops}, window={entry.cache_window}")
+            store._insert(entry)
+        return store
+
