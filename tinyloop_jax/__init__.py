@@ -9,5 +9,6 @@ from .runtime import Model
 from .store import PrefixStore
 from .tokenizer import ByteTokenizer
 
-__all__ = ["ByteTokenizer", "KV_MODES", "KVCache", "Model", "ModelConfig", "PrefixCache", "PrefixStore", "Weights", "functional"]
+__all__ = ["ByteTokenizer", "KV_MODES", "KVCache", "Model", "ModelConfig", "PrefixCache", "PrefixStore", "Weights",
+           "functional"]
 __version__ = "0.1.0"

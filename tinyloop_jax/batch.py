@@ -22,7 +22,7 @@ from . import model
 from .cache import KVCache
 from .config import ModelConfig
 from .params import Params
-from .sampling import SamplingParams, StopSpec, select_token, stop_hit
+from .sampling import SamplingParams, StopSpec, select_tokens, stop_hit
 
 
 def _forward(params, cfg, tokens, n_valid, start_pos, ro, own, loops, window):
@@ -50,7 +50,7 @@ def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logi
     max_tokens. Returns (out [N, out_len] int32, n_emitted [N], own)."""
     N = first_logits.shape[0]
     rows = jnp.arange(N)
-    select = jax.vmap(select_token, in_axes=(0, 0, 0, None))
+    select = select_tokens
     hit = jax.vmap(stop_hit, in_axes=(0, None, 0))
     out = jnp.full((N, out_len), -1, jnp.int32)
     tok = select(first_logits, seen, sp, jnp.int32(0))

@@ -64,6 +64,17 @@ def select_token(logits: jax.Array, seen: jax.Array, sp: SamplingParams, step: j
                         lambda: _sample(logits, sp, jax.random.fold_in(sp.key, step)))
 
 
+def select_tokens(logits: jax.Array, seen: jax.Array, sp: SamplingParams, step: jax.Array) -> jax.Array:
+    """A batch: logits, seen [N, V], sp with a leading request axis -> tokens [N]. The knobs
+    other than the seed are shared by the batch, so greedy is one branch for all (a vmapped
+    `select_token` would turn its cond into a select and sort every row even when greedy)."""
+    logits = jax.vmap(apply_repetition_penalty)(logits, seen, sp.repetition_penalty)
+    return jax.lax.cond(sp.temperature[0] <= 0,
+                        lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32),
+                        lambda: jax.vmap(lambda lg, s, k: _sample(lg, s, jax.random.fold_in(k, step)))(
+                            logits, sp, sp.key))
+
+
 # ---- stop sequences --------------------------------------------------------------------------
 
 @struct.dataclass
