@@ -12,7 +12,9 @@ suffix, greedy tokens. Arms:
                 documented prompt-reuse recipe), `generate(..., past_key_values=copy)`
   ours NO_CACHE `Model.generate(prefix + suffix)` per request
   ours SHARED   `build_prefix_cache(prefix)` once, `generate_from_prefix_cache` per request
-All four must emit the same tokens (checked first). Wall time per arm includes building its
+  ours SHARED-BATCHED  the prefix once, all N requests decoded together
+                `generate_batch_from_prefix_cache` (the prefix read once per step for all)
+All arms must emit the same tokens (checked first). Wall time per arm includes building its
 prefix; median of `--repeats` runs. Then batch-1 decode tokens/s of each system from the
 same prompt: (t[33 tokens] - t[1 token]) / 32.
 """
@@ -103,8 +105,12 @@ def main():
         return [pre.prompt.tolist() + ours.generate_from_prefix_cache(pre, suffix=s, max_tokens=new)[len(prefix):]
                 for s in suffixes]
 
+    def arm_batched():
+        pre = ours.build_prefix_cache(prefix)
+        return ours.generate_batch_from_prefix_cache(pre, suffixes, max_tokens=new)
+
     arms = {"HF full prompt": arm_hf_full, "HF prefix reuse (deepcopy)": arm_hf_reuse,
-            "ours NO_CACHE": arm_no_cache, "ours SHARED": arm_shared}
+            "ours NO_CACHE": arm_no_cache, "ours SHARED": arm_shared, "ours SHARED-BATCHED": arm_batched}
     outs = {}
     for i, (name, fn) in enumerate(arms.items()):  # warm-up run doubles as the correctness check
         _report.progress(i, len(arms), f"check {name}")
@@ -147,7 +153,7 @@ def main():
         f"transformers {transformers.__version__}  ",
         f"Model: {shape}, random weights (seed 0) built by transformers and imported with "
         f"`Model.from_hf_gpt2`, float32 in both. Workload: a {args.prefix}-token prefix, N = {args.n} requests "
-        f"each with a different {args.suffix}-token suffix, {new} greedy tokens. All four arms emitted "
+        f"each with a different {args.suffix}-token suffix, {new} greedy tokens. All arms emitted "
         f"identical tokens (checked). Wall time for all N requests including building the prefix, "
         f"median of {args.repeats}.",
         "",

@@ -32,6 +32,36 @@ def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Ar
     return model.lm_head(params, last), own
 
 
+@partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("own",))
+def prefill_states(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
+                   own: KVCache, loops: int, window: int):
+    """`prefill` (no read-only segments) that also returns the loop state: (logits [V], own,
+    state [T, D] (the chunk's residual stream after the last layer, before the final LayerNorm),
+    depth_states [n_layers, D] (the last real token's stream after each cache layer))."""
+    x = model.embed(params, tokens, start_pos)
+    x, x_ln, states, own = model.run_layers(params, cfg, x, n_valid, start_pos, (), own, 0,
+                                            cfg.n_cache_layers(loops), window)
+    last = jax.lax.dynamic_index_in_dim(x_ln, n_valid - 1, axis=0, keepdims=False)
+    return model.lm_head(params, last), own, x, states
+
+
+@partial(jax.jit, static_argnames=("cfg", "first", "last", "window"), donate_argnames=("own",))
+def continue_depth(params: Params, cfg: ModelConfig, state: jax.Array, n_valid: jax.Array, own: KVCache,
+                   first: int, last: int, window: int):
+    """Run cache layers first..last-1 over a prompt whose stream entering layer `first` is
+    state [T, D] (positions from 0): the extra loop iterations of a deeper prefix, nothing before
+    them re-run. Returns (logits [V], own (those layers), state after them, depth_states)."""
+    x, x_ln, states, own = model.run_layers(params, cfg, state, n_valid, jnp.int32(0), (), own, first, last, window)
+    last_x = jax.lax.dynamic_index_in_dim(x_ln, n_valid - 1, axis=0, keepdims=False)
+    return model.lm_head(params, last_x), own, x, states
+
+
+@partial(jax.jit)
+def logits_from_state(params: Params, cfg_eps: float, x: jax.Array) -> jax.Array:
+    """One position's stream [D] -> next-token logits [V] (final LayerNorm + tied head)."""
+    return model.lm_head(params, model.layer_norm(x, params.lnf_g, params.lnf_b, cfg_eps))
+
+
 copy_prefix = jax.jit(kvc.copy_prefix, static_argnames=("capacity",))
 
 

@@ -104,8 +104,10 @@ def block_out(x: jax.Array, a: jax.Array, blk: BlockParams, cfg: ModelConfig) ->
     return x + gelu(h2 @ blk.w_fc + blk.b_fc) @ blk.w_proj + blk.b_proj
 
 
-def block(x, blk: BlockParams, cfg: ModelConfig, layer: int, q_pos, key_pos_self, slots, ro, own, window):
-    """One transformer block on a chunk x [T, D]. Returns (x', own's new entry for `layer`)."""
+def block(x, blk: BlockParams, cfg: ModelConfig, layer: int, q_pos, key_pos_self, slots, ro, own, own_entry,
+          window):
+    """One transformer block on a chunk x [T, D]: cache layer `layer` of the read-only segments,
+    and `own_entry` (that layer of `own`). Returns (x', own's new entry for the layer)."""
     T = x.shape[0]
     h, q, k, v = qkv_heads(x, blk, cfg)
     fresh = kvc.encode(cfg.kv_mode, h, k, v)
@@ -115,7 +117,7 @@ def block(x, blk: BlockParams, cfg: ModelConfig, layer: int, q_pos, key_pos_self
         fresh = kvc.encode(own.kv_mode, h, *read_kv(cfg, fresh, blk))
     if T == 1 and own.kv_mode == "int4" and all(seg.kv_mode == "int4" for seg in ro):
         # packed K/V straight into the attention kernel
-        entry = kvc.write_layer(own.layers[layer], fresh, slots)
+        entry = kvc.write_layer(own_entry, fresh, slots)
         segs = [(seg.layers[layer], seg.pos) for seg in ro]
         segs.append((entry, kvc.write_positions(own.pos, q_pos, slots)))
         return block_out(x, attention_int4_decode(q, q_pos, segs, window), blk, cfg), entry
@@ -123,14 +125,14 @@ def block(x, blk: BlockParams, cfg: ModelConfig, layer: int, q_pos, key_pos_self
     if T == 1:
         # Decode: write first, then attend to the updated buffer. The data dependency lets XLA
         # update the buffer in place; reading the old buffer beside the write forces a copy.
-        entry = kvc.write_layer(own.layers[layer], fresh, slots)
+        entry = kvc.write_layer(own_entry, fresh, slots)
         kvs.append((*read_kv(cfg, entry, blk, own.kv_mode), kvc.write_positions(own.pos, q_pos, slots)))
     else:
         # Prefill: the chunk attends to itself directly (it may be longer than a window's ring
         # buffer), seeing its K/V exactly as a cache would hold them; then it is written.
-        kvs.append((*read_kv(cfg, own.layers[layer], blk, own.kv_mode), own.pos))
+        kvs.append((*read_kv(cfg, own_entry, blk, own.kv_mode), own.pos))
         kvs.append((*read_kv(cfg, fresh, blk, own.kv_mode), key_pos_self))
-        entry = kvc.write_layer(own.layers[layer], fresh, slots)
+        entry = kvc.write_layer(own_entry, fresh, slots)
     return block_out(x, attention(q, q_pos, kvs, window), blk, cfg), entry
 
 
@@ -143,22 +145,39 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Ar
     segment this call writes, with n_pre_blocks + loops layers.
     Returns (hidden [T, D] after the final LayerNorm, new own cache).
     """
-    T = tokens.shape[0]
-    if own.n_layers != cfg.n_cache_layers(loops) or any(s.n_layers != own.n_layers for s in ro):
-        raise ValueError(f"cache has {own.n_layers} layers; loops={loops} needs {cfg.n_cache_layers(loops)}")
+    x = embed(params, tokens, start_pos)
+    _, x, _, own = run_layers(params, cfg, x, n_valid, start_pos, ro, own, 0, cfg.n_cache_layers(loops), window)
+    return x, own
+
+
+def embed(params: Params, tokens: jax.Array, start_pos: jax.Array) -> jax.Array:
+    q_pos = start_pos + jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    return params.wte[tokens] + params.wpe[jnp.minimum(q_pos, params.wpe.shape[0] - 1)]
+
+
+def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
+               ro: tuple, own: kvc.KVCache, first: int, last: int, window: int):
+    """Cache layers first .. last-1 on the residual stream x [T, D] (the state entering layer
+    `first`); `own` holds exactly those layers, read-only segments hold all `last` layers.
+    Returns (x after layer last-1 [T, D], x after LayerNorm, states [last-first, D] of the last
+    real token after each layer, new own)."""
+    T = x.shape[0]
+    if own.n_layers != last - first or any(s.n_layers != last for s in ro):
+        raise ValueError(f"cache has {own.n_layers} layers for layers {first}..{last - 1} "
+                         f"(read-only segments: {[s.n_layers for s in ro]})")
     q_pos = start_pos + jnp.arange(T, dtype=jnp.int32)
     key_pos_self = jnp.where(jnp.arange(T) < n_valid, q_pos, -1)
-    x = params.wte[tokens] + params.wpe[jnp.minimum(q_pos, params.wpe.shape[0] - 1)]
     slots = kvc.write_slots(q_pos, n_valid, own.capacity)
-    new_layers = []
-    for layer in range(cfg.n_cache_layers(loops)):
-        x, entry = block(x, block_for_layer(params, layer), cfg, layer, q_pos, key_pos_self, slots, ro, own, window)
+    new_layers, states = [], []
+    for layer in range(first, last):
+        x, entry = block(x, block_for_layer(params, layer), cfg, layer, q_pos, key_pos_self, slots, ro, own,
+                         own.layers[layer - first], window)
         new_layers.append(entry)
-    x = layer_norm(x, params.lnf_g, params.lnf_b, cfg.layer_norm_eps)
+        states.append(jax.lax.dynamic_index_in_dim(x, jnp.maximum(n_valid - 1, 0), axis=0, keepdims=False))
     new_own = own.replace(layers=tuple(new_layers),
                           pos=kvc.write_positions(own.pos, q_pos, slots),
                           length=(start_pos + n_valid).astype(jnp.int32))
-    return x, new_own
+    return x, layer_norm(x, params.lnf_g, params.lnf_b, cfg.layer_norm_eps), jnp.stack(states), new_own
 
 
 def materialize(params: Params, cfg: ModelConfig, seg: kvc.KVCache) -> kvc.KVCache:

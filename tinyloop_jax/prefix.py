@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -29,14 +30,36 @@ class PrefixCache:
     logits: np.ndarray  # [V] float32, read-only
     model_fingerprint: str
     model_token: object = dataclasses.field(default=None, repr=False)  # identity of the building Model
+    # The last prompt token's residual stream after each cache layer [n_layers, D] float32 (host,
+    # read-only, like `logits`): the next-token logits of every shallower depth (`at_depth`).
+    depth_states: np.ndarray | None = dataclasses.field(default=None, repr=False)
+    # keep_state=True: every position's stream after the last loop iteration [T, D] (T = the
+    # prompt's bucket), from which deeper iterations continue without re-running this depth.
+    state: jax.Array | None = dataclasses.field(default=None, repr=False)
+    model_ref: object = dataclasses.field(default=None, repr=False, compare=False)  # weakref to the Model
 
     def __len__(self) -> int:
         return int(self.prompt.shape[0])
 
     @property
     def nbytes(self) -> int:
-        """Bytes held on device by the cache buffers (K/V or their stored form, plus positions)."""
-        return self.cache.nbytes
+        """Bytes held on device: the cache buffers (K/V or their stored form, plus positions),
+        and the kept loop state if any (host-side logits and depth states are not counted)."""
+        return self.cache.nbytes + (0 if self.state is None else int(self.state.nbytes))
+
+    @property
+    def keeps_state(self) -> bool:
+        return self.state is not None
+
+    def at_depth(self, loops: int) -> "PrefixCache":
+        """This prompt's prefix at another loop depth, without re-running what is done: for
+        loops <= self.loops, the first layers (the K/V of iteration i do not depend on the total
+        depth) and that depth's logits; deeper, only the missing iterations, from the kept state
+        (`build_prefix_cache(..., keep_state=True)`). Otherwise a RuntimeError."""
+        model = self.model_ref() if self.model_ref is not None else None
+        if model is None:
+            raise RuntimeError("at_depth needs the Model that built or loaded this prefix, and it is gone")
+        return model._at_depth(self, loops)
 
     def __repr__(self) -> str:
         return (f"PrefixCache(len={len(self)}, loops={self.loops}, cache_window={self.cache_window}, "
@@ -50,6 +73,8 @@ class PrefixCache:
         arrays = checkpoint.flatten({"layers": [dict(e) for e in self.cache.layers]})
         arrays.update(pos=np.asarray(self.cache.pos), length=np.asarray(self.cache.length),
                       prompt=self.prompt, logits=self.logits)
+        arrays.update({k: np.asarray(v) for k, v in (("depth_states", self.depth_states), ("state", self.state))
+                       if v is not None})
         meta = dict(model_fingerprint=self.model_fingerprint, loops=self.loops,
                     cache_window=self.cache_window, kv_mode=self.kv_mode,
                     n_layers=self.cache.n_layers, prompt_len=len(self))
@@ -76,9 +101,13 @@ class PrefixCache:
             raise RuntimeError(f"{path}: cache length {int(cache.length)} disagrees with prompt length {len(prompt)}")
         prompt.setflags(write=False)
         logits.setflags(write=False)
+        opt = dict(depth_states=arrays["depth_states"].copy() if "depth_states" in arrays else None,
+                   state=jnp.asarray(arrays["state"]) if "state" in arrays else None)
+        if opt["depth_states"] is not None:
+            opt["depth_states"].setflags(write=False)
         return cls(cache=cache, prompt=prompt, loops=int(meta["loops"]), cache_window=int(meta["cache_window"]),
                    kv_mode=meta["kv_mode"], logits=logits, model_fingerprint=meta["model_fingerprint"],
-                   model_token=model._token)
+                   model_token=model._token, model_ref=weakref.ref(model), **opt)
 
 
 def tree_equal(a: KVCache, b: KVCache) -> bool:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from . import cache as kvc
-from . import batch, checkpoint, engine, hf_gpt2
+from . import batch, checkpoint, engine, hf_gpt2, speculative
 from . import functional as F
 from . import validation as check
 from .config import ModelConfig, check_kv_mode
@@ -44,6 +45,7 @@ class Model:
         self._token = object()  # identity for prefixes built by this instance
         self._fingerprint = None
         self._lock = threading.Lock()
+        self.last_speculation: dict | None = None  # rounds / drafted / accepted of the last speculative call
 
     # ---- construction, persistence, lifetime -------------------------------------------------
 
@@ -124,10 +126,41 @@ class Model:
         if n_tokens > self._config.max_seq_len:
             raise RuntimeError(f"{what} is {n_tokens} tokens, longer than max_seq_len={self._config.max_seq_len}")
 
-    def _build(self, prompt: np.ndarray, loops: int, window: int) -> PrefixCache:
+    def _build(self, prompt: np.ndarray, loops: int, window: int, keep_state: bool = False) -> PrefixCache:
         own = self._empty(len(prompt), loops, window)
-        logits, own = self._prefill(prompt, (), own, loops, window)
-        return self._wrap(own, prompt, logits, loops, window)
+        logits, own, state, depth = self._prefill_states(prompt, 0, own, loops, window)
+        return self._wrap(own, prompt, logits, loops, window, depth, state if keep_state else None)
+
+    def _prefill_states(self, tokens: np.ndarray, start: int, own: kvc.KVCache, loops: int, window: int):
+        padded = np.zeros((kvc.bucket(len(tokens)),), np.int32)
+        padded[:len(tokens)] = tokens
+        return engine.prefill_states(self._params, self._config, jnp.asarray(padded), jnp.int32(len(tokens)),
+                                     jnp.int32(start), own, loops=loops, window=window)
+
+    def _at_depth(self, prefix: PrefixCache, loops) -> PrefixCache:
+        self._check_open()
+        self._check_prefix(prefix)
+        loops, c = check.loops(loops), self._config
+        if loops == prefix.loops:
+            return prefix
+        n = c.n_cache_layers(loops)
+        if loops < prefix.loops:
+            if prefix.depth_states is None:
+                raise RuntimeError("this prefix has no per-depth states (saved by an older version); rebuild it")
+            logits = engine.logits_from_state(self._params, c.layer_norm_eps, jnp.asarray(prefix.depth_states[n - 1]))
+            cache = prefix.cache.replace(layers=prefix.cache.layers[:n])
+            return self._wrap(cache, prefix.prompt, logits, loops, prefix.cache_window, prefix.depth_states[:n])
+        if prefix.state is None:
+            raise RuntimeError(f"loops={loops} is deeper than the prefix's loops={prefix.loops} and the prefix "
+                               "did not keep its loop state; build it with keep_state=True (or rebuild at "
+                               f"loops={loops})")
+        first = prefix.cache.n_layers
+        extra = kvc.empty(c.kv_mode, n - first, c.n_heads, prefix.cache.capacity, c.head_dim)
+        logits, extra, state, depth = engine.continue_depth(self._params, c, prefix.state, jnp.int32(len(prefix)),
+                                                            extra, first=first, last=n, window=prefix.cache_window)
+        cache = prefix.cache.replace(layers=prefix.cache.layers + extra.layers)
+        depth = np.concatenate([prefix.depth_states, np.asarray(depth, np.float32)])
+        return self._wrap(cache, prefix.prompt, logits, loops, prefix.cache_window, depth, state)
 
     def _extend_prefix(self, source: PrefixCache, k: int, prompt: np.ndarray) -> PrefixCache:
         """The prefix of `prompt` whose first k tokens are source's first k: those positions are
@@ -135,17 +168,22 @@ class Model:
         self._check_prefix(source)
         loops, window = source.loops, source.cache_window
         own = engine.copy_prefix(source.cache, jnp.int32(k), capacity=kvc.segment_capacity(len(prompt), window))
-        logits, own = self._prefill(prompt[k:], (), own, loops, window)
-        return self._wrap(own, prompt, logits, loops, window)
+        logits, own, _, depth = self._prefill_states(prompt[k:], k, own, loops, window)
+        return self._wrap(own, prompt, logits, loops, window, depth)
 
-    def _wrap(self, own: kvc.KVCache, prompt: np.ndarray, logits, loops: int, window: int) -> PrefixCache:
+    def _wrap(self, own: kvc.KVCache, prompt: np.ndarray, logits, loops: int, window: int, depth_states=None,
+              state=None) -> PrefixCache:
         prompt = prompt.copy()
         prompt.setflags(write=False)
         logits = np.asarray(logits, np.float32)
         logits.setflags(write=False)
+        if depth_states is not None:
+            depth_states = np.array(depth_states, np.float32)
+            depth_states.setflags(write=False)
         return PrefixCache(cache=own, prompt=prompt, loops=loops, cache_window=window,
                            kv_mode=self._config.kv_mode, logits=logits,
-                           model_fingerprint=self.fingerprint, model_token=self._token)
+                           model_fingerprint=self.fingerprint, model_token=self._token,
+                           depth_states=depth_states, state=state, model_ref=weakref.ref(self))
 
     def _check_prefix(self, prefix) -> None:
         if not isinstance(prefix, PrefixCache):
@@ -154,7 +192,7 @@ class Model:
             raise ValueError("prefix was built by another model (weights, config or kv_mode differ)")
 
     def _decode(self, prefix: PrefixCache, suffix: np.ndarray, max_tokens: int, sampling: tuple,
-                stop_sequences: list, loops: int, window: int) -> list[int]:
+                stop_sequences: list, loops: int, window: int, spec: tuple | None = None) -> list[int]:
         t, k, p, r, s = sampling
         P, n_suffix = len(prefix), len(suffix)
         ro = (prefix.cache,)
@@ -164,7 +202,10 @@ class Model:
             # step), and keep this request's own K/V in float32 while it runs. The prefix at
             # rest stays in h form; the rebuilt copy lives only during the call.
             ro, work_mode = (engine.materialize(self._params, self._config, prefix.cache),), "fp32"
-        own = F.empty_cache(self.weights, n_suffix + max_tokens, loops, window, start=P, kv_mode=work_mode)
+        room, ring = n_suffix + max_tokens, window
+        if spec is not None:  # a verify chunk writes lookahead + 1 positions before the rollback
+            room, ring = room + spec[1] + 1, window + spec[1] + 1 if window else 0
+        own = F.empty_cache(self.weights, room, loops, ring, start=P, kv_mode=work_mode)
         if n_suffix:
             logits, own = self._prefill(suffix, ro, own, loops, window)
         else:
@@ -172,10 +213,14 @@ class Model:
         seen = np.zeros((self._config.vocab_size,), bool)
         seen[prefix.prompt] = True
         seen[suffix] = True
-        out, n, _ = engine.decode(self._params, self._config, ro, own, logits, jnp.asarray(seen),
-                                  SamplingParams.make(t, k, p, r, s), StopSpec.make(stop_sequences),
-                                  jnp.int32(max_tokens), loops=loops, window=window,
-                                  out_len=kvc.bucket(max_tokens, minimum=8))
+        args = (self._params, self._config, ro, own, logits, jnp.asarray(seen), SamplingParams.make(t, k, p, r, s),
+                StopSpec.make(stop_sequences), jnp.int32(max_tokens))
+        kw = dict(loops=loops, window=window, out_len=kvc.bucket(max_tokens, minimum=8))
+        if spec is None:
+            out, n, _ = engine.decode(*args, **kw)
+        else:
+            out, n, _, rounds, kept = speculative.decode(*args, **kw, draft_loops=spec[0], lookahead=spec[1])
+            self.last_speculation = dict(rounds=int(rounds), drafted=int(rounds) * spec[1], accepted=int(kept))
         emitted = np.asarray(out)[: int(n)]
         return prefix.prompt.tolist() + suffix.tolist() + emitted.tolist()
 
@@ -193,25 +238,51 @@ class Model:
 
     def generate(self, prompt, max_tokens: int = 32, loops: int | None = None, temperature: float = 0.0,
                  top_k: int = 50, top_p: float = 1.0, cache_window: int = 0, repetition_penalty: float = 1.0,
-                 stop_sequences=(), seed: int = 0) -> list[int]:
-        """Prompt + up to `max_tokens` emitted tokens (a list of ints)."""
+                 stop_sequences=(), seed: int = 0, draft_loops: int | None = None, lookahead: int = 4) -> list[int]:
+        """Prompt + up to `max_tokens` emitted tokens (a list of ints).
+
+        draft_loops=d: self-speculative decoding — draft `lookahead` tokens at depth d from the
+        same caches, verify them in one forward at depth `loops` (see `speculative`). Greedy
+        output is identical to plain decoding; sampled output has the same distribution.
+        """
         self._check_open()
         prompt = check.tokens(prompt, self._config.vocab_size)
         max_tokens = check.max_tokens(max_tokens)
         loops, window = self._loops(loops), check.cache_window(cache_window)
         sampling = check.sampling(temperature, top_k, top_p, repetition_penalty, seed)
         stops = check.stop_sequences(list(stop_sequences), self._config.vocab_size)
+        spec = self._spec(draft_loops, lookahead, loops)
         self._check_length(len(prompt) + max_tokens, "prompt + max_tokens")
         prefix = self._build(prompt, loops, window)
-        return self._decode(prefix, np.zeros((0,), np.int32), max_tokens, sampling, stops, loops, window)
+        return self._decode(prefix, np.zeros((0,), np.int32), max_tokens, sampling, stops, loops, window, spec)
 
-    def build_prefix_cache(self, prompt, loops: int | None = None, cache_window: int = 0) -> PrefixCache:
-        """Prefill `prompt` once (no decode) into a PrefixCache for many later requests."""
+    def _spec(self, draft_loops, lookahead, loops) -> tuple | None:
+        if draft_loops is None:
+            return None
+        d, k = check.loops(draft_loops), check._int(lookahead, "lookahead")
+        if d > loops:
+            raise ValueError(f"draft_loops={d} must not exceed loops={loops}")
+        if k < 1:
+            raise ValueError(f"lookahead must be >= 1, got {k}")
+        return d, k
+
+    def build_prefix_cache(self, prompt, loops: int | None = None, cache_window: int = 0,
+                           keep_state: bool = False) -> PrefixCache:
+        """Prefill `prompt` once (no decode) into a PrefixCache for many later requests.
+        keep_state=True also keeps every position's loop state (D floats per token), so that
+        `prefix.at_depth(deeper)` runs only the extra iterations."""
         self._check_open()
         prompt = check.tokens(prompt, self._config.vocab_size)
         loops, window = self._loops(loops), check.cache_window(cache_window)
+        if not isinstance(keep_state, bool):
+            raise ValueError(f"keep_state must be True or False, got {keep_state!r}")
         self._check_length(len(prompt), "prompt")
-        return self._build(prompt, loops, window)
+        return self._build(prompt, loops, window, keep_state)
+
+    def resume(self, prompt, loops: int | None = None, cache_window: int = 0) -> "ResumeHandle":
+        """Prefill `prompt` at a (shallow) depth and return a handle to look at the result and
+        continue deeper without recomputing what was done."""
+        return ResumeHandle(self, self.build_prefix_cache(prompt, loops, cache_window, keep_state=True))
 
     def _prefix_call(self, prefix, loops, cache_window, suffix) -> tuple[int, int, np.ndarray]:
         self._check_prefix(prefix)
@@ -230,7 +301,8 @@ class Model:
     def generate_from_prefix_cache(self, prefix: PrefixCache, max_tokens: int = 32, loops: int | None = None,
                                    temperature: float = 0.0, top_k: int = 50, top_p: float = 1.0,
                                    cache_window: int | None = None, repetition_penalty: float = 1.0,
-                                   stop_sequences=(), suffix=None, seed: int = 0) -> list[int]:
+                                   stop_sequences=(), suffix=None, seed: int = 0, draft_loops: int | None = None,
+                                   lookahead: int = 4) -> list[int]:
         """prefix.prompt + suffix + up to `max_tokens` emitted tokens. The prefix is only read.
 
         `loops` / `cache_window` default to the prefix's own; any other value is a RuntimeError.
@@ -240,8 +312,9 @@ class Model:
         max_tokens = check.max_tokens(max_tokens)
         sampling = check.sampling(temperature, top_k, top_p, repetition_penalty, seed)
         stops = check.stop_sequences(list(stop_sequences), self._config.vocab_size)
+        spec = self._spec(draft_loops, lookahead, loops)
         self._check_length(len(prefix) + len(suffix) + max_tokens, "prefix + suffix + max_tokens")
-        return self._decode(prefix, suffix, max_tokens, sampling, stops, loops, window)
+        return self._decode(prefix, suffix, max_tokens, sampling, stops, loops, window, spec)
 
     def _decode_batch(self, prefix: PrefixCache | None, suffixes: list, max_tokens: int, sampling: tuple,
                       stops: list, seeds: list, loops: int, window: int) -> list[list[int]]:
@@ -324,6 +397,39 @@ class Model:
         own = self._empty(len(suffix), loops, window, start=len(prefix))
         logits, _ = self._prefill(suffix, (prefix.cache,), own, loops, window)
         return np.asarray(logits, np.float32)
+
+
+class ResumeHandle:
+    """One request's prompt, prefilled at some depth with its loop state kept.
+
+    >>> h = model.resume(prompt, loops=2)      # shallow: cheap first look
+    >>> h.logits.argmax()                      # next-token logits at depth 2
+    >>> h = h.deeper(6)                        # runs iterations 3..6 only
+    >>> out = h.generate(max_tokens=32)        # decode at depth 6 from the deep prefix
+    """
+
+    def __init__(self, model: Model, prefix: PrefixCache):
+        self.model, self.prefix = model, prefix
+
+    @property
+    def loops(self) -> int:
+        return self.prefix.loops
+
+    @property
+    def logits(self) -> np.ndarray:
+        return self.prefix.logits
+
+    def deeper(self, loops: int) -> "ResumeHandle":
+        if check.loops(loops) < self.loops:
+            raise ValueError(f"deeper(loops={loops}) is shallower than the handle's loops={self.loops}; "
+                             "use handle.prefix.at_depth for shallower views")
+        return ResumeHandle(self.model, self.prefix.at_depth(loops))
+
+    def generate(self, max_tokens: int = 32, **kw) -> list[int]:
+        return self.model.generate_from_prefix_cache(self.prefix, max_tokens=max_tokens, **kw)
+
+    def __repr__(self) -> str:
+        return f"ResumeHandle(len={len(self.prefix)}, loops={self.loops})"
 
 
 # ---- params <-> flat arrays -------------------------------------------------------------------
