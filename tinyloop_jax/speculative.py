@@ -107,6 +107,11 @@ def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logi
             drafts.append(tok)
             qs.append(q)
         drafts = jnp.stack(drafts)
+        # The draft wrote its K/V into the shallow layers' slots for positions start.. . Keep
+        # those buffers (no copy of the cache per round) but not the draft's positions: the
+        # slots are masked again, and the verify rewrites them (a window's ring has room for
+        # lookahead + 1 extra slots, so no position the verify needs was overwritten).
+        own = own.replace(layers=own_d.layers + own.layers[nd:])
         # verify all of them in one chunk at full depth
         chunk = jnp.concatenate([y[None], drafts])
         start = own.length
