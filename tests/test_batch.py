@@ -34,23 +34,23 @@ def test_batched_greedy_equals_separate_calls(mode_models, mode, window):
     assert got == want
 
 
-def test_batched_logits_match_separate_prefills(mode_models):
+@pytest.mark.parametrize("mode", tl.KV_MODES)
+def test_batched_logits_match_separate_prefills(mode_models, mode):
     """The batched prefill's per-request next-token logits == one request at a time."""
-    for mode in ("fp32", "int4-h"):
-        model = mode_models[mode]
-        w, cfg = model.weights, model.weights.config
-        prefix = model.build_prefix_cache(prompt_of(20, seed=1), loops=2)
-        suffixes = [s for s in ragged() if len(s)]
-        lens = np.array([len(s) for s in suffixes], np.int32)
-        tokens = np.zeros((len(suffixes), 16), np.int32)
-        for i, s in enumerate(suffixes):
-            tokens[i, :len(s)] = s
-        ro = (prefix.cache,)
-        own = F.empty_cache(w, 16, 2, start=20, batch=len(suffixes))
-        logits, _ = batch.prefill(w.params, cfg, jnp.asarray(tokens), jnp.asarray(lens), jnp.full((len(lens),), 20),
-                                  ro, own, loops=2, window=0)
-        for i, s in enumerate(suffixes):
-            np.testing.assert_allclose(np.asarray(logits[i]), model.next_token_logits_from_prefix(prefix, s), **CLOSE)
+    model = mode_models[mode]
+    w, cfg = model.weights, model.weights.config
+    prefix = model.build_prefix_cache(prompt_of(20, seed=1), loops=2)
+    suffixes = [s for s in ragged() if len(s)]
+    lens = np.array([len(s) for s in suffixes], np.int32)
+    tokens = np.zeros((len(suffixes), 16), np.int32)
+    for i, s in enumerate(suffixes):
+        tokens[i, :len(s)] = s
+    ro = (prefix.cache,)
+    own = F.empty_cache(w, 16, 2, start=20, batch=len(suffixes))
+    logits, _ = batch.prefill(w.params, cfg, jnp.asarray(tokens), jnp.asarray(lens), jnp.full((len(lens),), 20),
+                              ro, own, loops=2, window=0)
+    for i, s in enumerate(suffixes):
+        np.testing.assert_allclose(np.asarray(logits[i]), model.next_token_logits_from_prefix(prefix, s), **CLOSE)
 
 
 def test_sampling_seeds_and_mixed_stops(mode_models):
