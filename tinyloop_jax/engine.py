@@ -56,7 +56,7 @@ def continue_depth(params: Params, cfg: ModelConfig, state: jax.Array, n_valid: 
     return model.lm_head(params, last_x), own, x, states
 
 
-@partial(jax.jit)
+@jax.jit
 def logits_from_state(params: Params, cfg_eps: float, x: jax.Array) -> jax.Array:
     """One position's stream [D] -> next-token logits [V] (final LayerNorm + tied head)."""
     return model.lm_head(params, model.layer_norm(x, params.lnf_g, params.lnf_b, cfg_eps))

@@ -191,17 +191,20 @@ class Model:
         if prefix.model_token is not self._token and prefix.model_fingerprint != self.fingerprint:
             raise ValueError("prefix was built by another model (weights, config or kv_mode differ)")
 
+    def _call_segments(self, ro: tuple) -> tuple[tuple, str | None]:
+        """(read-only segments for one call, kv_mode of the call's own segment). h modes:
+        rebuild the prefix's K/V once for the whole call (every decode step, every request of a
+        batch reads that copy) and keep the request's own K/V in float32 while it runs; the
+        prefix at rest stays in h form, the rebuilt copy lives only during the call."""
+        if not self._config.kv_mode.endswith("-h"):
+            return ro, None
+        return tuple(engine.materialize(self._params, self._config, seg) for seg in ro), "fp32"
+
     def _decode(self, prefix: PrefixCache, suffix: np.ndarray, max_tokens: int, sampling: tuple,
                 stop_sequences: list, loops: int, window: int, spec: tuple | None = None) -> list[int]:
         t, k, p, r, s = sampling
         P, n_suffix = len(prefix), len(suffix)
-        ro = (prefix.cache,)
-        work_mode = None
-        if self._config.kv_mode.endswith("-h"):
-            # h modes: rebuild the prefix's K/V once for the whole call (not at every decode
-            # step), and keep this request's own K/V in float32 while it runs. The prefix at
-            # rest stays in h form; the rebuilt copy lives only during the call.
-            ro, work_mode = (engine.materialize(self._params, self._config, prefix.cache),), "fp32"
+        ro, work_mode = self._call_segments((prefix.cache,))
         room, ring = n_suffix + max_tokens, window
         if spec is not None:  # a verify chunk writes lookahead + 1 positions before the rollback
             room, ring = room + spec[1] + 1, window + spec[1] + 1 if window else 0
@@ -323,10 +326,7 @@ class Model:
         c, N = self._config, len(suffixes)
         P = 0 if prefix is None else len(prefix)
         lens = np.array([len(x) for x in suffixes], np.int32)
-        ro, work_mode = (() if prefix is None else (prefix.cache,)), None
-        if c.kv_mode.endswith("-h"):  # as in _decode: K/V rebuilt once, shared by the whole batch
-            ro = tuple(engine.materialize(self._params, c, seg) for seg in ro)
-            work_mode = "fp32"
+        ro, work_mode = self._call_segments(() if prefix is None else (prefix.cache,))
         own = F.empty_cache(self.weights, int(lens.max()) + max_tokens, loops, window, start=P,
                             kv_mode=work_mode, batch=N)
         logits = jnp.broadcast_to(jnp.asarray(prefix.logits), (N, c.vocab_size)) if prefix is not None else None
