@@ -1,6 +1,7 @@
 """Batch-1 decode speed of a GPT-2-small-shaped model next to the memory-bandwidth bound.
 
     python scripts/bench_decode.py            # prompt 512, 32 new tokens, fp32 and fp16 KV
+    python scripts/bench_decode.py --looped   # also the same 12 layers as 1 block + 1 block x 11 passes
 
 The bound: bytes a decode step must read (every weight once + the KV cache so far) divided by
 the bandwidth of a large GEMV measured in the same process. A step can't beat that on a
@@ -33,10 +34,11 @@ def gemv_bandwidth(mb: int = 512) -> float:
     return n * n * 4 / t
 
 
-def matmul_floor(params) -> float:
+def matmul_floor(params, n_layers: int = 12) -> float:
     """Seconds for just the decode step's weight GEMVs (every block matrix + the LM head), jitted
     as one program: the floor for a step with all the attention, norms and sampling removed."""
-    mats = [m for b in list(params.pre) + [params.loop] for m in (b.w_qkv, b.w_o, b.w_fc, b.w_proj)]
+    blocks = (list(params.pre) + [params.loop] * n_layers)[:n_layers]  # the blocks a step runs, in order
+    mats = [m for b in blocks for m in (b.w_qkv, b.w_o, b.w_fc, b.w_proj)]
 
     @jax.jit
     def chain(x, mats, wte):
@@ -56,6 +58,8 @@ def main():
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--modes", default="fp32,fp16")
+    ap.add_argument("--looped", action="store_true",
+                    help="also fp32 with the same 12 cache layers as n_pre_blocks=1 + a loop block x 11 passes")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
 
@@ -69,9 +73,11 @@ def main():
     floor = matmul_floor(params)
     print(f"weight GEMVs alone: {floor * 1e3:.1f} ms/step")
     prompt = np.random.default_rng(0).integers(0, base.vocab_size, args.prompt).astype(np.int32)
-    for mode in args.modes.split(","):
-        cfg = tl.ModelConfig(**dict(base.to_dict(), kv_mode=mode))
-        model = tl.Model(params, cfg)
+    arms = [(mode, 1) for mode in args.modes.split(",")] + ([("fp32", 11)] if args.looped else [])
+    for mode, loops in arms:
+        # loops=11: the same 12 layers of compute and weight reads per step, 2 distinct blocks
+        cfg = tl.ModelConfig(**dict(base.to_dict(), kv_mode=mode, n_pre_blocks=12 - loops, default_loops=loops))
+        model = tl.Model(params.replace(pre=params.pre[:12 - loops]), cfg)
         prefix = model.build_prefix_cache(prompt)
         # n tokens cost n-1 forward steps; the difference of two runs isolates the per-step cost
         long_ = lambda: model.generate_from_prefix_cache(prefix, max_tokens=args.new + 1)  # noqa: E731
@@ -82,10 +88,10 @@ def main():
         # bytes read per step: every weight matrix (wpe: one row) + KV of ~prompt+new/2 positions
         weight_bytes = (n_weights - params.wpe.size + cfg.d_model) * 4
         kv_item = 4 if mode == "fp32" else 2
-        kv_bytes = cfg.n_cache_layers(1) * 2 * (args.prompt + args.new / 2) * cfg.d_model * kv_item
+        kv_bytes = cfg.n_cache_layers(loops) * 2 * (args.prompt + args.new / 2) * cfg.d_model * kv_item
         bound_step = (weight_bytes + kv_bytes) / bw
-        rows.append((mode, 1 / step, 1 / bound_step, bound_step / step, weight_bytes, kv_bytes, t_long))
-        print(f"{mode}: {1 / step:.2f} tok/s, bound {1 / bound_step:.2f} tok/s, "
+        rows.append((mode, loops, 1 / step, 1 / bound_step, bound_step / step, weight_bytes, kv_bytes, t_long))
+        print(f"{mode} loops={loops}: {1 / step:.2f} tok/s, bound {1 / bound_step:.2f} tok/s, "
               f"{100 * bound_step / step:.0f}% of bound")
 
     lines = [
@@ -93,21 +99,23 @@ def main():
         "",
         f"Command: `{_report.command()}`  ",
         f"Machine: {_report.machine()}  ",
-        f"Model: GPT-2-small shape (n_pre_blocks=11, loops=1, D=768, 12 heads, vocab 50257), random weights, "
+        f"Model: GPT-2-small shape (n_pre_blocks=11, loops=1, D=768, 12 heads, vocab 50257; the looped row: "
+        f"n_pre_blocks=1 + one block x 11 passes, the same 12 layers of reads per step), random weights, "
         f"prompt {args.prompt}, {args.new} new tokens, greedy. "
         f"Per-step time = (t[{args.new + 1} tokens] − t[1 token]) / {args.new}, "
         f"medians of {args.repeats}. Large-GEMV bandwidth (512 MiB fp32 matrix, jitted): **{bw / 1e9:.2f} GB/s**.",
         "",
-        "| kv_mode | decode tok/s | bound tok/s | share of bound | weight MB/step | KV MB/step |",
-        "|---|---|---|---|---|---|",
+        "| kv_mode | loops | decode tok/s | bound tok/s | share of bound | weight MB/step | KV MB/step |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for mode, tps, btps, share, wb, kb, _ in rows:
-        lines.append(f"| {mode} | {tps:.2f} | {btps:.2f} | {100 * share:.0f}% | {wb / 1e6:.0f} | {kb / 1e6:.1f} |")
+    for mode, loops, tps, btps, share, wb, kb, _ in rows:
+        lines.append(f"| {mode} | {loops} | {tps:.2f} | {btps:.2f} | {100 * share:.0f}% | {wb / 1e6:.0f} | "
+                     f"{kb / 1e6:.1f} |")
     lines += [
         "",
         f"What limits it: the same step's weight GEMVs alone (every block matrix and the LM head, one jitted "
         f"program) take **{floor * 1e3:.1f} ms** ({1 / floor:.1f} tok/s, {100 * (weight_bytes / bw) / floor:.0f}% of "
-        f"the bound's weight time); the full step takes {1e3 / rows[0][1]:.1f} ms. The rest is the ~40 small "
+        f"the bound's weight time); the full step takes {1e3 / rows[0][2]:.1f} ms. The rest is the ~40 small "
         "ops per layer (LayerNorms, head reshapes, masks, softmax, cache writes) that XLA:CPU runs as separate "
         "kernels with per-op dispatch cost at batch 1, plus the 12 per-layer attention reads. Closing the gap "
         "means fewer, larger kernels per layer (fusing norm+projection, a fused decode-attention kernel).",

@@ -31,15 +31,14 @@ import tinyloop_jax as tl  # noqa: E402
 from tinyloop_jax import cache as kvc  # noqa: E402
 from tinyloop_jax import engine  # noqa: E402
 from tinyloop_jax import functional as F  # noqa: E402
-from tinyloop_jax import model as M  # noqa: E402
+from tinyloop_jax import transformer as tf  # noqa: E402
 from tinyloop_jax.cli import BUNDLED  # noqa: E402
 from tinyloop_jax.data import pydoc_split  # noqa: E402
-from tinyloop_jax.sampling import SamplingParams, StopSpec  # noqa: E402
 
 
 @partial(jax.jit, static_argnames=("cfg", "loops"))
 def _logp(params, cfg, seqs, loops):
-    return jax.nn.log_softmax(jax.vmap(lambda s: M.forward_seq(params, cfg, s, loops))(seqs)[:, :-1], axis=-1)
+    return jax.nn.log_softmax(jax.vmap(lambda s: tf.forward_seq(params, cfg, s, loops))(seqs)[:, :-1], axis=-1)
 
 
 def quality(modes, max_bytes):
@@ -77,24 +76,27 @@ def h_rebuild(model, prompt, suffix, repeats):
     cfg, w = model.weights.config, model.weights
     loops, new = cfg.default_loops, 33
     pre = model.build_prefix_cache(prompt)
-    sp, stop = SamplingParams.make(), StopSpec.make([])
+    req = tl.Request.make(1, max_tokens=new)
 
     def program(ro, own):
-        logits, own = F.prefill(w, suffix, own, ro=ro, loops=loops)
-        args = (w.params, cfg, ro, own, logits, jnp.zeros((cfg.vocab_size,), bool), sp, stop, jnp.int32(new))
+        own = jax.tree.map(lambda a: a[None], own)  # one request row
+        logits, seen, own = engine.prefill_rows(w.params, cfg, jnp.asarray(F.pad(suffix))[None],
+                                                jnp.array([len(suffix)]), jnp.array([len(prompt)]), ro, own,
+                                                pre.logits, pre.seen, loops=loops, window=0)
+        args = (w.params, cfg, ro, own, logits, seen, req)
         return args, dict(loops=loops, window=0, out_len=kvc.bucket(new, minimum=8))
 
     def in_loop():
         args, kw = program((pre.cache,), F.empty_cache(w, len(suffix) + new, loops, start=len(prompt)))
-        out, n, _ = engine.decode(*args, **kw)
-        return np.asarray(out)[: int(n)].tolist()
+        state = engine.decode(*args, **kw)
+        return np.asarray(state.tokens)[0, : int(state.n[0])].tolist()
 
     def per_call():
         return model.generate_from_prefix_cache(pre, suffix=suffix, max_tokens=new)[-new:]
 
     assert in_loop() == per_call(), "the two h-mode paths emitted different tokens"
     t_loop, t_call = (_report.median_time(f, repeats) for f in (in_loop, per_call))
-    mat = engine.materialize(w.params, cfg, pre.cache)
+    mat = engine.materialize(w.params, cfg, pre.cache, passes=loops)
     temp = {}
     for name, ro, mode in (("loop", (pre.cache,), None), ("call", (mat,), "fp32")):
         args, kw = program(ro, F.empty_cache(w, len(suffix) + new, loops, start=len(prompt), kv_mode=mode))

@@ -126,7 +126,7 @@ def main():
                              speed / asym, prefill * 1e3, decode * 1e3, pre.nbytes, same, same_b))
                 done += 1
                 if not alloc_note:
-                    c = model._config
+                    c = model.weights.config
                     own = kvc.cache_nbytes(mode, c.n_cache_layers(args.loops), c.n_heads,
                                            kvc.segment_capacity(args.suffix + args.new, 0), c.head_dim)
                     alloc_note = (f"Per request, SHARED allocates only its own segment: {own / 1024:.0f} KiB "

@@ -20,15 +20,14 @@ import _report  # noqa: E402
 
 import tinyloop_jax as tl  # noqa: E402
 from tinyloop_jax import cache as kvc, engine  # noqa: E402
-from tinyloop_jax.sampling import SamplingParams, StopSpec  # noqa: E402
 
 
 def decode_memory(model, prefix, own_capacity, loops, out_len=32):
-    cfg = model._config
-    own = kvc.empty(cfg.kv_mode, cfg.n_cache_layers(loops), cfg.n_heads, own_capacity, cfg.head_dim)
-    c = engine.decode.lower(model.weights.params, cfg, (prefix.cache,), own, jnp.zeros((cfg.vocab_size,)),
-                            jnp.zeros((cfg.vocab_size,), bool), SamplingParams.make(), StopSpec.make([]),
-                            jnp.int32(out_len), loops=loops, window=0, out_len=out_len).compile()
+    cfg = model.weights.config
+    own = kvc.empty(cfg.kv_mode, cfg.n_pre_blocks, loops, cfg.n_heads, own_capacity, cfg.head_dim, batch=1)
+    c = engine.decode.lower(model.weights.params, cfg, (prefix.cache,), own, jnp.zeros((1, cfg.vocab_size)),
+                            jnp.zeros((1, cfg.vocab_size), bool), tl.Request.make(1, max_tokens=out_len),
+                            loops=loops, window=0, out_len=out_len).compile()
     return c.memory_analysis(), own.nbytes
 
 

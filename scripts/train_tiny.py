@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _report  # noqa: E402
 
 import tinyloop_jax as tl  # noqa: E402
-from tinyloop_jax import model as M  # noqa: E402
+from tinyloop_jax import transformer as tf  # noqa: E402
 from tinyloop_jax.data import pydoc_split  # noqa: E402
 from tinyloop_jax.evaluate import bits_per_byte  # noqa: E402
 from tinyloop_jax.params import gpt2_init  # noqa: E402
@@ -32,7 +32,7 @@ from tinyloop_jax.params import gpt2_init  # noqa: E402
 
 def make_step(cfg, optimizer):
     def loss_fn(params, seqs, loops):
-        logits = jax.vmap(lambda s: M.forward_seq(params, cfg, s, loops))(seqs[:, :-1])
+        logits = jax.vmap(lambda s: tf.forward_seq(params, cfg, s, loops))(seqs[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, seqs[:, 1:]).mean()
 
     def step(params, opt_state, seqs, loops):

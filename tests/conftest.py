@@ -1,7 +1,21 @@
+import functools
+import os
+import tempfile
+
+import jax
 import numpy as np
 import pytest
 
 import tinyloop_jax as tl
+
+# A persistent compilation cache for the suite, outside the repo (the system's temp folder,
+# one per jax version): programs compiled once are loaded, not recompiled, after the per-module
+# clear below, in later runs, and in the subprocesses the tests start (they inherit the variable).
+JAX_CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                                  os.path.join(tempfile.gettempdir(), f"tinyloop-jax-tests-{jax.__version__}"))
+jax.config.update("jax_compilation_cache_dir", JAX_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 TINY = dict(vocab_size=128, d_model=32, n_heads=4, n_pre_blocks=2, default_loops=3, max_seq_len=128)
 
@@ -10,21 +24,42 @@ def tiny_config(**kw) -> tl.ModelConfig:
     return tl.ModelConfig(**{**TINY, **kw})
 
 
+@functools.lru_cache(maxsize=None)
+def tiny_model(kv_mode: str, seed: int = 0) -> tl.Model:
+    """The suite's shared tiny random model in one KV mode (the same weights in every mode).
+    Models are immutable, so tests share one instance per mode instead of building their own."""
+    return tl.Model.random(tiny_config(kv_mode=kv_mode), seed=seed)
+
+
+class _Models(dict):
+    def __missing__(self, mode):
+        return tiny_model(mode)
+
+
 @pytest.fixture(scope="session")
 def models():
-    """One tiny random model per KV mode (same weights)."""
-    return {mode: tl.Model.random(tiny_config(kv_mode=mode), seed=0) for mode in ("fp32", "fp16")}
+    """mode -> the shared tiny model in that KV mode (built on first use)."""
+    return _Models()
+
+
+@pytest.fixture(scope="session")
+def mode_models(models):
+    return models
 
 
 def prompt_of(n: int, seed: int = 0, vocab: int = TINY["vocab_size"]) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32)
 
 
+def cache_layers(cache) -> list[dict]:
+    """Every cache layer's arrays of an unbatched segment, pre layers then passes."""
+    return [cache.layer(i) for i in range(cache.n_layers)]
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-    """Drop compiled programs after each test module. The suite compiles a few hundred XLA:CPU
-    programs (every mode x depth x window); holding all of them in one process crashed XLA's
-    compiler (a segfault in backend_compile, reproducible at the same test)."""
+    """Drop compiled programs after each test module. Holding every program of the suite in one
+    process once crashed XLA's compiler (a segfault in backend_compile); with the persistent
+    cache above, a program needed again is loaded from disk rather than recompiled."""
     yield
-    import jax
     jax.clear_caches()

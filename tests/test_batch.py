@@ -7,16 +7,10 @@ import numpy as np
 import pytest
 
 import tinyloop_jax as tl
-from tinyloop_jax import batch, functional as F
-from tinyloop_jax.sampling import SamplingParams, StopSpec
-from conftest import prompt_of, tiny_config
+from tinyloop_jax import engine, functional as F
+from conftest import prompt_of
 
 CLOSE = dict(atol=1e-3, rtol=1e-2)
-
-
-@pytest.fixture(scope="module")
-def mode_models():
-    return {m: tl.Model.random(tiny_config(kv_mode=m), seed=0) for m in tl.KV_MODES}
 
 
 def ragged(seed=0):
@@ -47,8 +41,9 @@ def test_batched_logits_match_separate_prefills(mode_models, mode):
         tokens[i, :len(s)] = s
     ro = (prefix.cache,)
     own = F.empty_cache(w, 16, 2, start=20, batch=len(suffixes))
-    logits, _ = batch.prefill(w.params, cfg, jnp.asarray(tokens), jnp.asarray(lens), jnp.full((len(lens),), 20),
-                              ro, own, loops=2, window=0)
+    logits, _, _ = engine.prefill_rows(w.params, cfg, jnp.asarray(tokens), jnp.asarray(lens),
+                                       jnp.full((len(lens),), 20), ro, own, prefix.logits, prefix.seen, loops=2,
+                                       window=0)
     for i, s in enumerate(suffixes):
         np.testing.assert_allclose(np.asarray(logits[i]), model.next_token_logits_from_prefix(prefix, s), **CLOSE)
 
@@ -93,10 +88,9 @@ def test_prefix_is_not_copied_per_request(mode_models):
     prefix = model.build_prefix_cache(prompt_of(120, seed=0), loops=3)
     N = 8
     own = F.empty_cache(w, 24, 3, start=120, batch=N)
-    compiled = batch.decode.lower(
+    compiled = engine.decode.lower(
         w.params, cfg, (prefix.cache,), own, jnp.zeros((N, cfg.vocab_size)), jnp.zeros((N, cfg.vocab_size), bool),
-        SamplingParams.make_batch(0.0, 0, 1.0, 1.0, list(range(N))), StopSpec.make_batch([[]] * N),
-        jnp.int32(16), loops=3, window=0, out_len=16).compile()
+        tl.Request.make(N, top_k=0, seeds=list(range(N)), max_tokens=16), loops=3, window=0, out_len=16).compile()
     mem = compiled.memory_analysis()
     assert mem.temp_size_in_bytes < prefix.nbytes, (mem.temp_size_in_bytes, prefix.nbytes)
     assert mem.argument_size_in_bytes < prefix.nbytes + own.nbytes + sum(

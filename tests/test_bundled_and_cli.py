@@ -1,4 +1,5 @@
-"""The bundled trained model and the `tinyloop` command line, run as a user would."""
+"""The bundled trained model and the `tinyloop` command line: in-process through `cli.main`, plus
+one subprocess run of the installed console script, as a user would."""
 
 import os
 import subprocess
@@ -7,6 +8,7 @@ import sys
 import pytest
 
 import tinyloop_jax as tl
+from tinyloop_jax import cli
 from tinyloop_jax.cli import BUNDLED
 from tinyloop_jax.data import pydoc_split
 from tinyloop_jax.evaluate import bits_per_byte
@@ -18,10 +20,20 @@ MEASURED_LOOPS1 = 1.6861
 BOUND_DEFAULT = MEASURED_DEFAULT + 0.02
 
 
-def tinyloop(*args, timeout=600):
-    exe = os.path.join(os.path.dirname(sys.executable), "tinyloop")
-    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "tinyloop_jax.cli"]
-    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout)
+class Run:
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def tinyloop(capsys, *args) -> Run:
+    """`tinyloop ARGS` in this process: exit code and captured output."""
+    capsys.readouterr()
+    try:
+        code = cli.main(list(args))
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    out = capsys.readouterr()
+    return Run(code, out.out, out.err)
 
 
 @pytest.fixture(scope="module")
@@ -47,21 +59,25 @@ def test_bundled_model_writes_text(bundled):
     assert len(words) >= 8 and sum(w.isalpha() for w in words) >= len(words) // 2, out
 
 
-def test_cli_generate():
-    r = tinyloop("generate", "The \"for\" statement", "--max-tokens", "40", "--loops", "4", "--temperature", "0.7",
-                 "--top-k", "20", "--stop", "\\n\\n", "--seed", "1")
+def test_cli_generate_console_script():
+    """The installed `tinyloop` command, in a fresh process (the one subprocess test)."""
+    exe = os.path.join(os.path.dirname(sys.executable), "tinyloop")
+    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "tinyloop_jax.cli"]
+    r = subprocess.run(cmd + ["generate", "The \"for\" statement", "--max-tokens", "40", "--loops", "4",
+                              "--temperature", "0.7", "--top-k", "20", "--stop", "\\n\\n", "--seed", "1"],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("The \"for\" statement")
 
 
-def test_cli_demo():
-    r = tinyloop("demo", "--questions", "2", "--max-tokens", "24")
+def test_cli_demo(capsys):
+    r = tinyloop(capsys, "demo", "--questions", "2", "--max-tokens", "24")
     assert r.returncode == 0, r.stderr
     assert "NO_CACHE" in r.stdout and "SHARED" in r.stdout and "speedup" in r.stdout
 
 
-def test_cli_eval():
-    r = tinyloop("eval", "--loops", "1,2", "--max-bytes", "1024")
+def test_cli_eval(capsys):
+    r = tinyloop(capsys, "eval", "--loops", "1,2", "--max-bytes", "1024")
     assert r.returncode == 0, r.stderr
     assert len([line for line in r.stdout.splitlines() if line.startswith("fp32")]) == 2
 
@@ -77,7 +93,7 @@ def test_cli_eval():
     (["frobnicate"], "invalid choice"),
     ([], "required"),
 ])
-def test_cli_bad_arguments_exit_2(args, msg):
-    r = tinyloop(*args)
+def test_cli_bad_arguments_exit_2(capsys, args, msg):
+    r = tinyloop(capsys, *args)
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert msg in r.stderr and "Traceback" not in r.stderr, r.stderr

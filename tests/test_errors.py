@@ -59,8 +59,8 @@ def test_too_long_is_runtime_error(models):
 
 def test_out_of_memory_is_runtime_error(models, monkeypatch):
     with pytest.raises(RuntimeError, match="out of memory"):
-        kvc.empty("fp32", 100, 64, 2**34, 128)  # ~56 TB: refused before allocating
-    monkeypatch.setattr(kvc, "_free_bytes", lambda: 1000)
+        kvc.empty("fp32", 0, 100, 64, 2**34, 128)  # ~56 TB: refused before allocating
+    monkeypatch.setattr(kvc, "free_bytes", lambda: 1000)
     with pytest.raises(RuntimeError, match="out of memory"):
         models["fp32"].generate([1, 2, 3])
 

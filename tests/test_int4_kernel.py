@@ -10,7 +10,7 @@ import pytest
 from jax import export
 
 import tinyloop_jax as tl
-from tinyloop_jax import functional as F, int4_attention as ia, model as mdl, quant
+from tinyloop_jax import config as tlc, functional as F, int4_attention as ia, quant, transformer as tf
 from conftest import prompt_of, tiny_config
 
 TIGHT = dict(atol=1e-5, rtol=1e-5)
@@ -90,7 +90,11 @@ def test_kernel_lowers_for_cuda_with_triton():
 def test_unknown_impl_is_an_error(monkeypatch):
     monkeypatch.setenv("TINYLOOP_INT4_ATTENTION", "cuda")
     with pytest.raises(ValueError, match="TINYLOOP_INT4_ATTENTION='cuda'"):
-        ia.impl()
+        tlc.int4_attention_from_env()
+    with pytest.raises(ValueError, match="int4_attention 'cuda'"):
+        tiny_config(int4_attention="cuda")
+    monkeypatch.setenv("TINYLOOP_INT4_ATTENTION", "interpret")
+    assert tiny_config().int4_attention == "interpret"  # resolved once, when the config is made
 
 
 def decode_step_logits(model, prefix, suffix):
@@ -99,26 +103,23 @@ def decode_step_logits(model, prefix, suffix):
     own = F.empty_cache(w, len(suffix) + 1, prefix.loops, prefix.cache_window, start=len(prefix))
     _, own = F.prefill(w, suffix[:-1], own, ro=(prefix.cache,), loops=prefix.loops,
                        cache_window=prefix.cache_window)
-    step = jax.jit(mdl.forward, static_argnames=("cfg", "loops", "window"))
+    step = jax.jit(tf.forward, static_argnames=("cfg", "loops", "window"))
     x, _ = step(w.params, cfg, jnp.asarray(suffix[-1:]), jnp.int32(1), own.length, (prefix.cache,), own,
                 loops=prefix.loops, window=prefix.cache_window)
-    return np.asarray(mdl.lm_head(w.params, x[0]))
+    return np.asarray(tf.lm_head(w.params, cfg, x[0]))
 
 
 @pytest.mark.parametrize("window", [0, 7])
-def test_model_decode_through_kernel_matches_reference(monkeypatch, window):
+def test_model_decode_through_kernel_matches_reference(window):
     """The whole int4 decode path (prefix + own segment, looped) with the kernel in interpret
     mode gives the reference's tokens and logits, and the prefill path's logits."""
-    model = tl.Model.random(tiny_config(kv_mode="int4"), seed=0)
     prompt = prompt_of(20, seed=4)
-    prefix = model.build_prefix_cache(prompt[:14], loops=2, cache_window=window)
     out = {}
-    for which in ("jnp", "interpret"):
-        monkeypatch.setenv("TINYLOOP_INT4_ATTENTION", which)
-        jax.clear_caches()  # the choice is made at trace time
+    for which in ("jnp", "interpret"):  # the backend is part of the static configuration
+        model = tl.Model.random(tiny_config(kv_mode="int4", int4_attention=which), seed=0)
+        prefix = model.build_prefix_cache(prompt[:14], loops=2, cache_window=window)
         out[which] = (model.generate_from_prefix_cache(prefix, suffix=prompt[14:], max_tokens=12),
                       decode_step_logits(model, prefix, prompt[14:]))
-    jax.clear_caches()
     assert out["jnp"][0] == out["interpret"][0]
     np.testing.assert_allclose(out["interpret"][1], out["jnp"][1], atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(out["interpret"][1], model.next_token_logits_from_prefix(prefix, prompt[14:]),

@@ -8,13 +8,7 @@ import pytest
 
 import tinyloop_jax as tl
 from tinyloop_jax import engine, functional as F, speculative
-from tinyloop_jax.sampling import SamplingParams, StopSpec
-from conftest import prompt_of, tiny_config
-
-
-@pytest.fixture(scope="module")
-def models():
-    return {m: tl.Model.random(tiny_config(kv_mode=m), seed=0) for m in ("fp32", "int8-h")}
+from conftest import prompt_of
 
 
 @pytest.mark.parametrize("d,k", [(1, 1), (1, 3), (2, 4), (3, 2), (4, 5)])
@@ -50,21 +44,20 @@ def test_cache_after_run_equals_plain_cache(models):
     prefix = model.build_prefix_cache(prompt_of(16, seed=5), loops=3)
     outs = {}
     for name in ("plain", "spec"):
-        own = F.empty_cache(w, 40, 3, start=16)
-        seen = np.zeros((cfg.vocab_size,), bool)
-        seen[prefix.prompt] = True
-        args = (w.params, cfg, (prefix.cache,), own, jnp.asarray(prefix.logits), jnp.asarray(seen),
-                SamplingParams.make(), StopSpec.make([]), jnp.int32(15))
+        own = F.empty_cache(w, 40, 3, start=16, batch=1)
+        args = (w.params, cfg, (prefix.cache,), own, prefix.logits[None], prefix.seen[None],
+                tl.Request.make(1, max_tokens=15))
         kw = dict(loops=3, window=0, out_len=16)
         res = engine.decode(*args, **kw) if name == "plain" else speculative.decode(*args, **kw, draft_loops=1,
                                                                                    lookahead=3)
         outs[name] = res
-    (o1, n1, c1), (o2, n2, c2) = outs["plain"], outs["spec"][:3]
-    assert int(n1) == int(n2) == 15 and np.array_equal(np.asarray(o1), np.asarray(o2))
+    s1, s2 = outs["plain"], outs["spec"]
+    assert int(s1.n[0]) == int(s2.n[0]) == 15 and np.array_equal(np.asarray(s1.tokens), np.asarray(s2.tokens))
+    c1, c2 = jax.tree.map(lambda a: a[0], s1.own), jax.tree.map(lambda a: a[0], s2.own)
     assert int(c1.length) == int(c2.length) == 16 + 14
     assert np.array_equal(np.asarray(c1.pos), np.asarray(c2.pos))
     valid = np.asarray(c1.pos) >= 0
-    for a, b in zip(c1.layers, c2.layers):
+    for a, b in ((c1.layer(i), c2.layer(i)) for i in range(c1.n_layers)):
         for name in a:
             np.testing.assert_allclose(np.asarray(a[name])[:, valid], np.asarray(b[name])[:, valid], atol=1e-4,
                                        rtol=1e-4)

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 import tinyloop_jax as tl
-from conftest import prompt_of, tiny_config
+from conftest import prompt_of, tiny_model
 
 
 @pytest.fixture(scope="module")
 def model():
-    return tl.Model.random(tiny_config(kv_mode="fp32"), seed=0)
+    return tiny_model("fp32")
 
 
 def sys_prompt(n, seed):
@@ -54,7 +54,7 @@ def test_match_is_token_exact_across_chunk_boundaries(model):
 
 @pytest.mark.parametrize("mode,window", [("int8-h", 0), ("int4", 0), ("fp16", 6), ("fp32", 6)])
 def test_extension_equals_fresh_generate_in_modes_and_windows(mode, window):
-    model = tl.Model.random(tiny_config(kv_mode=mode), seed=0)
+    model = tiny_model(mode)
     store = tl.PrefixStore(model, loops=2, cache_window=window)
     head = sys_prompt(30, 1)
     for q in range(3):

@@ -5,10 +5,11 @@ from .cache import KVCache
 from .config import KV_MODES, ModelConfig
 from .params import Weights
 from .prefix import PrefixCache
-from .runtime import Model
+from .runtime import Model, ResumeHandle
+from .sampling import Request
 from .store import PrefixStore
 from .tokenizer import ByteTokenizer
 
-__all__ = ["ByteTokenizer", "KV_MODES", "KVCache", "Model", "ModelConfig", "PrefixCache", "PrefixStore", "Weights",
-           "functional"]
+__all__ = ["ByteTokenizer", "KV_MODES", "KVCache", "Model", "ModelConfig", "PrefixCache", "PrefixStore", "Request",
+           "ResumeHandle", "Weights", "functional"]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""The KV cache: an immutable pytree of fixed-capacity buffers, and its storage modes.
+"""The KV cache: an immutable pytree of fixed-capacity buffers, the loop's passes stacked.
 
 One `KVCache` is one *segment* of a sequence's attention context. A plain generation has one
 segment; a request served from a prefix reads the prefix's segment (never written) and
@@ -8,13 +8,20 @@ writes only its own:
     ┌─────────────────────────────┐           ┌──────────────────────┐
     │ pos 0 .. P-1                │           │ pos P .. P+n-1       │
     └─────────────────────────────┘           └──────────────────────┘
-    layers[l] = {"k": [H, C, hd], "v": [H, C, hd]}    (fp modes; other modes store other keys)
-    pos       = [C] int32: absolute position held by each slot, -1 = empty
-    length    = []  int32: one past the last position written
 
-Slot of position p is `p % C`. A contiguous run of at most C positions never collides, so
-the same rule serves a full cache (C >= tokens) and a sliding-window ring buffer (C >= W:
-old positions are overwritten, and attention masks by position anyway).
+    pre[j]   = {"k": [H, C, hd], "v": [H, C, hd]}       one per pre block  (fp modes; see kv_modes)
+    loop     = {"k": [L, H, C, hd], "v": [L, H, C, hd]}  the loop's L passes stacked on axis 0
+    pos      = [C] int32: absolute position held by each slot, -1 = empty
+    length   = []  int32: one past the last position written
+
+Cache layer n_pre + t is pass t of `loop`. Stacking the passes makes depth data, not program
+size: a program runs the passes with `lax.fori_loop` over the leading axis, and a depth d <= L
+reads the first d passes of the same arrays (no copy). A batch of segments (one per request)
+has a leading request axis on every array.
+
+Slot of position p is `p % C`. A contiguous run of at most C positions never collides, so the
+same rule serves a full cache (C >= tokens) and a sliding-window ring buffer (C >= W: old
+positions are overwritten, and attention masks by position anyway).
 """
 
 from __future__ import annotations
@@ -23,18 +30,17 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
-from . import quant
-from .config import check_kv_mode
+from .kv_modes import layer_nbytes, layer_shapes
 
 
 @struct.dataclass
 class KVCache:
-    layers: tuple  # tuple[dict[str, Array], ...], one per cache layer
-    pos: jax.Array  # [C] int32
-    length: jax.Array  # [] int32
+    pre: tuple  # tuple[dict[str, Array [.., lead, C, w]], ...], one per pre block
+    loop: dict  # dict[str, Array [.., L, lead, C, w]]: the loop's passes
+    pos: jax.Array  # [.., C] int32
+    length: jax.Array  # [..] int32
     kv_mode: str = struct.field(pytree_node=False)
 
     @property
@@ -42,98 +48,25 @@ class KVCache:
         return int(self.pos.shape[-1])
 
     @property
+    def passes(self) -> int:
+        """Loop passes held (a program may read only the first few)."""
+        return int(next(iter(self.loop.values())).shape[-4])
+
+    @property
     def n_layers(self) -> int:
-        return len(self.layers)
+        return len(self.pre) + self.passes
 
     @property
     def nbytes(self) -> int:
         return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self)))
 
-
-# ---- storage modes ---------------------------------------------------------------------------
-# What one cache layer stores per token, by mode. Every stored array has the slot axis at
-# position 1, so writing and slicing never depend on the mode.
-#
-#   fp32 / fp16     k, v            [H, C, hd]        float32 / float16
-#   int8            k, v            [H, C, hd]        int8, + ks, vs [H, C, 1] float32 (per token, per head)
-#   int4            k, v            [H, C, hd/2]      uint8 (two per byte), + ks, vs [H, C, 1]
-#   fp16-h          h               [1, C, D]         float16: the block's normalized input
-#   int8-h / int4-h h               [1, C, D or D/2], + hs [1, C, D/G] float32 (groups of G channels)
-#
-# h modes rebuild K/V = h @ W_kv + b_kv from the layer's weights whenever they are read.
-
-H_GROUP = 64
-_FLOAT = {"fp32": jnp.float32, "fp16": jnp.float16}
-_BITS = {"int8": 8, "int4": 4}
+    def layer(self, i: int) -> dict:
+        """Cache layer i's arrays (pre block i, or pass i - n_pre), unbatched segments only."""
+        n = len(self.pre)
+        return dict(self.pre[i]) if i < n else {k: a[i - n] for k, a in self.loop.items()}
 
 
-def _split(kv_mode: str) -> tuple[str, bool]:
-    """'int4-h' -> ('int4', True)."""
-    check_kv_mode(kv_mode)
-    return (kv_mode[:-2], True) if kv_mode.endswith("-h") else (kv_mode, False)
-
-
-def h_group(d_model: int) -> int:
-    return H_GROUP if d_model % H_GROUP == 0 else d_model
-
-
-def layer_shapes(kv_mode: str, n_heads: int, capacity: int, head_dim: int) -> dict:
-    """Stored arrays of one cache layer: name -> (shape, dtype)."""
-    base, is_h = _split(kv_mode)
-    lead, width = (1, n_heads * head_dim) if is_h else (n_heads, head_dim)
-    names = ("h",) if is_h else ("k", "v")
-    out = {}
-    for n in names:
-        if base in _FLOAT:
-            out[n] = ((lead, capacity, width), _FLOAT[base])
-        else:
-            groups = width // h_group(width) if is_h else 1
-            packed = base == "int4"
-            out[n] = ((lead, capacity, width // 2 if packed else width), jnp.uint8 if packed else jnp.int8)
-            out[n + "s"] = ((lead, capacity, groups), jnp.float32)
-    return out
-
-
-def _store(base: str, x: jax.Array, group: int) -> dict:
-    """x [lead, T, width] float32 -> stored arrays (value, and scale for integer modes)."""
-    if base in _FLOAT:
-        return {"": x.astype(_FLOAT[base])}
-    q, scale = quant.quantize(x, _BITS[base], group)
-    return {"": quant.pack_int4(q) if base == "int4" else q, "s": scale}
-
-
-def _load(base: str, entry: dict, name: str, group: int) -> jax.Array:
-    if base in _FLOAT:
-        return entry[name].astype(jnp.float32)
-    q = quant.unpack_int4(entry[name]) if base == "int4" else entry[name]
-    return quant.dequantize(q, entry[name + "s"], group)
-
-
-def encode(kv_mode: str, h: jax.Array, k: jax.Array, v: jax.Array) -> dict:
-    """Fresh h [T, D] and K, V [H, T, hd] float32 -> the stored arrays of a chunk."""
-    base, is_h = _split(kv_mode)
-    if is_h:
-        return {"h" + sfx: a for sfx, a in _store(base, h[None], h_group(h.shape[-1])).items()}
-    out = {}
-    for name, x in (("k", k), ("v", v)):
-        out.update({name + sfx: a for sfx, a in _store(base, x, x.shape[-1]).items()})
-    return out
-
-
-def decode(kv_mode: str, entry: dict, w_kv: jax.Array, b_kv: jax.Array, n_heads: int) -> tuple[jax.Array, jax.Array]:
-    """Stored arrays -> float32 K, V [H, C, hd]. h modes rebuild them with the layer's K/V
-    projection (w_kv [D, 2D], b_kv [2D])."""
-    base, is_h = _split(kv_mode)
-    if not is_h:
-        hd = entry["k"].shape[-1] * (2 if base == "int4" else 1)
-        return _load(base, entry, "k", hd), _load(base, entry, "v", hd)
-    h = _load(base, entry, "h", h_group(w_kv.shape[0]))[0]  # [C, D]
-    C, D = h.shape
-    kv = (h @ w_kv + b_kv).reshape(C, 2, n_heads, D // n_heads).transpose(1, 2, 0, 3)
-    return kv[0], kv[1]
-
-
-# ---- allocation ------------------------------------------------------------------------------
+# ---- sizes and allocation --------------------------------------------------------------------
 
 MIN_BUCKET = 16
 
@@ -154,12 +87,10 @@ def segment_capacity(n_tokens: int, cache_window: int) -> int:
 
 
 def cache_nbytes(kv_mode: str, n_layers: int, n_heads: int, capacity: int, head_dim: int) -> int:
-    per_layer = sum(int(np.prod(s)) * np.dtype(d).itemsize
-                    for s, d in layer_shapes(kv_mode, n_heads, capacity, head_dim).values())
-    return n_layers * per_layer + capacity * 4 + 4
+    return n_layers * layer_nbytes(kv_mode, n_heads, capacity, head_dim) + capacity * 4 + 4
 
 
-def _free_bytes() -> int | None:
+def free_bytes() -> int | None:
     """Memory the backend can still hand out, if it says; else host memory available."""
     try:
         stats = jax.devices()[0].memory_stats()
@@ -180,23 +111,27 @@ def _free_bytes() -> int | None:
         return None
 
 
-def empty(kv_mode: str, n_layers: int, n_heads: int, capacity: int, head_dim: int,
-          batch: int | None = None) -> KVCache:
-    """A fresh cache (with `batch`: one per request, every array with a leading request axis).
-    Out of memory is a RuntimeError, checked before allocating so that nothing is half-built
-    (and the host is not pushed into swap)."""
-    lead = () if batch is None else (batch,)
-    need = cache_nbytes(kv_mode, n_layers, n_heads, capacity, head_dim) * (batch or 1)
-    free = _free_bytes()
+def check_fits(need: int, what: str) -> None:
+    """RuntimeError if `need` bytes cannot be allocated now: checked before anything is
+    allocated or compiled, so nothing is half-built (and the host is not pushed into swap)."""
+    free = free_bytes()
     if free is not None and need > free:
-        raise RuntimeError(
-            f"out of memory: a KV cache of {n_layers} layers x {capacity} slots ({kv_mode}) needs "
-            f"{need / 2**20:.1f} MiB but only {free / 2**20:.1f} MiB is free; "
-            "shorten the prompt, lower loops, or set cache_window")
+        raise RuntimeError(f"out of memory: {what} needs {need / 2**20:.1f} MiB but only {free / 2**20:.1f} MiB "
+                           "is free; shorten the prompt, lower loops, or set cache_window")
+
+
+def empty(kv_mode: str, n_pre: int, passes: int, n_heads: int, capacity: int, head_dim: int,
+          batch: int | None = None) -> KVCache:
+    """A fresh segment of n_pre pre layers and `passes` loop passes (with `batch`: one per
+    request, every array with a leading request axis). Out of memory is a RuntimeError."""
+    lead = () if batch is None else (batch,)
+    check_fits(cache_nbytes(kv_mode, n_pre + passes, n_heads, capacity, head_dim) * (batch or 1),
+               f"a KV cache of {n_pre + passes} layers x {capacity} slots ({kv_mode})")
     shapes = layer_shapes(kv_mode, n_heads, capacity, head_dim)
     try:
-        layers = tuple({name: jnp.zeros(lead + s, d) for name, (s, d) in shapes.items()} for _ in range(n_layers))
-        return KVCache(layers=layers, pos=jnp.full(lead + (capacity,), -1, jnp.int32),
+        pre = tuple({n: jnp.zeros(lead + s, d) for n, (s, d) in shapes.items()} for _ in range(n_pre))
+        loop = {n: jnp.zeros(lead + (passes,) + s, d) for n, (s, d) in shapes.items()}
+        return KVCache(pre=pre, loop=loop, pos=jnp.full(lead + (capacity,), -1, jnp.int32),
                        length=jnp.zeros(lead, jnp.int32), kv_mode=kv_mode)
     except Exception as e:  # noqa: BLE001 - XLA reports OOM as a generic runtime error
         if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
@@ -204,7 +139,35 @@ def empty(kv_mode: str, n_layers: int, n_heads: int, capacity: int, head_dim: in
         raise
 
 
-# ---- writing ---------------------------------------------------------------------------------
+# ---- reading and writing one layer ------------------------------------------------------------
+# A layer's store is either a pre layer ({name: [lead, C, w]}, index None) or the loop stack
+# ({name: [L, lead, C, w]}) at pass `index` (traced inside the pass loop).
+
+def read(store: dict, index=None) -> dict:
+    """The arrays of one layer: [lead, C, w] each."""
+    if index is None:
+        return store
+    return {n: jax.lax.dynamic_index_in_dim(a, index, axis=0, keepdims=False) for n, a in store.items()}
+
+
+def write(store: dict, fresh: dict, slots: jax.Array, index=None) -> dict:
+    """Scatter a chunk's stored arrays ([lead, T, w]) into one layer at `slots` [T] (a slot
+    >= C drops the token). Decode (T = 1) is one in-place dynamic-update-slice per buffer."""
+    if slots.shape[0] == 1:
+        if index is None:
+            return {n: jax.lax.dynamic_update_slice_in_dim(a, fresh[n], slots[0], axis=1) for n, a in store.items()}
+        return {n: jax.lax.dynamic_update_slice(a, fresh[n][None], (index, 0, slots[0], 0)) for n, a in store.items()}
+    if index is None:
+        return {n: a.at[:, slots].set(fresh[n], mode="drop") for n, a in store.items()}
+    # indices split by a slice: numpy puts the indexed axis (slots) first -> values [T, lead, w]
+    return {n: a.at[index, :, slots].set(fresh[n].swapaxes(0, 1), mode="drop") for n, a in store.items()}
+
+
+def write_positions(cache_pos: jax.Array, positions: jax.Array, slots: jax.Array) -> jax.Array:
+    if slots.shape[0] == 1:
+        return jax.lax.dynamic_update_slice_in_dim(cache_pos, positions, slots[0], axis=0)
+    return cache_pos.at[slots].set(positions, mode="drop")
+
 
 def write_slots(positions: jax.Array, n_valid: jax.Array, capacity: int) -> jax.Array:
     """Slots for a chunk of positions [T]; tokens that must not be stored point past the end
@@ -214,29 +177,35 @@ def write_slots(positions: jax.Array, n_valid: jax.Array, capacity: int) -> jax.
     return jnp.where(keep, positions % capacity, capacity)
 
 
-def write_layer(entry: dict, fresh: dict, slots: jax.Array) -> dict:
-    """Scatter a chunk's stored arrays ([H, T, ...]) into a layer's buffers at `slots` [T]."""
-    if slots.shape[0] == 1:  # decode: one in-place dynamic-update-slice per buffer
-        return {n: jax.lax.dynamic_update_slice_in_dim(entry[n], fresh[n], slots[0], axis=1)
-                for n in entry}
-    return {n: entry[n].at[:, slots].set(fresh[n], mode="drop") for n in entry}
+# ---- whole-segment operations ----------------------------------------------------------------
+
+def first_passes(seg: KVCache, passes: int) -> KVCache:
+    """The segment at a shallower depth: its first `passes` loop passes (a copy of them)."""
+    return seg.replace(loop={n: a[:passes] for n, a in seg.loop.items()})
 
 
-def write_positions(cache_pos: jax.Array, positions: jax.Array, slots: jax.Array) -> jax.Array:
-    if slots.shape[0] == 1:
-        return jax.lax.dynamic_update_slice_in_dim(cache_pos, positions, slots[0], axis=0)
-    return cache_pos.at[slots].set(positions, mode="drop")
+def append_passes(seg: KVCache, more: KVCache) -> KVCache:
+    """seg's passes followed by `more`'s (same slots and positions): a deeper segment."""
+    return seg.replace(loop={n: jnp.concatenate([seg.loop[n], more.loop[n]]) for n in seg.loop})
 
 
-def copy_prefix(src: KVCache, k: jax.Array, capacity: int) -> KVCache:
+def rollback(own: KVCache, length: jax.Array) -> KVCache:
+    """Forget every position >= length (slots stay, masked by their position)."""
+    return own.replace(pos=jnp.where(own.pos < length, own.pos, -1), length=length.astype(jnp.int32))
+
+
+def copy_prefix(src: KVCache, k: jax.Array, capacity: int, passes: int) -> KVCache:
     """A new segment of `capacity` slots holding src's positions in [k - capacity, k) (those
-    src still holds), length k: the first k tokens of a cached prompt, ready to be extended.
-    Stored values are copied as they are (no re-quantization), so the result is exact."""
+    src still holds) and its first `passes` passes, length k: the first k tokens of a cached
+    prompt, ready to be extended. Stored values are copied as they are (no re-quantization)."""
     s = jnp.arange(capacity)
     p = s + capacity * ((k - 1 - s) // capacity)  # the last position < k that lands in slot s
     src_slot = p % src.capacity
     ok = (p >= 0) & (src.pos[src_slot] == p)
-    layers = tuple({n: jnp.where(ok[None, :, None], jnp.take(a, src_slot, axis=1), jnp.zeros((), a.dtype))
-                    for n, a in entry.items()} for entry in src.layers)
-    return KVCache(layers=layers, pos=jnp.where(ok, p, -1).astype(jnp.int32), length=jnp.asarray(k, jnp.int32),
-                   kv_mode=src.kv_mode)
+
+    def take(a: jax.Array) -> jax.Array:  # a [..., lead, C, w]: slot axis -2
+        return jnp.where(ok[:, None], jnp.take(a, src_slot, axis=-2), jnp.zeros((), a.dtype))
+
+    return KVCache(pre=tuple({n: take(a) for n, a in e.items()} for e in src.pre),
+                   loop={n: take(a[:passes]) for n, a in src.loop.items()},
+                   pos=jnp.where(ok, p, -1).astype(jnp.int32), length=jnp.asarray(k, jnp.int32), kv_mode=src.kv_mode)

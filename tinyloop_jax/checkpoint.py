@@ -21,6 +21,8 @@ import tempfile
 import numpy as np
 import orbax.checkpoint as ocp
 
+from .params import named_leaves
+
 FORMAT = 1
 META_FILE = "tinyloop.json"
 
@@ -91,15 +93,6 @@ def load(path: str, kind: str) -> tuple[dict[str, np.ndarray], dict]:
     return arrays, meta
 
 
-def flatten(tree, prefix: str = "") -> dict[str, np.ndarray]:
-    """Nested dict/list/tuple of arrays -> {"a.0.k": array}."""
-    if isinstance(tree, dict):
-        items = tree.items()
-    elif isinstance(tree, (list, tuple)):
-        items = enumerate(tree)
-    else:
-        return {prefix: np.asarray(tree)}
-    out = {}
-    for k, v in items:
-        out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
+def flatten(tree) -> dict[str, np.ndarray]:
+    """A pytree of arrays (dicts, lists, dataclasses) -> {"a.0.k": np.ndarray}, keyed by tree path."""
+    return {k: np.asarray(v) for k, v in named_leaves(tree).items()}

@@ -1,100 +1,212 @@
-"""Jitted programs: chunked prefill and the on-device decode loop.
+"""Jitted programs: chunked prefill, the on-device decode loop, and the prefix operations.
 
-Both take the segment they write (`own`) as a donated argument, so XLA updates its buffers
+Programs take the segment they write (`own`) as a donated argument, so XLA updates its buffers
 in place; read-only segments (`ro`, a shared prefix) are plain arguments and never written.
 Static arguments are only shapes and depths (config, loops, window, output length), so a
-workload of many prompt lengths compiles one program per capacity bucket.
+workload of many prompt lengths compiles one program per capacity bucket, and the loop's
+passes run under `fori_loop`, so no program grows with `loops`.
+
+Requests are always a batch: N rows, each with its own segment, vmapped over the forward pass
+with the shared `ro` segments left unbatched (the prefix is read once per step for all rows).
+A single request is N = 1.
 """
 
 from __future__ import annotations
 
 from functools import partial
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from . import cache as kvc
-from . import model
+from . import transformer as tf
 from .cache import KVCache
 from .config import ModelConfig
 from .params import Params
-from .sampling import SamplingParams, StopSpec, select_token, stop_hit
+from .sampling import Request, select_tokens, stop_hit
+
+
+def token_mask(tokens: jax.Array, n_valid: jax.Array, vocab_size: int) -> jax.Array:
+    """[V] bool: which ids occur in tokens[:n_valid] (for the repetition penalty)."""
+    real = jnp.arange(tokens.shape[0]) < n_valid
+    return jnp.zeros((vocab_size,), bool).at[jnp.where(real, tokens, vocab_size)].set(True, mode="drop")
+
+
+def forward_rows(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
+                 ro: tuple, own: KVCache, loops: int, window: int):
+    """The forward pass for N rows: tokens [N, T], n_valid, start_pos [N]; ro shared; own the
+    rows' segments (see `rows_in_loop`). Returns (streams [N, T, D], new own)."""
+    one = lambda t, n, s, o: tf.forward(params, cfg, t, n, s, ro, o, loops, window)  # noqa: E731
+    if own.length.ndim == 0:  # the one row of N = 1, unbatched
+        x, own = one(tokens[0], n_valid[0], start_pos[0], own)
+        return x[None], own
+    return jax.vmap(one)(tokens, n_valid, start_pos, own)
+
+
+def rows_in_loop(own: KVCache) -> KVCache:
+    """The own segments as a decode loop carries them: batched, except that one row (N = 1) is
+    carried unbatched. (Vmapped over a unit axis, its cache writes become scatters whose result
+    XLA fuses twice — into the stored carry and into the attention read — copying every layer
+    at every step; unbatched, they are in-place dynamic-update-slices.)"""
+    return jax.tree.map(lambda a: a[0], own) if own.length.shape == (1,) else own
+
+
+def rows_out_of_loop(own: KVCache) -> KVCache:
+    """Inverse of `rows_in_loop`: every array with its leading N axis."""
+    return jax.tree.map(lambda a: a[None], own) if own.length.ndim == 0 else own
+
+
+def row_lengths(own: KVCache) -> jax.Array:
+    """[N] int32: where each row's next token goes."""
+    return jnp.atleast_1d(own.length)
+
+
+def rollback_rows(own: KVCache, lengths: jax.Array) -> KVCache:
+    """Each row forgets its positions >= lengths[i] (lengths [N])."""
+    if own.length.ndim == 0:
+        return kvc.rollback(own, lengths[0])
+    return jax.vmap(kvc.rollback)(own, lengths)
+
+
+# ---- prefill ---------------------------------------------------------------------------------
+
+@partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("own",))
+def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
+            ro: tuple, own: KVCache, loops: int, window: int):
+    """Append tokens[:n_valid] (tokens [T] int32, bucket-padded) to one segment `own` at absolute
+    positions start_pos + i. Returns (next-token logits [V] after the last real token, new own)."""
+    x, own = tf.forward(params, cfg, tokens, n_valid, start_pos, ro, own, loops, window)
+    return tf.last_logits(params, cfg, x, n_valid), own
+
+
+@partial(jax.jit, static_argnames=("cfg", "loops", "window", "keep_state"), donate_argnames=("own",))
+def prefill_prefix(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
+                   context: jax.Array, n_context: jax.Array, own: KVCache, loops: int, window: int, keep_state: bool):
+    """Prefill a prompt's segment (no read-only segments): tokens [T] at start_pos (own already
+    holds the positions before it), context [Tc] the whole prompt. Returns (logits [V], seen [V]
+    (the prompt's tokens), own, depth_states [layers, D] (the last token's stream after each
+    layer run), state [T, D] (every position's stream after the last pass) or None)."""
+    x0 = tf.embed(params, tokens, start_pos)
+    x, own, states = tf.run_layers(params, cfg, x0, n_valid, start_pos, (), own, loops, window, keep_states=True)
+    seen = token_mask(context, n_context, cfg.vocab_size)
+    return tf.last_logits(params, cfg, x, n_valid), seen, own, states, x if keep_state else None
 
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("own",))
-def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array,
-               start_pos: jax.Array, ro: tuple, own: KVCache, loops: int, window: int):
-    """Append tokens[:n_valid] (tokens [T_bucket] int32, bucket-padded) to `own`, at absolute
-    positions start_pos + i (normally own.length; the functional layer lets a caller choose).
-    Returns (next-token logits of the last real token [V] float32, new own)."""
-    x, own = model.forward(params, cfg, tokens, n_valid, start_pos, ro, own, loops, window)
-    last = jax.lax.dynamic_index_in_dim(x, n_valid - 1, axis=0, keepdims=False)
-    return model.lm_head(params, last), own
+def prefill_rows(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
+                 ro: tuple, own: KVCache, prior_logits: jax.Array, prior_seen: jax.Array, loops: int, window: int):
+    """N requests' own tokens after shared segments: tokens [N, T] (row i real up to n_valid[i],
+    possibly 0), start_pos [N]; prior_logits [V], prior_seen [V]: what the shared segments end
+    with. Returns (logits [N, V] (prior_logits for empty rows), seen [N, V], new own)."""
+    x, own = forward_rows(params, cfg, tokens, n_valid, start_pos, ro, own, loops, window)
+    logits = jax.vmap(lambda x, n: tf.last_logits(params, cfg, x, n))(x, n_valid)
+    logits = jnp.where((n_valid > 0)[:, None], logits, prior_logits)
+    seen = jax.vmap(lambda t, n: token_mask(t, n, cfg.vocab_size) | prior_seen)(tokens, n_valid)
+    return logits, seen, own
 
 
-@partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("own",))
-def prefill_states(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
-                   own: KVCache, loops: int, window: int):
-    """`prefill` (no read-only segments) that also returns the loop state: (logits [V], own,
-    state [T, D] (the chunk's residual stream after the last layer, before the final LayerNorm),
-    depth_states [n_layers, D] (the last real token's stream after each cache layer))."""
-    x = model.embed(params, tokens, start_pos)
-    x, x_ln, states, own = model.run_layers(params, cfg, x, n_valid, start_pos, (), own, 0,
-                                            cfg.n_cache_layers(loops), window)
-    last = jax.lax.dynamic_index_in_dim(x_ln, n_valid - 1, axis=0, keepdims=False)
-    return model.lm_head(params, last), own, x, states
+# ---- the decode loop -------------------------------------------------------------------------
+
+@struct.dataclass
+class DecodeState:
+    """The carry of every decode loop (plain, batched, speculative) for N requests; S is the
+    output buffer's length, V the vocabulary."""
+
+    tokens: Annotated[jax.Array, "int32[N, S]"]  # emitted tokens, -1 past each row's end
+    n: Annotated[jax.Array, "int32[N]"]  # tokens emitted so far
+    last: Annotated[jax.Array, "int32[N]"]  # the last emitted token (fed next)
+    seen: Annotated[jax.Array, "bool[N, V]"]  # tokens fed so far (prompt included): the repetition penalty's
+    done: Annotated[jax.Array, "bool[N]"]  # the row hit a stop sequence or its max_tokens
+    step: Annotated[jax.Array, "int32[]"]  # loop iterations so far (the sampling key index)
+    own: KVCache  # the rows' own segments: leading N axis (one row: unbatched, see rows_in_loop)
+    accepted: Annotated[jax.Array, "int32[N]"]  # speculative drafts kept (0 in plain decoding)
 
 
-@partial(jax.jit, static_argnames=("cfg", "first", "last", "window"), donate_argnames=("own",))
-def continue_depth(params: Params, cfg: ModelConfig, state: jax.Array, n_valid: jax.Array, own: KVCache,
-                   first: int, last: int, window: int):
-    """Run cache layers first..last-1 over a prompt whose stream entering layer `first` is
-    state [T, D] (positions from 0): the extra loop iterations of a deeper prefix, nothing before
-    them re-run. Returns (logits [V], own (those layers), state after them, depth_states)."""
-    x, x_ln, states, own = model.run_layers(params, cfg, state, n_valid, jnp.int32(0), (), own, first, last, window)
-    last_x = jax.lax.dynamic_index_in_dim(x_ln, n_valid - 1, axis=0, keepdims=False)
-    return model.lm_head(params, last_x), own, x, states
+def is_done(state: DecodeState) -> jax.Array:
+    return jnp.all(state.done)
 
 
-@jax.jit
-def logits_from_state(params: Params, cfg_eps: float, x: jax.Array) -> jax.Array:
-    """One position's stream [D] -> next-token logits [V] (final LayerNorm + tied head)."""
-    return model.lm_head(params, model.layer_norm(x, params.lnf_g, params.lnf_b, cfg_eps))
+def emit_row(tokens: jax.Array, n: jax.Array, done: jax.Array, tok: jax.Array, stop_tokens: jax.Array,
+             stop_lengths: jax.Array, max_tokens: jax.Array):
+    """One row: append `tok` unless the row is done; it is done once its tokens end with a stop
+    sequence or reach max_tokens. Returns (tokens [S], n, done)."""
+    go = ~done
+    tokens = jnp.where(go, tokens.at[jnp.minimum(n, tokens.shape[0] - 1)].set(tok), tokens)
+    n = n + go.astype(jnp.int32)
+    return tokens, n, done | (go & (stop_hit(tokens, n, stop_tokens, stop_lengths) | (n >= max_tokens)))
 
 
-copy_prefix = jax.jit(kvc.copy_prefix, static_argnames=("capacity",))
+def emit(state: DecodeState, tok: jax.Array, req: Request, hold: jax.Array | None = None) -> DecodeState:
+    """Append tok [N] to every row that is not done (nor held: hold [N] bool)."""
+    done = state.done if hold is None else state.done | hold
+    tokens, n, new_done = jax.vmap(emit_row)(state.tokens, state.n, done, tok, req.stop.tokens, req.stop.lengths,
+                                             req.max_tokens)
+    done = new_done if hold is None else state.done | (new_done & ~hold)
+    return state.replace(tokens=tokens, n=n, done=done, last=jnp.where(n > state.n, tok, state.last))
 
 
-@partial(jax.jit, static_argnames=("cfg",))
-def materialize(params: Params, cfg: ModelConfig, seg: KVCache) -> KVCache:
-    """A read-only segment with its K/V rebuilt/dequantized to float32 (see model.materialize)."""
-    return model.materialize(params, cfg, seg)
+def start(first_logits: jax.Array, seen: jax.Array, own: KVCache, req: Request, out_len: int) -> DecodeState:
+    """The state after the first token, chosen from the prompt's logits first_logits [N, V]."""
+    N = first_logits.shape[0]
+    tok = select_tokens(first_logits, seen, req, jnp.int32(0))
+    state = DecodeState(tokens=jnp.full((N, out_len), -1, jnp.int32), n=jnp.zeros((N,), jnp.int32), last=tok,
+                        seen=seen, done=jnp.zeros((N,), bool), step=jnp.int32(0), own=own,
+                        accepted=jnp.zeros((N,), jnp.int32))
+    return emit(state, tok, req)
+
+
+def feed(state: DecodeState, tok: jax.Array) -> jax.Array:
+    """`seen` with tok [N] marked."""
+    return state.seen.at[jnp.arange(tok.shape[0]), tok].set(True)
 
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len"), donate_argnames=("own",))
-def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logits: jax.Array,
-           seen: jax.Array, sp: SamplingParams, stop: StopSpec, max_tokens: jax.Array,
-           loops: int, window: int, out_len: int):
-    """Emit up to max_tokens (<= out_len) tokens as one `lax.while_loop` on device.
+def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logits: jax.Array, seen: jax.Array,
+           req: Request, loops: int, window: int, out_len: int) -> DecodeState:
+    """Emit up to req.max_tokens (<= out_len) tokens for each of N requests as one
+    `lax.while_loop` on device. first_logits [N, V]: next-token logits after each prompt;
+    seen [N, V]: each prompt's tokens. Token i is chosen from the logits token i-1 produced,
+    so n tokens cost n-1 forward steps. A finished row keeps stepping (its output masked) so
+    the batch keeps one shape; the loop ends when every row is done."""
 
-    first_logits [V]: next-token logits after the prompt; seen [V] bool: tokens so far (for
-    the repetition penalty). Token i is chosen from the logits that token i-1 produced, so a
-    run of n tokens costs n-1 forward steps. Returns (out [out_len] int32, n_emitted, own).
-    """
-    out = jnp.full((out_len,), -1, jnp.int32)
-    tok = select_token(first_logits, seen, sp, jnp.int32(0))
-    out = out.at[0].set(tok)
-    n = jnp.int32(1)
-    done = stop_hit(out, n, stop) | (n >= max_tokens)
+    def step(state: DecodeState) -> DecodeState:
+        seen = feed(state, state.last)
+        N = state.last.shape[0]
+        x, own = forward_rows(params, cfg, state.last[:, None], jnp.ones((N,), jnp.int32), row_lengths(state.own), ro,
+                              state.own, loops, window)
+        tok = select_tokens(tf.lm_head(params, cfg, x[:, 0]), seen, req, state.step + 1)
+        return emit(state.replace(seen=seen, own=own, step=state.step + 1), tok, req)
 
-    def body(carry):
-        n, own, tok, seen, out, _ = carry
-        seen = seen.at[tok].set(True)
-        x, own = model.forward(params, cfg, tok[None], jnp.int32(1), own.length, ro, own, loops, window)
-        tok = select_token(model.lm_head(params, x[0]), seen, sp, n)
-        out = out.at[n].set(tok)
-        n = n + 1
-        return n, own, tok, seen, out, stop_hit(out, n, stop) | (n >= max_tokens)
+    state = jax.lax.while_loop(lambda s: ~is_done(s), step, start(first_logits, seen, rows_in_loop(own), req, out_len))
+    return state.replace(own=rows_out_of_loop(state.own))
 
-    n, own, _, _, out, _ = jax.lax.while_loop(lambda c: ~c[-1], body, (n, own, tok, seen, out, done))
-    return out, n, own
+
+# ---- prefix operations -----------------------------------------------------------------------
+
+@partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("own",))
+def continue_depth(params: Params, cfg: ModelConfig, state: jax.Array, n_valid: jax.Array, own: KVCache,
+                   loops: int, window: int):
+    """`loops` more passes over a prompt whose stream after its last pass is state [T, D]
+    (positions from 0), written into `own` (no pre layers, `loops` passes): the extra passes
+    of a deeper prefix, nothing before them re-run. Returns (logits [V], own, state after them,
+    depth_states [loops, D])."""
+    x, own, states = tf.run_layers(params, cfg, state, n_valid, jnp.int32(0), (), own, loops, window,
+                                   keep_states=True)
+    return tf.last_logits(params, cfg, x, n_valid), own, x, states
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def logits_from_stream(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """One position's stream [D] -> next-token logits [V] (final LayerNorm + head)."""
+    return tf.lm_head(params, cfg, x)
+
+
+@partial(jax.jit, static_argnames=("cfg", "passes"))
+def materialize(params: Params, cfg: ModelConfig, seg: KVCache, passes: int) -> KVCache:
+    """A read-only segment's first `passes` passes with K/V rebuilt/dequantized to float32."""
+    return tf.materialize(params, cfg, seg, passes)
+
+
+copy_prefix = jax.jit(kvc.copy_prefix, static_argnames=("capacity", "passes"))

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import model as M
+from . import transformer as tf
 from .config import ModelConfig
 from .params import Params
 
@@ -17,7 +17,7 @@ from .params import Params
 def _nll_bits(params: Params, cfg: ModelConfig, seqs: jax.Array, loops: int, window: int) -> jax.Array:
     """seqs [B, T] -> per-sequence next-token negative log-likelihood [B], in bits, summed over
     positions 1..T-1."""
-    logits = jax.vmap(lambda s: M.forward_seq(params, cfg, s, loops, window))(seqs)[:, :-1]
+    logits = jax.vmap(lambda s: tf.forward_seq(params, cfg, s, loops, window))(seqs)[:, :-1]
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, seqs[:, 1:, None], axis=-1)
     return jnp.sum(nll, axis=(1, 2)) / jnp.log(2.0)

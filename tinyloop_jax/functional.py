@@ -1,9 +1,16 @@
-"""The pure-function layer under `Model`: prefill a chunk into a cache, decode one step.
+"""The per-call pipeline as pure functions over (weights, segments, request), usable without a
+`Model`: prefill a chunk, build / extend / re-depth a prefix, decode N requests (plain or
+speculative). `Model` checks arguments, calls these, and turns the device results into lists.
+
+    >>> w = model.weights
+    >>> prefix = build_prefix(w, prompt, loops=4)                       # a PrefixCache
+    >>> state = decode(w, prefix, [suffix], Request.make(1, max_tokens=16))
+    >>> state.tokens[0, : state.n[0]]                                   # the emitted tokens
 
 The seed-000 pair is a few lines on top of it:
 
-    >>> saved = save_prefix_cache(prefix_ids, model.weights)          # a KVCache, length P
-    >>> logits = generate_with_prefix(saved, len(prefix_ids), suffix_ids, model.weights)
+    >>> saved = prefill_prefix_cache(prefix_ids, w)                     # a KVCache, length P
+    >>> logits = next_token_logits_with_prefix(saved, len(prefix_ids), suffix_ids, w)
 
 `saved` is never written: the suffix goes into a fresh segment of its own that attends to
 `saved` read-only, so no clone is needed and the saved cache keeps its length.
@@ -11,25 +18,44 @@ The seed-000 pair is a few lines on top of it:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from . import cache as kvc
-from . import engine
+from . import engine, speculative
 from .cache import KVCache
+from .engine import DecodeState
 from .params import Weights
+from .prefix import PrefixCache
+from .sampling import Request
 
 
-def empty_cache(weights: Weights, n_tokens: int, loops: int | None = None, cache_window: int = 0,
-                start: int = 0, kv_mode: str | None = None, batch: int | None = None) -> KVCache:
+class Speculation(NamedTuple):
+    """Self-speculative decoding: draft `lookahead` tokens at depth `draft_loops`."""
+    draft_loops: int
+    lookahead: int
+
+
+def pad(tokens, size: int | None = None) -> np.ndarray:
+    """Token ids -> int32 [bucket(n)] (or [size]), zero-padded: one compiled shape per bucket."""
+    tokens = np.asarray(tokens, np.int32)
+    out = np.zeros((size or kvc.bucket(len(tokens)),), np.int32)
+    out[:len(tokens)] = tokens
+    return out
+
+
+def empty_cache(weights: Weights, n_tokens: int, loops: int | None = None, cache_window: int = 0, start: int = 0,
+                kv_mode: str | None = None, batch: int | None = None) -> KVCache:
     """A fresh segment with room for `n_tokens` positions, starting at position `start`, stored
     in `kv_mode` (default the model's; another mode makes a working segment whose values are
-    those of the model's mode, see `model.block`)."""
+    those of the model's mode, see `transformer.block`)."""
     c = weights.config
     loops = c.default_loops if loops is None else loops
-    capacity = kvc.segment_capacity(n_tokens, cache_window)
-    own = kvc.empty(kv_mode or c.kv_mode, c.n_cache_layers(loops), c.n_heads, capacity, c.head_dim, batch)
+    own = kvc.empty(kv_mode or c.kv_mode, c.n_pre_blocks, loops, c.n_heads,
+                    kvc.segment_capacity(n_tokens, cache_window), c.head_dim, batch)
     return own.replace(length=jnp.full(own.length.shape, start, jnp.int32))
 
 
@@ -39,14 +65,9 @@ def prefill(weights: Weights, tokens, cache: KVCache, ro: tuple = (), start_pos:
     attending also to the read-only segments `ro`. Returns (next-token logits [V], new cache).
     `cache` is donated: do not use it afterwards."""
     c = weights.config
-    loops = c.default_loops if loops is None else loops
-    tokens = np.asarray(tokens, np.int32)
-    n = len(tokens)
-    padded = np.zeros((kvc.bucket(n),), np.int32)
-    padded[:n] = tokens
     start = cache.length if start_pos is None else jnp.int32(start_pos)
-    return engine.prefill(weights.params, c, jnp.asarray(padded), jnp.int32(n), start, tuple(ro), cache,
-                          loops=loops, window=cache_window)
+    return engine.prefill(weights.params, c, jnp.asarray(pad(tokens)), jnp.int32(len(tokens)), start, tuple(ro),
+                          cache, loops=c.default_loops if loops is None else loops, window=cache_window)
 
 
 def decode_step(weights: Weights, token: int, cache: KVCache, ro: tuple = (), loops: int | None = None,
@@ -55,20 +76,176 @@ def decode_step(weights: Weights, token: int, cache: KVCache, ro: tuple = (), lo
     return prefill(weights, [token], cache, ro, loops=loops, cache_window=cache_window)
 
 
-def save_prefix_cache(prefix_ids, weights: Weights) -> KVCache:
-    """Prefill `prefix_ids` into a fresh cache (default depth, full window) and return it."""
+# ---- prefixes --------------------------------------------------------------------------------
+
+def _wrap(weights: Weights, own: KVCache, prompt: np.ndarray, loops: int, window: int, logits, seen, depth_states,
+          state=None) -> PrefixCache:
+    prompt = np.array(prompt, np.int32)
+    prompt.setflags(write=False)
+    return PrefixCache(cache=own, prompt=prompt, loops=loops, cache_window=window, logits=logits, seen=seen,
+                       depth_states=depth_states, weights=weights, state=state)
+
+
+def prefix_nbytes(weights: Weights, n_tokens: int, loops: int, cache_window: int = 0) -> int:
+    c = weights.config
+    return kvc.cache_nbytes(c.kv_mode, c.n_cache_layers(loops), c.n_heads,
+                            kvc.segment_capacity(n_tokens, cache_window), c.head_dim)
+
+
+def build_prefix(weights: Weights, prompt, loops: int | None = None, cache_window: int = 0,
+                 keep_state: bool = False) -> PrefixCache:
+    """Prefill `prompt` [P] once into a PrefixCache (no decode). keep_state=True also keeps every
+    position's stream after the last pass (D floats per token) for `prefix_at_depth` deeper."""
+    loops = weights.config.default_loops if loops is None else loops
+    prompt = np.asarray(prompt, np.int32)
+    own = empty_cache(weights, len(prompt), loops, cache_window)
+    tokens, n = jnp.asarray(pad(prompt)), jnp.int32(len(prompt))
+    out = engine.prefill_prefix(weights.params, weights.config, tokens, n, jnp.int32(0), tokens, n, own, loops=loops,
+                                window=cache_window, keep_state=keep_state)
+    return _wrap(weights, out[2], prompt, loops, cache_window, out[0], out[1], out[3], out[4])
+
+
+def extend_prefix(source: PrefixCache, k: int, prompt) -> PrefixCache:
+    """The prefix of `prompt` whose first k tokens are source's first k (0 < k < len(prompt)):
+    those positions are copied (no compute), only prompt[k:] is prefilled."""
+    w, loops, window = source.weights, source.loops, source.cache_window
+    prompt = np.asarray(prompt, np.int32)
+    own = engine.copy_prefix(source.cache, jnp.int32(k), capacity=kvc.segment_capacity(len(prompt), window),
+                             passes=loops)
+    logits, seen, own, states, _ = engine.prefill_prefix(
+        w.params, w.config, jnp.asarray(pad(prompt[k:])), jnp.int32(len(prompt) - k), jnp.int32(k),
+        jnp.asarray(pad(prompt)), jnp.int32(len(prompt)), own, loops=loops, window=window, keep_state=False)
+    return _wrap(w, own, prompt, loops, window, logits, seen, states)
+
+
+def prefix_at_depth(prefix: PrefixCache, loops: int) -> PrefixCache:
+    """The same prompt's prefix at depth `loops`, re-running nothing already done:
+      * loops <= the passes its cache holds: a view of the first passes (the arrays are shared)
+        with that depth's logits, from the stream kept after every layer;
+      * deeper, with the loop state kept (keep_state=True): only the missing passes run;
+      * otherwise a RuntimeError."""
+    w, c = prefix.weights, prefix.weights.config
+    if loops == prefix.loops:
+        return prefix
+    if loops <= prefix.cache.passes:
+        logits = engine.logits_from_stream(w.params, c, prefix.depth_states[c.n_cache_layers(loops) - 1])
+        return _wrap(w, prefix.cache, prefix.prompt, loops, prefix.cache_window, logits, prefix.seen,
+                     prefix.depth_states, prefix.state)
+    if prefix.state is None:
+        raise RuntimeError(f"loops={loops} is deeper than the prefix's loops={prefix.loops} and the prefix "
+                           f"did not keep its loop state; build it with keep_state=True (or rebuild at loops={loops})")
+    extra = loops - prefix.cache.passes
+    own = kvc.empty(c.kv_mode, 0, extra, c.n_heads, prefix.cache.capacity, c.head_dim)
+    logits, own, state, states = engine.continue_depth(w.params, c, prefix.state, jnp.int32(len(prefix)), own,
+                                                       loops=extra, window=prefix.cache_window)
+    return _wrap(w, kvc.append_passes(prefix.cache, own), prefix.prompt, loops, prefix.cache_window, logits,
+                 prefix.seen, jnp.concatenate([prefix.depth_states, states]), state)
+
+
+# ---- decoding --------------------------------------------------------------------------------
+
+def call_segments(weights: Weights, prefix: PrefixCache | None, loops: int) -> tuple[tuple, str | None]:
+    """(read-only segments of one call, kv_mode of its own segments). h modes rebuild the
+    prefix's K/V once for the whole call (every decode step and every request of a batch reads
+    that copy) and keep the requests' own K/V in float32 while they run; the prefix at rest
+    stays in h form, the rebuilt copy lives only during the call."""
+    ro = () if prefix is None else (prefix.cache,)
+    if not weights.config.kv_mode.endswith("-h"):
+        return ro, None
+    return tuple(engine.materialize(weights.params, weights.config, s, passes=loops) for s in ro), "fp32"
+
+
+def own_room(longest_suffix: int, max_new: int, cache_window: int, speculation: Speculation | None):
+    """(positions, window) an own segment is sized for: the suffix and the new tokens, plus
+    lookahead + 1 for a speculative verify chunk written before its rollback."""
+    room, ring = longest_suffix + max_new, cache_window
+    if speculation is not None:
+        room += speculation.lookahead + 1
+        ring = cache_window + speculation.lookahead + 1 if cache_window else 0
+    return room, ring
+
+
+def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request: Request, loops: int | None = None,
+           cache_window: int | None = None, speculation: Speculation | None = None) -> DecodeState:
+    """N requests, each = prefix (shared, read once per step for all; or none) + its suffix
+    (possibly empty when there is a prefix) + up to request.max_tokens new tokens.
+
+    loops / cache_window default to the prefix's. Returns the final `DecodeState` (on device):
+    row i emitted tokens[i, :n[i]]."""
+    c = weights.config
+    loops = (prefix.loops if prefix is not None else c.default_loops) if loops is None else loops
+    window = (prefix.cache_window if prefix is not None else 0) if cache_window is None else cache_window
+    N, P = len(suffixes), 0 if prefix is None else len(prefix)
+    lens = np.array([len(s) for s in suffixes], np.int32)
+    max_new = int(np.max(request.max_tokens))
+    ro, work_mode = call_segments(weights, prefix, loops)
+    room, ring = own_room(int(lens.max()), max_new, window, speculation)
+    own = empty_cache(weights, room, loops, ring, start=P, kv_mode=work_mode, batch=N)
+    prior_logits = prefix.logits if prefix is not None else jnp.zeros((c.vocab_size,), jnp.float32)
+    prior_seen = prefix.seen if prefix is not None else jnp.zeros((c.vocab_size,), bool)
+    if lens.max() > 0:
+        tokens = np.stack([pad(s, kvc.bucket(int(lens.max()))) for s in suffixes])
+        logits, seen, own = engine.prefill_rows(weights.params, c, jnp.asarray(tokens), jnp.asarray(lens),
+                                                jnp.full((N,), P, jnp.int32), ro, own, prior_logits, prior_seen,
+                                                loops=loops, window=window)
+    else:
+        logits = jnp.broadcast_to(prior_logits, (N, c.vocab_size))
+        seen = jnp.broadcast_to(prior_seen, (N, c.vocab_size))
+    args = (weights.params, c, ro, own, logits, seen, request)
+    kw = dict(loops=loops, window=window, out_len=kvc.bucket(max_new, minimum=8))
+    if speculation is None:
+        return engine.decode(*args, **kw)
+    return speculative.decode(*args, **kw, draft_loops=speculation.draft_loops, lookahead=speculation.lookahead)
+
+
+def generate(weights: Weights, prompts: list, request: Request, loops: int | None = None, cache_window: int = 0,
+             speculation: Speculation | None = None) -> DecodeState:
+    """N unrelated prompts: one prompt is built as a prefix and decoded (`decode`); several are
+    decoded together, each prompt its own segment."""
+    loops = weights.config.default_loops if loops is None else loops
+    check_fits(weights, [len(p) for p in prompts], request, loops, cache_window, speculation)
+    if len(prompts) == 1:
+        prefix = build_prefix(weights, prompts[0], loops, cache_window)
+        return decode(weights, prefix, [np.zeros((0,), np.int32)], request, loops, cache_window, speculation)
+    return decode(weights, None, prompts, request, loops, cache_window, speculation)
+
+
+def check_fits(weights: Weights, prompt_lens: list, request: Request, loops: int, cache_window: int,
+               speculation: Speculation | None = None, prefix_len: int = 0) -> None:
+    """RuntimeError, before anything is allocated or compiled, if the caches of this call
+    cannot fit in the memory free now."""
+    c = weights.config
+    max_new = int(np.max(request.max_tokens))
+    if len(prompt_lens) == 1 and prefix_len == 0:  # one prompt: a prompt segment + a small own one
+        need = prefix_nbytes(weights, prompt_lens[0], loops, cache_window)
+        room, ring = own_room(0, max_new, cache_window, speculation)
+    else:
+        need = 0
+        room, ring = own_room(max(prompt_lens), max_new, cache_window, speculation)
+    need += len(prompt_lens) * prefix_nbytes(weights, room, loops, ring)
+    kvc.check_fits(need, f"the KV caches of {len(prompt_lens)} request(s) at loops={loops} "
+                         f"({c.n_cache_layers(loops)} layers, {c.kv_mode})")
+
+
+# ---- the seed-000 pair -----------------------------------------------------------------------
+
+def prefill_prefix_cache(prefix_ids, weights: Weights) -> KVCache:
+    """Prefill `prefix_ids` into a fresh cache (default depth, full window) and return the
+    cache (in memory; nothing is written to disk)."""
     prefix_ids = np.asarray(prefix_ids, np.int32)
-    cache = empty_cache(weights, len(prefix_ids))
-    _, cache = prefill(weights, prefix_ids, cache)
+    _, cache = prefill(weights, prefix_ids, empty_cache(weights, len(prefix_ids)))
     return cache
 
 
-def generate_with_prefix(saved: KVCache, prefix_len: int, suffix_ids, weights: Weights) -> np.ndarray:
+def next_token_logits_with_prefix(saved: KVCache, prefix_len: int, suffix_ids, weights: Weights) -> np.ndarray:
     """The last suffix token's next-token logits [V], reusing `saved`; the suffix's i-th token
     gets absolute position prefix_len + i."""
     suffix_ids = np.asarray(suffix_ids, np.int32)
-    own = empty_cache(weights, len(suffix_ids), loops=saved.n_layers - weights.config.n_pre_blocks,
-                      start=prefix_len)
-    logits, _ = prefill(weights, suffix_ids, own, ro=(saved,), start_pos=prefix_len,
-                        loops=saved.n_layers - weights.config.n_pre_blocks)
+    own = empty_cache(weights, len(suffix_ids), loops=saved.passes, start=prefix_len)
+    logits, _ = prefill(weights, suffix_ids, own, ro=(saved,), start_pos=prefix_len, loops=saved.passes)
     return np.asarray(logits, np.float32)
+
+
+# Seed 000's names for the pair above.
+save_prefix_cache = prefill_prefix_cache
+generate_with_prefix = next_token_logits_with_prefix

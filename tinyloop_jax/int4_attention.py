@@ -14,14 +14,14 @@ Two implementations with one signature:
     nibbles, the odd ones the high nibbles, so q and the output are split into even/odd halves
     outside the kernel instead of interleaving nibbles inside it.
   * `int4_attention_ref`: pure jnp (dequantize, then attend). Used on CPU, and the oracle.
-`int4_attention` picks the kernel on GPU and the reference elsewhere (env TINYLOOP_INT4_ATTENTION
-= auto | pallas | interpret | jnp overrides; read at trace time).
+`int4_attention(..., impl=)` runs the one named by the model's static configuration
+(`ModelConfig.int4_attention`: the kernel on GPU, the reference elsewhere; resolved once, when
+the config is made, from `TINYLOOP_INT4_ATTENTION` = auto | pallas | interpret | jnp).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -29,16 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import quant
-
-NEG = -1e30  # finite "minus infinity": a fully masked block gives numbers, not NaN
-IMPLS = ("auto", "pallas", "interpret", "jnp")
-
-
-def _visible(key_pos: jax.Array, q_pos: jax.Array, window: int) -> jax.Array:
-    ok = (key_pos >= 0) & (key_pos <= q_pos)
-    if window > 0:
-        ok &= key_pos > q_pos - window
-    return ok
+from .attention import NEG, merge, visible
 
 
 def int4_attention_ref(q, q_pos, k, ks, v, vs, key_pos, *, window: int):
@@ -46,7 +37,7 @@ def int4_attention_ref(q, q_pos, k, ks, v, vs, key_pos, *, window: int):
     ks, vs [H, C, 1] f32; key_pos [C] int32 (-1 = empty) -> (o [H, hd], m [H], l [H])."""
     kf = quant.dequantize(quant.unpack_int4(k), ks, 2 * k.shape[-1])
     vf = quant.dequantize(quant.unpack_int4(v), vs, 2 * v.shape[-1])
-    ok = _visible(key_pos, q_pos, window)[None]  # [1, C]
+    ok = visible(key_pos, q_pos, window)[None]  # [1, C]
     s = jnp.where(ok, jnp.einsum("hd,hcd->hc", q, kf), NEG)
     m = jnp.max(s, axis=-1)
     p = jnp.where(ok, jnp.exp(s - m[:, None]), 0.0)
@@ -69,7 +60,7 @@ def _kernel(q_e_ref, q_o_ref, qpos_ref, k_ref, ks_ref, v_ref, vs_ref, kpos_ref,
         sl = pl.ds(i * block, block)
         k_lo, k_hi = nibbles(k_ref[sl, :])
         s = jnp.sum(k_lo * q_e[None, :] + k_hi * q_o[None, :], axis=1) * ks_ref[sl]  # [block]
-        ok = _visible(kpos_ref[sl], q_pos, window)
+        ok = visible(kpos_ref[sl], q_pos, window)
         s = jnp.where(ok, s, NEG)
         m_new = jnp.maximum(m, jnp.max(s))
         corr = jnp.exp(m - m_new)
@@ -138,25 +129,8 @@ def int4_attention_pallas(q, q_pos, k, ks, v, vs, key_pos, *, window: int, inter
     return merge(o, m, l)
 
 
-def merge(o: jax.Array, m: jax.Array, l: jax.Array):
-    """Merge partial softmaxes along axis 0: o [S, H, hd], m, l [S, H] -> (o [H, hd], m [H], l [H])."""
-    m_all = jnp.max(m, axis=0)
-    w = jnp.exp(m - m_all[None])
-    return jnp.sum(o * w[..., None], axis=0), m_all, jnp.sum(l * w, axis=0)
-
-
-def impl() -> str:
-    choice = os.environ.get("TINYLOOP_INT4_ATTENTION", "auto")
-    if choice not in IMPLS:
-        raise ValueError(f"TINYLOOP_INT4_ATTENTION={choice!r}; expected one of {', '.join(IMPLS)}")
-    if choice == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "jnp"
-    return choice
-
-
-def int4_attention(q, q_pos, k, ks, v, vs, key_pos, *, window: int):
-    """The kernel on GPU, the jnp reference elsewhere (see module docstring)."""
-    which = impl()
-    if which == "jnp":
+def int4_attention(q, q_pos, k, ks, v, vs, key_pos, *, window: int, impl: str):
+    """`impl` = "jnp" (the reference), "pallas" (the kernel) or "interpret" (the kernel, interpreted)."""
+    if impl == "jnp":
         return int4_attention_ref(q, q_pos, k, ks, v, vs, key_pos, window=window)
-    return int4_attention_pallas(q, q_pos, k, ks, v, vs, key_pos, window=window, interpret=which == "interpret")
+    return int4_attention_pallas(q, q_pos, k, ks, v, vs, key_pos, window=window, interpret=impl == "interpret")

@@ -11,6 +11,8 @@ one to one:
 from __future__ import annotations
 
 import hashlib
+import json
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -46,17 +48,43 @@ class Params:
     lnf_b: jax.Array  # [D]
 
 
+class FingerprintMemo:
+    """Holds a model's fingerprint once computed: it hashes every weight, so it is computed only
+    where it is compared or saved, and then shared by the model and the prefixes it builds."""
+
+    def __init__(self):
+        self._value: str | None = None
+        self._lock = threading.Lock()
+
+    def get(self, compute) -> str:
+        with self._lock:
+            if self._value is None:
+                self._value = compute()
+            return self._value
+
+
 @struct.dataclass
 class Weights:
-    """What `Model.weights` returns: parameters plus their (static) config."""
+    """Parameters plus their (static) config: the input of the pure functions in
+    `tinyloop_jax.functional`. Make one with `Weights.create`."""
 
     params: Params
     config: ModelConfig = struct.field(pytree_node=False)
+    memo: FingerprintMemo = struct.field(pytree_node=False)
+
+    @classmethod
+    def create(cls, params: Params, config: ModelConfig) -> "Weights":
+        return cls(params=params, config=config, memo=FingerprintMemo())
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the config (kv_mode included) and every weight."""
+        return self.memo.get(lambda: fingerprint(self.params, self.config))
 
 
-def block_for_layer(params: Params, layer: int) -> BlockParams:
-    """Cache layer `layer` belongs to pre block `layer`, or to the loop block after them."""
-    return params.pre[layer] if layer < len(params.pre) else params.loop
+def fingerprint(params: Params, config: ModelConfig) -> str:
+    cfg = json.dumps(config.to_dict(), sort_keys=True)
+    return hashlib.sha256((cfg + params_digest(params)).encode()).hexdigest()
 
 
 def _random_block(rng: np.random.Generator, d: int, f: int) -> BlockParams:
@@ -109,20 +137,57 @@ def random_params(config: ModelConfig, seed: int = 0) -> Params:
     return jax.tree.map(jnp.asarray, tree)
 
 
+def param_shapes(config: ModelConfig) -> Params:
+    """The shape of every tensor (tuples in place of arrays)."""
+    d, f, v, s = config.d_model, config.d_model * config.mlp_ratio, config.vocab_size, config.max_seq_len
+
+    def blk():
+        return BlockParams(ln1_g=(d,), ln1_b=(d,), w_qkv=(d, 3 * d), b_qkv=(3 * d,), w_o=(d, d), b_o=(d,),
+                           ln2_g=(d,), ln2_b=(d,), w_fc=(d, f), b_fc=(f,), w_proj=(f, d), b_proj=(d,))
+
+    return Params(wte=(v, d), wpe=(s, d), pre=tuple(blk() for _ in range(config.n_pre_blocks)), loop=blk(),
+                  lnf_g=(d,), lnf_b=(d,))
+
+
+def _is_shape(x) -> bool:
+    """A shape in `param_shapes` (a non-empty tuple of ints; `pre` is an empty tuple without pre blocks)."""
+    return isinstance(x, tuple) and len(x) > 0 and all(isinstance(i, int) for i in x)
+
+
+def named_leaves(tree, is_leaf=None) -> dict:
+    """{tree path: leaf} with paths like "pre.0.w_qkv" (what checkpoints are keyed by)."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    return {".".join(_key(k) for k in path): leaf for path, leaf in leaves}
+
+
+def _key(k) -> str:
+    return str(getattr(k, "name", getattr(k, "idx", getattr(k, "key", k))))
+
+
+def flatten(params: Params) -> dict:
+    """{tree path: array} of a model's parameters (or of `param_shapes`' tuples)."""
+    return named_leaves(params, is_leaf=_is_shape)
+
+
+def unflatten(arrays: dict, config: ModelConfig) -> Params:
+    """Inverse of `flatten` for a model of `config`; a missing tensor is a ValueError naming it."""
+    template = param_shapes(config)
+    names = list(flatten(template))
+    missing = [n for n in names if n not in arrays]
+    if missing:
+        raise ValueError(f"checkpoint lacks tensor {missing[0]}")
+    treedef = jax.tree.structure(template, is_leaf=_is_shape)
+    return jax.tree.unflatten(treedef, [arrays[n] for n in names])
+
+
 def check_shapes(params: Params, config: ModelConfig) -> None:
     """Raise ValueError naming the first tensor whose shape disagrees with `config`."""
-    d, f, v, s = config.d_model, config.d_model * config.mlp_ratio, config.vocab_size, config.max_seq_len
-    want_block = dict(ln1_g=(d,), ln1_b=(d,), w_qkv=(d, 3 * d), b_qkv=(3 * d,), w_o=(d, d), b_o=(d,),
-                      ln2_g=(d,), ln2_b=(d,), w_fc=(d, f), b_fc=(f,), w_proj=(f, d), b_proj=(d,))
-    checks = [("wte", params.wte, (v, d)), ("wpe", params.wpe, (s, d)),
-              ("lnf_g", params.lnf_g, (d,)), ("lnf_b", params.lnf_b, (d,))]
     if len(params.pre) != config.n_pre_blocks:
         raise ValueError(f"expected {config.n_pre_blocks} pre blocks, got {len(params.pre)}")
-    for name, blk in [(f"pre[{i}]", b) for i, b in enumerate(params.pre)] + [("loop", params.loop)]:
-        checks += [(f"{name}.{k}", getattr(blk, k), shp) for k, shp in want_block.items()]
-    for name, arr, shape in checks:
-        if tuple(arr.shape) != shape:
-            raise ValueError(f"tensor {name} has shape {tuple(arr.shape)}, expected {shape}")
+    want = flatten(param_shapes(config))
+    for name, arr in flatten(params).items():
+        if tuple(arr.shape) != want[name]:
+            raise ValueError(f"tensor {name} has shape {tuple(arr.shape)}, expected {want[name]}")
 
 
 def params_digest(params: Params) -> str:

@@ -1,10 +1,17 @@
-"""Token selection on device: repetition penalty, temperature, top-k, top-p, stop sequences.
+"""Token selection on device: one request pytree, one sampling distribution, stop sequences.
 
-All knobs are traced arrays (not static), so changing them never recompiles. The order is
-Hugging Face's: repetition penalty -> (greedy | temperature -> top-k -> top-p -> sample).
+Every knob is a traced array with one row per request (never static), so changing them never
+recompiles and requests with different knobs share a batch. The order is Hugging Face's:
+
+    repetition penalty -> greedy (argmax)  |  temperature -> top-k -> top-p -> sample
+
+`filtered_logits` is the one definition of the sampling distribution: sampling draws from it,
+and speculative decoding's acceptance rule compares its softmax (`distribution`).
 """
 
 from __future__ import annotations
+
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
@@ -13,109 +20,114 @@ from flax import struct
 
 
 @struct.dataclass
-class SamplingParams:
-    temperature: jax.Array  # [] float32; 0 = greedy
-    top_k: jax.Array  # [] int32; 0 = off
-    top_p: jax.Array  # [] float32; 1 = off
-    repetition_penalty: jax.Array  # [] float32; 1 = off
-    key: jax.Array  # PRNG key from the call's seed
-
-    @classmethod
-    def make(cls, temperature=0.0, top_k=50, top_p=1.0, repetition_penalty=1.0, seed=0):
-        return cls(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
-                   jnp.float32(repetition_penalty), jax.random.key(seed))
-
-    @classmethod
-    def make_batch(cls, temperature, top_k, top_p, repetition_penalty, seeds):
-        """The same knobs for every request, one seed each: every field gets a leading axis."""
-        n = len(seeds)
-        full = lambda v, dt: jnp.full((n,), v, dt)  # noqa: E731
-        return cls(full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32),
-                   full(repetition_penalty, jnp.float32), jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32)))
-
-
-def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, penalty: jax.Array) -> jax.Array:
-    """HF semantics over tokens seen so far (seen [V] bool): positive logits divided,
-    negative multiplied."""
-    pen = jnp.where(logits > 0, logits / penalty, logits * penalty)
-    return jnp.where(seen, pen, logits)
-
-
-def _sample(logits: jax.Array, sp: SamplingParams, key: jax.Array) -> jax.Array:
-    """Temperature, then top-k and top-p in one sort, then a categorical draw."""
-    scaled = logits / sp.temperature
-    order = jnp.argsort(-scaled)  # descending; sampling happens in sorted space (no ties issue)
-    s = scaled[order]
-    rank = jnp.arange(s.shape[0])
-    keep = (sp.top_k <= 0) | (rank < sp.top_k)
-    s = jnp.where(keep, s, -jnp.inf)
-    p = jax.nn.softmax(s)
-    before = jnp.cumsum(p) - p  # probability mass strictly above each token
-    keep = keep & ((before < sp.top_p) | (rank == 0))
-    idx = jax.random.categorical(key, jnp.where(keep, s, -jnp.inf))
-    return order[idx].astype(jnp.int32)
-
-
-def select_token(logits: jax.Array, seen: jax.Array, sp: SamplingParams, step: jax.Array) -> jax.Array:
-    """logits [V] float32 -> token id [] int32. Step `step` uses key fold_in(key, step)."""
-    logits = apply_repetition_penalty(logits, seen, sp.repetition_penalty)
-    return jax.lax.cond(sp.temperature <= 0,
-                        lambda: jnp.argmax(logits).astype(jnp.int32),
-                        lambda: _sample(logits, sp, jax.random.fold_in(sp.key, step)))
-
-
-def select_tokens(logits: jax.Array, seen: jax.Array, sp: SamplingParams, step: jax.Array) -> jax.Array:
-    """A batch: logits, seen [N, V], sp with a leading request axis -> tokens [N]. The knobs
-    other than the seed are shared by the batch, so greedy is one branch for all (a vmapped
-    `select_token` would turn its cond into a select and sort every row even when greedy)."""
-    logits = jax.vmap(apply_repetition_penalty)(logits, seen, sp.repetition_penalty)
-    return jax.lax.cond(sp.temperature[0] <= 0,
-                        lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32),
-                        lambda: jax.vmap(lambda lg, s, k: _sample(lg, s, jax.random.fold_in(k, step)))(
-                            logits, sp, sp.key))
-
-
-# ---- stop sequences --------------------------------------------------------------------------
-
-@struct.dataclass
 class StopSpec:
-    tokens: jax.Array  # [S, Lmax] int32, left-aligned, padded with -1
-    lengths: jax.Array  # [S] int32 (0 rows are padding and never match)
+    """Stop sequences per request, left-aligned and padded: tokens [N, S, L] (-1 = padding),
+    lengths [N, S] (0 = a padding row, never matches). Power-of-two S and L, so varied stop
+    lists share compiled programs."""
+
+    tokens: Annotated[jax.Array, "int32[N, S, L]"]
+    lengths: Annotated[jax.Array, "int32[N, S]"]
 
     @classmethod
-    def make(cls, stop_sequences: list[list[int]]):
-        """Pad to power-of-two shapes so varied stop lists share compiled programs."""
-        toks, lens = cls._padded([stop_sequences])
-        return cls(jnp.asarray(toks[0]), jnp.asarray(lens[0]))
-
-    @classmethod
-    def make_batch(cls, per_request: list[list[list[int]]]):
-        """One stop list per request, padded to one shape: tokens [N, S, L], lengths [N, S]."""
-        toks, lens = cls._padded(per_request)
-        return cls(jnp.asarray(toks), jnp.asarray(lens))
-
-    @staticmethod
-    def _padded(lists):
-        n = max([1] + [len(x) for x in lists])
-        lmax = max([1] + [len(s) for x in lists for s in x])
+    def make(cls, per_request: list[list[list[int]]]) -> "StopSpec":
+        n = max([1] + [len(x) for x in per_request])
+        lmax = max([1] + [len(s) for x in per_request for s in x])
         S, L = 1 << (n - 1).bit_length(), 1 << (lmax - 1).bit_length()
-        toks = np.full((len(lists), S, L), -1, np.int32)
-        lens = np.zeros((len(lists), S), np.int32)
-        for r, x in enumerate(lists):
-            for i, s in enumerate(x):
+        toks = np.full((len(per_request), S, L), -1, np.int32)
+        lens = np.zeros((len(per_request), S), np.int32)
+        for r, stops in enumerate(per_request):
+            for i, s in enumerate(stops):
                 toks[r, i, :len(s)] = s
                 lens[r, i] = len(s)
-        return toks, lens
+        return cls(toks, lens)
 
 
-def stop_hit(out: jax.Array, n: jax.Array, stop: StopSpec) -> jax.Array:
-    """Do the emitted tokens out[:n] end with one of the stop sequences? (only emitted tokens
-    count: a stop sequence never starts inside the prompt)."""
-    L = stop.tokens.shape[1]
-    j = jnp.arange(L)
-    # for stop s, token j must equal out[n - len_s + j] for j < len_s
-    idx = n - stop.lengths[:, None] + j[None, :]  # [S, L]
+@struct.dataclass
+class Request:
+    """What N requests ask of the decode loop, one row each. Made on the host (numpy) by
+    `Request.make`; traced inside the jitted loops."""
+
+    temperature: Annotated[jax.Array, "float32[N]"]  # 0 = greedy
+    top_k: Annotated[jax.Array, "int32[N]"]  # 0 = off
+    top_p: Annotated[jax.Array, "float32[N]"]  # 1 = off
+    repetition_penalty: Annotated[jax.Array, "float32[N]"]  # 1 = off
+    seed: Annotated[jax.Array, "uint32[N]"]  # the row's keys are fold_in(key(seed), step)
+    max_tokens: Annotated[jax.Array, "int32[N]"]  # >= 1
+    stop: StopSpec
+
+    @classmethod
+    def make(cls, n: int, temperature=0.0, top_k=50, top_p=1.0, repetition_penalty=1.0, seeds=None, max_tokens=32,
+             stop_sequences=None) -> "Request":
+        """Scalars apply to every row; `seeds` and `max_tokens` may be per row; stop_sequences
+        is one list of token-id lists per row (None: no stops)."""
+        row = lambda v, dt: np.broadcast_to(np.asarray(v, dt), (n,)).copy()  # noqa: E731
+        return cls(row(temperature, np.float32), row(top_k, np.int32), row(top_p, np.float32),
+                   row(repetition_penalty, np.float32), row(0 if seeds is None else seeds, np.uint32),
+                   row(max_tokens, np.int32), StopSpec.make(stop_sequences or [[] for _ in range(n)]))
+
+    @property
+    def n(self) -> int:
+        return int(self.temperature.shape[0])
+
+    def keys(self, step: jax.Array) -> jax.Array:
+        """[N] PRNG keys for loop step `step` (the first token is step 0)."""
+        return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), step))(self.seed)
+
+
+def penalize(logits: jax.Array, seen: jax.Array, penalty: jax.Array) -> jax.Array:
+    """HF repetition penalty over the tokens seen so far: logits, seen [N, V], penalty [N]:
+    positive logits divided, negative multiplied."""
+    p = penalty[:, None]
+    return jnp.where(seen, jnp.where(logits > 0, logits / p, logits * p), logits)
+
+
+def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """One row: logits [V] -> temperature-scaled logits with -inf outside the top-k and the
+    top-p nucleus (the smallest set of most likely tokens whose mass reaches top_p)."""
+    scaled = logits / temperature
+    order = jnp.argsort(-scaled)
+    s = scaled[order]
+    rank = jnp.arange(s.shape[0])
+    keep = (top_k <= 0) | (rank < top_k)
+    p = jax.nn.softmax(jnp.where(keep, s, -jnp.inf))
+    keep &= (jnp.cumsum(p) - p < top_p) | (rank == 0)  # mass strictly above each token < top_p
+    return jnp.full_like(s, -jnp.inf).at[order].set(jnp.where(keep, s, -jnp.inf))
+
+
+def _choose(logits: jax.Array, req: Request, greedy, sample) -> jax.Array:
+    """greedy(logits) for rows with temperature 0, sample(filtered logits) for the others; when
+    every row is greedy the sort is skipped (one branch for the batch)."""
+    g = greedy(logits)
+
+    def mixed():
+        t = jnp.where(req.temperature > 0, req.temperature, 1.0)
+        s = sample(jax.vmap(filtered_logits)(logits, t, req.top_k, req.top_p))
+        return jnp.where((req.temperature <= 0).reshape((-1,) + (1,) * (g.ndim - 1)), g, s)
+
+    return jax.lax.cond(jnp.all(req.temperature <= 0), lambda: g, mixed)
+
+
+def select_tokens(logits: jax.Array, seen: jax.Array, req: Request, step: jax.Array) -> jax.Array:
+    """logits, seen [N, V] -> token ids [N] int32 (row i draws with req.keys(step)[i])."""
+    return _choose(penalize(logits, seen, req.repetition_penalty), req,
+                   lambda lg: jnp.argmax(lg, axis=-1).astype(jnp.int32),
+                   lambda filt: jax.vmap(jax.random.categorical)(req.keys(step), filt).astype(jnp.int32))
+
+
+def distribution(logits: jax.Array, seen: jax.Array, req: Request) -> jax.Array:
+    """The distribution each row's token is drawn from, [N, V]: a one-hot argmax for greedy
+    rows, else the softmax of `filtered_logits` (the same steps as `select_tokens`)."""
+    return _choose(penalize(logits, seen, req.repetition_penalty), req,
+                   lambda lg: jax.nn.one_hot(jnp.argmax(lg, axis=-1), lg.shape[-1]),
+                   lambda filt: jax.nn.softmax(filt, axis=-1))
+
+
+def stop_hit(out: jax.Array, n: jax.Array, tokens: jax.Array, lengths: jax.Array) -> jax.Array:
+    """One row: do the emitted tokens out[:n] ([S] buffer) end with one of the stop sequences
+    (tokens [S', L], lengths [S'])? Only emitted tokens count: a stop never starts in the prompt."""
+    j = jnp.arange(tokens.shape[1])
+    idx = n - lengths[:, None] + j[None, :]  # stop s matches if out[n - len_s + j] == tokens[s, j]
     got = out[jnp.clip(idx, 0, out.shape[0] - 1)]
-    ok = (got == stop.tokens) | (j[None, :] >= stop.lengths[:, None])
-    valid = (stop.lengths > 0) & (stop.lengths <= n)
+    ok = (got == tokens) | (j[None, :] >= lengths[:, None])
+    valid = (lengths > 0) & (lengths <= n)
     return jnp.any(valid & jnp.all(ok, axis=1))

@@ -1,18 +1,18 @@
 """Self-speculative decoding: the same weights at two depths.
 
-The K/V of loop iteration i depend only on the stream entering iteration i, so the first
-n_pre_blocks + d layers of a depth-L cache are exactly a depth-d cache. One round:
+The K/V of loop pass t depend only on the stream entering pass t, so the first d passes of a
+depth-L cache are exactly a depth-d cache. One round, for every row:
 
-    draft   k tokens at depth d, reading the first layers of the same caches (cheap);
+    draft   k tokens at depth d, running passes 0..d-1 of the same caches (cheap);
     verify  [y, d_1 .. d_k] as one chunk at depth L (one forward for k+1 positions);
     accept  the standard speculative-sampling rule (Leviathan et al. 2023; Chen et al. 2023):
             d_j kept with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection a token
             is drawn from norm(max(0, p_j - q_j)); if all k are kept, a bonus token from p_k;
-    rollback  the positions after the kept ones are dropped from the cache (`rollback`).
+    rollback  the positions after the kept ones are dropped from the cache (`cache.rollback`).
 
 Greedy decoding is the same rule with one-hot distributions (argmax), so it emits exactly
 the tokens of plain greedy decoding at depth L; with sampling the output distribution is that
-of plain sampling at depth L.
+of plain sampling at depth L. The loop carries the same `DecodeState` as plain decoding.
 """
 
 from __future__ import annotations
@@ -22,30 +22,13 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from . import model
+from . import transformer as tf
 from .cache import KVCache
 from .config import ModelConfig
+from .engine import (DecodeState, emit, feed, forward_rows, is_done, rollback_rows, row_lengths, rows_in_loop,
+                     rows_out_of_loop, start)
 from .params import Params
-from .sampling import SamplingParams, StopSpec, apply_repetition_penalty, select_token, stop_hit
-
-
-def distribution(logits: jax.Array, seen: jax.Array, sp: SamplingParams) -> jax.Array:
-    """The distribution a token is drawn from, [V]: repetition penalty, then one-hot argmax
-    (greedy) or temperature -> top-k -> top-p -> softmax — the same steps as `select_token`."""
-    logits = apply_repetition_penalty(logits, seen, sp.repetition_penalty)
-
-    def sampled():
-        scaled = logits / sp.temperature
-        order = jnp.argsort(-scaled)
-        s = scaled[order]
-        rank = jnp.arange(s.shape[0])
-        keep = (sp.top_k <= 0) | (rank < sp.top_k)
-        p = jax.nn.softmax(jnp.where(keep, s, -jnp.inf))
-        keep = keep & ((jnp.cumsum(p) - p < sp.top_p) | (rank == 0))
-        p = jax.nn.softmax(jnp.where(keep, s, -jnp.inf))
-        return jnp.zeros_like(p).at[order].set(p)
-
-    return jax.lax.cond(sp.temperature <= 0, lambda: jax.nn.one_hot(jnp.argmax(logits), logits.shape[0]), sampled)
+from .sampling import Request, distribution
 
 
 def draw(key: jax.Array, p: jax.Array) -> jax.Array:
@@ -53,8 +36,8 @@ def draw(key: jax.Array, p: jax.Array) -> jax.Array:
 
 
 def accept(key: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The acceptance rule. p [k+1, V]: target distributions after y, d_1 .. d_k; q [k, V]: the
-    draft distributions d_j was drawn from; drafts [k]. Returns (a = drafts kept, the token
+    """The acceptance rule, one row. p [k+1, V]: target distributions after y, d_1 .. d_k; q [k, V]:
+    the draft distributions d_j was drawn from; drafts [k]. Returns (a = drafts kept, the token
     that follows them: a residual draw at the first rejection, or a bonus draw from p_k)."""
     k = drafts.shape[0]
     ku, kr = jax.random.split(key)
@@ -67,83 +50,61 @@ def accept(key: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Array) -> tup
     return a.astype(jnp.int32), draw(kr, resid / jnp.sum(resid))
 
 
-def rollback(own: KVCache, length: jax.Array) -> KVCache:
-    """Forget every position >= length (a first-class cache operation: slots stay, masked)."""
-    return own.replace(pos=jnp.where(own.pos < length, own.pos, -1), length=length.astype(jnp.int32))
-
-
-def _layers(seg: KVCache, n: int) -> KVCache:
-    return seg.replace(layers=seg.layers[:n])
-
-
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len", "draft_loops", "lookahead"),
          donate_argnames=("own",))
 def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logits: jax.Array, seen: jax.Array,
-           sp: SamplingParams, stop: StopSpec, max_tokens: jax.Array, loops: int, window: int, out_len: int,
-           draft_loops: int, lookahead: int):
+           req: Request, loops: int, window: int, out_len: int, draft_loops: int, lookahead: int) -> DecodeState:
     """Like `engine.decode`, in rounds of `lookahead` drafts at depth `draft_loops`. `own` needs
-    room for lookahead + 1 positions past the last emitted token. Returns (out [out_len],
-    n_emitted, own, rounds, drafts accepted)."""
-    k, nd = lookahead, cfg.n_cache_layers(draft_loops)
-    ro_d = tuple(_layers(s, nd) for s in ro)
-    out = jnp.full((out_len,), -1, jnp.int32)
-    y = select_token(first_logits, seen, sp, jnp.int32(0))  # the first token exactly as engine.decode
-    out = out.at[0].set(y)
-    n = jnp.int32(1)
-    done = stop_hit(out, n, stop) | (n >= max_tokens)
+    room for lookahead + 1 positions past the last emitted token. `state.step` counts rounds
+    and `state.accepted` the drafts kept per row."""
+    k = lookahead
+    N = first_logits.shape[0]
+    rows, ones = jnp.arange(N), jnp.ones((N,), jnp.int32)
 
-    def body(carry):
-        n, own, y, seen, out, _, rounds, kept = carry
-        key = jax.random.fold_in(sp.key, 1_000_000 + rounds)
-        # draft k tokens at depth d on the first layers of the same caches
-        own_d, tok, seen_d = _layers(own, nd), y, seen
-        drafts, qs = [], []
+    def round_(state: DecodeState) -> DecodeState:
+        keys = req.keys(1_000_000 + state.step)
+        # draft k tokens at depth d: passes 0..d-1 of the same caches, written in place
+        drafting, tok, seen_d, drafts, qs = state.own, state.last, state.seen, [], []
         for j in range(k):
-            seen_d = seen_d.at[tok].set(True)
-            x, own_d = model.forward(params, cfg, tok[None], jnp.int32(1), own_d.length, ro_d, own_d, draft_loops,
-                                     window)
-            q = distribution(model.lm_head(params, x[0]), seen_d, sp)
-            tok = draw(jax.random.fold_in(key, j), q)
+            seen_d = seen_d.at[rows, tok].set(True)
+            x, drafting = forward_rows(params, cfg, tok[:, None], ones, row_lengths(drafting), ro, drafting,
+                                       draft_loops, window)
+            q = distribution(tf.lm_head(params, cfg, x[:, 0]), seen_d, req)
+            tok = jax.vmap(draw)(jax.vmap(jax.random.fold_in, (0, None))(keys, j), q)
             drafts.append(tok)
             qs.append(q)
-        drafts = jnp.stack(drafts)
-        # The draft wrote its K/V into the shallow layers' slots for positions start.. . Keep
-        # those buffers (no copy of the cache per round) but not the draft's positions: the
-        # slots are masked again, and the verify rewrites them (a window's ring has room for
+        drafts, qs = jnp.stack(drafts, 1), jnp.stack(qs, 1)  # [N, k], [N, k, V]
+        # Keep the buffers the draft wrote (no copy of the cache per round) but not its positions:
+        # those slots are masked again and the verify rewrites them (a window's ring has room for
         # lookahead + 1 extra slots, so no position the verify needs was overwritten).
-        own = own.replace(layers=own_d.layers + own.layers[nd:])
+        own = drafting.replace(pos=state.own.pos, length=state.own.length)
         # verify all of them in one chunk at full depth
-        chunk = jnp.concatenate([y[None], drafts])
-        start = own.length
-        x, own = model.forward(params, cfg, chunk, jnp.int32(k + 1), start, ro, own, loops, window)
-        logits = model.lm_head(params, x)  # [k+1, V]
-        seen_v = seen.at[y].set(True)
-        ps = []
+        chunk = jnp.concatenate([state.last[:, None], drafts], axis=1)  # [N, k+1]
+        at = row_lengths(own)
+        x, own = forward_rows(params, cfg, chunk, ones * (k + 1), at, ro, own, loops, window)
+        logits = tf.lm_head(params, cfg, x)  # [N, k+1, V]
+        seen_v, ps = feed(state, state.last), []
         for j in range(k + 1):
-            ps.append(distribution(logits[j], seen_v, sp))
+            ps.append(distribution(logits[:, j], seen_v, req))
             if j < k:
-                seen_v = seen_v.at[drafts[j]].set(True)
-        a, nxt = accept(jax.random.fold_in(key, k), jnp.stack(ps), jnp.stack(qs), drafts)
-        own = rollback(own, start + 1 + a)  # y and the kept drafts stay; the rest is dropped
-        # emit d_1 .. d_a, then nxt, one by one so that stops and max_tokens cut exactly
-        emit = jnp.concatenate([drafts, jnp.zeros((1,), jnp.int32)]).at[a].set(nxt)
-        # `seen` holds the tokens fed so far (as in engine.decode): y and the kept drafts, not nxt
-        seen = seen.at[y].set(True)
-        seen = seen.at[jnp.where(jnp.arange(k) < a, drafts, y)].set(True)
+                seen_v = seen_v.at[rows, drafts[:, j]].set(True)
+        a, nxt = jax.vmap(accept)(jax.vmap(jax.random.fold_in, (0, None))(keys, k), jnp.stack(ps, 1), qs, drafts)
+        own = rollback_rows(own, at + 1 + a)  # y and the kept drafts stay; the rest is dropped
+        # `seen` holds the tokens fed so far (as in plain decoding): y and the kept drafts, not nxt
+        seen = feed(state, state.last)
+        seen = seen.at[rows[:, None], jnp.where(jnp.arange(k) < a[:, None], drafts, state.last[:, None])].set(True)
+        running = ~state.done
+        state = state.replace(seen=seen, own=own, step=state.step + 1,
+                              accepted=state.accepted + jnp.where(running, a, 0))
+        # emit d_1 .. d_a, then nxt, one at a time so that stops and max_tokens cut exactly
+        emitted = jnp.concatenate([drafts, jnp.zeros((N, 1), jnp.int32)], axis=1).at[rows, a].set(nxt)
+        for j in range(k + 1):
+            state = emit(state, emitted[:, j], req, hold=j > a)
+        return state
 
-        def put(j, c):
-            n, out, done = c
-            go = (j <= a) & ~done
-            out = jnp.where(go, out.at[jnp.minimum(n, out_len - 1)].set(emit[j]), out)
-            n = n + go.astype(jnp.int32)
-            return n, out, done | (go & (stop_hit(out, n, stop) | (n >= max_tokens)))
-
-        n, out, done = jax.lax.fori_loop(0, k + 1, put, (n, out, jnp.bool_(False)))
-        return n, own, out[n - 1], seen, out, done, rounds + 1, kept + a
-
-    start0 = own.length
-    carry = (n, own, y, seen, out, done, jnp.int32(0), jnp.int32(0))
-    n, own, _, _, out, _, rounds, kept = jax.lax.while_loop(lambda c: ~c[5], body, carry)
+    start_at = own.length
+    state = jax.lax.while_loop(lambda s: ~is_done(s), round_, start(first_logits, seen, rows_in_loop(own), req,
+                                                                    out_len))
     # a stop or max_tokens may cut a round after drafts were kept: hold exactly what plain
     # decoding holds, every emitted token but the last
-    return out, n, rollback(own, start0 + n - 1), rounds, kept
+    return state.replace(own=rows_out_of_loop(rollback_rows(state.own, start_at + state.n - 1)))

@@ -24,6 +24,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from . import functional as F
 from . import validation as check
 from .prefix import PrefixCache
 
@@ -56,9 +57,9 @@ class PrefixStore:
 
     def __init__(self, model, max_entries: int | None = None, max_bytes: int | None = None, loops: int | None = None,
                  cache_window: int = 0):
-        if max_entries is not None and check._int(max_entries, "max_entries") < 1:
+        if max_entries is not None and check.integer(max_entries, "max_entries") < 1:
             raise ValueError(f"max_entries must be >= 1 or None, got {max_entries}")
-        if max_bytes is not None and check._int(max_bytes, "max_bytes") < 1:
+        if max_bytes is not None and check.integer(max_bytes, "max_bytes") < 1:
             raise ValueError(f"max_bytes must be >= 1 or None, got {max_bytes}")
         self.model = model
         self.max_entries, self.max_bytes = max_entries, max_bytes
@@ -200,7 +201,7 @@ class PrefixStore:
             if source is None:
                 entry = self.model.build_prefix_cache(prompt, loops=self.loops, cache_window=self.cache_window)
             else:
-                entry = self.model._extend_prefix(source, k, prompt)
+                entry = F.extend_prefix(source, k, prompt)
         finally:
             if source is not None:
                 with self._lock:

@@ -6,6 +6,8 @@ import numbers
 
 import numpy as np
 
+from .sampling import Request
+
 
 def tokens(ids, vocab_size: int, name: str = "prompt", allow_empty: bool = False) -> np.ndarray:
     """1-D integer token ids in [0, vocab_size) -> a fresh np.ndarray[int32] (a copy)."""
@@ -27,7 +29,7 @@ def tokens(ids, vocab_size: int, name: str = "prompt", allow_empty: bool = False
     return arr.astype(np.int32)
 
 
-def _int(value, name: str) -> int:
+def integer(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an int, got {value!r}")
     return int(value)
@@ -40,21 +42,21 @@ def _float(value, name: str) -> float:
 
 
 def loops(value) -> int:
-    v = _int(value, "loops")
+    v = integer(value, "loops")
     if v < 1:
         raise ValueError(f"loops must be >= 1, got {v}")
     return v
 
 
 def cache_window(value) -> int:
-    v = _int(value, "cache_window")
+    v = integer(value, "cache_window")
     if v < 0:
         raise ValueError(f"cache_window must be >= 0, got {v}")
     return v
 
 
 def max_tokens(value) -> int:
-    v = _int(value, "max_tokens")
+    v = integer(value, "max_tokens")
     if v < 1:
         raise ValueError(f"max_tokens must be >= 1, got {v}")
     return v
@@ -64,7 +66,7 @@ def sampling(temperature, top_k, top_p, repetition_penalty, seed) -> tuple:
     t = _float(temperature, "temperature")
     if t < 0:
         raise ValueError(f"temperature must be >= 0, got {t}")
-    k = _int(top_k, "top_k")
+    k = integer(top_k, "top_k")
     if k < 0:
         raise ValueError(f"top_k must be >= 0 (0 = off), got {k}")
     p = _float(top_p, "top_p")
@@ -73,7 +75,7 @@ def sampling(temperature, top_k, top_p, repetition_penalty, seed) -> tuple:
     r = _float(repetition_penalty, "repetition_penalty")
     if r <= 0:
         raise ValueError(f"repetition_penalty must be > 0, got {r}")
-    s = _int(seed, "seed")
+    s = integer(seed, "seed")
     if not 0 <= s < 2**32:
         raise ValueError(f"seed must be in [0, 2**32), got {s}")
     return t, k, p, r, s
@@ -123,3 +125,19 @@ def seeds(value, n: int) -> list[int]:
     if isinstance(value, (int, np.integer)) or len(value) != n:
         raise ValueError(f"seeds must be a list with one seed per request ({n}), got {value!r}")
     return [sampling(0.0, 0, 1.0, 1.0, s)[4] for s in value]
+
+
+def request(n: int, vocab_size: int, knobs: dict, batch: bool) -> Request:
+    """The one argument check of every generate call: N requests' knobs (max_tokens,
+    temperature, top_k, top_p, repetition_penalty, stop_sequences, and seed or seeds) as a
+    `Request`. A single call (batch=False) gives stop_sequences as a list of token-id lists and
+    one `seed`; a batched call one stop list for all or one per request, and `seeds`."""
+    new = max_tokens(knobs["max_tokens"])
+    t, k, p, r, _ = sampling(knobs["temperature"], knobs["top_k"], knobs["top_p"], knobs["repetition_penalty"], 0)
+    if batch:
+        stops = batch_stop_sequences(knobs["stop_sequences"], n, vocab_size)
+        seed_list = seeds(knobs["seeds"], n)
+    else:
+        stops = [stop_sequences(list(knobs["stop_sequences"]), vocab_size)]
+        seed_list = [sampling(0.0, 0, 1.0, 1.0, knobs["seed"])[4]]
+    return Request.make(n, t, k, p, r, seed_list, new, stops)
