@@ -63,17 +63,18 @@ def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logi
 
     def round_(state: DecodeState) -> DecodeState:
         keys = req.keys(1_000_000 + state.step)
-        # draft k tokens at depth d: passes 0..d-1 of the same caches, written in place
-        drafting, tok, seen_d, drafts, qs = state.own, state.last, state.seen, [], []
-        for j in range(k):
-            seen_d = seen_d.at[rows, tok].set(True)
-            x, drafting = forward_rows(params, cfg, tok[:, None], ones, row_lengths(drafting), ro, drafting,
-                                       draft_loops, window)
-            q = distribution(tf.lm_head(params, cfg, x[:, 0]), seen_d, req)
+        V = state.seen.shape[-1]
+
+        def draft(j, c):  # one draft token at depth d: passes 0..d-1 of the same caches, written in place
+            own, tok, seen, drafts, qs = c
+            seen = seen.at[rows, tok].set(True)
+            x, own = forward_rows(params, cfg, tok[:, None], ones, row_lengths(own), ro, own, draft_loops, window)
+            q = distribution(tf.lm_head(params, cfg, x[:, 0]), seen, req)
             tok = jax.vmap(draw)(jax.vmap(jax.random.fold_in, (0, None))(keys, j), q)
-            drafts.append(tok)
-            qs.append(q)
-        drafts, qs = jnp.stack(drafts, 1), jnp.stack(qs, 1)  # [N, k], [N, k, V]
+            return own, tok, seen, drafts.at[:, j].set(tok), qs.at[:, j].set(q)
+
+        drafting, _, _, drafts, qs = jax.lax.fori_loop(0, k, draft, (
+            state.own, state.last, state.seen, jnp.zeros((N, k), jnp.int32), jnp.zeros((N, k, V), jnp.float32)))
         # Keep the buffers the draft wrote (no copy of the cache per round) but not its positions:
         # those slots are masked again and the verify rewrites them (a window's ring has room for
         # lookahead + 1 extra slots, so no position the verify needs was overwritten).
@@ -82,25 +83,21 @@ def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logi
         chunk = jnp.concatenate([state.last[:, None], drafts], axis=1)  # [N, k+1]
         at = row_lengths(own)
         x, own = forward_rows(params, cfg, chunk, ones * (k + 1), at, ro, own, loops, window)
-        logits = tf.lm_head(params, cfg, x)  # [N, k+1, V]
-        seen_v, ps = feed(state, state.last), []
-        for j in range(k + 1):
-            ps.append(distribution(logits[:, j], seen_v, req))
-            if j < k:
-                seen_v = seen_v.at[rows, drafts[:, j]].set(True)
-        a, nxt = jax.vmap(accept)(jax.vmap(jax.random.fold_in, (0, None))(keys, k), jnp.stack(ps, 1), qs, drafts)
+        # the target distribution after each prefix of the chunk: seen grows by one chunk token a position
+        seen_v = state.seen[:, None] | (jnp.cumsum(jax.nn.one_hot(chunk, V, dtype=jnp.int32), axis=1) > 0)
+        per_pos = jax.tree.map(lambda a: jnp.repeat(a, k + 1, axis=0), req)
+        ps = distribution(tf.lm_head(params, cfg, x).reshape(N * (k + 1), V), seen_v.reshape(N * (k + 1), V),
+                          per_pos).reshape(N, k + 1, V)
+        a, nxt = jax.vmap(accept)(jax.vmap(jax.random.fold_in, (0, None))(keys, k), ps, qs, drafts)
         own = rollback_rows(own, at + 1 + a)  # y and the kept drafts stay; the rest is dropped
         # `seen` holds the tokens fed so far (as in plain decoding): y and the kept drafts, not nxt
         seen = feed(state, state.last)
         seen = seen.at[rows[:, None], jnp.where(jnp.arange(k) < a[:, None], drafts, state.last[:, None])].set(True)
-        running = ~state.done
         state = state.replace(seen=seen, own=own, step=state.step + 1,
-                              accepted=state.accepted + jnp.where(running, a, 0))
+                              accepted=state.accepted + jnp.where(state.done, 0, a))
         # emit d_1 .. d_a, then nxt, one at a time so that stops and max_tokens cut exactly
         emitted = jnp.concatenate([drafts, jnp.zeros((N, 1), jnp.int32)], axis=1).at[rows, a].set(nxt)
-        for j in range(k + 1):
-            state = emit(state, emitted[:, j], req, hold=j > a)
-        return state
+        return jax.lax.fori_loop(0, k + 1, lambda j, s: emit(s, emitted[:, j], req, hold=j > a), state)
 
     start_at = own.length
     state = jax.lax.while_loop(lambda s: ~is_done(s), round_, start(first_logits, seen, rows_in_loop(own), req,
