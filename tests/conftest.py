@@ -2,11 +2,18 @@ import functools
 import os
 import tempfile
 
-import jax
-import numpy as np
-import pytest
+# The suite's programs are tiny and run briefly, so compiling dominates: compile them without
+# LLVM's optimizations and with XLA:CPU's classic (faster to build) fusion emitters — 4-6x faster
+# compiles of the same optimized HLO, so the same buffers, aliasing and results. Set before JAX
+# starts its backend; subprocesses inherit it.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false").strip()
 
-import tinyloop_jax as tl
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import tinyloop_jax as tl  # noqa: E402
 
 # A persistent compilation cache for the suite, outside the repo (the system's temp folder,
 # one per jax version): programs compiled once are loaded, not recompiled, after the per-module

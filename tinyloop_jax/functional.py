@@ -213,17 +213,24 @@ def generate(weights: Weights, prompts: list, request: Request, loops: int | Non
 def check_fits(weights: Weights, prompt_lens: list, request: Request, loops: int, cache_window: int,
                speculation: Speculation | None = None, prefix_len: int = 0) -> None:
     """RuntimeError, before anything is allocated or compiled, if the caches of this call
-    cannot fit in the memory free now."""
+    cannot fit in the memory free now: N requests of prompt_lens tokens (after a prefix of
+    prefix_len, or for one prompt without a prefix, the prompt's own prefix segment)."""
     c = weights.config
-    max_new = int(np.max(request.max_tokens))
-    if len(prompt_lens) == 1 and prefix_len == 0:  # one prompt: a prompt segment + a small own one
-        need = prefix_nbytes(weights, prompt_lens[0], loops, cache_window)
-        room, ring = own_room(0, max_new, cache_window, speculation)
-    else:
-        need = 0
-        room, ring = own_room(max(prompt_lens), max_new, cache_window, speculation)
-    need += len(prompt_lens) * prefix_nbytes(weights, room, loops, ring)
-    kvc.check_fits(need, f"the KV caches of {len(prompt_lens)} request(s) at loops={loops} "
+    work = "fp32" if c.kv_mode.endswith("-h") else c.kv_mode  # own segments of h modes hold float32 K/V
+
+    def nbytes(kv_mode: str, n_tokens: int, window: int) -> int:
+        return kvc.cache_nbytes(kv_mode, c.n_cache_layers(loops), c.n_heads, kvc.segment_capacity(n_tokens, window),
+                                c.head_dim)
+
+    need, lens = 0, list(prompt_lens)
+    if len(lens) == 1 and prefix_len == 0:  # generate(prompt): the prompt becomes a prefix segment
+        prefix_len, lens = lens[0], [0]
+        need += nbytes(c.kv_mode, prefix_len, cache_window)
+    if prefix_len and work != c.kv_mode:  # the call-scoped float32 rebuild of an h-mode prefix
+        need += nbytes(work, prefix_len, cache_window)
+    room, ring = own_room(max(lens), int(np.max(request.max_tokens)), cache_window, speculation)
+    need += len(lens) * nbytes(work, room, ring)
+    kvc.check_fits(need, f"the KV caches of {len(lens)} request(s) at loops={loops} "
                          f"({c.n_cache_layers(loops)} layers, {c.kv_mode})")
 
 
