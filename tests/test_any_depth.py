@@ -44,7 +44,7 @@ def programs(model, loops: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("mode", ["fp32", "int8-h"])
+@pytest.mark.parametrize("mode", ["fp32", pytest.param("int8-h", marks=pytest.mark.slow)])
 def test_program_size_does_not_grow_with_depth(models, mode):
     shallow, deep = programs(models[mode], 4), programs(models[mode], 32)
     for name in shallow:
@@ -76,6 +76,7 @@ def test_a_depth_that_cannot_fit_is_refused_before_anything_is_built():
     assert engine.prefill_prefix._cache_size() + engine.decode._cache_size() == before  # nothing compiled
 
 
+@pytest.mark.slow
 def test_shallower_depths_are_views_of_one_stack():
     """A prefix's depths are slices of its pass axis: a shallower prefix shares the arrays, and
     decoding from it equals decoding from a prefix built at that depth."""

@@ -18,7 +18,10 @@ def ragged(seed=0):
     return [rng.integers(0, 128, n).astype(np.int32) for n in (5, 0, 1, 12, 3)]
 
 
-@pytest.mark.parametrize("mode,window", [(m, 0) for m in tl.KV_MODES] + [("fp32", 7), ("int8-h", 7), ("int4", 7)])
+# the inner loop (-m "not slow") keeps fp32 and one windowed h mode; the rest of the modes are slow
+@pytest.mark.parametrize("mode,window", [
+    (m, w) if (m, w) in (("fp32", 0), ("fp32", 7), ("int8-h", 7)) else pytest.param(m, w, marks=pytest.mark.slow)
+    for m, w in [(m, 0) for m in tl.KV_MODES] + [("fp32", 7), ("int8-h", 7), ("int4", 7)]])
 def test_batched_greedy_equals_separate_calls(mode_models, mode, window):
     model = mode_models[mode]
     prefix = model.build_prefix_cache(prompt_of(20, seed=1), loops=2, cache_window=window)
@@ -72,7 +75,8 @@ def test_sampling_seeds_and_mixed_stops(mode_models):
                                                          stop_sequences=[[int(greedy[0][2])]])
 
 
-@pytest.mark.parametrize("mode,window", [("fp32", 0), ("int8", 5), ("fp16-h", 0)])
+@pytest.mark.parametrize("mode,window", [("fp32", 0), pytest.param("int8", 5, marks=pytest.mark.slow),
+                                         pytest.param("fp16-h", 0, marks=pytest.mark.slow)])
 def test_generate_batch_of_unrelated_prompts(mode_models, mode, window):
     model = mode_models[mode]
     prompts = [prompt_of(n, seed=n) for n in (3, 17, 1, 9)]

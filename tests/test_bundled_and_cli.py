@@ -70,6 +70,7 @@ def test_cli_generate_console_script():
     assert r.stdout.startswith("The \"for\" statement")
 
 
+@pytest.mark.slow
 def test_cli_demo(capsys):
     r = tinyloop(capsys, "demo", "--questions", "2", "--max-tokens", "24")
     assert r.returncode == 0, r.stderr

@@ -29,7 +29,7 @@ def assert_same_prefix(model, got, want):
             == model.generate_from_prefix_cache(want, suffix=suffix, max_tokens=8))
 
 
-@pytest.mark.parametrize("window", [0, 9])
+@pytest.mark.parametrize("window", [0, pytest.param(9, marks=pytest.mark.slow)])
 def test_shallower_is_a_layer_subset_with_its_own_logits(model, window):
     prompt = prompt_of(30, seed=1)
     deep = model.build_prefix_cache(prompt, loops=6, cache_window=window)

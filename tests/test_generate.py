@@ -120,6 +120,7 @@ def test_output_length_contract(models):
         assert all(0 <= t < 128 for t in out)
 
 
+@pytest.mark.slow
 def test_compiles_a_handful_of_programs_for_20_prompt_lengths():
     model = tl.Model.random(tiny_config(kv_mode="fp32", max_seq_len=128, d_model=16), seed=3)
     programs = (engine.prefill_prefix, engine.decode)

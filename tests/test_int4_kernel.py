@@ -109,7 +109,7 @@ def decode_step_logits(model, prefix, suffix):
     return np.asarray(tf.lm_head(w.params, cfg, x[0]))
 
 
-@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize("window", [0, pytest.param(7, marks=pytest.mark.slow)])
 def test_model_decode_through_kernel_matches_reference(window):
     """The whole int4 decode path (prefix + own segment, looped) with the kernel in interpret
     mode gives the reference's tokens and logits, and the prefill path's logits."""
@@ -126,6 +126,7 @@ def test_model_decode_through_kernel_matches_reference(window):
                                atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_gpu_check_script_runs_interpreted():
     """scripts/gpu_check.py is only run for real on a GPU; keep it working here, interpreted."""
     import subprocess

@@ -29,7 +29,7 @@ def test_reuse_matches_recompute_every_mode(mode_models, mode, loops, window):
 
 
 @pytest.mark.parametrize("mode", ["fp16-h", "int8-h", "int4-h"])
-@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("window", [0, pytest.param(5, marks=pytest.mark.slow)])
 def test_h_mode_call_scoped_rebuild_matches_step_by_step(mode_models, mode, window):
     """Model calls rebuild an h prefix's K/V once per call and keep the request's own K/V in
     float32 (`model.materialize`); greedy tokens equal a loop of single functional steps that
@@ -143,6 +143,7 @@ def test_mode_selection(monkeypatch, tmp_path):
     assert tl.Model.load(tmp_path / "m", kv_mode="int8-h").config()["kv_mode"] == "int8-h"
 
 
+@pytest.mark.slow
 def test_int8_greedy_agrees_with_fp32_on_the_bundled_model():
     from tinyloop_jax.cli import BUNDLED
     tok = tl.ByteTokenizer()

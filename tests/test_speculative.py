@@ -23,7 +23,8 @@ def test_greedy_equals_plain(models, d, k):
         assert s["accepted"] == s["drafted"]  # drafting at full depth: everything is kept
 
 
-@pytest.mark.parametrize("mode,window", [("fp32", 0), ("fp32", 6), ("int8-h", 0)])
+@pytest.mark.parametrize("mode,window", [("fp32", 0), pytest.param("fp32", 6, marks=pytest.mark.slow),
+                                         pytest.param("int8-h", 0, marks=pytest.mark.slow)])
 def test_greedy_from_prefix_with_stops_and_windows(models, mode, window):
     model = models[mode]
     prefix = model.build_prefix_cache(prompt_of(18, seed=2), loops=3, cache_window=window)

@@ -52,7 +52,8 @@ def test_match_is_token_exact_across_chunk_boundaries(model):
     assert store.lookup(other) == (None, 0)
 
 
-@pytest.mark.parametrize("mode,window", [("int8-h", 0), ("int4", 0), ("fp16", 6), ("fp32", 6)])
+@pytest.mark.parametrize("mode,window", [pytest.param("int8-h", 0, marks=pytest.mark.slow),
+                                         pytest.param("int4", 0, marks=pytest.mark.slow), ("fp16", 6), ("fp32", 6)])
 def test_extension_equals_fresh_generate_in_modes_and_windows(mode, window):
     model = tiny_model(mode)
     store = tl.PrefixStore(model, loops=2, cache_window=window)

@@ -4,6 +4,7 @@ import os
 import sys
 
 import numpy as np
+import pytest
 
 import tinyloop_jax as tl
 from tinyloop_jax.data import pydoc_split
@@ -19,6 +20,7 @@ def test_holdout_is_a_fixed_five_percent():
     assert np.array_equal(again[1], val)
 
 
+@pytest.mark.slow
 def test_training_reduces_loss(tmp_path):
     cfg = tl.ModelConfig(vocab_size=260, d_model=32, n_heads=2, n_pre_blocks=1, default_loops=2, max_seq_len=32,
                          kv_mode="fp32")

@@ -46,8 +46,8 @@ def forward_rows(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: j
 
 
 def rows_in_loop(own: KVCache) -> KVCache:
-    """The own segments as a decode loop carries them: batched, except that one row (N = 1) is
-    carried unbatched. (Vmapped over a unit axis, its cache writes become scatters whose result
+    """The own segments as programs carry them: batched, except that one row (N = 1) is carried
+    unbatched. (Vmapped over a unit axis, its cache writes become scatters whose result
     XLA fuses twice — into the stored carry and into the attention read — copying every layer
     at every step; unbatched, they are in-place dynamic-update-slices.)"""
     return jax.tree.map(lambda a: a[0], own) if own.length.shape == (1,) else own
@@ -100,7 +100,8 @@ def prefill_rows(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: j
     """N requests' own tokens after shared segments: tokens [N, T] (row i real up to n_valid[i],
     possibly 0), start_pos [N]; prior_logits [V], prior_seen [V]: what the shared segments end
     with. Returns (logits [N, V] (prior_logits for empty rows), seen [N, V], new own)."""
-    x, own = forward_rows(params, cfg, tokens, n_valid, start_pos, ro, own, loops, window)
+    x, own = forward_rows(params, cfg, tokens, n_valid, start_pos, ro, rows_in_loop(own), loops, window)
+    own = rows_out_of_loop(own)
     logits = jax.vmap(lambda x, n: tf.last_logits(params, cfg, x, n))(x, n_valid)
     logits = jnp.where((n_valid > 0)[:, None], logits, prior_logits)
     seen = jax.vmap(lambda t, n: token_mask(t, n, cfg.vocab_size) | prior_seen)(tokens, n_valid)
@@ -117,7 +118,7 @@ class DecodeState:
     tokens: Annotated[jax.Array, "int32[N, S]"]  # emitted tokens, -1 past each row's end
     n: Annotated[jax.Array, "int32[N]"]  # tokens emitted so far
     last: Annotated[jax.Array, "int32[N]"]  # the last emitted token (fed next)
-    seen: Annotated[jax.Array, "bool[N, V]"]  # tokens fed so far (prompt included): the repetition penalty's
+    seen: Annotated[jax.Array, "bool[N, V]"]  # tokens fed so far, prompt included (repetition penalty)
     done: Annotated[jax.Array, "bool[N]"]  # the row hit a stop sequence or its max_tokens
     step: Annotated[jax.Array, "int32[]"]  # loop iterations so far (the sampling key index)
     own: KVCache  # the rows' own segments: leading N axis (one row: unbatched, see rows_in_loop)
