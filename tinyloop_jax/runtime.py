@@ -169,9 +169,7 @@ class Model:
         w = self.weights
         prompt = self._tokens(prompt)
         loops, window = self._loops(loops), check.cache_window(cache_window)
-        req = check.request(1, self._config.vocab_size, dict(
-            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed), batch=False)
+        req = check.request(1, self._config.vocab_size, locals(), batch=False)
         spec = self._speculation(draft_loops, lookahead, loops)
         self._check_length(len(prompt) + max_tokens, "prompt + max_tokens")
         state = F.generate(w, [prompt], req, loops, window, spec)
@@ -207,9 +205,7 @@ class Model:
         """
         w = self.weights
         loops, window, suffix = self._prefix_call(prefix, loops, cache_window, suffix)
-        req = check.request(1, self._config.vocab_size, dict(
-            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed), batch=False)
+        req = check.request(1, self._config.vocab_size, locals(), batch=False)
         spec = self._speculation(draft_loops, lookahead, loops)
         self._check_length(len(prefix) + len(suffix) + max_tokens, "prefix + suffix + max_tokens")
         F.check_fits(w, [len(suffix)], req, loops, window, spec, prefix_len=len(prefix))
@@ -231,9 +227,7 @@ class Model:
         w = self.weights
         loops, window, _ = self._prefix_call(prefix, loops, cache_window, None)
         suffixes = check.token_lists(suffixes, self._config.vocab_size, "suffixes", allow_empty=True)
-        req = check.request(len(suffixes), self._config.vocab_size, dict(
-            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seeds=seeds), batch=True)
+        req = check.request(len(suffixes), self._config.vocab_size, locals(), batch=True)
         self._check_length(len(prefix) + max(len(x) for x in suffixes) + max_tokens,
                            "prefix + longest suffix + max_tokens")
         F.check_fits(w, [len(x) for x in suffixes], req, loops, window, prefix_len=len(prefix))
@@ -249,9 +243,7 @@ class Model:
         w = self.weights
         prompts = check.token_lists(prompts, self._config.vocab_size, "prompts", allow_empty=False)
         loops, window = self._loops(loops), check.cache_window(cache_window)
-        req = check.request(len(prompts), self._config.vocab_size, dict(
-            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seeds=seeds), batch=True)
+        req = check.request(len(prompts), self._config.vocab_size, locals(), batch=True)
         self._check_length(max(len(x) for x in prompts) + max_tokens, "longest prompt + max_tokens")
         state = F.generate(w, prompts, req, loops, window)
         return self._lists(state, [x.tolist() for x in prompts], None)

@@ -41,44 +41,43 @@ def _float(value, name: str) -> float:
     return float(value)
 
 
-def loops(value) -> int:
-    v = integer(value, "loops")
-    if v < 1:
-        raise ValueError(f"loops must be >= 1, got {v}")
+def _bounded(value, name: str, parse, ok, rule: str):
+    v = parse(value, name)
+    if not ok(v):
+        raise ValueError(f"{name} must be {rule}, got {v}")
     return v
+
+
+def loops(value) -> int:
+    return _bounded(value, "loops", integer, lambda v: v >= 1, ">= 1")
 
 
 def cache_window(value) -> int:
-    v = integer(value, "cache_window")
-    if v < 0:
-        raise ValueError(f"cache_window must be >= 0, got {v}")
-    return v
+    return _bounded(value, "cache_window", integer, lambda v: v >= 0, ">= 0")
 
 
 def max_tokens(value) -> int:
-    v = integer(value, "max_tokens")
-    if v < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {v}")
-    return v
+    return _bounded(value, "max_tokens", integer, lambda v: v >= 1, ">= 1")
 
 
-def sampling(temperature, top_k, top_p, repetition_penalty, seed) -> tuple:
-    t = _float(temperature, "temperature")
-    if t < 0:
-        raise ValueError(f"temperature must be >= 0, got {t}")
-    k = integer(top_k, "top_k")
-    if k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 = off), got {k}")
-    p = _float(top_p, "top_p")
-    if not 0.0 < p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {p}")
-    r = _float(repetition_penalty, "repetition_penalty")
-    if r <= 0:
-        raise ValueError(f"repetition_penalty must be > 0, got {r}")
-    s = integer(seed, "seed")
-    if not 0 <= s < 2**32:
-        raise ValueError(f"seed must be in [0, 2**32), got {s}")
-    return t, k, p, r, s
+def temperature(value) -> float:
+    return _bounded(value, "temperature", _float, lambda v: v >= 0, ">= 0")
+
+
+def top_k(value) -> int:
+    return _bounded(value, "top_k", integer, lambda v: v >= 0, ">= 0 (0 = off)")
+
+
+def top_p(value) -> float:
+    return _bounded(value, "top_p", _float, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
+
+
+def repetition_penalty(value) -> float:
+    return _bounded(value, "repetition_penalty", _float, lambda v: v > 0, "> 0")
+
+
+def seed(value) -> int:
+    return _bounded(value, "seed", integer, lambda v: 0 <= v < 2**32, "in [0, 2**32)")
 
 
 def stop_sequences(value, vocab_size: int) -> list[list[int]]:
@@ -124,20 +123,21 @@ def seeds(value, n: int) -> list[int]:
         return [0] * n
     if isinstance(value, (int, np.integer)) or len(value) != n:
         raise ValueError(f"seeds must be a list with one seed per request ({n}), got {value!r}")
-    return [sampling(0.0, 0, 1.0, 1.0, s)[4] for s in value]
+    return [seed(s) for s in value]
 
 
-def request(n: int, vocab_size: int, knobs: dict, batch: bool) -> Request:
-    """The one argument check of every generate call: N requests' knobs (max_tokens,
-    temperature, top_k, top_p, repetition_penalty, stop_sequences, and seed or seeds) as a
-    `Request`. A single call (batch=False) gives stop_sequences as a list of token-id lists and
-    one `seed`; a batched call one stop list for all or one per request, and `seeds`."""
-    new = max_tokens(knobs["max_tokens"])
-    t, k, p, r, _ = sampling(knobs["temperature"], knobs["top_k"], knobs["top_p"], knobs["repetition_penalty"], 0)
+def request(n: int, vocab_size: int, args: dict, batch: bool) -> Request:
+    """The one argument check of every generate call: `args` (the call's own arguments, e.g.
+    its `locals()`) -> the N requests' `Request`. Reads max_tokens, temperature, top_k, top_p,
+    repetition_penalty, stop_sequences, and `seed` (a single call: one request, stop_sequences a
+    list of token-id lists) or `seeds` (batched: one per request; stop_sequences one list for
+    all requests or one list per request)."""
     if batch:
-        stops = batch_stop_sequences(knobs["stop_sequences"], n, vocab_size)
-        seed_list = seeds(knobs["seeds"], n)
+        stops = batch_stop_sequences(args["stop_sequences"], n, vocab_size)
+        seed_list = seeds(args["seeds"], n)
     else:
-        stops = [stop_sequences(list(knobs["stop_sequences"]), vocab_size)]
-        seed_list = [sampling(0.0, 0, 1.0, 1.0, knobs["seed"])[4]]
-    return Request.make(n, t, k, p, r, seed_list, new, stops)
+        stops = [stop_sequences(list(args["stop_sequences"]), vocab_size)]
+        seed_list = [seed(args["seed"])]
+    return Request.make(n, temperature(args["temperature"]), top_k(args["top_k"]), top_p(args["top_p"]),
+                        repetition_penalty(args["repetition_penalty"]), seed_list, max_tokens(args["max_tokens"]),
+                        stops)
