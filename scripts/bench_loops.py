@@ -89,8 +89,8 @@ def main():
         "",
         f"Depth-flexible prefix of a 192-byte prompt: build at depth {L} from scratch {t_build * 1e3:.1f} ms; "
         f"build at depth 4 keeping state {t_build4 * 1e3:.1f} ms, then `at_depth({L})` {t_deeper * 1e3:.1f} ms "
-        f"(runs iterations 5..{L} only); `at_depth(2)` of the depth-{L} prefix {t_view * 1e3:.2f} ms (a layer "
-        "subset and one LayerNorm + head).",
+        f"(runs passes 5..{L} only); `at_depth(2)` of the depth-{L} prefix {t_view * 1e3:.2f} ms (a view of the "
+        "first passes of the same arrays, and one LayerNorm + head).",
     ]
     print("\n".join(lines))
     if not args.quick:
