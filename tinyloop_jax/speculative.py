@@ -74,8 +74,7 @@ def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logi
             return own, tok, seen, drafts.at[:, j].set(tok), qs.at[:, j].set(q)
 
         drafting, _, _, drafts, qs = jax.lax.fori_loop(0, k, draft, (
-            state.own, state.last, state.seen, jnp.zeros((N, k), jnp.int32), jnp.zeros((N, k, V), jnp.float32)),
-            unroll=True)
+            state.own, state.last, state.seen, jnp.zeros((N, k), jnp.int32), jnp.zeros((N, k, V), jnp.float32)))
         # Keep the buffers the draft wrote (no copy of the cache per round) but not its positions:
         # those slots are masked again and the verify rewrites them (a window's ring has room for
         # lookahead + 1 extra slots, so no position the verify needs was overwritten).
@@ -98,7 +97,7 @@ def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logi
                               accepted=state.accepted + jnp.where(state.done, 0, a))
         # emit d_1 .. d_a, then nxt, one at a time so that stops and max_tokens cut exactly
         emitted = jnp.concatenate([drafts, jnp.zeros((N, 1), jnp.int32)], axis=1).at[rows, a].set(nxt)
-        return jax.lax.fori_loop(0, k + 1, lambda j, s: emit(s, emitted[:, j], req, hold=j > a), state, unroll=True)
+        return jax.lax.fori_loop(0, k + 1, lambda j, s: emit(s, emitted[:, j], req, hold=j > a), state)
 
     start_at = own.length
     state = jax.lax.while_loop(lambda s: ~is_done(s), round_, start(first_logits, seen, rows_in_loop(own), req,
