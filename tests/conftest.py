@@ -38,6 +38,18 @@ def tiny_model(kv_mode: str, seed: int = 0) -> tl.Model:
     return tl.Model.random(tiny_config(kv_mode=kv_mode), seed=seed)
 
 
+# An Ouro-layout model: no pre blocks, a stack of 2 Llama-family blocks looped 3 times, sandwich
+# norms, the final norm after every pass, the exit gate, an untied head, 4 heads over 2 KV heads.
+OURO = dict(vocab_size=128, d_model=32, n_heads=4, n_kv_heads=2, n_pre_blocks=0, loop_blocks=2, default_loops=3,
+            max_seq_len=128, block="llama", norm_placement="sandwich", pass_norm=True, early_exit_gate=True,
+            tie_embeddings=False, intermediate_size=48, rope_theta=10000.0)
+
+
+@functools.lru_cache(maxsize=None)
+def ouro_model(kv_mode: str, seed: int = 0) -> tl.Model:
+    return tl.Model.random(tl.ModelConfig(**OURO, kv_mode=kv_mode), seed=seed)
+
+
 class _Models(dict):
     def __missing__(self, mode):
         return tiny_model(mode)

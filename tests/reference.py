@@ -25,7 +25,7 @@ def forward(params, n_heads, tokens, loops, window=0, kv_dtype=np.float32):
     T = len(tokens)
     wte, wpe = np.asarray(params.wte, np.float64), np.asarray(params.wpe, np.float64)
     x = wte[tokens] + wpe[np.arange(T)]
-    blocks = [_np(b) for b in params.pre] + [_np(params.loop)] * loops
+    blocks = [_np(b) for b in params.pre] + [_np(b) for b in params.loop] * loops
     i, j = np.arange(T)[:, None], np.arange(T)[None, :]
     mask = j <= i
     if window:

@@ -58,6 +58,24 @@ def test_pallas_matches_reference(C, n_valid, q_pos, window):
     np.testing.assert_allclose(np.asarray(got[0] / got[2][:, None]), want, **TIGHT)
 
 
+@pytest.mark.parametrize("H,KV", [(4, 2), (8, 1)])
+def test_pallas_grouped_query_matches_repeated_heads(H, KV):
+    """GQA: query head h reads key/value head h // (H / KV); the kernel reads the KV heads in
+    place and equals attention over K/V repeated per query head."""
+    rng = np.random.default_rng(H + KV)
+    C, hd = 48, 16
+    k, ks, v, vs, pos = int4_segment(rng, KV, C, hd, 40)
+    q = jnp.asarray(rng.normal(size=(H, hd)).astype(np.float32)) * hd ** -0.5
+    got = ia.int4_attention_pallas(q, jnp.int32(39), k, ks, v, vs, pos, window=0, interpret=True)
+    rep = lambda a: jnp.repeat(a, H // KV, axis=0)  # noqa: E731
+    want = ia.int4_attention_pallas(q, jnp.int32(39), rep(k), rep(ks), rep(v), rep(vs), pos, window=0,
+                                    interpret=True)
+    ref = ia.int4_attention_ref(q, jnp.int32(39), k, ks, v, vs, pos, window=0)
+    for name, a, b, c in zip("oml", got, want, ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), err_msg=name, **TIGHT)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), err_msg=name, **TIGHT)
+
+
 def test_fully_masked_segment_contributes_nothing():
     rng = np.random.default_rng(0)
     k, ks, v, vs, pos = int4_segment(rng, 2, 32, 8, 32, start=100)  # every key is in the future

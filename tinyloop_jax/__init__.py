@@ -8,8 +8,9 @@ from .prefix import PrefixCache
 from .runtime import Model, ResumeHandle
 from .sampling import Request
 from .store import PrefixStore
-from .tokenizer import ByteTokenizer
+from .tokenizer import ByteTokenizer, HFTokenizer
+from .transformer import Exit
 
-__all__ = ["ByteTokenizer", "KV_MODES", "KVCache", "Model", "ModelConfig", "PrefixCache", "PrefixStore", "Request",
-           "ResumeHandle", "Weights", "functional"]
+__all__ = ["ByteTokenizer", "Exit", "HFTokenizer", "KV_MODES", "KVCache", "Model", "ModelConfig", "PrefixCache",
+           "PrefixStore", "Request", "ResumeHandle", "Weights", "functional"]
 __version__ = "0.1.0"

@@ -53,9 +53,15 @@ def normalize(parts: list) -> jax.Array:
 
 
 def attention(q: jax.Array, q_pos: jax.Array, segments: list, window: int) -> jax.Array:
-    """q [H, T, hd]; segments: list of (k [H, C, hd], v [H, C, hd], key_pos [C]) -> [H, T, hd].
+    """q [H, T, hd]; segments: list of (k [KV, C, hd], v [KV, C, hd], key_pos [C]) -> [H, T, hd].
 
-    Under `vmap` over requests with a shared prefix left unbatched, the prefix's part is one
-    matmul of all requests' queries against one copy of it."""
-    q = q * q.shape[-1] ** -0.5
-    return normalize([partial_softmax(q, q_pos, k, v, p, window) for k, v, p in segments])
+    Grouped-query attention (KV < H): query head h uses key/value head h // (H / KV); the G
+    query heads of a group are folded into the rows, so each K/V head is read once. Under `vmap`
+    over requests with a shared prefix left unbatched, the prefix's part is one matmul of all
+    requests' queries against one copy of it."""
+    H, T, hd = q.shape
+    kv = segments[0][0].shape[0]
+    q = (q * hd ** -0.5).reshape(kv, (H // kv) * T, hd)  # row g * T + t of group k: head k G + g, token t
+    q_pos = jnp.tile(q_pos, H // kv)
+    out = normalize([partial_softmax(q, q_pos, k, v, p, window) for k, v, p in segments])
+    return out.reshape(H, T, hd)

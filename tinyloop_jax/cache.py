@@ -9,15 +9,16 @@ writes only its own:
     │ pos 0 .. P-1                │           │ pos P .. P+n-1       │
     └─────────────────────────────┘           └──────────────────────┘
 
-    pre[j]   = {"k": [H, C, hd], "v": [H, C, hd]}       one per pre block  (fp modes; see kv_modes)
-    loop     = {"k": [L, H, C, hd], "v": [L, H, C, hd]}  the loop's L passes stacked on axis 0
+    pre[j]   = {"k": [KV, C, hd], "v": [KV, C, hd]}          one per pre block  (fp modes; see kv_modes)
+    loop     = {"k": [L, k, KV, C, hd], "v": [L, k, KV, C, hd]} L passes of the k loop blocks
     pos      = [C] int32: absolute position held by each slot, -1 = empty
     length   = []  int32: one past the last position written
 
-Cache layer n_pre + t is pass t of `loop`. Stacking the passes makes depth data, not program
-size: a program runs the passes with `lax.fori_loop` over the leading axis, and a depth d <= L
-reads the first d passes of the same arrays (no copy). A batch of segments (one per request)
-has a leading request axis on every array.
+Cache layer n_pre + t * k + j is pass t, loop block j: `loop[n][t, j]`. Stacking the passes
+makes depth data, not program size: a program runs the passes with `lax.fori_loop` over the
+leading axis, and a depth d <= L reads the first d passes of the same arrays (no copy). K/V are
+stored per key/value head (KV = n_kv_heads), so grouped-query models hold n_heads / KV times
+less. A batch of segments (one per request) has a leading request axis on every array.
 
 Slot of position p is `p % C`. A contiguous run of at most C positions never collides, so the
 same rule serves a full cache (C >= tokens) and a sliding-window ring buffer (C >= W: old
@@ -38,7 +39,7 @@ from .kv_modes import layer_nbytes, layer_shapes
 @struct.dataclass
 class KVCache:
     pre: tuple  # tuple[dict[str, Array [.., lead, C, w]], ...], one per pre block
-    loop: dict  # dict[str, Array [.., L, lead, C, w]]: the loop's passes
+    loop: dict  # dict[str, Array [.., L, k, lead, C, w]]: the loop's passes
     pos: jax.Array  # [.., C] int32
     length: jax.Array  # [..] int32
     kv_mode: str = struct.field(pytree_node=False)
@@ -50,20 +51,28 @@ class KVCache:
     @property
     def passes(self) -> int:
         """Loop passes held (a program may read only the first few)."""
+        return int(next(iter(self.loop.values())).shape[-5])
+
+    @property
+    def loop_blocks(self) -> int:
         return int(next(iter(self.loop.values())).shape[-4])
 
     @property
     def n_layers(self) -> int:
-        return len(self.pre) + self.passes
+        return len(self.pre) + self.passes * self.loop_blocks
 
     @property
     def nbytes(self) -> int:
         return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self)))
 
     def layer(self, i: int) -> dict:
-        """Cache layer i's arrays (pre block i, or pass i - n_pre), unbatched segments only."""
+        """Cache layer i's arrays (pre block i, or pass t, loop block j with i = n_pre + t k + j),
+        unbatched segments only."""
         n = len(self.pre)
-        return dict(self.pre[i]) if i < n else {k: a[i - n] for k, a in self.loop.items()}
+        if i < n:
+            return dict(self.pre[i])
+        t, j = divmod(i - n, self.loop_blocks)
+        return {k: a[t, j] for k, a in self.loop.items()}
 
 
 # ---- sizes and allocation --------------------------------------------------------------------
@@ -86,8 +95,12 @@ def segment_capacity(n_tokens: int, cache_window: int) -> int:
     return bucket(max(need, 1))
 
 
-def cache_nbytes(kv_mode: str, n_layers: int, n_heads: int, capacity: int, head_dim: int) -> int:
-    return n_layers * layer_nbytes(kv_mode, n_heads, capacity, head_dim) + capacity * 4 + 4
+def cache_nbytes(kv_mode: str, n_layers: int, n_kv_heads: int, capacity: int, head_dim: int,
+                 d_model: int | None = None) -> int:
+    """Bytes of a segment of n_layers cache layers (d_model, the width h modes store, defaults
+    to n_kv_heads * head_dim)."""
+    d_model = n_kv_heads * head_dim if d_model is None else d_model
+    return n_layers * layer_nbytes(kv_mode, n_kv_heads, capacity, head_dim, d_model) + capacity * 4 + 4
 
 
 def free_bytes() -> int | None:
@@ -120,17 +133,20 @@ def check_fits(need: int, what: str) -> None:
                            "is free; shorten the prompt, lower loops, or set cache_window")
 
 
-def empty(kv_mode: str, n_pre: int, passes: int, n_heads: int, capacity: int, head_dim: int,
-          batch: int | None = None) -> KVCache:
-    """A fresh segment of n_pre pre layers and `passes` loop passes (with `batch`: one per
-    request, every array with a leading request axis). Out of memory is a RuntimeError."""
+def empty(kv_mode: str, n_pre: int, passes: int, n_kv_heads: int, capacity: int, head_dim: int,
+          batch: int | None = None, loop_blocks: int = 1, d_model: int | None = None) -> KVCache:
+    """A fresh segment of n_pre pre layers and `passes` passes of `loop_blocks` layers (with
+    `batch`: one per request, every array with a leading request axis). Out of memory is a
+    RuntimeError."""
     lead = () if batch is None else (batch,)
-    check_fits(cache_nbytes(kv_mode, n_pre + passes, n_heads, capacity, head_dim) * (batch or 1),
-               f"a KV cache of {n_pre + passes} layers x {capacity} slots ({kv_mode})")
-    shapes = layer_shapes(kv_mode, n_heads, capacity, head_dim)
+    d_model = n_kv_heads * head_dim if d_model is None else d_model
+    layers = n_pre + passes * loop_blocks
+    check_fits(cache_nbytes(kv_mode, layers, n_kv_heads, capacity, head_dim, d_model) * (batch or 1),
+               f"a KV cache of {layers} layers x {capacity} slots ({kv_mode})")
+    shapes = layer_shapes(kv_mode, n_kv_heads, capacity, head_dim, d_model)
     try:
         pre = tuple({n: jnp.zeros(lead + s, d) for n, (s, d) in shapes.items()} for _ in range(n_pre))
-        loop = {n: jnp.zeros(lead + (passes,) + s, d) for n, (s, d) in shapes.items()}
+        loop = {n: jnp.zeros(lead + (passes, loop_blocks) + s, d) for n, (s, d) in shapes.items()}
         return KVCache(pre=pre, loop=loop, pos=jnp.full(lead + (capacity,), -1, jnp.int32),
                        length=jnp.zeros(lead, jnp.int32), kv_mode=kv_mode)
     except Exception as e:  # noqa: BLE001 - XLA reports OOM as a generic runtime error
@@ -141,13 +157,14 @@ def empty(kv_mode: str, n_pre: int, passes: int, n_heads: int, capacity: int, he
 
 # ---- reading and writing one layer ------------------------------------------------------------
 # A layer's store is either a pre layer ({name: [lead, C, w]}, index None) or the loop stack
-# ({name: [L, lead, C, w]}) at pass `index` (traced inside the pass loop).
+# ({name: [L, k, lead, C, w]}) at index (pass t, traced inside the pass loop; block j, static).
 
 def read(store: dict, index=None) -> dict:
     """The arrays of one layer: [lead, C, w] each."""
     if index is None:
         return store
-    return {n: jax.lax.dynamic_index_in_dim(a, index, axis=0, keepdims=False) for n, a in store.items()}
+    t, j = index
+    return {n: jax.lax.dynamic_index_in_dim(a, t, axis=0, keepdims=False)[j] for n, a in store.items()}
 
 
 def write(store: dict, fresh: dict, slots: jax.Array, index=None) -> dict:
@@ -156,11 +173,14 @@ def write(store: dict, fresh: dict, slots: jax.Array, index=None) -> dict:
     if slots.shape[0] == 1:
         if index is None:
             return {n: jax.lax.dynamic_update_slice_in_dim(a, fresh[n], slots[0], axis=1) for n, a in store.items()}
-        return {n: jax.lax.dynamic_update_slice(a, fresh[n][None], (index, 0, slots[0], 0)) for n, a in store.items()}
+        t, j = index
+        return {n: jax.lax.dynamic_update_slice(a, fresh[n][None, None], (t, j, 0, slots[0], 0))
+                for n, a in store.items()}
     if index is None:
         return {n: a.at[:, slots].set(fresh[n], mode="drop") for n, a in store.items()}
-    # indices split by a slice: numpy puts the indexed axis (slots) first -> values [T, lead, w]
-    return {n: a.at[index, :, slots].set(fresh[n].swapaxes(0, 1), mode="drop") for n, a in store.items()}
+    # indices split by a slice: numpy puts the indexed axes first -> values [T, lead, w]
+    t, j = index
+    return {n: a.at[t, j, :, slots].set(fresh[n].swapaxes(0, 1), mode="drop") for n, a in store.items()}
 
 
 def write_positions(cache_pos: jax.Array, positions: jax.Array, slots: jax.Array) -> jax.Array:

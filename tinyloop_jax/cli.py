@@ -30,12 +30,24 @@ class UsageError(Exception):
 
 
 def _load(path: str | None, kv_mode: str | None):
+    """A tinyloop checkpoint (tinyloop.json) or a Hugging Face folder (config.json)."""
     import tinyloop_jax as tl
 
     path = path or BUNDLED
     if not os.path.isdir(path):
         raise UsageError(f"no model at {path}" + ("" if path != BUNDLED else " (the bundled checkpoint is missing)"))
+    if os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(os.path.join(path, "tinyloop.json")):
+        return tl.Model.from_pretrained(path, kv_mode=kv_mode)
     return tl.Model.load(path, kv_mode=kv_mode)
+
+
+def _model_and_tokenizer(args):
+    from .tokenizer import tokenizer_for
+
+    model, tok = _load(args.model, args.kv_mode), tokenizer_for(args.model)
+    if tok.vocab_size > model.config()["vocab_size"]:
+        raise UsageError(f"the tokenizer has {tok.vocab_size} ids but the model only {model.config()['vocab_size']}")
+    return model, tok
 
 
 def _int_list(text: str) -> list[int]:
@@ -50,14 +62,11 @@ def _str_list(text: str) -> list[str]:
 
 
 def cmd_generate(args) -> None:
-    import tinyloop_jax as tl
-
-    tok = tl.ByteTokenizer()
-    model = _load(args.model, args.kv_mode)
+    model, tok = _model_and_tokenizer(args)
     prompt = tok.encode(args.prompt)
     if len(prompt) == 0:
         raise UsageError("the prompt is empty")
-    stops = [tok.encode(s.encode().decode("unicode_escape")).tolist() for s in args.stop]
+    stops = [tok.encode(s.encode().decode("unicode_escape"), special=False).tolist() for s in args.stop]
     t = time.perf_counter()
     out = model.generate(prompt, max_tokens=args.max_tokens, loops=args.loops, temperature=args.temperature,
                          top_k=args.top_k, top_p=args.top_p, cache_window=args.cache_window,
@@ -69,12 +78,9 @@ def cmd_generate(args) -> None:
 
 
 def cmd_demo(args) -> None:
-    import tinyloop_jax as tl
-
-    tok = tl.ByteTokenizer()
-    model = _load(args.model, args.kv_mode)
+    model, tok = _model_and_tokenizer(args)
     system = tok.encode(SYSTEM_PROMPT)
-    questions = [tok.encode(q) for q in (QUESTIONS * 4)[: args.questions]]
+    questions = [tok.encode(q, special=False) for q in (QUESTIONS * 4)[: args.questions]]
     kw = dict(max_tokens=args.max_tokens, loops=args.loops, temperature=args.temperature, top_k=args.top_k,
               seed=args.seed)
     # compile every program once so the timings below measure serving, not compiling
@@ -140,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tinyloop", description="Looped-transformer inference with prefix caching.")
     sub = ap.add_subparsers(dest="command", required=True)
     model_arg = argparse.ArgumentParser(add_help=False)
-    model_arg.add_argument("--model", help="checkpoint folder (default: the bundled model)")
+    model_arg.add_argument("--model", help="a tinyloop checkpoint or a Hugging Face GPT-2 / Llama / Ouro folder "
+                           "(default: the bundled model)")
     common = argparse.ArgumentParser(add_help=False, parents=[model_arg])
     common.add_argument("--kv-mode", default=None, help="KV cache storage mode: " + ", ".join(KV_MODES))
 

@@ -13,6 +13,9 @@ INT4_ATTENTION = ("pallas", "interpret", "jnp")
 # Fields that say how this process runs the model, not what the model is: not saved with
 # checkpoints and not part of the model fingerprint.
 RUNTIME_FIELDS = ("int4_attention",)
+BLOCKS = ("gpt2", "llama")  # GPT-2 (LayerNorm, biases, GELU, learned positions) | Llama (RMSNorm, RoPE, SwiGLU, GQA)
+NORM_PLACEMENTS = ("pre", "sandwich")  # sandwich (Ouro): x += n2(attn(n1 x)); x += n4(mlp(n3 x))
+DTYPES = ("float32", "bfloat16")
 
 
 def check_kv_mode(kv_mode: str) -> str:
@@ -46,11 +49,21 @@ def int4_attention_from_env() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a looped GPT-2-style model.
+    """Shape of a looped transformer.
 
-    `n_pre_blocks` distinct blocks run once, then one loop block runs `loops` times
-    (`default_loops` when a call does not say). With `default_loops=1` the model is a plain
-    `(n_pre_blocks + 1)`-layer GPT-2.
+    `n_pre_blocks` distinct blocks run once, then a stack of `loop_blocks` = k distinct blocks
+    runs `loops` times (`default_loops` when a call does not say). Cache layer of pass t, loop
+    block j: n_pre_blocks + t * k + j. With k = 1 and `default_loops=1` the model is a plain
+    `(n_pre_blocks + 1)`-layer transformer; Ouro is n_pre_blocks = 0, k = num_hidden_layers.
+
+    Block family (`block`): "gpt2" (LayerNorm with bias, fused biased QKV, tanh-GELU MLP, learned
+    positions `wpe`) or "llama" (RMSNorm, RoPE with `rope_theta` and rotate-half pairing, SwiGLU
+    MLP of `intermediate_size`, grouped-query attention with `n_kv_heads`, no biases unless
+    `attention_bias`). `norm_placement` "sandwich" adds a norm on each sub-block's output;
+    `pass_norm` applies the final norm after every pass and feeds the normed stream on (Ouro).
+    `early_exit_gate`: the model has Ouro's exit gate (Linear D -> 1 on each pass's output);
+    `early_exit_step` / `early_exit_threshold` are the calls' defaults. `dtype`: weights and
+    compute (norms, softmax and the KV codecs stay float32).
     """
 
     vocab_size: int = 256
@@ -61,8 +74,23 @@ class ModelConfig:
     max_seq_len: int = 512
     kv_mode: str | None = None  # None: the environment switches, else fp16
     mlp_ratio: int = 4
-    layer_norm_eps: float = 1e-5
+    layer_norm_eps: float = 1e-5  # the eps of every norm (LayerNorm or RMSNorm)
     int4_attention: str | None = None  # None: TINYLOOP_INT4_ATTENTION / the backend (runtime field)
+    block: str = "gpt2"
+    norm_placement: str = "pre"
+    pass_norm: bool = False
+    loop_blocks: int = 1
+    n_post_blocks: int = 0
+    tie_embeddings: bool = True
+    dtype: str = "float32"
+    n_kv_heads: int | None = None  # None: n_heads (no grouping)
+    head_dim: int | None = None  # None: d_model // n_heads
+    intermediate_size: int | None = None  # None: d_model * mlp_ratio
+    rope_theta: float = 10000.0
+    attention_bias: bool = False  # llama blocks: biases on q, k, v
+    early_exit_gate: bool = False
+    early_exit_step: int | None = None
+    early_exit_threshold: float | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_heads", "max_seq_len", "mlp_ratio"):
@@ -72,34 +100,86 @@ class ModelConfig:
             raise ValueError(f"n_pre_blocks must be >= 0, got {self.n_pre_blocks!r}")
         if self.default_loops < 1:
             raise ValueError(f"default_loops must be >= 1, got {self.default_loops!r}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        for name, allowed in (("block", BLOCKS), ("norm_placement", NORM_PLACEMENTS), ("dtype", DTYPES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}; supported: {', '.join(allowed)}")
+        if self.loop_blocks < 1:
+            raise ValueError(f"loop_blocks must be >= 1, got {self.loop_blocks!r}")
+        if self.n_post_blocks != 0:
+            raise ValueError(f"n_post_blocks={self.n_post_blocks!r}: a coda after the loop is not supported yet")
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads={self.n_kv_heads!r} must divide n_heads={self.n_heads}")
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        if self.intermediate_size is None:
+            object.__setattr__(self, "intermediate_size", self.d_model * self.mlp_ratio)
+        if self.block == "gpt2":
+            for name, want in (("n_kv_heads", self.n_heads), ("head_dim", self.d_model // self.n_heads),
+                               ("norm_placement", "pre"), ("tie_embeddings", True), ("attention_bias", False)):
+                if getattr(self, name) != want:
+                    raise ValueError(f"{name}={getattr(self, name)!r} is not supported with block='gpt2' "
+                                     f"(needs {want!r})")
+        if self.block == "llama" and self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim}: RoPE rotates pairs, it must be even")
+        if self.early_exit_step is not None and self.early_exit_step < 0:
+            raise ValueError(f"early_exit_step must be >= 0, got {self.early_exit_step!r}")
+        if self.early_exit_threshold is not None and not 0.0 <= self.early_exit_threshold <= 1.0:
+            raise ValueError(f"early_exit_threshold must be in [0, 1], got {self.early_exit_threshold!r}")
         if self.kv_mode is None:
             object.__setattr__(self, "kv_mode", kv_mode_from_env())
         check_kv_mode(self.kv_mode)
-        if self.kv_mode.startswith("int4") and self.d_model % 2:
-            raise ValueError(f"int4 modes pack two values per byte: d_model {self.d_model} must be even")
+        if self.kv_mode.startswith("int4") and (self.d_model % 2 or self.head_dim % 2):
+            raise ValueError(f"int4 modes pack two values per byte: d_model {self.d_model} and head_dim "
+                             f"{self.head_dim} must be even")
         if self.int4_attention is None:
             object.__setattr__(self, "int4_attention", int4_attention_from_env())
         if self.int4_attention not in INT4_ATTENTION:
             raise ValueError(f"int4_attention {self.int4_attention!r}; expected one of {', '.join(INT4_ATTENTION)}")
 
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
     def n_cache_layers(self, loops: int) -> int:
-        """One cache layer per pre block plus one per loop iteration."""
-        return self.n_pre_blocks + loops
+        """One cache layer per pre block plus one per loop block per pass."""
+        return self.n_pre_blocks + loops * self.loop_blocks
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
 
     def to_dict(self) -> dict:
-        """The model's description (what is saved and fingerprinted; runtime fields left out)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in RUNTIME_FIELDS}
+        """The model's description (what is saved and fingerprinted; runtime fields left out).
+        Architecture fields at their defaults are left out too, so a GPT-2-family model saved
+        before they existed describes (and fingerprints) itself exactly as it did."""
+        derived = dict(ARCH_FIELDS, n_kv_heads=self.n_heads, head_dim=self.d_model // self.n_heads,
+                       intermediate_size=self.d_model * self.mlp_ratio)
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if k not in RUNTIME_FIELDS and not (k in derived and v == derived[k])}
+
+    @property
+    def compute_dtype(self):
+        import jax.numpy as jnp
+
+        return jnp.dtype(self.dtype)
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
+        """A saved description -> config (unknown keys ignored, missing ones at their defaults)."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+# Fields added with the Llama family, and their defaults: omitted from `to_dict` when they say
+# nothing (their value is what the default resolves to).
+ARCH_FIELDS = {f.name: f.default for f in dataclasses.fields(ModelConfig)
+               if f.name in ("block", "norm_placement", "pass_norm", "loop_blocks", "n_post_blocks", "tie_embeddings",
+                             "dtype", "n_kv_heads", "head_dim", "intermediate_size", "rope_theta", "attention_bias",
+                             "early_exit_gate", "early_exit_step", "early_exit_threshold")}

@@ -35,10 +35,10 @@ def token_mask(tokens: jax.Array, n_valid: jax.Array, vocab_size: int) -> jax.Ar
 
 
 def forward_rows(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
-                 ro: tuple, own: KVCache, loops: int, window: int):
+                 ro: tuple, own: KVCache, loops: int, window: int, exit: tf.Exit | None = None):
     """The forward pass for N rows: tokens [N, T], n_valid, start_pos [N]; ro shared; own the
-    rows' segments (see `rows_in_loop`). Returns (streams [N, T, D], new own)."""
-    one = lambda t, n, s, o: tf.forward(params, cfg, t, n, s, ro, o, loops, window)  # noqa: E731
+    rows' segments (see `rows_in_loop`). Returns (streams the logits come from [N, T, D], new own)."""
+    one = lambda t, n, s, o: tf.forward(params, cfg, t, n, s, ro, o, loops, window, exit)  # noqa: E731
     if own.length.ndim == 0:  # the one row of N = 1, unbatched
         x, own = one(tokens[0], n_valid[0], start_pos[0], own)
         return x[None], own
@@ -74,33 +74,36 @@ def rollback_rows(own: KVCache, lengths: jax.Array) -> KVCache:
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("own",))
 def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
-            ro: tuple, own: KVCache, loops: int, window: int):
+            ro: tuple, own: KVCache, loops: int, window: int, exit: tf.Exit | None = None):
     """Append tokens[:n_valid] (tokens [T] int32, bucket-padded) to one segment `own` at absolute
     positions start_pos + i. Returns (next-token logits [V] after the last real token, new own)."""
-    x, own = tf.forward(params, cfg, tokens, n_valid, start_pos, ro, own, loops, window)
+    x, own = tf.forward(params, cfg, tokens, n_valid, start_pos, ro, own, loops, window, exit)
     return tf.last_logits(params, cfg, x, n_valid), own
 
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "keep_state"), donate_argnames=("own",))
 def prefill_prefix(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
-                   context: jax.Array, n_context: jax.Array, own: KVCache, loops: int, window: int, keep_state: bool):
+                   context: jax.Array, n_context: jax.Array, own: KVCache, loops: int, window: int, keep_state: bool,
+                   exit: tf.Exit | None = None):
     """Prefill a prompt's segment (no read-only segments): tokens [T] at start_pos (own already
     holds the positions before it), context [Tc] the whole prompt. Returns (logits [V], seen [V]
-    (the prompt's tokens), own, depth_states [layers, D] (the last token's stream after each
-    layer run), state [T, D] (every position's stream after the last pass) or None)."""
+    (the prompt's tokens), own, depth_states [n_pre + loops, D] (the last token's stream after
+    each pre block and pass), state [T, D] (every position's stream after the last pass) or None)."""
     x0 = tf.embed(params, tokens, start_pos)
-    x, own, states = tf.run_layers(params, cfg, x0, n_valid, start_pos, (), own, loops, window, keep_states=True)
+    out = tf.run_layers(params, cfg, x0, n_valid, start_pos, (), own, loops, window, keep_states=True, exit=exit)
     seen = token_mask(context, n_context, cfg.vocab_size)
-    return tf.last_logits(params, cfg, x, n_valid), seen, own, states, x if keep_state else None
+    return (tf.last_logits(params, cfg, out.exit_x, n_valid), seen, out.own, out.states,
+            out.x if keep_state else None)
 
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("own",))
 def prefill_rows(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
-                 ro: tuple, own: KVCache, prior_logits: jax.Array, prior_seen: jax.Array, loops: int, window: int):
+                 ro: tuple, own: KVCache, prior_logits: jax.Array, prior_seen: jax.Array, loops: int, window: int,
+                 exit: tf.Exit | None = None):
     """N requests' own tokens after shared segments: tokens [N, T] (row i real up to n_valid[i],
     possibly 0), start_pos [N]; prior_logits [V], prior_seen [V]: what the shared segments end
     with. Returns (logits [N, V] (prior_logits for empty rows), seen [N, V], new own)."""
-    x, own = forward_rows(params, cfg, tokens, n_valid, start_pos, ro, rows_in_loop(own), loops, window)
+    x, own = forward_rows(params, cfg, tokens, n_valid, start_pos, ro, rows_in_loop(own), loops, window, exit)
     own = rows_out_of_loop(own)
     logits = jax.vmap(lambda x, n: tf.last_logits(params, cfg, x, n))(x, n_valid)
     logits = jnp.where((n_valid > 0)[:, None], logits, prior_logits)
@@ -165,7 +168,7 @@ def feed(state: DecodeState, tok: jax.Array) -> jax.Array:
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len"), donate_argnames=("own",))
 def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logits: jax.Array, seen: jax.Array,
-           req: Request, loops: int, window: int, out_len: int) -> DecodeState:
+           req: Request, loops: int, window: int, out_len: int, exit: tf.Exit | None = None) -> DecodeState:
     """Emit up to req.max_tokens (<= out_len) tokens for each of N requests as one
     `lax.while_loop` on device. first_logits [N, V]: next-token logits after each prompt;
     seen [N, V]: each prompt's tokens. Token i is chosen from the logits token i-1 produced,
@@ -176,7 +179,7 @@ def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logi
         seen = feed(state, state.last)
         N = state.last.shape[0]
         x, own = forward_rows(params, cfg, state.last[:, None], jnp.ones((N,), jnp.int32), row_lengths(state.own), ro,
-                              state.own, loops, window)
+                              state.own, loops, window, exit)
         tok = select_tokens(tf.lm_head(params, cfg, x[:, 0]), seen, req, state.step + 1)
         return emit(state.replace(seen=seen, own=own, step=state.step + 1), tok, req)
 
@@ -191,17 +194,19 @@ def continue_depth(params: Params, cfg: ModelConfig, state: jax.Array, n_valid: 
                    loops: int, window: int):
     """`loops` more passes over a prompt whose stream after its last pass is state [T, D]
     (positions from 0), written into `own` (no pre layers, `loops` passes): the extra passes
-    of a deeper prefix, nothing before them re-run. Returns (logits [V], own, state after them,
+    of a deeper prefix, nothing before them re-run. Returns (own, state after them,
     depth_states [loops, D])."""
-    x, own, states = tf.run_layers(params, cfg, state, n_valid, jnp.int32(0), (), own, loops, window,
-                                   keep_states=True)
-    return tf.last_logits(params, cfg, x, n_valid), own, x, states
+    out = tf.run_layers(params, cfg, state, n_valid, jnp.int32(0), (), own, loops, window, keep_states=True)
+    return out.own, out.x, out.states
 
 
-@partial(jax.jit, static_argnames=("cfg",))
-def logits_from_stream(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """One position's stream [D] -> next-token logits [V] (final LayerNorm + head)."""
-    return tf.lm_head(params, cfg, x)
+@partial(jax.jit, static_argnames=("cfg", "loops"))
+def prefix_logits(params: Params, cfg: ModelConfig, depth_states: jax.Array, loops: int,
+                  exit: tf.Exit | None = None) -> jax.Array:
+    """A prompt's next-token logits [V] at depth `loops` from its last token's states
+    [n_pre + passes, D] (`prefill_prefix`), with the early exit's pick among the passes."""
+    n_pre = cfg.n_pre_blocks
+    return tf.lm_head(params, cfg, tf.exit_stream(params, cfg, depth_states[n_pre:n_pre + loops], exit))
 
 
 @partial(jax.jit, static_argnames=("cfg", "passes"))

@@ -31,6 +31,7 @@ from .engine import DecodeState
 from .params import Weights
 from .prefix import PrefixCache
 from .sampling import Request
+from .transformer import Exit
 
 
 class Speculation(NamedTuple):
@@ -54,26 +55,26 @@ def empty_cache(weights: Weights, n_tokens: int, loops: int | None = None, cache
     those of the model's mode, see `transformer.block`)."""
     c = weights.config
     loops = c.default_loops if loops is None else loops
-    own = kvc.empty(kv_mode or c.kv_mode, c.n_pre_blocks, loops, c.n_heads,
-                    kvc.segment_capacity(n_tokens, cache_window), c.head_dim, batch)
+    own = kvc.empty(kv_mode or c.kv_mode, c.n_pre_blocks, loops, c.n_kv_heads,
+                    kvc.segment_capacity(n_tokens, cache_window), c.head_dim, batch, c.loop_blocks, c.d_model)
     return own.replace(length=jnp.full(own.length.shape, start, jnp.int32))
 
 
 def prefill(weights: Weights, tokens, cache: KVCache, ro: tuple = (), start_pos: int | None = None,
-            loops: int | None = None, cache_window: int = 0) -> tuple[jax.Array, KVCache]:
+            loops: int | None = None, cache_window: int = 0, exit: Exit | None = None) -> tuple[jax.Array, KVCache]:
     """Append `tokens` [T] to `cache` at positions start_pos + i (default cache.length),
     attending also to the read-only segments `ro`. Returns (next-token logits [V], new cache).
     `cache` is donated: do not use it afterwards."""
     c = weights.config
     start = cache.length if start_pos is None else jnp.int32(start_pos)
     return engine.prefill(weights.params, c, jnp.asarray(pad(tokens)), jnp.int32(len(tokens)), start, tuple(ro),
-                          cache, loops=c.default_loops if loops is None else loops, window=cache_window)
+                          cache, loops=c.default_loops if loops is None else loops, window=cache_window, exit=exit)
 
 
 def decode_step(weights: Weights, token: int, cache: KVCache, ro: tuple = (), loops: int | None = None,
-                cache_window: int = 0) -> tuple[jax.Array, KVCache]:
+                cache_window: int = 0, exit: Exit | None = None) -> tuple[jax.Array, KVCache]:
     """One token at position cache.length. Returns (next-token logits [V], new cache)."""
-    return prefill(weights, [token], cache, ro, loops=loops, cache_window=cache_window)
+    return prefill(weights, [token], cache, ro, loops=loops, cache_window=cache_window, exit=exit)
 
 
 # ---- prefixes --------------------------------------------------------------------------------
@@ -88,24 +89,25 @@ def _wrap(weights: Weights, own: KVCache, prompt: np.ndarray, loops: int, window
 
 def prefix_nbytes(weights: Weights, n_tokens: int, loops: int, cache_window: int = 0) -> int:
     c = weights.config
-    return kvc.cache_nbytes(c.kv_mode, c.n_cache_layers(loops), c.n_heads,
-                            kvc.segment_capacity(n_tokens, cache_window), c.head_dim)
+    return kvc.cache_nbytes(c.kv_mode, c.n_cache_layers(loops), c.n_kv_heads,
+                            kvc.segment_capacity(n_tokens, cache_window), c.head_dim, c.d_model)
 
 
 def build_prefix(weights: Weights, prompt, loops: int | None = None, cache_window: int = 0,
-                 keep_state: bool = False) -> PrefixCache:
+                 keep_state: bool = False, exit: Exit | None = None) -> PrefixCache:
     """Prefill `prompt` [P] once into a PrefixCache (no decode). keep_state=True also keeps every
-    position's stream after the last pass (D floats per token) for `prefix_at_depth` deeper."""
+    position's stream after the last pass (D floats per token) for `prefix_at_depth` deeper.
+    `exit`: which pass the stored next-token logits come from (gate models)."""
     loops = weights.config.default_loops if loops is None else loops
     prompt = np.asarray(prompt, np.int32)
     own = empty_cache(weights, len(prompt), loops, cache_window)
     tokens, n = jnp.asarray(pad(prompt)), jnp.int32(len(prompt))
     out = engine.prefill_prefix(weights.params, weights.config, tokens, n, jnp.int32(0), tokens, n, own, loops=loops,
-                                window=cache_window, keep_state=keep_state)
+                                window=cache_window, keep_state=keep_state, exit=exit)
     return _wrap(weights, out[2], prompt, loops, cache_window, out[0], out[1], out[3], out[4])
 
 
-def extend_prefix(source: PrefixCache, k: int, prompt) -> PrefixCache:
+def extend_prefix(source: PrefixCache, k: int, prompt, exit: Exit | None = None) -> PrefixCache:
     """The prefix of `prompt` whose first k tokens are source's first k (0 < k < len(prompt)):
     those positions are copied (no compute), only prompt[k:] is prefilled."""
     w, loops, window = source.weights, source.loops, source.cache_window
@@ -114,11 +116,12 @@ def extend_prefix(source: PrefixCache, k: int, prompt) -> PrefixCache:
                              passes=loops)
     logits, seen, own, states, _ = engine.prefill_prefix(
         w.params, w.config, jnp.asarray(pad(prompt[k:])), jnp.int32(len(prompt) - k), jnp.int32(k),
-        jnp.asarray(pad(prompt)), jnp.int32(len(prompt)), own, loops=loops, window=window, keep_state=False)
+        jnp.asarray(pad(prompt)), jnp.int32(len(prompt)), own, loops=loops, window=window, keep_state=False,
+        exit=exit)
     return _wrap(w, own, prompt, loops, window, logits, seen, states)
 
 
-def prefix_at_depth(prefix: PrefixCache, loops: int) -> PrefixCache:
+def prefix_at_depth(prefix: PrefixCache, loops: int, exit: Exit | None = None) -> PrefixCache:
     """The same prompt's prefix at depth `loops`, re-running nothing already done:
       * loops <= the passes its cache holds: a view of the first passes (the arrays are shared)
         with that depth's logits, from the stream kept after every layer;
@@ -128,18 +131,21 @@ def prefix_at_depth(prefix: PrefixCache, loops: int) -> PrefixCache:
     if loops == prefix.loops:
         return prefix
     if loops <= prefix.cache.passes:
-        logits = engine.logits_from_stream(w.params, c, prefix.depth_states[c.n_cache_layers(loops) - 1])
+        logits = engine.prefix_logits(w.params, c, prefix.depth_states, loops=loops, exit=exit)
         return _wrap(w, prefix.cache, prefix.prompt, loops, prefix.cache_window, logits, prefix.seen,
                      prefix.depth_states, prefix.state)
     if prefix.state is None:
         raise RuntimeError(f"loops={loops} is deeper than the prefix's loops={prefix.loops} and the prefix "
                            f"did not keep its loop state; build it with keep_state=True (or rebuild at loops={loops})")
     extra = loops - prefix.cache.passes
-    own = kvc.empty(c.kv_mode, 0, extra, c.n_heads, prefix.cache.capacity, c.head_dim)
-    logits, own, state, states = engine.continue_depth(w.params, c, prefix.state, jnp.int32(len(prefix)), own,
-                                                       loops=extra, window=prefix.cache_window)
+    own = kvc.empty(c.kv_mode, 0, extra, c.n_kv_heads, prefix.cache.capacity, c.head_dim,
+                    loop_blocks=c.loop_blocks, d_model=c.d_model)
+    own, state, states = engine.continue_depth(w.params, c, prefix.state, jnp.int32(len(prefix)), own,
+                                               loops=extra, window=prefix.cache_window)
+    states = jnp.concatenate([prefix.depth_states, states])
+    logits = engine.prefix_logits(w.params, c, states, loops=loops, exit=exit)
     return _wrap(w, kvc.append_passes(prefix.cache, own), prefix.prompt, loops, prefix.cache_window, logits,
-                 prefix.seen, jnp.concatenate([prefix.depth_states, states]), state)
+                 prefix.seen, states, state)
 
 
 # ---- decoding --------------------------------------------------------------------------------
@@ -166,7 +172,8 @@ def own_room(longest_suffix: int, max_new: int, cache_window: int, speculation: 
 
 
 def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request: Request, loops: int | None = None,
-           cache_window: int | None = None, speculation: Speculation | None = None) -> DecodeState:
+           cache_window: int | None = None, speculation: Speculation | None = None,
+           exit: Exit | None = None) -> DecodeState:
     """N requests, each = prefix (shared, read once per step for all; or none) + its suffix
     (possibly empty when there is a prefix) + up to request.max_tokens new tokens.
 
@@ -182,32 +189,34 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
     room, ring = own_room(int(lens.max()), max_new, window, speculation)
     own = empty_cache(weights, room, loops, ring, start=P, kv_mode=work_mode, batch=N)
     prior_logits = prefix.logits if prefix is not None else jnp.zeros((c.vocab_size,), jnp.float32)
+    if prefix is not None and c.early_exit_gate:  # the prefix's logits with this call's exit
+        prior_logits = engine.prefix_logits(weights.params, c, prefix.depth_states, loops=loops, exit=exit)
     prior_seen = prefix.seen if prefix is not None else jnp.zeros((c.vocab_size,), bool)
     if lens.max() > 0:
         tokens = np.stack([pad(s, kvc.bucket(int(lens.max()))) for s in suffixes])
         logits, seen, own = engine.prefill_rows(weights.params, c, jnp.asarray(tokens), jnp.asarray(lens),
                                                 jnp.full((N,), P, jnp.int32), ro, own, prior_logits, prior_seen,
-                                                loops=loops, window=window)
+                                                loops=loops, window=window, exit=exit)
     else:
         logits = jnp.broadcast_to(prior_logits, (N, c.vocab_size))
         seen = jnp.broadcast_to(prior_seen, (N, c.vocab_size))
     args = (weights.params, c, ro, own, logits, seen, request)
-    kw = dict(loops=loops, window=window, out_len=kvc.bucket(max_new, minimum=8))
+    kw = dict(loops=loops, window=window, out_len=kvc.bucket(max_new, minimum=8), exit=exit)
     if speculation is None:
         return engine.decode(*args, **kw)
     return speculative.decode(*args, **kw, draft_loops=speculation.draft_loops, lookahead=speculation.lookahead)
 
 
 def generate(weights: Weights, prompts: list, request: Request, loops: int | None = None, cache_window: int = 0,
-             speculation: Speculation | None = None) -> DecodeState:
+             speculation: Speculation | None = None, exit: Exit | None = None) -> DecodeState:
     """N unrelated prompts: one prompt is built as a prefix and decoded (`decode`); several are
     decoded together, each prompt its own segment."""
     loops = weights.config.default_loops if loops is None else loops
     check_fits(weights, [len(p) for p in prompts], request, loops, cache_window, speculation)
     if len(prompts) == 1:
-        prefix = build_prefix(weights, prompts[0], loops, cache_window)
-        return decode(weights, prefix, [np.zeros((0,), np.int32)], request, loops, cache_window, speculation)
-    return decode(weights, None, prompts, request, loops, cache_window, speculation)
+        prefix = build_prefix(weights, prompts[0], loops, cache_window, exit=exit)
+        return decode(weights, prefix, [np.zeros((0,), np.int32)], request, loops, cache_window, speculation, exit)
+    return decode(weights, None, prompts, request, loops, cache_window, speculation, exit)
 
 
 def check_fits(weights: Weights, prompt_lens: list, request: Request, loops: int, cache_window: int,
@@ -219,8 +228,8 @@ def check_fits(weights: Weights, prompt_lens: list, request: Request, loops: int
     work = "fp32" if c.kv_mode.endswith("-h") else c.kv_mode  # own segments of h modes hold float32 K/V
 
     def nbytes(kv_mode: str, n_tokens: int, window: int) -> int:
-        return kvc.cache_nbytes(kv_mode, c.n_cache_layers(loops), c.n_heads, kvc.segment_capacity(n_tokens, window),
-                                c.head_dim)
+        return kvc.cache_nbytes(kv_mode, c.n_cache_layers(loops), c.n_kv_heads,
+                                kvc.segment_capacity(n_tokens, window), c.head_dim, c.d_model)
 
     need, lens = 0, list(prompt_lens)
     if len(lens) == 1 and prefix_len == 0:  # generate(prompt): the prompt becomes a prefix segment

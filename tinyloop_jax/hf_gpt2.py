@@ -106,7 +106,7 @@ def load(path: str, kv_mode: str | None = None) -> tuple[Params, ModelConfig]:
               for i in range(cfg.n_pre_blocks + 1)]
     wte = take("wte.weight", (cfg.vocab_size, D))
     params = Params(wte=wte, wpe=take("wpe.weight", (cfg.max_seq_len, D)), pre=tuple(blocks[:-1]),
-                    loop=blocks[-1], lnf_g=take("ln_f.weight", (D,)), lnf_b=take("ln_f.bias", (D,)))
+                    loop=(blocks[-1],), lnf_g=take("ln_f.weight", (D,)), lnf_b=take("ln_f.bias", (D,)))
     if "lm_head.weight" in tensors:  # only a tied head (a copy of wte) is supported
         head = tensors["lm_head.weight"]
         if head.shape != wte.shape or not np.array_equal(np.asarray(head, np.float32), wte):

@@ -33,10 +33,12 @@ from .attention import NEG, merge, visible
 
 
 def int4_attention_ref(q, q_pos, k, ks, v, vs, key_pos, *, window: int):
-    """q [H, hd] f32 (already scaled by 1/sqrt(hd)); q_pos [] int32; k, v [H, C, hd/2] uint8;
-    ks, vs [H, C, 1] f32; key_pos [C] int32 (-1 = empty) -> (o [H, hd], m [H], l [H])."""
-    kf = quant.dequantize(quant.unpack_int4(k), ks, 2 * k.shape[-1])
-    vf = quant.dequantize(quant.unpack_int4(v), vs, 2 * v.shape[-1])
+    """q [H, hd] f32 (already scaled by 1/sqrt(hd)); q_pos [] int32; k, v [KV, C, hd/2] uint8;
+    ks, vs [KV, C, 1] f32; key_pos [C] int32 (-1 = empty) -> (o [H, hd], m [H], l [H]). Query
+    head h reads key/value head h // (H / KV) (grouped-query attention)."""
+    group = q.shape[0] // k.shape[0]
+    kf = jnp.repeat(quant.dequantize(quant.unpack_int4(k), ks, 2 * k.shape[-1]), group, axis=0)
+    vf = jnp.repeat(quant.dequantize(quant.unpack_int4(v), vs, 2 * v.shape[-1]), group, axis=0)
     ok = visible(key_pos, q_pos, window)[None]  # [1, C]
     s = jnp.where(ok, jnp.einsum("hd,hcd->hc", q, kf), NEG)
     m = jnp.max(s, axis=-1)
@@ -98,7 +100,9 @@ def plan(capacity: int, n_heads: int, max_block: int = 64, target_programs: int 
 def int4_attention_pallas(q, q_pos, k, ks, v, vs, key_pos, *, window: int, interpret: bool = False,
                           max_block: int = 64, num_warps: int = 4):
     """Same contract as `int4_attention_ref`, computed by the Pallas kernel."""
-    H, C, half = k.shape
+    H = q.shape[0]
+    KV, C, half = k.shape
+    group = H // KV  # query head h reads key/value head h // group
     padded, block, splits = plan(C, H, max_block)
     if padded != C:  # odd capacities (direct calls): pad with empty slots
         pad = ((0, 0), (0, padded - C), (0, 0))
@@ -107,8 +111,8 @@ def int4_attention_pallas(q, q_pos, k, ks, v, vs, key_pos, *, window: int, inter
     split = padded // splits
     kernel = functools.partial(_kernel, block=block, n_blocks=split // block, window=window)
     head = lambda h, s: (h, 0)  # noqa: E731
-    slots2 = pl.BlockSpec((None, split, half), lambda h, s: (h, s, 0))
-    slots1 = pl.BlockSpec((None, split), lambda h, s: (h, s))
+    slots2 = pl.BlockSpec((None, split, half), lambda h, s: (h // group, s, 0))
+    slots1 = pl.BlockSpec((None, split), lambda h, s: (h // group, s))
     out_o = pl.BlockSpec((None, None, half), lambda h, s: (s, h, 0))
     out_s = pl.BlockSpec((None, None), lambda h, s: (s, h))
     o_e, o_o, m, l = pl.pallas_call(

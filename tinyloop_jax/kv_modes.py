@@ -1,16 +1,16 @@
 """Storage modes of the KV cache: what one cache layer stores per token, and the codecs.
 
-    fp32 / fp16     k, v            [H, C, hd]        float32 / float16
-    int8            k, v            [H, C, hd]        int8, + ks, vs [H, C, 1] float32 (per token, per head)
-    int4            k, v            [H, C, hd/2]      uint8 (two per byte), + ks, vs [H, C, 1]
+    fp32 / fp16     k, v            [KV, C, hd]       float32 / float16 (KV: key/value heads)
+    int8            k, v            [KV, C, hd]       int8, + ks, vs [KV, C, 1] float32 (per token, per head)
+    int4            k, v            [KV, C, hd/2]     uint8 (two per byte), + ks, vs [KV, C, 1]
     fp16-h          h               [1, C, D]         float16: the block's normalized input
     int8-h / int4-h h               [1, C, D or D/2], + hs [1, C, D/G] float32 (groups of G channels)
 
 Every stored array has the slot axis at position 1 (`[lead, C, width]`), so writing and slicing
 never depend on the mode. h modes rebuild K/V = h @ W_kv + b_kv from the layer's weights
-whenever they are read. `pack_kv` turns fresh values into stored arrays, `unpack_kv` stored
-arrays into float32 K/V; quantization is per token, so a cache filled in one chunk or token by
-token holds the same values.
+whenever they are read (RoPE blocks then rotate K at the stored positions). `pack_kv` turns
+fresh values into stored arrays, `unpack_kv` stored arrays into float32 K/V; quantization is
+per token, so a cache filled in one chunk or token by token holds the same values.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ def h_group(d_model: int) -> int:
     return H_GROUP if d_model % H_GROUP == 0 else d_model
 
 
-def layer_shapes(kv_mode: str, n_heads: int, capacity: int, head_dim: int) -> dict:
+def layer_shapes(kv_mode: str, n_kv_heads: int, capacity: int, head_dim: int, d_model: int) -> dict:
     """Stored arrays of one cache layer: name -> (shape, dtype)."""
     base, is_h = split_mode(kv_mode)
-    lead, width = (1, n_heads * head_dim) if is_h else (n_heads, head_dim)
+    lead, width = (1, d_model) if is_h else (n_kv_heads, head_dim)
     out = {}
     for n in ("h",) if is_h else ("k", "v"):
         if base in _FLOAT:
@@ -53,9 +53,9 @@ def layer_shapes(kv_mode: str, n_heads: int, capacity: int, head_dim: int) -> di
     return out
 
 
-def layer_nbytes(kv_mode: str, n_heads: int, capacity: int, head_dim: int) -> int:
-    return sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in layer_shapes(kv_mode, n_heads, capacity,
-                                                                                head_dim).values())
+def layer_nbytes(kv_mode: str, n_kv_heads: int, capacity: int, head_dim: int, d_model: int) -> int:
+    shapes = layer_shapes(kv_mode, n_kv_heads, capacity, head_dim, d_model)
+    return sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in shapes.values())
 
 
 def _store(base: str, x: jax.Array, group: int) -> dict:
@@ -74,7 +74,8 @@ def _load(base: str, stored: dict, name: str, group: int) -> jax.Array:
 
 
 def pack_kv(kv_mode: str, h: jax.Array, k: jax.Array, v: jax.Array) -> dict:
-    """Fresh h [T, D] and K, V [H, T, hd] float32 -> the stored arrays of a chunk."""
+    """Fresh h [T, D] and K, V [KV, T, hd] -> the stored arrays of a chunk."""
+    h, k, v = (a.astype(jnp.float32) for a in (h, k, v))
     base, is_h = split_mode(kv_mode)
     if is_h:
         return {"h" + sfx: a for sfx, a in _store(base, h[None], h_group(h.shape[-1])).items()}
@@ -84,14 +85,12 @@ def pack_kv(kv_mode: str, h: jax.Array, k: jax.Array, v: jax.Array) -> dict:
     return out
 
 
-def unpack_kv(kv_mode: str, stored: dict, w_kv: jax.Array, b_kv: jax.Array, n_heads: int):
-    """One layer's stored arrays -> float32 K, V [H, C, hd]. h modes rebuild them with the
-    layer's K/V projection (w_kv [D, 2D], b_kv [2D])."""
+def unpack_kv(kv_mode: str, stored: dict, kv_from_h):
+    """One layer's stored arrays -> float32 K, V [KV, C, hd]. h modes rebuild them from the
+    stored h [C, D] with `kv_from_h` (the layer's K/V projection, and RoPE at the slots' positions)."""
     base, is_h = split_mode(kv_mode)
     if not is_h:
         hd = stored["k"].shape[-1] * (2 if base == "int4" else 1)
         return _load(base, stored, "k", hd), _load(base, stored, "v", hd)
-    h = _load(base, stored, "h", h_group(w_kv.shape[0]))[0]  # [C, D]
-    C, D = h.shape
-    kv = (h @ w_kv + b_kv).reshape(C, 2, n_heads, D // n_heads).transpose(1, 2, 0, 3)
-    return kv[0], kv[1]
+    width = stored["h"].shape[-1] * (2 if base == "int4" else 1)
+    return kv_from_h(_load(base, stored, "h", h_group(width))[0])

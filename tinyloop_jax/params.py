@@ -1,11 +1,13 @@
 """Parameter pytrees (Flax `struct` dataclasses) and their random initialisation.
 
-Layout follows GPT-2 (`x @ W + b`, weights stored `[in, out]`), so Hugging Face tensors map
-one to one:
+Weights are stored `[in, out]` (`x @ W + b`, GPT-2's layout; Llama's `nn.Linear` weights are
+transposed on import):
 
-    wte [V, D]   wpe [S_max, D]          tied LM head: logits = ln_f(x) @ wte.T
-    pre[i]: BlockParams                  i < n_pre_blocks, each run once
-    loop:   BlockParams                  run `loops` times
+    wte [V, D]   wpe [S_max, D] (gpt2)       head [V, D] or None: logits = norm(x) @ (head or wte).T
+    pre[i]:  BlockParams | LlamaBlock         i < n_pre_blocks, each run once
+    loop[j]: BlockParams | LlamaBlock         j < loop_blocks: the stack run `loops` times
+    lnf_g, lnf_b [D] (b: LayerNorm only)     the final norm
+    gate_w [D], gate_b []                     Ouro's early-exit gate (when the model has one)
 """
 
 from __future__ import annotations
@@ -39,13 +41,31 @@ class BlockParams:
 
 
 @struct.dataclass
+class LlamaBlock:
+    """A Llama-family block: RMSNorm weights, fused q|k|v (q: H*hd, k and v: KV*hd each),
+    fused gate|up (F each). `attn_out_norm` / `mlp_out_norm`: the sandwich's output norms."""
+    attn_norm: jax.Array  # [D]
+    w_qkv: jax.Array  # [D, (H + 2 KV) hd]
+    w_o: jax.Array  # [H hd, D]
+    mlp_norm: jax.Array  # [D]
+    w_gate_up: jax.Array  # [D, 2F]
+    w_down: jax.Array  # [F, D]
+    b_qkv: jax.Array | None = None  # [(H + 2 KV) hd] with attention_bias
+    attn_out_norm: jax.Array | None = None  # [D] sandwich
+    mlp_out_norm: jax.Array | None = None  # [D] sandwich
+
+
+@struct.dataclass
 class Params:
     wte: jax.Array  # [V, D]
-    wpe: jax.Array  # [S_max, D]
-    pre: tuple  # tuple[BlockParams, ...], length n_pre_blocks
-    loop: BlockParams
+    wpe: jax.Array | None  # [S_max, D] (gpt2), None (llama: RoPE)
+    pre: tuple  # tuple[block, ...], length n_pre_blocks
+    loop: tuple  # tuple[block, ...], length loop_blocks
     lnf_g: jax.Array  # [D]
-    lnf_b: jax.Array  # [D]
+    lnf_b: jax.Array | None  # [D] (LayerNorm), None (RMSNorm)
+    head: jax.Array | None = None  # [V, D] untied LM head
+    gate_w: jax.Array | None = None  # [D] early-exit gate
+    gate_b: jax.Array | None = None  # [] early-exit gate
 
 
 class FingerprintMemo:
@@ -117,41 +137,79 @@ def gpt2_init(config: ModelConfig, seed: int = 0) -> Params:
                            ln2_g=o(d), ln2_b=z(d), w_fc=n(d, f), b_fc=z(f), w_proj=n(f, d, s=proj), b_proj=z(d))
 
     tree = Params(wte=n(config.vocab_size, d), wpe=n(config.max_seq_len, d, s=0.01),
-                  pre=tuple(blk() for _ in range(config.n_pre_blocks)), loop=blk(), lnf_g=o(d), lnf_b=z(d))
+                  pre=tuple(blk() for _ in range(config.n_pre_blocks)), loop=(blk(),), lnf_g=o(d), lnf_b=z(d))
     return jax.tree.map(jnp.asarray, tree)
+
+
+def _random_llama_block(rng: np.random.Generator, c: ModelConfig) -> LlamaBlock:
+    # As _random_block: large matrices and norm weights near 1, so every term moves the output.
+    d, f = c.d_model, c.intermediate_size
+    n = lambda shape, s: rng.normal(0.0, s, shape).astype(np.float32)  # noqa: E731
+    qkv = c.q_dim + 2 * c.kv_dim
+    sandwich = c.norm_placement == "sandwich"
+    return LlamaBlock(attn_norm=1.0 + n((d,), 0.1), w_qkv=n((d, qkv), 2.0 / np.sqrt(d)),
+                      w_o=n((c.q_dim, d), 2.0 / np.sqrt(c.q_dim)), mlp_norm=1.0 + n((d,), 0.1),
+                      w_gate_up=n((d, 2 * f), 2.0 / np.sqrt(d)), w_down=n((f, d), 2.0 / np.sqrt(f)),
+                      b_qkv=n((qkv,), 0.02) if c.attention_bias else None,
+                      attn_out_norm=1.0 + n((d,), 0.1) if sandwich else None,
+                      mlp_out_norm=1.0 + n((d,), 0.1) if sandwich else None)
 
 
 def random_params(config: ModelConfig, seed: int = 0) -> Params:
     """Seeded random weights for tests and benchmarks. The embedding is scaled so logits
     spread over ~unit range, which keeps greedy decoding away from near-ties."""
     rng = np.random.default_rng(seed)
-    d, f = config.d_model, config.d_model * config.mlp_ratio
+    c, d = config, config.d_model
+    llama = c.block == "llama"
+    blk = (lambda: _random_llama_block(rng, c)) if llama else (lambda: _random_block(rng, d, c.intermediate_size))
     tree = Params(
-        wte=rng.normal(0.0, 1.0 / np.sqrt(d), (config.vocab_size, d)).astype(np.float32),
-        wpe=rng.normal(0.0, 0.05, (config.max_seq_len, d)).astype(np.float32),
-        pre=tuple(_random_block(rng, d, f) for _ in range(config.n_pre_blocks)),
-        loop=_random_block(rng, d, f),
-        lnf_g=np.ones((d,), np.float32),
-        lnf_b=np.zeros((d,), np.float32),
+        wte=rng.normal(0.0, 1.0 / np.sqrt(d), (c.vocab_size, d)).astype(np.float32),
+        wpe=None if llama else rng.normal(0.0, 0.05, (c.max_seq_len, d)).astype(np.float32),
+        pre=tuple(blk() for _ in range(c.n_pre_blocks)),
+        loop=tuple(blk() for _ in range(c.loop_blocks)),
+        lnf_g=(1.0 + rng.normal(0.0, 0.1, (d,))).astype(np.float32) if llama else np.ones((d,), np.float32),
+        lnf_b=None if llama else np.zeros((d,), np.float32),
+        head=None if c.tie_embeddings else rng.normal(0.0, 1.0 / np.sqrt(d), (c.vocab_size, d)).astype(np.float32),
+        gate_w=rng.normal(0.0, 1.0 / np.sqrt(d), (d,)).astype(np.float32) if c.early_exit_gate else None,
+        gate_b=np.asarray(rng.normal(0.0, 0.5), np.float32) if c.early_exit_gate else None,
     )
-    return jax.tree.map(jnp.asarray, tree)
+    return cast(jax.tree.map(jnp.asarray, tree), config)
+
+
+def cast(params: Params, config: ModelConfig) -> Params:
+    """Weights in the config's dtype."""
+    dt = config.compute_dtype
+    return jax.tree.map(lambda a: a if a.dtype == dt else a.astype(dt), params)
 
 
 def param_shapes(config: ModelConfig) -> Params:
-    """The shape of every tensor (tuples in place of arrays)."""
-    d, f, v, s = config.d_model, config.d_model * config.mlp_ratio, config.vocab_size, config.max_seq_len
+    """The shape of every tensor (`Shape` tuples in place of arrays; None where the model has none)."""
+    c, S = config, (lambda *dims: Shape(dims))
+    d, f, v = c.d_model, c.intermediate_size, c.vocab_size
+    llama, sw = c.block == "llama", c.norm_placement == "sandwich"
+    qkv = c.q_dim + 2 * c.kv_dim
 
     def blk():
-        return BlockParams(ln1_g=(d,), ln1_b=(d,), w_qkv=(d, 3 * d), b_qkv=(3 * d,), w_o=(d, d), b_o=(d,),
-                           ln2_g=(d,), ln2_b=(d,), w_fc=(d, f), b_fc=(f,), w_proj=(f, d), b_proj=(d,))
+        if llama:
+            return LlamaBlock(attn_norm=S(d), w_qkv=S(d, qkv), w_o=S(c.q_dim, d), mlp_norm=S(d), w_gate_up=S(d, 2 * f),
+                              w_down=S(f, d), b_qkv=S(qkv) if c.attention_bias else None,
+                              attn_out_norm=S(d) if sw else None, mlp_out_norm=S(d) if sw else None)
+        return BlockParams(ln1_g=S(d), ln1_b=S(d), w_qkv=S(d, 3 * d), b_qkv=S(3 * d), w_o=S(d, d), b_o=S(d),
+                           ln2_g=S(d), ln2_b=S(d), w_fc=S(d, f), b_fc=S(f), w_proj=S(f, d), b_proj=S(d))
 
-    return Params(wte=(v, d), wpe=(s, d), pre=tuple(blk() for _ in range(config.n_pre_blocks)), loop=blk(),
-                  lnf_g=(d,), lnf_b=(d,))
+    return Params(wte=S(v, d), wpe=None if llama else S(c.max_seq_len, d),
+                  pre=tuple(blk() for _ in range(c.n_pre_blocks)), loop=tuple(blk() for _ in range(c.loop_blocks)),
+                  lnf_g=S(d), lnf_b=None if llama else S(d), head=None if c.tie_embeddings else S(v, d),
+                  gate_w=S(d) if c.early_exit_gate else None, gate_b=S() if c.early_exit_gate else None)
+
+
+class Shape(tuple):
+    """A tensor's shape in `param_shapes` (a distinct type: `pre` is an empty tuple without pre
+    blocks, and a scalar's shape is ())."""
 
 
 def _is_shape(x) -> bool:
-    """A shape in `param_shapes` (a non-empty tuple of ints; `pre` is an empty tuple without pre blocks)."""
-    return isinstance(x, tuple) and len(x) > 0 and all(isinstance(i, int) for i in x)
+    return isinstance(x, Shape)
 
 
 def named_leaves(tree, is_leaf=None) -> dict:
@@ -173,6 +231,9 @@ def unflatten(arrays: dict, config: ModelConfig) -> Params:
     """Inverse of `flatten` for a model of `config`; a missing tensor is a ValueError naming it."""
     template = param_shapes(config)
     names = list(flatten(template))
+    # Checkpoints from before loop stacks (one loop block) name its tensors "loop.<field>".
+    arrays = {("loop.0." + n[5:] if n.startswith("loop.") and not n[5].isdigit() else n): a
+              for n, a in arrays.items()}
     missing = [n for n in names if n not in arrays]
     if missing:
         raise ValueError(f"checkpoint lacks tensor {missing[0]}")
@@ -184,8 +245,12 @@ def check_shapes(params: Params, config: ModelConfig) -> None:
     """Raise ValueError naming the first tensor whose shape disagrees with `config`."""
     if len(params.pre) != config.n_pre_blocks:
         raise ValueError(f"expected {config.n_pre_blocks} pre blocks, got {len(params.pre)}")
-    want = flatten(param_shapes(config))
-    for name, arr in flatten(params).items():
+    if len(params.loop) != config.loop_blocks:
+        raise ValueError(f"expected {config.loop_blocks} loop blocks, got {len(params.loop)}")
+    want, have = flatten(param_shapes(config)), flatten(params)
+    for name in want.keys() ^ have.keys():
+        raise ValueError(f"tensor {name} is {'missing' if name in want else 'not part of this config'}")
+    for name, arr in have.items():
         if tuple(arr.shape) != want[name]:
             raise ValueError(f"tensor {name} has shape {tuple(arr.shape)}, expected {want[name]}")
 

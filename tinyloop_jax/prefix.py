@@ -13,7 +13,9 @@ from . import validation as check
 from .cache import KVCache, first_passes
 from .params import Weights
 
-LAYOUT = 2  # prefix checkpoints: 1 = one array per cache layer (before the pass axis), 2 = passes stacked
+# prefix checkpoints: 1 = one array per cache layer (before the pass axis), 2 = passes stacked,
+# 3 = passes x loop blocks (2 reads as 3 with one loop block)
+LAYOUT = 3
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -32,8 +34,8 @@ class PrefixCache:
     cache_window: int
     logits: jax.Array  # [V] float32
     seen: jax.Array  # [V] bool: the prompt's tokens (the repetition penalty's starting point)
-    # the last prompt token's stream after each cache layer [n_pre + cache.passes, D]: the logits
-    # of every depth the cache holds (`at_depth`)
+    # the last prompt token's stream after each pre block and pass [n_pre + cache.passes, D]: the
+    # logits of every depth the cache holds (`at_depth`), and every pass's exit gate
     depth_states: jax.Array
     weights: Weights = dataclasses.field(repr=False)
     # keep_state=True: every position's stream after the cache's last pass [T, D] (T = the
@@ -103,14 +105,15 @@ class PrefixCache:
             raise ValueError(f"{path} was built by a different model or kv_mode "
                              f"(fingerprint {meta['model_fingerprint'][:12]}…, this model "
                              f"{weights.fingerprint[:12]}…)")
-        if meta.get("layout") != LAYOUT:
+        if meta.get("layout") not in (2, LAYOUT):
             raise ValueError(f"{path} was saved by an older version (cache layout {meta.get('layout', 1)}, this "
-                             f"version reads {LAYOUT}); rebuild the prefix")
+                             f"version reads 2 and {LAYOUT}); rebuild the prefix")
         arrays, meta = checkpoint.load(path, "prefix_cache")
         field = lambda name: {k[len(name) + 1:]: a for k, a in arrays.items() if k.startswith(name + ".")}  # noqa: E731
         pre = [field(f"cache.pre.{j}") for j in range(int(meta["n_pre"]))]
         cache = KVCache(pre=tuple({n: jnp.asarray(a) for n, a in e.items()} for e in pre),
-                        loop={n: jnp.asarray(a) for n, a in field("cache.loop").items()},
+                        loop={n: jnp.asarray(a if meta["layout"] == LAYOUT else a[:, None])
+                              for n, a in field("cache.loop").items()},
                         pos=jnp.asarray(arrays["cache.pos"]), length=jnp.asarray(arrays["cache.length"]),
                         kv_mode=meta["kv_mode"])
         prompt = arrays["prompt"].copy()

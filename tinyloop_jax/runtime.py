@@ -13,17 +13,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import cache as kvc
-from . import checkpoint, hf_gpt2
+from . import checkpoint, engine, hf_gpt2, hf_import
 from . import functional as F
 from . import validation as check
 from .config import ModelConfig, check_kv_mode
 from .engine import DecodeState
 from .params import Params, Weights, check_shapes, random_params, unflatten
 from .prefix import PrefixCache
+from .transformer import Exit
 
 
 class Model:
-    """A looped GPT-2-style LM with prefix caching.
+    """A looped LM (GPT-2 or Llama-family blocks, a looped stack, Ouro) with prefix caching.
 
     >>> import tinyloop_jax as tl
     >>> model = tl.Model.random(tl.ModelConfig(vocab_size=256, default_loops=4), seed=0)
@@ -35,8 +36,8 @@ class Model:
 
     def __init__(self, params: Params, config: ModelConfig):
         check_shapes(params, config)
-        self._weights: Weights | None = Weights.create(jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params),
-                                                       config)
+        dt = config.compute_dtype
+        self._weights: Weights | None = Weights.create(jax.tree.map(lambda a: jnp.asarray(a, dt), params), config)
         self._config = config
         self.last_speculation: dict | None = None  # rounds / drafted / accepted of the last speculative call
 
@@ -51,6 +52,15 @@ class Model:
         """A Hugging Face GPT-2 folder (config.json + model.safetensors, any size) as a model
         with n_pre_blocks = n_layer - 1 and default_loops = 1. See `hf_gpt2`."""
         return cls(*hf_gpt2.load(path, kv_mode))
+
+    @classmethod
+    def from_pretrained(cls, path: str, kv_mode: str | None = None, dtype: str | None = None) -> "Model":
+        """A Hugging Face folder (config.json + model.safetensors, or shards with
+        model.safetensors.index.json) by its `model_type`: "gpt2", "llama" (n_pre = L - 1, one
+        loop block run once) or "ouro" (the whole stack looped `total_ut_steps` times, early-exit
+        gate). `dtype` (float32 | bfloat16) defaults to float32 on CPU and bfloat16 on GPU.
+        Tensors are read one at a time (no second full copy in host memory). See `hf_import`."""
+        return cls(*hf_import.load(path, kv_mode, dtype))
 
     @classmethod
     def load(cls, path: str, kv_mode: str | None = None) -> "Model":
@@ -90,12 +100,28 @@ class Model:
         """Bytes of a cache holding `seq_len` positions at depth `loops` (exact, unbucketed)."""
         c = self.weights.config
         loops = self._loops(loops)
-        return kvc.cache_nbytes(c.kv_mode, c.n_cache_layers(loops), c.n_heads, seq_len, c.head_dim)
+        return kvc.cache_nbytes(c.kv_mode, c.n_cache_layers(loops), c.n_kv_heads, seq_len, c.head_dim, c.d_model)
 
     # ---- argument checks ---------------------------------------------------------------------
 
     def _loops(self, loops) -> int:
         return self._config.default_loops if loops is None else check.loops(loops)
+
+    def _exit(self, exit_at_step, exit_threshold, loops: int) -> Exit | None:
+        """The early exit of a call: the arguments, else the model's defaults (Ouro's
+        early_exit_step / early_exit_threshold); None when neither says (the last pass)."""
+        c = self._config
+        if not c.early_exit_gate:
+            if exit_at_step is not None or exit_threshold is not None:
+                raise ValueError("exit_at_step / exit_threshold need a model with an early-exit gate (Ouro); "
+                                 "this model has none")
+            return None
+        step = c.early_exit_step if exit_at_step is None else check.integer(exit_at_step, "exit_at_step")
+        thr = c.early_exit_threshold if exit_threshold is None else check.unit_interval(exit_threshold,
+                                                                                          "exit_threshold")
+        if step is not None and not 0 <= step < loops:
+            raise ValueError(f"exit_at_step={step} is not a pass of this call (0 <= step < loops={loops})")
+        return None if step is None and thr is None else Exit.make(step, thr)
 
     def _tokens(self, ids, name: str = "prompt", allow_empty: bool = False) -> np.ndarray:
         return check.tokens(ids, self._config.vocab_size, name=name, allow_empty=allow_empty)
@@ -147,19 +173,23 @@ class Model:
 
     # ---- public API --------------------------------------------------------------------------
 
-    def next_token_logits(self, prompt, loops: int | None = None, cache_window: int = 0) -> np.ndarray:
-        """Next-token logits [V] float32 after `prompt`, by a from-scratch forward."""
+    def next_token_logits(self, prompt, loops: int | None = None, cache_window: int = 0,
+                          exit_at_step: int | None = None, exit_threshold: float | None = None) -> np.ndarray:
+        """Next-token logits [V] float32 after `prompt`, by a from-scratch forward.
+        exit_at_step / exit_threshold (gate models): which pass's output gives them."""
         w = self.weights
         prompt = self._tokens(prompt)
         loops, window = self._loops(loops), check.cache_window(cache_window)
+        ex = self._exit(exit_at_step, exit_threshold, loops)
         self._check_length(len(prompt), "prompt")
         logits, _ = F.prefill(w, prompt, F.empty_cache(w, len(prompt), loops, window), loops=loops,
-                              cache_window=window)
+                              cache_window=window, exit=ex)
         return np.asarray(logits, np.float32)
 
     def generate(self, prompt, max_tokens: int = 32, loops: int | None = None, temperature: float = 0.0,
                  top_k: int = 50, top_p: float = 1.0, cache_window: int = 0, repetition_penalty: float = 1.0,
-                 stop_sequences=(), seed: int = 0, draft_loops: int | None = None, lookahead: int = 4) -> list[int]:
+                 stop_sequences=(), seed: int = 0, draft_loops: int | None = None, lookahead: int = 4,
+                 exit_at_step: int | None = None, exit_threshold: float | None = None) -> list[int]:
         """Prompt + up to `max_tokens` emitted tokens (a list of ints).
 
         draft_loops=d: self-speculative decoding — draft `lookahead` tokens at depth d from the
@@ -171,8 +201,9 @@ class Model:
         loops, window = self._loops(loops), check.cache_window(cache_window)
         req = check.request(1, self._config.vocab_size, locals(), batch=False)
         spec = self._speculation(draft_loops, lookahead, loops)
+        ex = self._exit(exit_at_step, exit_threshold, loops)
         self._check_length(len(prompt) + max_tokens, "prompt + max_tokens")
-        state = F.generate(w, [prompt], req, loops, window, spec)
+        state = F.generate(w, [prompt], req, loops, window, spec, ex)
         return self._lists(state, [prompt.tolist()], spec)[0]
 
     def build_prefix_cache(self, prompt, loops: int | None = None, cache_window: int = 0,
@@ -187,7 +218,7 @@ class Model:
             raise ValueError(f"keep_state must be True or False, got {keep_state!r}")
         self._check_length(len(prompt), "prompt")
         kvc.check_fits(F.prefix_nbytes(w, len(prompt), loops, window), f"a prefix at loops={loops}")
-        return F.build_prefix(w, prompt, loops, window, keep_state)
+        return F.build_prefix(w, prompt, loops, window, keep_state, self._exit(None, None, loops))
 
     def resume(self, prompt, loops: int | None = None, cache_window: int = 0) -> "ResumeHandle":
         """Prefill `prompt` at a (shallow) depth and return a handle to look at the result and
@@ -198,7 +229,8 @@ class Model:
                                    temperature: float = 0.0, top_k: int = 50, top_p: float = 1.0,
                                    cache_window: int | None = None, repetition_penalty: float = 1.0,
                                    stop_sequences=(), suffix=None, seed: int = 0, draft_loops: int | None = None,
-                                   lookahead: int = 4) -> list[int]:
+                                   lookahead: int = 4, exit_at_step: int | None = None,
+                                   exit_threshold: float | None = None) -> list[int]:
         """prefix.prompt + suffix + up to `max_tokens` emitted tokens. The prefix is only read.
 
         `loops` / `cache_window` default to the prefix's own; any other value is a RuntimeError.
@@ -207,16 +239,18 @@ class Model:
         loops, window, suffix = self._prefix_call(prefix, loops, cache_window, suffix)
         req = check.request(1, self._config.vocab_size, locals(), batch=False)
         spec = self._speculation(draft_loops, lookahead, loops)
+        ex = self._exit(exit_at_step, exit_threshold, loops)
         self._check_length(len(prefix) + len(suffix) + max_tokens, "prefix + suffix + max_tokens")
         F.check_fits(w, [len(suffix)], req, loops, window, spec, prefix_len=len(prefix))
-        state = F.decode(w, prefix, [suffix], req, loops, window, spec)
+        state = F.decode(w, prefix, [suffix], req, loops, window, spec, ex)
         return self._lists(state, [prefix.prompt.tolist() + suffix.tolist()], spec)[0]
 
     def generate_batch_from_prefix_cache(self, prefix: PrefixCache, suffixes, max_tokens: int = 32,
                                          loops: int | None = None, temperature: float = 0.0, top_k: int = 50,
                                          top_p: float = 1.0, cache_window: int | None = None,
-                                         repetition_penalty: float = 1.0, stop_sequences=(),
-                                         seeds=None) -> list[list[int]]:
+                                         repetition_penalty: float = 1.0, stop_sequences=(), seeds=None,
+                                         exit_at_step: int | None = None,
+                                         exit_threshold: float | None = None) -> list[list[int]]:
         """N requests off one prefix, decoded together: the i-th result equals
         `generate_from_prefix_cache(prefix, suffix=suffixes[i], seed=seeds[i], ...)`.
 
@@ -228,35 +262,43 @@ class Model:
         loops, window, _ = self._prefix_call(prefix, loops, cache_window, None)
         suffixes = check.token_lists(suffixes, self._config.vocab_size, "suffixes", allow_empty=True)
         req = check.request(len(suffixes), self._config.vocab_size, locals(), batch=True)
+        ex = self._exit(exit_at_step, exit_threshold, loops)
         self._check_length(len(prefix) + max(len(x) for x in suffixes) + max_tokens,
                            "prefix + longest suffix + max_tokens")
         F.check_fits(w, [len(x) for x in suffixes], req, loops, window, prefix_len=len(prefix))
-        state = F.decode(w, prefix, suffixes, req, loops, window)
+        state = F.decode(w, prefix, suffixes, req, loops, window, exit=ex)
         head = prefix.prompt.tolist()
         return self._lists(state, [head + x.tolist() for x in suffixes], None)
 
     def generate_batch(self, prompts, max_tokens: int = 32, loops: int | None = None, temperature: float = 0.0,
                        top_k: int = 50, top_p: float = 1.0, cache_window: int = 0, repetition_penalty: float = 1.0,
-                       stop_sequences=(), seeds=None) -> list[list[int]]:
+                       stop_sequences=(), seeds=None, exit_at_step: int | None = None,
+                       exit_threshold: float | None = None) -> list[list[int]]:
         """Unrelated prompts decoded together (ragged, padded and masked): the i-th result
         equals `generate(prompts[i], seed=seeds[i], ...)`."""
         w = self.weights
         prompts = check.token_lists(prompts, self._config.vocab_size, "prompts", allow_empty=False)
         loops, window = self._loops(loops), check.cache_window(cache_window)
         req = check.request(len(prompts), self._config.vocab_size, locals(), batch=True)
+        ex = self._exit(exit_at_step, exit_threshold, loops)
         self._check_length(max(len(x) for x in prompts) + max_tokens, "longest prompt + max_tokens")
-        state = F.generate(w, prompts, req, loops, window)
+        state = F.generate(w, prompts, req, loops, window, exit=ex)
         return self._lists(state, [x.tolist() for x in prompts], None)
 
-    def next_token_logits_from_prefix(self, prefix: PrefixCache, suffix, loops: int | None = None) -> np.ndarray:
+    def next_token_logits_from_prefix(self, prefix: PrefixCache, suffix, loops: int | None = None,
+                                      exit_at_step: int | None = None,
+                                      exit_threshold: float | None = None) -> np.ndarray:
         """Next-token logits [V] float32 after prefix.prompt + suffix, reusing the prefix."""
         w = self.weights
         loops, window, suffix = self._prefix_call(prefix, loops, None, suffix)
+        ex = self._exit(exit_at_step, exit_threshold, loops)
         self._check_length(len(prefix) + len(suffix), "prefix + suffix")
         if len(suffix) == 0:
+            if ex is not None:
+                return np.asarray(engine.prefix_logits(w.params, w.config, prefix.depth_states, loops, ex), np.float32)
             return np.array(prefix.logits, np.float32)
         own = F.empty_cache(w, len(suffix), loops, window, start=len(prefix))
-        logits, _ = F.prefill(w, suffix, own, (prefix.cache,), loops=loops, cache_window=window)
+        logits, _ = F.prefill(w, suffix, own, (prefix.cache,), loops=loops, cache_window=window, exit=ex)
         return np.asarray(logits, np.float32)
 
 

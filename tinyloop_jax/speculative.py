@@ -53,7 +53,8 @@ def accept(key: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Array) -> tup
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len", "draft_loops", "lookahead"),
          donate_argnames=("own",))
 def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logits: jax.Array, seen: jax.Array,
-           req: Request, loops: int, window: int, out_len: int, draft_loops: int, lookahead: int) -> DecodeState:
+           req: Request, loops: int, window: int, out_len: int, draft_loops: int, lookahead: int,
+           exit: tf.Exit | None = None) -> DecodeState:
     """Like `engine.decode`, in rounds of `lookahead` drafts at depth `draft_loops`. `own` needs
     room for lookahead + 1 positions past the last emitted token. `state.step` counts rounds
     and `state.accepted` the drafts kept per row."""
@@ -82,7 +83,7 @@ def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logi
         # verify all of them in one chunk at full depth
         chunk = jnp.concatenate([state.last[:, None], drafts], axis=1)  # [N, k+1]
         at = row_lengths(own)
-        x, own = forward_rows(params, cfg, chunk, ones * (k + 1), at, ro, own, loops, window)
+        x, own = forward_rows(params, cfg, chunk, ones * (k + 1), at, ro, own, loops, window, exit)
         # the target distribution after each prefix of the chunk: seen grows by one chunk token a position
         seen_v = state.seen[:, None] | (jnp.cumsum(jax.nn.one_hot(chunk, V, dtype=jnp.int32), axis=1) > 0)
         per_pos = jax.tree.map(lambda a: jnp.repeat(a, k + 1, axis=0), req)

@@ -1,4 +1,6 @@
-"""The looped GPT-2 forward pass as pure functions over (params, cache segments).
+"""The looped forward pass as pure functions over (params, cache segments): GPT-2 or Llama
+blocks (RMSNorm, RoPE, SwiGLU, grouped-query attention), a stack of k loop blocks, Ouro's
+sandwich norms, per-pass final norm and early-exit gate.
 
 One function, `run_layers`, serves prefill (a chunk of T tokens), decode (T = 1) and the
 extra passes of a deeper prefix. A chunk attends to three kinds of keys, with one softmax over
@@ -7,7 +9,7 @@ all of them (see `attention`):
     read-only segments (a shared prefix)  +  own segment (earlier tokens)  +  the chunk itself
 
 and is then written into the own segment. The pre blocks run one after another; the loop
-block's passes run under `lax.fori_loop` over the stacked pass axis of the caches, so a
+stack's passes run under `lax.fori_loop` over the stacked pass axis of the caches, so a
 program's size does not depend on the depth.
 """
 
@@ -24,7 +26,7 @@ from .attention import attention, normalize
 from .cache import KVCache
 from .config import ModelConfig
 from .kv_modes import pack_kv, unpack_kv
-from .params import BlockParams, Params
+from .params import Params
 
 
 def layer_norm(x: jax.Array, g: jax.Array, b: jax.Array, eps: float) -> jax.Array:
@@ -33,44 +35,148 @@ def layer_norm(x: jax.Array, g: jax.Array, b: jax.Array, eps: float) -> jax.Arra
     return (x - mu) * jax.lax.rsqrt(var + eps) * g + b
 
 
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Llama's RMSNorm: normalized in float32, cast back, then scaled (as the reference does)."""
+    xf = x.astype(jnp.float32)
+    return w * (xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def final_norm(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    if cfg.block == "llama":
+        return rms_norm(x, params.lnf_g, cfg.layer_norm_eps)
+    return layer_norm(x, params.lnf_g, params.lnf_b, cfg.layer_norm_eps)
+
+
 def gelu(x: jax.Array) -> jax.Array:
     """GPT-2's tanh approximation ("gelu_new")."""
     return 0.5 * x * (1.0 + jnp.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
 
 
+def rope(x: jax.Array, pos: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, rotate-half pairing (channel i with i + hd/2): x [.., T, hd] at
+    positions pos [T]. Angles in float32, as Hugging Face computes them."""
+    hd = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    freqs = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, hd/2]
+    cos, sin = jnp.cos(freqs).astype(x.dtype), jnp.sin(freqs).astype(x.dtype)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
 def embed(params: Params, tokens: jax.Array, start_pos: jax.Array) -> jax.Array:
     """tokens [T] at positions start_pos + i -> the residual stream [T, D]."""
+    if params.wpe is None:  # RoPE models: positions enter in attention
+        return params.wte[tokens]
     q_pos = start_pos + jnp.arange(tokens.shape[0], dtype=jnp.int32)
     return params.wte[tokens] + params.wpe[jnp.minimum(q_pos, params.wpe.shape[0] - 1)]
 
 
 def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """Streams [..., D] (before the final LayerNorm) -> logits [..., V] with the tied embedding."""
-    x = layer_norm(x, params.lnf_g, params.lnf_b, cfg.layer_norm_eps)
-    return jnp.einsum("...d,vd->...v", x, params.wte)
+    """Streams [..., D] after the last pass -> float32 logits [..., V]: the final norm (already
+    applied with `pass_norm`), then the head (the tied embedding unless the model has its own)."""
+    if not cfg.pass_norm:
+        x = final_norm(params, cfg, x)
+    w = params.wte if params.head is None else params.head
+    return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
 
 
-def qkv_heads(x: jax.Array, blk: BlockParams, cfg: ModelConfig):
-    """x [T, D] -> h [T, D] (the normalized input), q, k, v, each [H, T, hd]."""
-    T = x.shape[0]
-    h = layer_norm(x, blk.ln1_g, blk.ln1_b, cfg.layer_norm_eps)
-    qkv = (h @ blk.w_qkv + blk.b_qkv).reshape(T, 3, cfg.n_heads, cfg.head_dim).transpose(1, 2, 0, 3)
-    return h, qkv[0], qkv[1], qkv[2]
+def _heads(a: jax.Array, n: int) -> jax.Array:
+    """[T, n * hd] -> [n, T, hd]."""
+    return a.reshape(a.shape[0], n, -1).transpose(1, 0, 2)
 
 
-def read_kv(cfg: ModelConfig, stored: dict, blk: BlockParams, kv_mode: str):
-    """One layer's stored arrays in `kv_mode` -> float32 K, V [H, C, hd] (h modes rebuild them
-    with the K/V half of the block's fused projection)."""
-    D = cfg.d_model
-    return unpack_kv(kv_mode, stored, blk.w_qkv[:, D:], blk.b_qkv[D:], cfg.n_heads)
+def qkv_heads(x: jax.Array, blk, cfg: ModelConfig, q_pos: jax.Array):
+    """x [T, D] at positions q_pos [T] -> h [T, D] (the normalized input), q [H, T, hd],
+    k, v [KV, T, hd] (RoPE applied to q and k for llama blocks)."""
+    if cfg.block == "gpt2":
+        T = x.shape[0]
+        h = layer_norm(x, blk.ln1_g, blk.ln1_b, cfg.layer_norm_eps)
+        qkv = (h @ blk.w_qkv + blk.b_qkv).reshape(T, 3, cfg.n_heads, cfg.head_dim).transpose(1, 2, 0, 3)
+        return h, qkv[0], qkv[1], qkv[2]
+    h = rms_norm(x, blk.attn_norm, cfg.layer_norm_eps)
+    qkv = h @ blk.w_qkv if blk.b_qkv is None else h @ blk.w_qkv + blk.b_qkv
+    q, kv = qkv[:, :cfg.q_dim], qkv[:, cfg.q_dim:]
+    q, k, v = _heads(q, cfg.n_heads), _heads(kv[:, :cfg.kv_dim], cfg.n_kv_heads), _heads(kv[:, cfg.kv_dim:],
+                                                                                         cfg.n_kv_heads)
+    return h, rope(q, q_pos, cfg.rope_theta), rope(k, q_pos, cfg.rope_theta), v
 
 
-def block_out(x: jax.Array, a: jax.Array, blk: BlockParams, cfg: ModelConfig) -> jax.Array:
+def kv_from_h(cfg: ModelConfig, blk, key_pos: jax.Array):
+    """The K/V half of a block's projection as a function h [C, D] -> float32 K, V [KV, C, hd]
+    (for h modes; K rotated at key_pos [C] for llama blocks)."""
+    qd = cfg.q_dim if cfg.block == "llama" else cfg.d_model
+    w = blk.w_qkv[:, qd:].astype(jnp.float32)
+    b = None if blk.b_qkv is None else blk.b_qkv[qd:].astype(jnp.float32)
+
+    def f(h):
+        kv = h @ w if b is None else h @ w + b
+        k, v = _heads(kv[:, :cfg.kv_dim], cfg.n_kv_heads), _heads(kv[:, cfg.kv_dim:], cfg.n_kv_heads)
+        return (rope(k, key_pos, cfg.rope_theta) if cfg.block == "llama" else k), v
+    return f
+
+
+def read_kv(cfg: ModelConfig, stored: dict, blk, kv_mode: str, key_pos: jax.Array):
+    """One layer's stored arrays in `kv_mode` -> float32 K, V [KV, C, hd] (h modes rebuild them
+    from the block's weights, K rotated at the slots' positions key_pos [C])."""
+    return unpack_kv(kv_mode, stored, kv_from_h(cfg, blk, key_pos))
+
+
+def block_out(x: jax.Array, a: jax.Array, blk, cfg: ModelConfig) -> jax.Array:
     """Residual update from the attention output a [H, T, hd], then the MLP."""
-    T = x.shape[0]
-    x = x + a.transpose(1, 0, 2).reshape(T, cfg.d_model) @ blk.w_o + blk.b_o
-    h2 = layer_norm(x, blk.ln2_g, blk.ln2_b, cfg.layer_norm_eps)
-    return x + gelu(h2 @ blk.w_fc + blk.b_fc) @ blk.w_proj + blk.b_proj
+    T, eps = x.shape[0], cfg.layer_norm_eps
+    o = a.transpose(1, 0, 2).reshape(T, cfg.q_dim).astype(x.dtype) @ blk.w_o
+    if cfg.block == "gpt2":
+        x = x + o + blk.b_o
+        h2 = layer_norm(x, blk.ln2_g, blk.ln2_b, eps)
+        return x + gelu(h2 @ blk.w_fc + blk.b_fc) @ blk.w_proj + blk.b_proj
+    x = x + (o if blk.attn_out_norm is None else rms_norm(o, blk.attn_out_norm, eps))
+    gu = rms_norm(x, blk.mlp_norm, eps) @ blk.w_gate_up
+    F = gu.shape[-1] // 2
+    m = (jax.nn.silu(gu[:, :F]) * gu[:, F:]) @ blk.w_down
+    return x + (m if blk.mlp_out_norm is None else rms_norm(m, blk.mlp_out_norm, eps))
+
+
+class Exit(NamedTuple):
+    """Which pass's output gives the logits (Ouro's early exit; every pass still runs). step >= 0:
+    that pass (0-based); else the first pass whose cumulative exit probability reaches
+    `threshold` (> 1: never, i.e. the last pass)."""
+    step: jax.Array  # int32 []
+    threshold: jax.Array  # float32 []
+
+    @classmethod
+    def make(cls, step: int | None = None, threshold: float | None = None) -> "Exit":
+        return cls(jnp.int32(-1 if step is None else step), jnp.float32(2.0 if threshold is None else threshold))
+
+
+def gate(params: Params, x: jax.Array) -> jax.Array:
+    """The exit gate's probability lambda [..] of a pass output x [.., D]."""
+    return jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), params.gate_w.astype(jnp.float32)) + params.gate_b)
+
+
+def exit_prob(lam: jax.Array, remaining: jax.Array, last) -> tuple[jax.Array, jax.Array]:
+    """One pass of Ouro's exit distribution: p_t = lambda_t * prod_{s<t} (1 - lambda_s), the
+    last pass taking what remains. Returns (p_t, remaining after pass t)."""
+    return jnp.where(last, remaining, lam * remaining), remaining * (1.0 - lam)
+
+
+def exit_distribution(params: Params, pass_states: jax.Array) -> jax.Array:
+    """Pass outputs [passes, ..., D] -> the exit distribution [passes, ...] (sums to 1)."""
+    rem, pdf = jnp.ones(pass_states.shape[1:-1], jnp.float32), []
+    for t in range(pass_states.shape[0]):
+        p, rem = exit_prob(gate(params, pass_states[t]), rem, t == pass_states.shape[0] - 1)
+        pdf.append(p)
+    return jnp.stack(pdf)
+
+
+def exit_update(params: Params, ex: Exit, i, last, x: jax.Array, carry):
+    """Fold pass i's output x [T, D] into the exit selection carry (sel [T, D], remaining [T],
+    cumulative [T], chosen [T]): the pass is taken if it is `ex.step`, or (no step) the first
+    whose cumulative exit probability reaches `ex.threshold`."""
+    sel, rem, cum, chosen = carry
+    p, rem = exit_prob(gate(params, x), rem, last)
+    cum = cum + p
+    take = jnp.where(ex.step >= 0, i == ex.step, ~chosen & (cum >= ex.threshold))
+    return jnp.where(take[:, None], x, sel), rem, cum, chosen | take
 
 
 class Chunk(NamedTuple):
@@ -89,17 +195,17 @@ class Layer(NamedTuple):
     kv_mode: str
 
 
-def block(x: jax.Array, blk: BlockParams, cfg: ModelConfig, chunk: Chunk, ro: list, own: KVCache, store: dict,
+def block(x: jax.Array, blk, cfg: ModelConfig, chunk: Chunk, ro: list, own: KVCache, store: dict,
           index, window: int):
     """One transformer block on a chunk x [T, D]. ro: this layer of each read-only segment
     ([Layer]); store: own's arrays for this layer — a pre layer (index None) or the loop stack
-    (index = the pass). Returns (x', store with the chunk written)."""
-    h, q, k, v = qkv_heads(x, blk, cfg)
+    (index = (pass, loop block)). Returns (x', store with the chunk written)."""
+    h, q, k, v = qkv_heads(x, blk, cfg, chunk.q_pos)
     fresh = pack_kv(cfg.kv_mode, h, k, v)
     if own.kv_mode != cfg.kv_mode:
         # A call-scoped working segment (see `materialize`): store the values the model's mode
         # would give when read back, so results do not depend on where a token is kept.
-        fresh = pack_kv(own.kv_mode, h, *read_kv(cfg, fresh, blk, cfg.kv_mode))
+        fresh = pack_kv(own.kv_mode, h, *read_kv(cfg, fresh, blk, cfg.kv_mode, chunk.q_pos))
     if x.shape[0] == 1:
         # Decode: write first, then attend to the updated buffer. The data dependency lets XLA
         # update the buffer in place; reading the old buffer beside the write forces a copy.
@@ -109,36 +215,45 @@ def block(x: jax.Array, blk: BlockParams, cfg: ModelConfig, chunk: Chunk, ro: li
         if all(s.kv_mode == "int4" for s in segs):
             return block_out(x, attention_int4_decode(q, chunk.q_pos, segs, window, cfg.int4_attention), blk,
                              cfg), store
-        kvs = [(*read_kv(cfg, s.stored, blk, s.kv_mode), s.key_pos) for s in segs]
+        kvs = [(*read_kv(cfg, s.stored, blk, s.kv_mode, s.key_pos), s.key_pos) for s in segs]
     else:
         # Prefill: the chunk attends to itself directly (it may be longer than a window's ring
         # buffer), seeing its K/V exactly as a cache would hold them; then it is written.
-        kvs = [(*read_kv(cfg, s.stored, blk, s.kv_mode), s.key_pos) for s in ro]
-        kvs.append((*read_kv(cfg, kvc.read(store, index), blk, own.kv_mode), own.pos))
-        kvs.append((*read_kv(cfg, fresh, blk, own.kv_mode), chunk.self_pos))
+        kvs = [(*read_kv(cfg, s.stored, blk, s.kv_mode, s.key_pos), s.key_pos) for s in ro]
+        kvs.append((*read_kv(cfg, kvc.read(store, index), blk, own.kv_mode, own.pos), own.pos))
+        kvs.append((*read_kv(cfg, fresh, blk, own.kv_mode, chunk.q_pos), chunk.self_pos))
         store = kvc.write(store, fresh, chunk.slots, index)
-    return block_out(x, attention(q, chunk.q_pos, kvs, window), blk, cfg), store
+    return block_out(x, attention(q.astype(jnp.float32), chunk.q_pos, kvs, window), blk, cfg), store
 
 
 def attention_int4_decode(q: jax.Array, q_pos: jax.Array, segs: list, window: int, impl: str) -> jax.Array:
     """Decode (T = 1) attention over int4 segments read packed: one partial softmax per segment
     (the Pallas kernel on GPU), merged by log-sum-exp."""
-    qs = q[:, 0] * q.shape[-1] ** -0.5
+    qs = q[:, 0].astype(jnp.float32) * q.shape[-1] ** -0.5
     parts = [i4.int4_attention(qs, q_pos[0], s.stored["k"], s.stored["ks"], s.stored["v"], s.stored["vs"], s.key_pos,
                                window=window, impl=impl) for s in segs]
     return normalize(parts)[:, None]
 
 
+class Run(NamedTuple):
+    """What `run_layers` returns."""
+    x: jax.Array  # [T, D] the streams after the last pass
+    own: KVCache  # own with the chunk appended
+    states: jax.Array | None  # [n_pre + loops, D] the last real token's stream after each pre block and pass
+    exit_x: jax.Array  # [T, D] the streams the logits come from (x, or the early exit's pick)
+
+
 def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
-               ro: tuple, own: KVCache, loops: int, window: int, keep_states: bool = False):
+               ro: tuple, own: KVCache, loops: int, window: int, keep_states: bool = False,
+               exit: Exit | None = None) -> Run:
     """Run a chunk's stream x [T, D] through own's layers and append the chunk to `own`.
 
     Only the first n_valid of the T tokens are real (the rest is bucket padding); they sit at
     absolute positions start_pos + i. `own` holds either every pre layer or none (then x is the
     stream entering the first pass), and at least `loops` passes; `ro` segments (a prefix) hold
-    every pre layer and at least `loops` passes. Passes 0..loops-1 run; deeper ones are not
-    touched. Returns (x after the last pass [T, D], new own, and with keep_states the last real
-    token's stream after each layer run [layers, D], else None).
+    every pre layer and at least `loops` passes. Passes 0..loops-1 run (each pass the k loop
+    blocks in order, then the final norm with `pass_norm`); deeper ones are not touched. With a
+    gate model and `exit`, `exit_x` is the exit's pick among the passes' outputs.
     """
     T, n_pre = x.shape[0], len(own.pre)
     if n_pre not in (0, cfg.n_pre_blocks) or own.passes < loops or any(s.passes < loops for s in ro):
@@ -148,6 +263,7 @@ def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Arra
     chunk = Chunk(q_pos, jnp.where(jnp.arange(T) < n_valid, q_pos, -1), kvc.write_slots(q_pos, n_valid, own.capacity))
     last = jnp.maximum(n_valid - 1, 0)
     at_last = lambda x: jax.lax.dynamic_index_in_dim(x, last, axis=0, keepdims=False)  # noqa: E731
+    gated = exit is not None and cfg.early_exit_gate
 
     pre, states = [], []
     for j, store in enumerate(own.pre):
@@ -157,28 +273,37 @@ def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Arra
         states.append(at_last(x))
 
     def one_pass(i, carry):
-        x, stack, passes = carry
-        layers = [Layer(kvc.read(s.loop, i), s.pos, s.kv_mode) for s in ro]
-        x, stack = block(x, params.loop, cfg, chunk, layers, own, stack, i, window)
+        x, stack, passes, sel = carry
+        for j, blk in enumerate(params.loop):
+            layers = [Layer(kvc.read(s.loop, (i, j)), s.pos, s.kv_mode) for s in ro]
+            x, stack = block(x, blk, cfg, chunk, layers, own, stack, (i, j), window)
+        if cfg.pass_norm:
+            x = final_norm(params, cfg, x)
         if keep_states:
             passes = passes.at[i].set(at_last(x))
-        return x, stack, passes
+        if gated:
+            sel = exit_update(params, exit, i, i == loops - 1, x, sel)
+        return x, stack, passes, sel
 
     passes = jnp.zeros((loops, x.shape[1]), x.dtype) if keep_states else None
-    x, loop, passes = jax.lax.fori_loop(0, loops, one_pass, (x, own.loop, passes))
+    sel = (jnp.zeros_like(x), jnp.ones((T,), jnp.float32), jnp.zeros((T,), jnp.float32),
+           jnp.zeros((T,), bool)) if gated else None
+    x, loop, passes, sel = jax.lax.fori_loop(0, loops, one_pass, (x, own.loop, passes, sel))
     new_own = own.replace(pre=tuple(pre), loop=loop, pos=kvc.write_positions(own.pos, q_pos, chunk.slots),
                           length=(start_pos + n_valid).astype(jnp.int32))
     if keep_states:
         states = jnp.concatenate([jnp.stack(states), passes]) if states else passes
-    return x, new_own, states if keep_states else None
+    exit_x = jnp.where(sel[3][:, None], sel[0], x) if gated else x
+    return Run(x, new_own, states if keep_states else None, exit_x)
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
-            ro: tuple, own: KVCache, loops: int, window: int):
+            ro: tuple, own: KVCache, loops: int, window: int, exit: Exit | None = None):
     """Embed tokens [T] (positions start_pos + i) and run them through every layer, appending
-    them to `own`. Returns (streams after the last pass [T, D], new own)."""
-    x, own, _ = run_layers(params, cfg, embed(params, tokens, start_pos), n_valid, start_pos, ro, own, loops, window)
-    return x, own
+    them to `own`. Returns (the streams the logits come from [T, D], new own)."""
+    out = run_layers(params, cfg, embed(params, tokens, start_pos), n_valid, start_pos, ro, own, loops, window,
+                     exit=exit)
+    return out.exit_x, out.own
 
 
 def last_logits(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Array) -> jax.Array:
@@ -186,29 +311,48 @@ def last_logits(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Arr
     return lm_head(params, cfg, jax.lax.dynamic_index_in_dim(x, jnp.maximum(n_valid - 1, 0), axis=0, keepdims=False))
 
 
+def exit_stream(params: Params, cfg: ModelConfig, pass_states: jax.Array, exit: Exit | None) -> jax.Array:
+    """One position's pass outputs [loops, D] -> the stream its logits come from [D]."""
+    if exit is None or not cfg.early_exit_gate:
+        return pass_states[-1]
+    sel = (jnp.zeros_like(pass_states[:1]), jnp.ones((1,), jnp.float32), jnp.zeros((1,), jnp.float32),
+           jnp.zeros((1,), bool))
+    n = pass_states.shape[0]
+    for i in range(n):  # a handful of [D] dot products
+        sel = exit_update(params, exit, i, i == n - 1, pass_states[i:i + 1], sel)
+    return jnp.where(sel[3][0], sel[0][0], pass_states[-1])
+
+
 def materialize(params: Params, cfg: ModelConfig, seg: KVCache, passes: int) -> KVCache:
     """The segment's first `passes` passes with K/V stored in float32 ("fp32" mode): for h modes,
     K/V rebuilt from the stored h once, so that a whole call (every decode step, every request
     of a batch) reads them instead of re-projecting h at each step."""
-    kv = lambda stored, blk: dict(zip("kv", read_kv(cfg, stored, blk, seg.kv_mode)))  # noqa: E731
-    loop = {n: a[:passes] for n, a in seg.loop.items()}
+    kv = lambda stored, blk: dict(zip("kv", read_kv(cfg, stored, blk, seg.kv_mode, seg.pos)))  # noqa: E731
+    loop = {n: a[:passes] for n, a in seg.loop.items()}  # [passes, k, ...]
+    per_block = [jax.vmap(lambda e, b=b: kv(e, b))({n: a[:, j] for n, a in loop.items()})
+                 for j, b in enumerate(params.loop)]
     return seg.replace(pre=tuple(kv(e, b) for e, b in zip(seg.pre, params.pre)),
-                       loop=jax.vmap(lambda e: kv(e, params.loop))(loop), kv_mode="fp32")
+                       loop={n: jnp.stack([p[n] for p in per_block], axis=1) for n in "kv"}, kv_mode="fp32")
 
 
 def forward_seq(params: Params, cfg: ModelConfig, tokens: jax.Array, loops: int, window: int = 0) -> jax.Array:
     """Cache-free forward over a whole sequence (training and evaluation): tokens [T] -> logits
     [T, V]. K/V pass through the kv_mode round trip, as the cached path sees them. The passes
-    run under `lax.scan` (differentiable, one copy of the block in the program)."""
+    run under `lax.scan` (differentiable, one copy of the loop stack in the program)."""
     pos = jnp.arange(tokens.shape[0], dtype=jnp.int32)
 
     def layer(x, blk):
-        h, q, k, v = qkv_heads(x, blk, cfg)
-        k, v = read_kv(cfg, pack_kv(cfg.kv_mode, h, k, v), blk, cfg.kv_mode)  # as a cache would hold them
-        return block_out(x, attention(q, pos, [(k, v, pos)], window), blk, cfg)
+        h, q, k, v = qkv_heads(x, blk, cfg, pos)
+        k, v = read_kv(cfg, pack_kv(cfg.kv_mode, h, k, v), blk, cfg.kv_mode, pos)  # as a cache would hold them
+        return block_out(x, attention(q.astype(jnp.float32), pos, [(k, v, pos)], window), blk, cfg)
 
-    x = params.wte[tokens] + params.wpe[pos]
+    def one_pass(x, _):
+        for blk in params.loop:
+            x = layer(x, blk)
+        return (final_norm(params, cfg, x) if cfg.pass_norm else x), None
+
+    x = embed(params, tokens, jnp.int32(0))
     for blk in params.pre:
         x = layer(x, blk)
-    x, _ = jax.lax.scan(lambda x, _: (layer(x, params.loop), None), x, None, length=loops)
+    x, _ = jax.lax.scan(one_pass, x, None, length=loops)
     return lm_head(params, cfg, x)

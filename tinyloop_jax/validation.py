@@ -64,6 +64,10 @@ def temperature(value) -> float:
     return _bounded(value, "temperature", _float, lambda v: v >= 0, ">= 0")
 
 
+def unit_interval(value, name: str) -> float:
+    return _bounded(value, name, _float, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+
+
 def top_k(value) -> int:
     return _bounded(value, "top_k", integer, lambda v: v >= 0, ">= 0 (0 = off)")
 

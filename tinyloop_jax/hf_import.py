@@ -1,0 +1,210 @@
+"""`Model.from_pretrained`: a Hugging Face folder by its `model_type` — "gpt2" (see `hf_gpt2`),
+"llama" or "ouro" — as (Params, ModelConfig).
+
+A plain Llama of L layers is n_pre_blocks = L - 1 and one loop block run once. Ouro loops its
+whole stack: n_pre_blocks = 0, loop_blocks = num_hidden_layers, default_loops = total_ut_steps,
+sandwich norms, the final norm after every pass, and the early-exit gate. Tensor names
+(`nn.Linear` weights are [out, in]; ours are [in, out], so each is transposed):
+
+    model.embed_tokens.weight [V, D]                       -> wte
+    model.layers.{i}.input_layernorm.weight               -> attn_norm
+    model.layers.{i}.self_attn.{q,k,v}_proj.{weight,bias} -> w_qkv (q | k | v), b_qkv
+    model.layers.{i}.self_attn.o_proj.weight              -> w_o
+    model.layers.{i}.input_layernorm_2.weight             -> attn_out_norm      (ouro)
+    model.layers.{i}.post_attention_layernorm.weight      -> mlp_norm
+    model.layers.{i}.mlp.{gate,up}_proj.weight            -> w_gate_up (gate | up)
+    model.layers.{i}.mlp.down_proj.weight                 -> w_down
+    model.layers.{i}.post_attention_layernorm_2.weight    -> mlp_out_norm       (ouro)
+    model.norm.weight -> lnf_g      lm_head.weight -> head (untied)
+    model.early_exit_gate.{weight,bias} -> gate_w, gate_b                                 (ouro)
+
+Tensors are read one at a time from the safetensors file(s) straight into the target dtype,
+so loading never holds a second copy of the model in host memory. Any config value this
+runtime does not implement is a ValueError naming the key, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import hf_gpt2
+from .config import ModelConfig
+from .params import LlamaBlock, Params
+
+MODEL_TYPES = ("gpt2", "llama", "ouro")
+
+
+def read_hf_config(path: str) -> dict:
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"{path!r} is not a folder")
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise ValueError(f"{path!r} has no config.json: not a Hugging Face model folder")
+    try:
+        with open(cfg_file) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file} is not valid JSON: {e}") from e
+
+
+def default_dtype() -> str:
+    return "bfloat16" if jax.default_backend() == "gpu" else "float32"
+
+
+def _require(hf: dict, key: str, ok, rule: str) -> None:
+    """ValueError naming `key` if the config asks for something not implemented."""
+    if key in hf and hf[key] is not None and not ok(hf[key]):
+        raise ValueError(f"config.json: {key}={hf[key]!r} is not supported ({rule})")
+
+
+def llama_config(hf: dict, kv_mode: str | None, dtype: str) -> ModelConfig:
+    """A Llama or Ouro config.json -> ModelConfig."""
+    ouro = hf["model_type"] == "ouro"
+    rope = hf.get("rope_parameters") or {}  # transformers >= 5 keeps RoPE's settings here
+    _require(hf, "rope_scaling", lambda v: v.get("rope_type", v.get("type")) == "default", "only plain RoPE")
+    _require(rope, "rope_type", lambda v: v == "default", "rope_parameters: only plain RoPE")
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    _require(hf, "hidden_act", lambda v: v == "silu", "SwiGLU with silu")
+    _require(hf, "mlp_bias", lambda v: v is False, "no MLP biases")
+    _require(hf, "pretraining_tp", lambda v: v == 1, "pretraining_tp must be 1")
+    _require(hf, "use_sliding_window", lambda v: v is False, "per-layer sliding windows are not implemented; "
+             "use cache_window")
+    _require(hf, "layer_types", lambda v: all(t == "full_attention" for t in v),
+             "every layer must be full_attention")
+    try:
+        D, L, H = int(hf["hidden_size"]), int(hf["num_hidden_layers"]), int(hf["num_attention_heads"])
+        vocab, F = int(hf["vocab_size"]), int(hf["intermediate_size"])
+    except KeyError as e:
+        raise ValueError(f"config.json lacks {e.args[0]!r}") from e
+    if L < 1:
+        raise ValueError(f"config.json: num_hidden_layers={L}: need at least one layer")
+    common = dict(vocab_size=vocab, d_model=D, n_heads=H, n_kv_heads=int(hf.get("num_key_value_heads") or H),
+                  head_dim=int(hf.get("head_dim") or D // H), intermediate_size=F,
+                  max_seq_len=int(hf.get("max_position_embeddings", 2048)), kv_mode=kv_mode, block="llama",
+                  layer_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+                  attention_bias=bool(hf.get("attention_bias", False)),
+                  tie_embeddings=bool(hf.get("tie_word_embeddings", not ouro)), dtype=dtype)
+    if not ouro:
+        return ModelConfig(n_pre_blocks=L - 1, loop_blocks=1, default_loops=1, **common)
+    step, thr = hf.get("early_exit_step"), hf.get("early_exit_threshold")
+    return ModelConfig(n_pre_blocks=0, loop_blocks=L, default_loops=int(hf.get("total_ut_steps", 4)),
+                       norm_placement="sandwich", pass_norm=True, early_exit_gate=True,
+                       early_exit_step=None if step is None else int(step),
+                       early_exit_threshold=None if thr is None else float(thr), **common)
+
+
+class Tensors:
+    """The tensors of a folder's safetensors file(s), read one at a time (sharded folders via
+    model.safetensors.index.json). `take` marks a tensor used; `unused` lists the rest."""
+
+    def __init__(self, path: str, progress: bool | None = None):
+        from safetensors import safe_open
+
+        index = os.path.join(path, "model.safetensors.index.json")
+        single = os.path.join(path, "model.safetensors")
+        if os.path.isfile(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        elif os.path.isfile(single):
+            files = ["model.safetensors"]
+        else:
+            raise ValueError(f"{path!r} has no model.safetensors or model.safetensors.index.json")
+        self.where, self._files = {}, {}
+        for name in files:
+            full = os.path.join(path, name)
+            if not os.path.isfile(full):
+                raise ValueError(f"{full} is listed in the index but missing")
+            try:
+                self._files[name] = safe_open(full, framework="flax")
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+                raise ValueError(f"cannot read {full}: {e}") from e
+            self.where.update({k: name for k in self._files[name].keys()})
+        self.path, self.used = path, set()
+        size = sum(os.path.getsize(os.path.join(path, n)) for n in files)
+        self.progress = size > 256 * 2**20 if progress is None else progress
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self._files[self.where[name]].get_slice(name).get_shape())
+
+    def take(self, name: str, shape: tuple, dtype, transpose: bool = False) -> jax.Array:
+        """Tensor `name`, checked against `shape` (as stored), cast, transposed if asked."""
+        if name not in self.where:
+            raise ValueError(f"tensor {name!r} is missing from {self.path}")
+        if self.shape(name) != tuple(shape):
+            raise ValueError(f"tensor {name!r} has shape {self.shape(name)}; config.json implies {tuple(shape)}")
+        a = self._files[self.where[name]].get_tensor(name).astype(dtype)
+        self.used.add(name)
+        if self.progress:
+            print(f"\rloading {self.path}: {len(self.used)}/{len(self.where)} tensors", end="", file=sys.stderr,
+                  flush=True)
+        return a.T if transpose else a
+
+    def unused(self) -> list[str]:
+        return sorted(k for k in self.where if k not in self.used and not k.endswith("rotary_emb.inv_freq"))
+
+
+def load_llama(path: str, cfg: ModelConfig, tensors: Tensors) -> Params:
+    dt, D, F = cfg.compute_dtype, cfg.d_model, cfg.intermediate_size
+    qd, kd = cfg.q_dim, cfg.kv_dim
+    ouro = cfg.norm_placement == "sandwich"
+
+    def layer(i: int) -> LlamaBlock:
+        p = f"model.layers.{i}."
+        lin = lambda n, o, inn: tensors.take(p + n + ".weight", (o, inn), dt, transpose=True)  # noqa: E731
+        vec = lambda n, k: tensors.take(p + n, (k,), dt)  # noqa: E731
+        qkv = jnp.concatenate([lin("self_attn.q_proj", qd, D), lin("self_attn.k_proj", kd, D),
+                               lin("self_attn.v_proj", kd, D)], axis=1)
+        bias = None
+        if cfg.attention_bias:
+            bias = jnp.concatenate([vec(f"self_attn.{n}_proj.bias", k) for n, k in (("q", qd), ("k", kd), ("v", kd))])
+        return LlamaBlock(attn_norm=vec("input_layernorm.weight", D), w_qkv=qkv, w_o=lin("self_attn.o_proj", D, qd),
+                          mlp_norm=vec("post_attention_layernorm.weight", D),
+                          w_gate_up=jnp.concatenate([lin("mlp.gate_proj", F, D), lin("mlp.up_proj", F, D)], axis=1),
+                          w_down=lin("mlp.down_proj", D, F), b_qkv=bias,
+                          attn_out_norm=vec("input_layernorm_2.weight", D) if ouro else None,
+                          mlp_out_norm=vec("post_attention_layernorm_2.weight", D) if ouro else None)
+
+    blocks = [layer(i) for i in range(cfg.n_pre_blocks + cfg.loop_blocks)]
+    wte = tensors.take("model.embed_tokens.weight", (cfg.vocab_size, D), dt)
+    head = None
+    if not cfg.tie_embeddings:
+        head = tensors.take("lm_head.weight", (cfg.vocab_size, D), dt)
+    elif "lm_head.weight" in tensors.where:  # a saved copy of the tied embedding
+        if not np.array_equal(np.asarray(tensors.take("lm_head.weight", (cfg.vocab_size, D), dt)), np.asarray(wte)):
+            raise ValueError("tensor 'lm_head.weight' differs from 'model.embed_tokens.weight' but "
+                             "tie_word_embeddings is true")
+    gate_w = gate_b = None
+    if cfg.early_exit_gate:
+        gate_w = tensors.take("model.early_exit_gate.weight", (1, D), dt)[0]
+        gate_b = tensors.take("model.early_exit_gate.bias", (1,), jnp.float32)[0]
+    params = Params(wte=wte, wpe=None, pre=tuple(blocks[:cfg.n_pre_blocks]), loop=tuple(blocks[cfg.n_pre_blocks:]),
+                    lnf_g=tensors.take("model.norm.weight", (D,), dt), lnf_b=None, head=head, gate_w=gate_w,
+                    gate_b=gate_b)
+    if tensors.progress:
+        print(file=sys.stderr)
+    extra = tensors.unused()
+    if extra:
+        raise ValueError(f"unexpected tensors in {path} (not a {cfg.block} / this config?): {', '.join(extra[:5])}")
+    return params
+
+
+def load(path: str, kv_mode: str | None = None, dtype: str | None = None) -> tuple[Params, ModelConfig]:
+    """A Hugging Face folder -> (Params, ModelConfig), dispatched on config.json's model_type."""
+    path = os.fspath(path)
+    hf = read_hf_config(path)
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} in {path}/config.json; supported: {', '.join(MODEL_TYPES)}")
+    dtype = default_dtype() if dtype is None else dtype
+    if model_type == "gpt2":
+        params, cfg = hf_gpt2.load(path, kv_mode)
+        return params, cfg.replace(dtype=dtype)
+    cfg = llama_config(hf, kv_mode, dtype)
+    return load_llama(path, cfg, Tensors(path)), cfg
