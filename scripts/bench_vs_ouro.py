@@ -77,7 +77,8 @@ def reference_worker(args) -> None:
     os.makedirs(args.folder, exist_ok=True)
     with open(os.path.join(args.folder, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(args.folder, "model.safetensors"))
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, os.path.join(args.folder, "model.safetensors"))
 
     prefix, suffixes = workload(args, cfg["vocab_size"])
     out = {"cache_path": "ok"}
