@@ -11,7 +11,7 @@ from jax import export
 
 import tinyloop_jax as tl
 from tinyloop_jax import config as tlc, functional as F, int4_attention as ia, quant, transformer as tf
-from conftest import prompt_of, tiny_config
+from conftest import OURO, prompt_of, tiny_config
 
 TIGHT = dict(atol=1e-5, rtol=1e-5)
 
@@ -127,14 +127,18 @@ def decode_step_logits(model, prefix, suffix):
     return np.asarray(tf.lm_head(w.params, cfg, x[0]))
 
 
-@pytest.mark.parametrize("window", [0, pytest.param(7, marks=pytest.mark.slow)])
-def test_model_decode_through_kernel_matches_reference(window):
-    """The whole int4 decode path (prefix + own segment, looped) with the kernel in interpret
-    mode gives the reference's tokens and logits, and the prefill path's logits."""
+@pytest.mark.parametrize("family,window", [("gpt2", 0), pytest.param("gpt2", 7, marks=pytest.mark.slow),
+                                           ("ouro", 0)])
+def test_model_decode_through_kernel_matches_reference(family, window):
+    """The whole int4 decode path (prefix + own segment, looped; for the Ouro layout a 2-block
+    stack with grouped-query attention) with the kernel in interpret mode gives the reference's
+    tokens and logits, and the prefill path's logits."""
     prompt = prompt_of(20, seed=4)
     out = {}
     for which in ("jnp", "interpret"):  # the backend is part of the static configuration
-        model = tl.Model.random(tiny_config(kv_mode="int4", int4_attention=which), seed=0)
+        cfg = (tiny_config(kv_mode="int4", int4_attention=which) if family == "gpt2"
+               else tl.ModelConfig(**OURO, kv_mode="int4", int4_attention=which))
+        model = tl.Model.random(cfg, seed=0)
         prefix = model.build_prefix_cache(prompt[:14], loops=2, cache_window=window)
         out[which] = (model.generate_from_prefix_cache(prefix, suffix=prompt[14:], max_tokens=12),
                       decode_step_logits(model, prefix, prompt[14:]))

@@ -11,10 +11,12 @@ writes only its own:
 
     pre[j]   = {"k": [KV, C, hd], "v": [KV, C, hd]}          one per pre block  (fp modes; see kv_modes)
     loop     = {"k": [L, k, KV, C, hd], "v": [L, k, KV, C, hd]} L passes of the k loop blocks
+    post[j]  = like pre[j]                                    one per coda block (after the loop)
     pos      = [C] int32: absolute position held by each slot, -1 = empty
     length   = []  int32: one past the last position written
 
-Cache layer n_pre + t * k + j is pass t, loop block j: `loop[n][t, j]`. Stacking the passes
+Cache layer n_pre + t * k + j is pass t, loop block j: `loop[n][t, j]`; the coda's layers come
+last. Coda K/V depend on the depth the loop ran to, so they belong to one depth. Stacking the passes
 makes depth data, not program size: a program runs the passes with `lax.fori_loop` over the
 leading axis, and a depth d <= L reads the first d passes of the same arrays (no copy). K/V are
 stored per key/value head (KV = n_kv_heads), so grouped-query models hold n_heads / KV times
@@ -43,6 +45,7 @@ class KVCache:
     pos: jax.Array  # [.., C] int32
     length: jax.Array  # [..] int32
     kv_mode: str = struct.field(pytree_node=False)
+    post: tuple = ()  # tuple[dict, ...], one per coda block
 
     @property
     def capacity(self) -> int:
@@ -59,7 +62,7 @@ class KVCache:
 
     @property
     def n_layers(self) -> int:
-        return len(self.pre) + self.passes * self.loop_blocks
+        return len(self.pre) + self.passes * self.loop_blocks + len(self.post)
 
     @property
     def nbytes(self) -> int:
@@ -68,9 +71,11 @@ class KVCache:
     def layer(self, i: int) -> dict:
         """Cache layer i's arrays (pre block i, or pass t, loop block j with i = n_pre + t k + j),
         unbatched segments only."""
-        n = len(self.pre)
+        n, m = len(self.pre), len(self.pre) + self.passes * self.loop_blocks
         if i < n:
             return dict(self.pre[i])
+        if i >= m:
+            return dict(self.post[i - m])
         t, j = divmod(i - n, self.loop_blocks)
         return {k: a[t, j] for k, a in self.loop.items()}
 
@@ -134,21 +139,22 @@ def check_fits(need: int, what: str) -> None:
 
 
 def empty(kv_mode: str, n_pre: int, passes: int, n_kv_heads: int, capacity: int, head_dim: int,
-          batch: int | None = None, loop_blocks: int = 1, d_model: int | None = None) -> KVCache:
-    """A fresh segment of n_pre pre layers and `passes` passes of `loop_blocks` layers (with
-    `batch`: one per request, every array with a leading request axis). Out of memory is a
-    RuntimeError."""
+          batch: int | None = None, loop_blocks: int = 1, d_model: int | None = None, n_post: int = 0) -> KVCache:
+    """A fresh segment of n_pre pre layers, `passes` passes of `loop_blocks` layers and n_post
+    coda layers (with `batch`: one per request, every array with a leading request axis). Out
+    of memory is a RuntimeError."""
     lead = () if batch is None else (batch,)
     d_model = n_kv_heads * head_dim if d_model is None else d_model
-    layers = n_pre + passes * loop_blocks
+    layers = n_pre + passes * loop_blocks + n_post
     check_fits(cache_nbytes(kv_mode, layers, n_kv_heads, capacity, head_dim, d_model) * (batch or 1),
                f"a KV cache of {layers} layers x {capacity} slots ({kv_mode})")
     shapes = layer_shapes(kv_mode, n_kv_heads, capacity, head_dim, d_model)
     try:
         pre = tuple({n: jnp.zeros(lead + s, d) for n, (s, d) in shapes.items()} for _ in range(n_pre))
         loop = {n: jnp.zeros(lead + (passes, loop_blocks) + s, d) for n, (s, d) in shapes.items()}
+        post = tuple({n: jnp.zeros(lead + s, d) for n, (s, d) in shapes.items()} for _ in range(n_post))
         return KVCache(pre=pre, loop=loop, pos=jnp.full(lead + (capacity,), -1, jnp.int32),
-                       length=jnp.zeros(lead, jnp.int32), kv_mode=kv_mode)
+                       length=jnp.zeros(lead, jnp.int32), kv_mode=kv_mode, post=post)
     except Exception as e:  # noqa: BLE001 - XLA reports OOM as a generic runtime error
         if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
             raise RuntimeError(f"out of memory while allocating a KV cache: {e}") from e
@@ -205,8 +211,9 @@ def first_passes(seg: KVCache, passes: int) -> KVCache:
 
 
 def append_passes(seg: KVCache, more: KVCache) -> KVCache:
-    """seg's passes followed by `more`'s (same slots and positions): a deeper segment."""
-    return seg.replace(loop={n: jnp.concatenate([seg.loop[n], more.loop[n]]) for n in seg.loop})
+    """seg's passes followed by `more`'s (same slots and positions): a deeper segment, whose coda
+    layers are `more`'s (computed at the new depth)."""
+    return seg.replace(loop={n: jnp.concatenate([seg.loop[n], more.loop[n]]) for n in seg.loop}, post=more.post)
 
 
 def rollback(own: KVCache, length: jax.Array) -> KVCache:
@@ -228,4 +235,5 @@ def copy_prefix(src: KVCache, k: jax.Array, capacity: int, passes: int) -> KVCac
 
     return KVCache(pre=tuple({n: take(a) for n, a in e.items()} for e in src.pre),
                    loop={n: take(a[:passes]) for n, a in src.loop.items()},
-                   pos=jnp.where(ok, p, -1).astype(jnp.int32), length=jnp.asarray(k, jnp.int32), kv_mode=src.kv_mode)
+                   pos=jnp.where(ok, p, -1).astype(jnp.int32), length=jnp.asarray(k, jnp.int32), kv_mode=src.kv_mode,
+                   post=tuple({n: take(a) for n, a in e.items()} for e in src.post))

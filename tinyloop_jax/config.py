@@ -52,8 +52,9 @@ class ModelConfig:
     """Shape of a looped transformer.
 
     `n_pre_blocks` distinct blocks run once, then a stack of `loop_blocks` = k distinct blocks
-    runs `loops` times (`default_loops` when a call does not say). Cache layer of pass t, loop
-    block j: n_pre_blocks + t * k + j. With k = 1 and `default_loops=1` the model is a plain
+    runs `loops` times (`default_loops` when a call does not say), then `n_post_blocks` distinct
+    blocks (a coda) once. Cache layer of pass t, loop block j: n_pre_blocks + t * k + j; the
+    coda's come last. With k = 1 and `default_loops=1` the model is a plain
     `(n_pre_blocks + 1)`-layer transformer; Ouro is n_pre_blocks = 0, k = num_hidden_layers.
 
     Block family (`block`): "gpt2" (LayerNorm with bias, fused biased QKV, tanh-GELU MLP, learned
@@ -105,8 +106,11 @@ class ModelConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r}; supported: {', '.join(allowed)}")
         if self.loop_blocks < 1:
             raise ValueError(f"loop_blocks must be >= 1, got {self.loop_blocks!r}")
-        if self.n_post_blocks != 0:
-            raise ValueError(f"n_post_blocks={self.n_post_blocks!r}: a coda after the loop is not supported yet")
+        if self.n_post_blocks < 0:
+            raise ValueError(f"n_post_blocks must be >= 0, got {self.n_post_blocks!r}")
+        if self.n_post_blocks and (self.pass_norm or self.early_exit_gate):
+            raise ValueError(f"n_post_blocks={self.n_post_blocks} with pass_norm / early_exit_gate is not supported "
+                             "(a per-pass norm or exit before a coda has no defined meaning)")
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
@@ -141,8 +145,8 @@ class ModelConfig:
             raise ValueError(f"int4_attention {self.int4_attention!r}; expected one of {', '.join(INT4_ATTENTION)}")
 
     def n_cache_layers(self, loops: int) -> int:
-        """One cache layer per pre block plus one per loop block per pass."""
-        return self.n_pre_blocks + loops * self.loop_blocks
+        """One cache layer per pre block, per loop block per pass, and per coda block."""
+        return self.n_pre_blocks + loops * self.loop_blocks + self.n_post_blocks
 
     @property
     def q_dim(self) -> int:

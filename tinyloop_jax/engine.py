@@ -194,10 +194,11 @@ def continue_depth(params: Params, cfg: ModelConfig, state: jax.Array, n_valid: 
                    loops: int, window: int):
     """`loops` more passes over a prompt whose stream after its last pass is state [T, D]
     (positions from 0), written into `own` (no pre layers, `loops` passes): the extra passes
-    of a deeper prefix, nothing before them re-run. Returns (own, state after them,
-    depth_states [loops, D])."""
+    of a deeper prefix, nothing before them re-run (the coda, if any, runs again at the new
+    depth into own's coda layers). Returns (logits [V] at the last pass, own, state after the
+    passes, depth_states [loops, D])."""
     out = tf.run_layers(params, cfg, state, n_valid, jnp.int32(0), (), own, loops, window, keep_states=True)
-    return out.own, out.x, out.states
+    return tf.last_logits(params, cfg, out.exit_x, n_valid), out.own, out.x, out.states
 
 
 @partial(jax.jit, static_argnames=("cfg", "loops"))

@@ -56,7 +56,8 @@ def empty_cache(weights: Weights, n_tokens: int, loops: int | None = None, cache
     c = weights.config
     loops = c.default_loops if loops is None else loops
     own = kvc.empty(kv_mode or c.kv_mode, c.n_pre_blocks, loops, c.n_kv_heads,
-                    kvc.segment_capacity(n_tokens, cache_window), c.head_dim, batch, c.loop_blocks, c.d_model)
+                    kvc.segment_capacity(n_tokens, cache_window), c.head_dim, batch, c.loop_blocks, c.d_model,
+                    c.n_post_blocks)
     return own.replace(length=jnp.full(own.length.shape, start, jnp.int32))
 
 
@@ -131,6 +132,9 @@ def prefix_at_depth(prefix: PrefixCache, loops: int, exit: Exit | None = None) -
     if loops == prefix.loops:
         return prefix
     if loops <= prefix.cache.passes:
+        if c.n_post_blocks:
+            raise RuntimeError(f"the model's coda blocks were run at loops={prefix.cache.passes}: their cache does "
+                               f"not hold depth {loops}; build the prefix at loops={loops}")
         logits = engine.prefix_logits(w.params, c, prefix.depth_states, loops=loops, exit=exit)
         return _wrap(w, prefix.cache, prefix.prompt, loops, prefix.cache_window, logits, prefix.seen,
                      prefix.depth_states, prefix.state)
@@ -139,11 +143,12 @@ def prefix_at_depth(prefix: PrefixCache, loops: int, exit: Exit | None = None) -
                            f"did not keep its loop state; build it with keep_state=True (or rebuild at loops={loops})")
     extra = loops - prefix.cache.passes
     own = kvc.empty(c.kv_mode, 0, extra, c.n_kv_heads, prefix.cache.capacity, c.head_dim,
-                    loop_blocks=c.loop_blocks, d_model=c.d_model)
-    own, state, states = engine.continue_depth(w.params, c, prefix.state, jnp.int32(len(prefix)), own,
-                                               loops=extra, window=prefix.cache_window)
+                    loop_blocks=c.loop_blocks, d_model=c.d_model, n_post=c.n_post_blocks)
+    logits, own, state, states = engine.continue_depth(w.params, c, prefix.state, jnp.int32(len(prefix)), own,
+                                                       loops=extra, window=prefix.cache_window)
     states = jnp.concatenate([prefix.depth_states, states])
-    logits = engine.prefix_logits(w.params, c, states, loops=loops, exit=exit)
+    if c.early_exit_gate:
+        logits = engine.prefix_logits(w.params, c, states, loops=loops, exit=exit)
     return _wrap(w, kvc.append_passes(prefix.cache, own), prefix.prompt, loops, prefix.cache_window, logits,
                  prefix.seen, states, state)
 

@@ -6,6 +6,7 @@ transposed on import):
     wte [V, D]   wpe [S_max, D] (gpt2)       head [V, D] or None: logits = norm(x) @ (head or wte).T
     pre[i]:  BlockParams | LlamaBlock         i < n_pre_blocks, each run once
     loop[j]: BlockParams | LlamaBlock         j < loop_blocks: the stack run `loops` times
+    post[i]: BlockParams | LlamaBlock         i < n_post_blocks: the coda, each run once
     lnf_g, lnf_b [D] (b: LayerNorm only)     the final norm
     gate_w [D], gate_b []                     Ouro's early-exit gate (when the model has one)
 """
@@ -66,6 +67,7 @@ class Params:
     head: jax.Array | None = None  # [V, D] untied LM head
     gate_w: jax.Array | None = None  # [D] early-exit gate
     gate_b: jax.Array | None = None  # [] early-exit gate
+    post: tuple = ()  # tuple[block, ...], length n_post_blocks: the coda, run once after the loop
 
 
 class FingerprintMemo:
@@ -137,7 +139,8 @@ def gpt2_init(config: ModelConfig, seed: int = 0) -> Params:
                            ln2_g=o(d), ln2_b=z(d), w_fc=n(d, f), b_fc=z(f), w_proj=n(f, d, s=proj), b_proj=z(d))
 
     tree = Params(wte=n(config.vocab_size, d), wpe=n(config.max_seq_len, d, s=0.01),
-                  pre=tuple(blk() for _ in range(config.n_pre_blocks)), loop=(blk(),), lnf_g=o(d), lnf_b=z(d))
+                  pre=tuple(blk() for _ in range(config.n_pre_blocks)), loop=tuple(blk() for _ in range(config.loop_blocks)),
+                  lnf_g=o(d), lnf_b=z(d), post=tuple(blk() for _ in range(config.n_post_blocks)))
     return jax.tree.map(jnp.asarray, tree)
 
 
@@ -172,6 +175,7 @@ def random_params(config: ModelConfig, seed: int = 0) -> Params:
         head=None if c.tie_embeddings else rng.normal(0.0, 1.0 / np.sqrt(d), (c.vocab_size, d)).astype(np.float32),
         gate_w=rng.normal(0.0, 1.0 / np.sqrt(d), (d,)).astype(np.float32) if c.early_exit_gate else None,
         gate_b=np.asarray(rng.normal(0.0, 0.5), np.float32) if c.early_exit_gate else None,
+        post=tuple(blk() for _ in range(c.n_post_blocks)),  # drawn last: models without a coda keep their weights
     )
     return cast(jax.tree.map(jnp.asarray, tree), config)
 
@@ -200,7 +204,8 @@ def param_shapes(config: ModelConfig) -> Params:
     return Params(wte=S(v, d), wpe=None if llama else S(c.max_seq_len, d),
                   pre=tuple(blk() for _ in range(c.n_pre_blocks)), loop=tuple(blk() for _ in range(c.loop_blocks)),
                   lnf_g=S(d), lnf_b=None if llama else S(d), head=None if c.tie_embeddings else S(v, d),
-                  gate_w=S(d) if c.early_exit_gate else None, gate_b=S() if c.early_exit_gate else None)
+                  gate_w=S(d) if c.early_exit_gate else None, gate_b=S() if c.early_exit_gate else None,
+                  post=tuple(blk() for _ in range(c.n_post_blocks)))
 
 
 class Shape(tuple):
@@ -247,6 +252,8 @@ def check_shapes(params: Params, config: ModelConfig) -> None:
         raise ValueError(f"expected {config.n_pre_blocks} pre blocks, got {len(params.pre)}")
     if len(params.loop) != config.loop_blocks:
         raise ValueError(f"expected {config.loop_blocks} loop blocks, got {len(params.loop)}")
+    if len(params.post) != config.n_post_blocks:
+        raise ValueError(f"expected {config.n_post_blocks} coda blocks, got {len(params.post)}")
     want, have = flatten(param_shapes(config)), flatten(params)
     for name in want.keys() ^ have.keys():
         raise ValueError(f"tensor {name} is {'missing' if name in want else 'not part of this config'}")

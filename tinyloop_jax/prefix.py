@@ -87,12 +87,14 @@ class PrefixCache:
         cache, states, state = self.cache, self.depth_states, self.state
         if cache.passes > self.loops:  # a view: save only the depth it serves
             cache, states, state = first_passes(cache, self.loops), states[:len(cache.pre) + self.loops], None
-        tree = dict(cache=dict(pre=list(cache.pre), loop=cache.loop, pos=cache.pos, length=cache.length),
+        tree = dict(cache=dict(pre=list(cache.pre), loop=cache.loop, post=list(cache.post), pos=cache.pos,
+                               length=cache.length),
                     prompt=self.prompt, logits=self.logits, seen=self.seen, depth_states=states)
         if state is not None:
             tree["state"] = state
         meta = dict(model_fingerprint=self.model_fingerprint, loops=self.loops, cache_window=self.cache_window,
-                    kv_mode=self.kv_mode, n_pre=len(cache.pre), prompt_len=len(self), layout=LAYOUT)
+                    kv_mode=self.kv_mode, n_pre=len(cache.pre), n_post=len(cache.post), prompt_len=len(self),
+                    layout=LAYOUT)
         checkpoint.save(path, "prefix_cache", checkpoint.flatten(tree), meta)
 
     @classmethod
@@ -115,7 +117,9 @@ class PrefixCache:
                         loop={n: jnp.asarray(a if meta["layout"] == LAYOUT else a[:, None])
                               for n, a in field("cache.loop").items()},
                         pos=jnp.asarray(arrays["cache.pos"]), length=jnp.asarray(arrays["cache.length"]),
-                        kv_mode=meta["kv_mode"])
+                        kv_mode=meta["kv_mode"],
+                        post=tuple({n: jnp.asarray(a) for n, a in field(f"cache.post.{j}").items()}
+                                   for j in range(int(meta.get("n_post", 0)))))
         prompt = arrays["prompt"].copy()
         if int(cache.length) != len(prompt) or int(meta["prompt_len"]) != len(prompt):
             raise RuntimeError(f"{path}: cache length {int(cache.length)} disagrees with prompt length {len(prompt)}")

@@ -237,10 +237,10 @@ def attention_int4_decode(q: jax.Array, q_pos: jax.Array, segs: list, window: in
 
 class Run(NamedTuple):
     """What `run_layers` returns."""
-    x: jax.Array  # [T, D] the streams after the last pass
+    x: jax.Array  # [T, D] the streams after the last pass (before the coda)
     own: KVCache  # own with the chunk appended
     states: jax.Array | None  # [n_pre + loops, D] the last real token's stream after each pre block and pass
-    exit_x: jax.Array  # [T, D] the streams the logits come from (x, or the early exit's pick)
+    exit_x: jax.Array  # [T, D] the streams the logits come from (after the coda; or the early exit's pick)
 
 
 def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
@@ -252,13 +252,15 @@ def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Arra
     absolute positions start_pos + i. `own` holds either every pre layer or none (then x is the
     stream entering the first pass), and at least `loops` passes; `ro` segments (a prefix) hold
     every pre layer and at least `loops` passes. Passes 0..loops-1 run (each pass the k loop
-    blocks in order, then the final norm with `pass_norm`); deeper ones are not touched. With a
-    gate model and `exit`, `exit_x` is the exit's pick among the passes' outputs.
+    blocks in order, then the final norm with `pass_norm`); deeper ones are not touched. Then the
+    coda blocks, whose layers every segment holds (at this depth). With a gate model and `exit`,
+    `exit_x` is the exit's pick among the passes' outputs.
     """
     T, n_pre = x.shape[0], len(own.pre)
-    if n_pre not in (0, cfg.n_pre_blocks) or own.passes < loops or any(s.passes < loops for s in ro):
-        raise ValueError(f"segments do not fit loops={loops}: own has {n_pre} pre layers and {own.passes} passes, "
-                         f"read-only segments have {[s.passes for s in ro]} passes")
+    if (n_pre not in (0, cfg.n_pre_blocks) or own.passes < loops or any(s.passes < loops for s in ro)
+            or any(len(s.post) != cfg.n_post_blocks for s in (own, *ro))):
+        raise ValueError(f"segments do not fit loops={loops}: own has {n_pre} pre layers, {own.passes} passes and "
+                         f"{len(own.post)} coda layers, read-only segments have {[s.passes for s in ro]} passes")
     q_pos = start_pos + jnp.arange(T, dtype=jnp.int32)
     chunk = Chunk(q_pos, jnp.where(jnp.arange(T) < n_valid, q_pos, -1), kvc.write_slots(q_pos, n_valid, own.capacity))
     last = jnp.maximum(n_valid - 1, 0)
@@ -289,11 +291,17 @@ def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Arra
     sel = (jnp.zeros_like(x), jnp.ones((T,), jnp.float32), jnp.zeros((T,), jnp.float32),
            jnp.zeros((T,), bool)) if gated else None
     x, loop, passes, sel = jax.lax.fori_loop(0, loops, one_pass, (x, own.loop, passes, sel))
-    new_own = own.replace(pre=tuple(pre), loop=loop, pos=kvc.write_positions(own.pos, q_pos, chunk.slots),
+    y, post = x, []
+    for j, store in enumerate(own.post):
+        layers = [Layer(s.post[j], s.pos, s.kv_mode) for s in ro]
+        y, store = block(y, params.post[j], cfg, chunk, layers, own, store, None, window)
+        post.append(store)
+    new_own = own.replace(pre=tuple(pre), loop=loop, post=tuple(post),
+                          pos=kvc.write_positions(own.pos, q_pos, chunk.slots),
                           length=(start_pos + n_valid).astype(jnp.int32))
     if keep_states:
         states = jnp.concatenate([jnp.stack(states), passes]) if states else passes
-    exit_x = jnp.where(sel[3][:, None], sel[0], x) if gated else x
+    exit_x = jnp.where(sel[3][:, None], sel[0], x) if gated else y
     return Run(x, new_own, states if keep_states else None, exit_x)
 
 
@@ -332,7 +340,8 @@ def materialize(params: Params, cfg: ModelConfig, seg: KVCache, passes: int) -> 
     per_block = [jax.vmap(lambda e, b=b: kv(e, b))({n: a[:, j] for n, a in loop.items()})
                  for j, b in enumerate(params.loop)]
     return seg.replace(pre=tuple(kv(e, b) for e, b in zip(seg.pre, params.pre)),
-                       loop={n: jnp.stack([p[n] for p in per_block], axis=1) for n in "kv"}, kv_mode="fp32")
+                       loop={n: jnp.stack([p[n] for p in per_block], axis=1) for n in "kv"},
+                       post=tuple(kv(e, b) for e, b in zip(seg.post, params.post)), kv_mode="fp32")
 
 
 def forward_seq(params: Params, cfg: ModelConfig, tokens: jax.Array, loops: int, window: int = 0) -> jax.Array:
@@ -355,4 +364,6 @@ def forward_seq(params: Params, cfg: ModelConfig, tokens: jax.Array, loops: int,
     for blk in params.pre:
         x = layer(x, blk)
     x, _ = jax.lax.scan(one_pass, x, None, length=loops)
+    for blk in params.post:
+        x = layer(x, blk)
     return lm_head(params, cfg, x)
