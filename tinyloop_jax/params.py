@@ -139,8 +139,9 @@ def gpt2_init(config: ModelConfig, seed: int = 0) -> Params:
                            ln2_g=o(d), ln2_b=z(d), w_fc=n(d, f), b_fc=z(f), w_proj=n(f, d, s=proj), b_proj=z(d))
 
     tree = Params(wte=n(config.vocab_size, d), wpe=n(config.max_seq_len, d, s=0.01),
-                  pre=tuple(blk() for _ in range(config.n_pre_blocks)), loop=tuple(blk() for _ in range(config.loop_blocks)),
-                  lnf_g=o(d), lnf_b=z(d), post=tuple(blk() for _ in range(config.n_post_blocks)))
+                  pre=tuple(blk() for _ in range(config.n_pre_blocks)),
+                  loop=tuple(blk() for _ in range(config.loop_blocks)), lnf_g=o(d), lnf_b=z(d),
+                  post=tuple(blk() for _ in range(config.n_post_blocks)))
     return jax.tree.map(jnp.asarray, tree)
 
 
