@@ -70,6 +70,18 @@ def prompt_of(n: int, seed: int = 0, vocab: int = TINY["vocab_size"]) -> np.ndar
     return np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32)
 
 
+def check_position_reset_fails(model) -> None:
+    """Seed 000's pair reproduces recompute, and the same path with the suffix's positions reset
+    to 0 must not (the negative control of the position rule)."""
+    from tinyloop_jax import functional as F
+    w = model.weights
+    p, s = prompt_of(24, seed=1), prompt_of(5, seed=2)
+    saved = F.save_prefix_cache(p, w)
+    full = model.next_token_logits(np.concatenate([p, s]))
+    np.testing.assert_allclose(F.generate_with_prefix(saved, len(p), s, w), full, atol=1e-3, rtol=1e-2)
+    assert not np.allclose(F.generate_with_prefix(saved, 0, s, w), full, atol=1e-3, rtol=1e-2)
+
+
 def cache_layers(cache) -> list[dict]:
     """Every cache layer's arrays of an unbatched segment, pre layers then passes."""
     return [cache.layer(i) for i in range(cache.n_layers)]

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 import tinyloop_jax as tl
 from tinyloop_jax import cache as kvc, functional as F, quant
-from conftest import prompt_of, tiny_config
+from conftest import check_position_reset_fails, prompt_of, tiny_config
 
 CLOSE = dict(atol=1e-3, rtol=1e-2)
 QUANTIZED = ["int8", "int4", "fp16-h", "int8-h", "int4-h"]  # fp16/fp32 are covered in test_prefix
@@ -50,13 +50,7 @@ def test_h_mode_call_scoped_rebuild_matches_step_by_step(mode_models, mode, wind
 
 @pytest.mark.parametrize("mode", QUANTIZED)
 def test_position_reset_is_detected_every_mode(mode_models, mode):
-    model = mode_models[mode]
-    w = model.weights
-    p, s = prompt_of(24, seed=1), prompt_of(5, seed=2)
-    saved = F.save_prefix_cache(p, w)
-    full = model.next_token_logits(np.concatenate([p, s]))
-    np.testing.assert_allclose(F.generate_with_prefix(saved, len(p), s, w), full, **CLOSE)
-    assert not np.allclose(F.generate_with_prefix(saved, 0, s, w), full, **CLOSE)
+    check_position_reset_fails(mode_models[mode])
 
 
 @pytest.mark.parametrize("mode", QUANTIZED)

@@ -66,3 +66,20 @@ def test_load_detects_corrupted_weights(models, tmp_path):
     flip_a_byte(tmp_path / "m" / "arrays")
     with pytest.raises(RuntimeError, match="corrupted"):
         tl.Model.load(tmp_path / "m")
+
+
+def test_checkpoints_from_before_the_llama_family_load_unchanged():
+    """The bundled checkpoint and the GPT-2 folder, saved before loop stacks and Llama blocks
+    existed: same fingerprint (config description + every weight) and the same greedy output as
+    the code before that change gave (recorded on commit ee51fae)."""
+    from tinyloop_jax.cli import BUNDLED, QUESTIONS, SYSTEM_PROMPT
+    bundled = tl.Model.load(BUNDLED)
+    assert bundled.fingerprint == "c7c5d1fc0f6aa9b4cef02932f706990632592fdba592d7943e1932fa4a0a67bf"
+    tok = tl.ByteTokenizer()
+    p = tok.encode(SYSTEM_PROMPT + QUESTIONS[0])
+    assert tok.decode(bundled.generate(p, max_tokens=60)[len(p):]) == (
+        "A function of the statement the same is a statement the same")
+    gpt2 = tl.Model.from_hf_gpt2(os.path.join(os.path.dirname(__file__), "data", "gpt2-tiny"), kv_mode="fp32")
+    assert gpt2.fingerprint == "02f3a81697244ad90228af1a31f9415c91ec312ba378d166fb21d17729c13db6"
+    q = list(range(5, 40, 3))
+    assert gpt2.generate(q, max_tokens=12)[len(q):] == [446, 520, 520, 520, 520, 520, 520, 520, 895, 245, 245, 245]

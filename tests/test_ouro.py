@@ -15,7 +15,7 @@ import tinyloop_jax as tl
 from tinyloop_jax import functional as F
 from tinyloop_jax import transformer as tf
 from tinyloop_jax.prefix import tree_equal
-from conftest import ouro_model, prompt_of
+from conftest import check_position_reset_fails, ouro_model, prompt_of
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "ouro-tiny")
 PARITY = dict(atol=1e-4, rtol=0)  # the issue's bound: max |dlogit| <= 1e-4 in float32
@@ -154,13 +154,7 @@ def test_reuse_equals_recompute_every_mode(mode, window):
 @pytest.mark.parametrize("mode", ["fp32", "int4-h"])
 def test_position_reset_is_detected(mode):
     """With RoPE the reset changes the rotation of the suffix's queries and keys (and the mask)."""
-    model = ouro_model(mode)
-    w = model.weights
-    p, s = prompt_of(24, seed=1), prompt_of(5, seed=2)
-    saved = F.save_prefix_cache(p, w)
-    full = model.next_token_logits(np.concatenate([p, s]))
-    np.testing.assert_allclose(F.generate_with_prefix(saved, len(p), s, w), full, **CLOSE)
-    assert not np.allclose(F.generate_with_prefix(saved, 0, s, w), full, **CLOSE)
+    check_position_reset_fails(ouro_model(mode))
 
 
 def test_rotation_alone_is_load_bearing():

@@ -141,9 +141,9 @@ class Tensors:
             raise ValueError(f"tensor {name!r} has shape {self.shape(name)}; config.json implies {tuple(shape)}")
         a = self._files[self.where[name]].get_tensor(name).astype(dtype)
         self.used.add(name)
-        if self.progress:
-            print(f"\rloading {self.path}: {len(self.used)}/{len(self.where)} tensors", end="", file=sys.stderr,
-                  flush=True)
+        n, total = len(self.used), len(self.where)
+        if self.progress and (n == total or n % max(1, total // 20) == 0):  # about 20 updates
+            print(f"\rloading {self.path}: {n}/{total} tensors", end="", file=sys.stderr, flush=True)
         return a.T if transpose else a
 
     def unused(self) -> list[str]:
