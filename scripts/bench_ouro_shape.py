@@ -2,6 +2,7 @@
 
     python scripts/bench_ouro_shape.py             # ~10 min and ~12 GB of RAM on 2 CPUs
     python scripts/bench_ouro_shape.py --quick     # a small stand-in, nothing written
+    python scripts/bench_ouro_shape.py --dtype bfloat16 --modes fp16,int4 --section bench_ouro_shape_gpu  # a GPU
 
 Shape of Ouro-1.4B (its config.json): hidden 2048, 24 layers looped 4 times (96 cache layers),
 16 heads of 128 (no grouping), intermediate 5632, vocab 49152, untied head. Reported:
@@ -43,10 +44,12 @@ def main():
     ap.add_argument("--modes", default="fp16", help="KV modes to time decode in")
     ap.add_argument("--prefix", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", help="weights and compute: float32 | bfloat16")
+    ap.add_argument("--section", default="bench_ouro_shape", help="docs section to write")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     shape = QUICK if args.quick else OURO_1_4B
-    base = tl.ModelConfig(**shape, kv_mode="fp16")
+    base = tl.ModelConfig(**shape, kv_mode="fp16", dtype=args.dtype)
     L = base.n_cache_layers(base.default_loops)
 
     lines = [f"Command: `{_report.command()}`  ", f"Machine: {_report.machine()}  ",
@@ -67,7 +70,9 @@ def main():
     print(f"random weights in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     n_weights = sum(a.size for a in jax.tree.leaves(params))
     stack = sum(a.size for a in jax.tree.leaves(params.loop))
-    lines += ["", f"Weights: {n_weights / 1e9:.2f} B parameters, float32 ({n_weights * 4 / 2**30:.1f} GiB); "
+    item = base.compute_dtype.itemsize
+    lines += ["", f"Weights: {n_weights / 1e9:.2f} B parameters, {args.dtype} ({n_weights * item / 2**30:.1f} GiB) on "
+              f"{jax.devices()[0].device_kind}; "
               f"GEMV bandwidth {bw / 1e9:.1f} GB/s.", "",
               "| kv_mode | first generate call, s | XLA compile s | decode tok/s | bound tok/s | share of bound |",
               "|---|---|---|---|---|---|"]
@@ -83,14 +88,14 @@ def main():
         t9 = _report.median_time(lambda: model.generate_from_prefix_cache(p, max_tokens=9), repeats=args.repeats)
         tok_s = 8 / (t9 - t1)
         kv = model.cache_nbytes(args.prefix + 5)
-        step_bytes = (stack * base.default_loops + params.head.size + params.lnf_g.size) * 4 + kv
+        step_bytes = (stack * base.default_loops + params.head.size + params.lnf_g.size) * item + kv
         bound = bw / step_bytes
         lines.append(f"| {mode} | {first:.1f} | {comp:.1f} | {tok_s:.3f} | {bound:.3f} | {tok_s / bound:.0%} |")
         print(lines[-1], flush=True)
     text = "\n".join(lines)
     print(text)
     if not args.quick:
-        _report.write_section("bench_ouro_shape", text)
+        _report.write_section(args.section, text)
 
 
 if __name__ == "__main__":

@@ -27,11 +27,12 @@ from tinyloop_jax import int4_attention as ia  # noqa: E402
 from tinyloop_jax import quant  # noqa: E402
 
 
-def segment(key, H, C, hd, n_valid):
+def segment(key, H, C, hd, n_valid, KV=None):
+    """A query for H heads and packed K/V of KV heads (grouped-query attention when KV < H)."""
     kk, kv, kq = jax.random.split(key, 3)
 
     def packed(k):
-        q, s = quant.quantize(jax.random.normal(k, (H, C, hd), jnp.float32), 4, hd)
+        q, s = quant.quantize(jax.random.normal(k, (KV or H, C, hd), jnp.float32), 4, hd)
         return quant.pack_int4(q), s
     k, ks = packed(kk)
     v, vs = packed(kv)
@@ -50,18 +51,20 @@ def main():
     if backend != "gpu" and not args.interpret:
         sys.exit(f"backend is {backend!r}: this check needs a GPU (or --interpret to run the kernel interpreted)")
 
-    shapes = [(4, 100, 32, 77, 0), (4, 256, 32, 256, 17)] if args.quick else [
-        (12, 1024, 64, 1000, 0),       # GPT-2-small heads
-        (16, 1024, 128, 1000, 0),      # the seed's D = 2048
-        (16, 8192, 128, 8000, 0),
-        (16, 32768, 128, 32000, 0),
-        (16, 32768, 128, 32000, 4096),  # sliding window
+    # (query heads, KV heads, slots, head_dim, valid slots, window)
+    shapes = [(4, 4, 100, 32, 77, 0), (4, 4, 256, 32, 256, 17), (4, 2, 100, 32, 77, 0)] if args.quick else [
+        (12, 12, 1024, 64, 1000, 0),       # GPT-2-small heads
+        (16, 16, 1024, 128, 1000, 0),      # the seed's D = 2048; Ouro-1.4B's heads
+        (16, 16, 8192, 128, 8000, 0),
+        (16, 16, 32768, 128, 32000, 0),
+        (16, 16, 32768, 128, 32000, 4096),  # sliding window
+        (32, 8, 8192, 128, 8000, 0),       # grouped-query attention (Llama-3-8B's heads)
     ]
     repeats = 3 if args.quick else 50
     ref = jax.jit(ia.int4_attention_ref, static_argnames=("window",))
     rows = []
-    for i, (H, C, hd, n, window) in enumerate(shapes):
-        a = segment(jax.random.key(i), H, C, hd, n)
+    for i, (H, KV, C, hd, n, window) in enumerate(shapes):
+        a = segment(jax.random.key(i), H, C, hd, n, KV)
         kern = jax.jit(functools.partial(ia.int4_attention_pallas, window=window, interpret=args.interpret))
         r = ref(*a, window=window)
         o, _, l = kern(*a)
@@ -70,7 +73,8 @@ def main():
         t_k = _report.median_time(lambda: jax.block_until_ready(kern(*a)), repeats)  # noqa: B023
         t_r = _report.median_time(lambda: jax.block_until_ready(ref(*a, window=window)), repeats)  # noqa: B023
         packed = sum(int(x.nbytes) for x in a[2:6])
-        rows.append(f"| {H} | {C} | {hd} | {window} | {packed / 2**20:.2f} | {err:.1e} | {t_k * 1e6:.1f} | "
+        heads = str(H) if KV == H else f"{H}/{KV}"
+        rows.append(f"| {heads} | {C} | {hd} | {window} | {packed / 2**20:.2f} | {err:.1e} | {t_k * 1e6:.1f} | "
                     f"{t_r * 1e6:.1f} | {t_r / t_k:.2f}x |")
         if err > 1e-4:
             print("\n".join(rows))
@@ -82,7 +86,7 @@ def main():
         f"`{_report.command()}` on {dev} ({_report.machine()}){' — kernel INTERPRETED' if args.interpret else ''}. "
         f"Median of {repeats} calls; one query token per head.",
         "",
-        "| heads | slots | head_dim | window | packed K/V MiB | max abs err | kernel µs | dequant+attend µs "
+        "| heads (q/kv) | slots | head_dim | window | packed K/V MiB | max abs err | kernel µs | dequant+attend µs "
         "| speedup |",
         "|---|---|---|---|---|---|---|---|---|",
         *rows,
