@@ -66,7 +66,7 @@ def test_hf_tokenizer_round_trip(tmp_path):
 
 def test_cli_on_hugging_face_folders(tmp_path, capsys):
     from test_bundled_and_cli import tinyloop
-    for name in ("llama-tiny", "ouro-tiny"):
+    for name in ("gpt2-tiny", "llama-tiny", "ouro-tiny"):
         d = hf_folder(tmp_path, name)
         r = tinyloop(capsys, "generate", "--model", d, "--max-tokens", "6", "the while statement")
         assert r.returncode == 0, r.stderr
