@@ -11,7 +11,8 @@ ours, so every tensor maps one to one:
                                     h.{i}.mlp.c_fc.{weight,bias} [D, F]     -> w_fc, b_fc
                                     h.{i}.mlp.c_proj.{weight,bias} [F, D]   -> w_proj, b_proj
 
-Read with `safetensors.numpy` (no torch). Anything that does not fit is a ValueError naming it.
+Read tensor by tensor with `safetensors` (no torch; one file or shards). Anything that does not
+fit is a ValueError naming it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .params import BlockParams, Params
+from .safetensors_io import Tensors
 
 _BLOCK = {  # our field -> (HF name inside h.{i}., shape as a function of (D, F))
     "ln1_g": ("ln_1.weight", lambda D, F: (D,)), "ln1_b": ("ln_1.bias", lambda D, F: (D,)),
@@ -69,50 +71,29 @@ def read_config(path: str, kv_mode: str | None = None) -> ModelConfig:
                        layer_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
 
 
-def read_tensors(path: str) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    st = os.path.join(path, "model.safetensors")
-    if not os.path.isfile(st):
-        raise ValueError(f"{path!r} has no model.safetensors (sharded or .bin checkpoints are not supported)")
-    try:
-        raw = load_file(st)
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-        raise ValueError(f"cannot read {st}: {e}") from e
-    # GPT2LMHeadModel saves "transformer."-prefixed names; the bare GPT2Model does not.
-    return {k.removeprefix("transformer."): v for k, v in raw.items()}
-
-
 def load(path: str, kv_mode: str | None = None) -> tuple[Params, ModelConfig]:
-    """A Hugging Face GPT-2 folder -> (float32 Params, ModelConfig)."""
+    """A Hugging Face GPT-2 folder -> (float32 Params, ModelConfig), read tensor by tensor."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"{path!r} is not a folder")
     cfg = read_config(path, kv_mode)
-    tensors = read_tensors(path)
-    D, F = cfg.d_model, cfg.d_model * cfg.mlp_ratio
-    used = set()
-
-    def take(name: str, shape: tuple) -> np.ndarray:
-        if name not in tensors:
-            raise ValueError(f"tensor {name!r} is missing from {path}/model.safetensors")
-        a = tensors[name]
-        if tuple(a.shape) != shape:
-            raise ValueError(f"tensor {name!r} has shape {tuple(a.shape)}; config.json implies {shape}")
-        used.add(name)
-        return np.asarray(a, np.float32)
+    # GPT2LMHeadModel saves "transformer."-prefixed names; the bare GPT2Model does not.
+    tensors = Tensors(path, strip="transformer.")
+    D, F = cfg.d_model, cfg.intermediate_size
+    take = lambda name, shape: np.asarray(tensors.take(name, shape, np.float32))  # noqa: E731
 
     blocks = [BlockParams(**{f: take(f"h.{i}.{hf}", shape(D, F)) for f, (hf, shape) in _BLOCK.items()})
               for i in range(cfg.n_pre_blocks + 1)]
     wte = take("wte.weight", (cfg.vocab_size, D))
     params = Params(wte=wte, wpe=take("wpe.weight", (cfg.max_seq_len, D)), pre=tuple(blocks[:-1]),
                     loop=(blocks[-1],), lnf_g=take("ln_f.weight", (D,)), lnf_b=take("ln_f.bias", (D,)))
-    if "lm_head.weight" in tensors:  # only a tied head (a copy of wte) is supported
-        head = tensors["lm_head.weight"]
-        if head.shape != wte.shape or not np.array_equal(np.asarray(head, np.float32), wte):
+    if "lm_head.weight" in tensors.where:  # only a tied head (a copy of wte) is supported
+        head = np.asarray(tensors.read("lm_head.weight", np.float32))
+        if head.shape != wte.shape or not np.array_equal(head, wte):
             raise ValueError("tensor 'lm_head.weight' differs from 'wte.weight': untied LM heads are not supported")
-        used.add("lm_head.weight")
-    extra = sorted(k for k in tensors if k not in used and not k.endswith(_BUFFERS))
+        tensors.used.add("lm_head.weight")
+    tensors.done()
+    extra = tensors.unused(ignore=_BUFFERS)
     if extra:
-        raise ValueError(f"unexpected tensors in {path}/model.safetensors (not GPT-2?): {', '.join(extra[:5])}")
+        raise ValueError(f"unexpected tensors in {path} (not GPT-2?): {', '.join(extra[:5])}")
     return params, cfg

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +35,7 @@ import numpy as np
 from . import hf_gpt2
 from .config import ModelConfig
 from .params import LlamaBlock, Params
+from .safetensors_io import Tensors
 
 MODEL_TYPES = ("gpt2", "llama", "ouro")
 
@@ -100,56 +100,6 @@ def llama_config(hf: dict, kv_mode: str | None, dtype: str) -> ModelConfig:
                        early_exit_threshold=None if thr is None else float(thr), **common)
 
 
-class Tensors:
-    """The tensors of a folder's safetensors file(s), read one at a time (sharded folders via
-    model.safetensors.index.json). `take` marks a tensor used; `unused` lists the rest."""
-
-    def __init__(self, path: str, progress: bool | None = None):
-        from safetensors import safe_open
-
-        index = os.path.join(path, "model.safetensors.index.json")
-        single = os.path.join(path, "model.safetensors")
-        if os.path.isfile(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        elif os.path.isfile(single):
-            files = ["model.safetensors"]
-        else:
-            raise ValueError(f"{path!r} has no model.safetensors or model.safetensors.index.json")
-        self.where, self._files = {}, {}
-        for name in files:
-            full = os.path.join(path, name)
-            if not os.path.isfile(full):
-                raise ValueError(f"{full} is listed in the index but missing")
-            try:
-                self._files[name] = safe_open(full, framework="flax")
-            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-                raise ValueError(f"cannot read {full}: {e}") from e
-            self.where.update({k: name for k in self._files[name].keys()})
-        self.path, self.used = path, set()
-        size = sum(os.path.getsize(os.path.join(path, n)) for n in files)
-        self.progress = size > 256 * 2**20 if progress is None else progress
-
-    def shape(self, name: str) -> tuple:
-        return tuple(self._files[self.where[name]].get_slice(name).get_shape())
-
-    def take(self, name: str, shape: tuple, dtype, transpose: bool = False) -> jax.Array:
-        """Tensor `name`, checked against `shape` (as stored), cast, transposed if asked."""
-        if name not in self.where:
-            raise ValueError(f"tensor {name!r} is missing from {self.path}")
-        if self.shape(name) != tuple(shape):
-            raise ValueError(f"tensor {name!r} has shape {self.shape(name)}; config.json implies {tuple(shape)}")
-        a = self._files[self.where[name]].get_tensor(name).astype(dtype)
-        self.used.add(name)
-        n, total = len(self.used), len(self.where)
-        if self.progress and (n == total or n % max(1, total // 20) == 0):  # about 20 updates
-            print(f"\rloading {self.path}: {n}/{total} tensors", end="", file=sys.stderr, flush=True)
-        return a.T if transpose else a
-
-    def unused(self) -> list[str]:
-        return sorted(k for k in self.where if k not in self.used and not k.endswith("rotary_emb.inv_freq"))
-
-
 def load_llama(path: str, cfg: ModelConfig, tensors: Tensors) -> Params:
     dt, D, F = cfg.compute_dtype, cfg.d_model, cfg.intermediate_size
     qd, kd = cfg.q_dim, cfg.kv_dim
@@ -187,8 +137,7 @@ def load_llama(path: str, cfg: ModelConfig, tensors: Tensors) -> Params:
     params = Params(wte=wte, wpe=None, pre=tuple(blocks[:cfg.n_pre_blocks]), loop=tuple(blocks[cfg.n_pre_blocks:]),
                     lnf_g=tensors.take("model.norm.weight", (D,), dt), lnf_b=None, head=head, gate_w=gate_w,
                     gate_b=gate_b)
-    if tensors.progress:
-        print(file=sys.stderr)
+    tensors.done()
     extra = tensors.unused()
     if extra:
         raise ValueError(f"unexpected tensors in {path} (not a {cfg.block} / this config?): {', '.join(extra[:5])}")
