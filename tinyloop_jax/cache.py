@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from .kv_modes import layer_nbytes, layer_shapes
+from . import sharding
+from .kv_modes import layer_nbytes, layer_shapes, split_mode
 
 
 @struct.dataclass
@@ -139,22 +140,32 @@ def check_fits(need: int, what: str) -> None:
 
 
 def empty(kv_mode: str, n_pre: int, passes: int, n_kv_heads: int, capacity: int, head_dim: int,
-          batch: int | None = None, loop_blocks: int = 1, d_model: int | None = None, n_post: int = 0) -> KVCache:
+          batch: int | None = None, loop_blocks: int = 1, d_model: int | None = None, n_post: int = 0,
+          mesh=None) -> KVCache:
     """A fresh segment of n_pre pre layers, `passes` passes of `loop_blocks` layers and n_post
-    coda layers (with `batch`: one per request, every array with a leading request axis). Out
-    of memory is a RuntimeError."""
+    coda layers (with `batch`: one per request, every array with a leading request axis). With
+    a mesh, every array is allocated in its shards (`sharding.cache_spec`). Out of memory is a
+    RuntimeError."""
     lead = () if batch is None else (batch,)
     d_model = n_kv_heads * head_dim if d_model is None else d_model
     layers = n_pre + passes * loop_blocks + n_post
     check_fits(cache_nbytes(kv_mode, layers, n_kv_heads, capacity, head_dim, d_model) * (batch or 1),
                f"a KV cache of {layers} layers x {capacity} slots ({kv_mode})")
     shapes = layer_shapes(kv_mode, n_kv_heads, capacity, head_dim, d_model)
+    heads = not split_mode(kv_mode)[1]  # h modes store h [1, C, D]: no head axis to split
+
+    def zeros(shape, dtype, head_axis=None, fill=0):
+        if mesh is None:
+            return jnp.full(shape, fill, dtype)
+        spec = sharding.cache_spec(shape, batch is not None, head_axis if heads else None, mesh)
+        return sharding.zeros(shape, dtype, spec, mesh, fill)
+
     try:
-        pre = tuple({n: jnp.zeros(lead + s, d) for n, (s, d) in shapes.items()} for _ in range(n_pre))
-        loop = {n: jnp.zeros(lead + (passes, loop_blocks) + s, d) for n, (s, d) in shapes.items()}
-        post = tuple({n: jnp.zeros(lead + s, d) for n, (s, d) in shapes.items()} for _ in range(n_post))
-        return KVCache(pre=pre, loop=loop, pos=jnp.full(lead + (capacity,), -1, jnp.int32),
-                       length=jnp.zeros(lead, jnp.int32), kv_mode=kv_mode, post=post)
+        layer = lambda: {n: zeros(lead + s, d, len(lead)) for n, (s, d) in shapes.items()}  # noqa: E731
+        loop = {n: zeros(lead + (passes, loop_blocks) + s, d, len(lead) + 2) for n, (s, d) in shapes.items()}
+        return KVCache(pre=tuple(layer() for _ in range(n_pre)), loop=loop, pos=zeros(lead + (capacity,), jnp.int32,
+                                                                                       fill=-1),
+                       length=zeros(lead, jnp.int32), kv_mode=kv_mode, post=tuple(layer() for _ in range(n_post)))
     except Exception as e:  # noqa: BLE001 - XLA reports OOM as a generic runtime error
         if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
             raise RuntimeError(f"out of memory while allocating a KV cache: {e}") from e

@@ -12,7 +12,7 @@ KV_MODES = ("fp16", "fp32", "int8", "int4", "fp16-h", "int8-h", "int4-h")
 INT4_ATTENTION = ("pallas", "interpret", "jnp")
 # Fields that say how this process runs the model, not what the model is: not saved with
 # checkpoints and not part of the model fingerprint.
-RUNTIME_FIELDS = ("int4_attention",)
+RUNTIME_FIELDS = ("int4_attention", "mesh")
 BLOCKS = ("gpt2", "llama")  # GPT-2 (LayerNorm, biases, GELU, learned positions) | Llama (RMSNorm, RoPE, SwiGLU, GQA)
 NORM_PLACEMENTS = ("pre", "sandwich")  # sandwich (Ouro): x += n2(attn(n1 x)); x += n4(mlp(n3 x))
 DTYPES = ("float32", "bfloat16")
@@ -92,6 +92,7 @@ class ModelConfig:
     early_exit_gate: bool = False
     early_exit_step: int | None = None
     early_exit_threshold: float | None = None
+    mesh: object = None  # a ('data', 'model') jax.sharding.Mesh, or None: one device (runtime field)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_heads", "max_seq_len", "mlp_ratio"):
@@ -162,8 +163,8 @@ class ModelConfig:
         before they existed describes (and fingerprints) itself exactly as it did."""
         derived = dict(ARCH_FIELDS, n_kv_heads=self.n_heads, head_dim=self.d_model // self.n_heads,
                        intermediate_size=self.d_model * self.mlp_ratio)
-        return {k: v for k, v in dataclasses.asdict(self).items()
-                if k not in RUNTIME_FIELDS and not (k in derived and v == derived[k])}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: v for k, v in fields.items() if k not in RUNTIME_FIELDS and not (k in derived and v == derived[k])}
 
     @property
     def compute_dtype(self):

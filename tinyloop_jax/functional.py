@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import cache as kvc
-from . import engine, speculative
+from . import engine, sharding, speculative
 from .cache import KVCache
 from .engine import DecodeState
 from .params import Weights
@@ -57,7 +57,7 @@ def empty_cache(weights: Weights, n_tokens: int, loops: int | None = None, cache
     loops = c.default_loops if loops is None else loops
     own = kvc.empty(kv_mode or c.kv_mode, c.n_pre_blocks, loops, c.n_kv_heads,
                     kvc.segment_capacity(n_tokens, cache_window), c.head_dim, batch, c.loop_blocks, c.d_model,
-                    c.n_post_blocks)
+                    c.n_post_blocks, c.mesh)
     return own.replace(length=jnp.full(own.length.shape, start, jnp.int32))
 
 
@@ -143,7 +143,7 @@ def prefix_at_depth(prefix: PrefixCache, loops: int, exit: Exit | None = None) -
                            f"did not keep its loop state; build it with keep_state=True (or rebuild at loops={loops})")
     extra = loops - prefix.cache.passes
     own = kvc.empty(c.kv_mode, 0, extra, c.n_kv_heads, prefix.cache.capacity, c.head_dim,
-                    loop_blocks=c.loop_blocks, d_model=c.d_model, n_post=c.n_post_blocks)
+                    loop_blocks=c.loop_blocks, d_model=c.d_model, n_post=c.n_post_blocks, mesh=c.mesh)
     logits, own, state, states = engine.continue_depth(w.params, c, prefix.state, jnp.int32(len(prefix)), own,
                                                        loops=extra, window=prefix.cache_window)
     states = jnp.concatenate([prefix.depth_states, states])
@@ -183,8 +183,11 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
     (possibly empty when there is a prefix) + up to request.max_tokens new tokens.
 
     loops / cache_window default to the prefix's. Returns the final `DecodeState` (on device):
-    row i emitted tokens[i, :n[i]]."""
+    row i emitted tokens[i, :n[i]] (on a mesh, rows past len(suffixes) are filler)."""
     c = weights.config
+    extra = sharding.rows(c.mesh, len(suffixes)) - len(suffixes)
+    if extra:  # the batch is split over 'data': filler rows that stop after one token
+        suffixes, request = list(suffixes) + [suffixes[-1]] * extra, request.pad(extra)
     loops = (prefix.loops if prefix is not None else c.default_loops) if loops is None else loops
     window = (prefix.cache_window if prefix is not None else 0) if cache_window is None else cache_window
     N, P = len(suffixes), 0 if prefix is None else len(prefix)

@@ -100,8 +100,15 @@ class Weights:
 
     @property
     def fingerprint(self) -> str:
-        """sha256 of the config (kv_mode included) and every weight."""
-        return self.memo.get(lambda: fingerprint(self.params, self.config))
+        """sha256 of the config (kv_mode included) and every weight (in the single-device layout,
+        so a model on a mesh and on one device agree)."""
+        def compute():
+            params = self.params
+            if self.config.mesh is not None:
+                from .sharding import single_layout
+                params = single_layout(params, self.config)
+            return fingerprint(params, self.config)
+        return self.memo.get(compute)
 
 
 def fingerprint(params: Params, config: ModelConfig) -> str:

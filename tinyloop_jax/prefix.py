@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import checkpoint
+from . import checkpoint, sharding
 from . import validation as check
 from .cache import KVCache, first_passes
 from .params import Weights
@@ -60,6 +60,16 @@ class PrefixCache:
         loop state if any; the per-prompt vectors (logits, seen, depth states: a few KiB) are
         not counted."""
         return self.cache.nbytes + (0 if self.state is None else int(self.state.nbytes))
+
+    @property
+    def nbytes_per_device(self) -> int:
+        """`nbytes` on the device that holds the most of it (on a mesh the K/V are split over
+        'model'; on one device this is `nbytes`)."""
+        per: dict = {}
+        for a in jax.tree.leaves(self.cache) + ([] if self.state is None else [self.state]):
+            for s in a.addressable_shards:
+                per[s.device] = per.get(s.device, 0) + int(s.data.nbytes)
+        return max(per.values())
 
     @property
     def keeps_state(self) -> bool:
@@ -120,6 +130,8 @@ class PrefixCache:
                         kv_mode=meta["kv_mode"],
                         post=tuple({n: jnp.asarray(a) for n, a in field(f"cache.post.{j}").items()}
                                    for j in range(int(meta.get("n_post", 0)))))
+        if weights.config.mesh is not None:  # saved from anywhere: placed on this model's mesh
+            cache = sharding.place_cache(cache, weights.config.mesh)
         prompt = arrays["prompt"].copy()
         if int(cache.length) != len(prompt) or int(meta["prompt_len"]) != len(prompt):
             raise RuntimeError(f"{path}: cache length {int(cache.length)} disagrees with prompt length {len(prompt)}")

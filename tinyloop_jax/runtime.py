@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import cache as kvc
-from . import checkpoint, engine, hf_gpt2, hf_import
+from . import checkpoint, engine, hf_gpt2, hf_import, sharding
 from . import functional as F
 from . import validation as check
 from .config import ModelConfig, check_kv_mode
@@ -34,18 +34,25 @@ class Model:
     True
     """
 
-    def __init__(self, params: Params, config: ModelConfig):
+    def __init__(self, params: Params, config: ModelConfig, mesh=None):
+        """params in the single-device layout; with `mesh` (a ('data', 'model') Mesh, see
+        `sharding`) they are placed on it and every call runs on it."""
         check_shapes(params, config)
         dt = config.compute_dtype
-        self._weights: Weights | None = Weights.create(jax.tree.map(lambda a: jnp.asarray(a, dt), params), config)
+        params = jax.tree.map(lambda a: jnp.asarray(a, dt), params)
+        if mesh is not None:
+            sharding.check(mesh, config)
+            config = config.replace(mesh=mesh)
+            params = sharding.place_params(params, config, mesh)
+        self._weights: Weights | None = Weights.create(params, config)
         self._config = config
         self.last_speculation: dict | None = None  # rounds / drafted / accepted of the last speculative call
 
     # ---- construction, persistence, lifetime -------------------------------------------------
 
     @classmethod
-    def random(cls, config: ModelConfig, seed: int = 0) -> "Model":
-        return cls(random_params(config, seed), config)
+    def random(cls, config: ModelConfig, seed: int = 0, mesh=None) -> "Model":
+        return cls(random_params(config, seed), config, mesh)
 
     @classmethod
     def from_hf_gpt2(cls, path: str, kv_mode: str | None = None) -> "Model":
@@ -54,27 +61,30 @@ class Model:
         return cls(*hf_gpt2.load(path, kv_mode))
 
     @classmethod
-    def from_pretrained(cls, path: str, kv_mode: str | None = None, dtype: str | None = None) -> "Model":
+    def from_pretrained(cls, path: str, kv_mode: str | None = None, dtype: str | None = None,
+                        mesh=None) -> "Model":
         """A Hugging Face folder (config.json + model.safetensors, or shards with
         model.safetensors.index.json) by its `model_type`: "gpt2", "llama" (n_pre = L - 1, one
         loop block run once) or "ouro" (the whole stack looped `total_ut_steps` times, early-exit
         gate). `dtype` (float32 | bfloat16) defaults to float32 on CPU and bfloat16 on GPU.
         Tensors are read one at a time (no second full copy in host memory). See `hf_import`."""
-        return cls(*hf_import.load(path, kv_mode, dtype))
+        return cls(*hf_import.load(path, kv_mode, dtype), mesh=mesh)
 
     @classmethod
-    def load(cls, path: str, kv_mode: str | None = None) -> "Model":
-        """Load weights + config saved by `save`; `kv_mode` overrides the saved mode."""
+    def load(cls, path: str, kv_mode: str | None = None, mesh=None) -> "Model":
+        """Load weights + config saved by `save`; `kv_mode` overrides the saved mode; `mesh`
+        places them on a ('data', 'model') mesh."""
         arrays, meta = checkpoint.load(path, "model")
         config = ModelConfig.from_dict(meta["config"])
         if kv_mode is not None:
             config = config.replace(kv_mode=check_kv_mode(kv_mode))
-        return cls(unflatten(arrays, config), config)
+        return cls(unflatten(arrays, config), config, mesh)
 
     def save(self, path: str) -> None:
         """Write weights (keyed by tree path) and config to a new folder (orbax), atomically."""
         w = self.weights
-        checkpoint.save(path, "model", checkpoint.flatten(w.params), {"config": w.config.to_dict()})
+        params = w.params if w.config.mesh is None else sharding.single_layout(w.params, w.config)
+        checkpoint.save(path, "model", checkpoint.flatten(params), {"config": w.config.to_dict()})
 
     def close(self) -> None:
         """Release the weights; every later call raises RuntimeError. (Prefixes built by this
@@ -164,11 +174,11 @@ class Model:
 
     def _lists(self, state: DecodeState, heads: list, speculation: F.Speculation | None) -> list[list[int]]:
         """Row i: heads[i] (its prompt) + the tokens it emitted."""
-        tokens, n = np.asarray(state.tokens), np.asarray(state.n)
+        tokens, n = sharding.to_host(state.tokens), sharding.to_host(state.n)
         if speculation is not None:
             rounds = int(state.step)
             self.last_speculation = dict(rounds=rounds, drafted=rounds * speculation.lookahead,
-                                         accepted=int(np.asarray(state.accepted)[0]))
+                                         accepted=int(sharding.to_host(state.accepted)[0]))
         return [list(h) + tokens[i, : n[i]].tolist() for i, h in enumerate(heads)]
 
     # ---- public API --------------------------------------------------------------------------
@@ -184,7 +194,7 @@ class Model:
         self._check_length(len(prompt), "prompt")
         logits, _ = F.prefill(w, prompt, F.empty_cache(w, len(prompt), loops, window), loops=loops,
                               cache_window=window, exit=ex)
-        return np.asarray(logits, np.float32)
+        return sharding.to_host(logits, np.float32)
 
     def generate(self, prompt, max_tokens: int = 32, loops: int | None = None, temperature: float = 0.0,
                  top_k: int = 50, top_p: float = 1.0, cache_window: int = 0, repetition_penalty: float = 1.0,
@@ -295,11 +305,12 @@ class Model:
         self._check_length(len(prefix) + len(suffix), "prefix + suffix")
         if len(suffix) == 0:
             if ex is not None:
-                return np.asarray(engine.prefix_logits(w.params, w.config, prefix.depth_states, loops, ex), np.float32)
-            return np.array(prefix.logits, np.float32)
+                return sharding.to_host(engine.prefix_logits(w.params, w.config, prefix.depth_states, loops, ex),
+                                        np.float32)
+            return sharding.to_host(prefix.logits, np.float32).copy()
         own = F.empty_cache(w, len(suffix), loops, window, start=len(prefix))
         logits, _ = F.prefill(w, suffix, own, (prefix.cache,), loops=loops, cache_window=window, exit=ex)
-        return np.asarray(logits, np.float32)
+        return sharding.to_host(logits, np.float32)
 
 
 class ResumeHandle:
@@ -320,7 +331,7 @@ class ResumeHandle:
 
     @property
     def logits(self) -> np.ndarray:
-        return np.asarray(self.prefix.logits)
+        return sharding.to_host(self.prefix.logits)
 
     def deeper(self, loops: int) -> "ResumeHandle":
         if check.loops(loops) < self.loops:

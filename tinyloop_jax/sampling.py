@@ -69,6 +69,12 @@ class Request:
     def n(self) -> int:
         return int(self.temperature.shape[0])
 
+    def pad(self, k: int) -> "Request":
+        """k more rows (copies of the last) that stop after one token: filler for a batch split
+        over devices."""
+        out = jax.tree.map(lambda a: np.concatenate([np.asarray(a), np.repeat(np.asarray(a)[-1:], k, 0)]), self)
+        return out.replace(max_tokens=np.concatenate([np.asarray(self.max_tokens), np.ones((k,), np.int32)]))
+
     def keys(self, step: jax.Array) -> jax.Array:
         """[N] PRNG keys for loop step `step` (the first token is step 0)."""
         return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), step))(self.seed)

@@ -25,6 +25,7 @@ from collections import OrderedDict
 import numpy as np
 
 from . import functional as F
+from . import sharding
 from . import validation as check
 from .prefix import PrefixCache
 
@@ -91,7 +92,8 @@ class PrefixStore:
             return list(self._entries.values())
 
     def _bytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
+        """What the entries hold per device (`max_bytes` budgets a device; one device: the total)."""
+        return sum(e.nbytes_per_device for e in self._entries.values())
 
     def _match(self, prompt: np.ndarray) -> tuple[int, int | None]:
         """(matched tokens, id of the most recently used entry that holds them)."""
@@ -222,7 +224,7 @@ class PrefixStore:
         if k == n_prompt and len(entry) > k:
             k -= 1
         if self.cache_window > 0 and k > 0:
-            held = set(np.asarray(entry.cache.pos).tolist())
+            held = set(sharding.to_host(entry.cache.pos).tolist())
             if any(p not in held for p in range(max(0, k - self.cache_window), k)):
                 return 0
         return k

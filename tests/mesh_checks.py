@@ -1,0 +1,155 @@
+"""Checks on a ('data', 'model') mesh of fake CPU devices, run by tests/test_mesh.py in a
+subprocess (JAX fixes the device count when it starts). Every check compares with the same
+model on one device; a "donated buffers were not usable" warning is an error. Prints one
+"ok <name>" line per check; exits non-zero on the first failure."""
+
+import os
+import re
+import sys
+import warnings
+from collections import Counter
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import conftest  # noqa: E402,F401  (the suite's XLA flags and compilation cache)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import tinyloop_jax as tl  # noqa: E402
+from tinyloop_jax import engine, sharding  # noqa: E402
+
+warnings.filterwarnings("error", message=".*[Dd]onated.*")
+
+GPT2 = tl.ModelConfig(vocab_size=128, d_model=32, n_heads=4, n_pre_blocks=2, default_loops=3, max_seq_len=128,
+                      kv_mode="fp32")
+OURO = tl.ModelConfig(vocab_size=128, d_model=32, n_heads=8, n_kv_heads=4, n_pre_blocks=0, loop_blocks=2,
+                      default_loops=3, max_seq_len=128, block="llama", norm_placement="sandwich", pass_norm=True,
+                      early_exit_gate=True, tie_embeddings=False, intermediate_size=48, kv_mode="int8")
+PROMPT = (np.arange(20) * 7 % 128).astype(np.int32)
+SUFFIXES = [PROMPT[12:], PROMPT[12:15], []]  # 3 requests: not a multiple of 'data' = 2 or 4
+
+
+def ok(name: str, cond: bool, detail="") -> None:
+    if not cond:
+        print(f"FAIL {name} {detail}", flush=True)
+        sys.exit(1)
+    print(f"ok {name}", flush=True)
+
+
+def same_calls(tag: str, single: tl.Model, m: tl.Model, full: bool) -> None:
+    p = PROMPT
+    ok(f"{tag} generate", m.generate(p, max_tokens=8) == single.generate(p, max_tokens=8))
+    a, b = m.next_token_logits(p), single.next_token_logits(p)
+    ok(f"{tag} logits", np.allclose(a, b, atol=1e-5, rtol=1e-5), np.abs(a - b).max())
+    pm, ps = m.build_prefix_cache(p[:12]), single.build_prefix_cache(p[:12])
+    ok(f"{tag} from prefix", m.generate_from_prefix_cache(pm, suffix=p[12:], max_tokens=8)
+       == single.generate_from_prefix_cache(ps, suffix=p[12:], max_tokens=8))
+    ok(f"{tag} batch of 3", m.generate_batch_from_prefix_cache(pm, SUFFIXES, max_tokens=6)
+       == single.generate_batch_from_prefix_cache(ps, SUFFIXES, max_tokens=6))
+    ok(f"{tag} per-device bytes", pm.nbytes_per_device < pm.nbytes or sharding.size(m.weights.config.mesh,
+                                                                                      "model") == 1)
+    if not full:
+        return
+    ok(f"{tag} speculative", m.generate(p, max_tokens=8, draft_loops=1, lookahead=2)
+       == single.generate(p, max_tokens=8))
+    ok(f"{tag} sampled", m.generate(p, max_tokens=8, temperature=0.8, seed=3)
+       == single.generate(p, max_tokens=8, temperature=0.8, seed=3))
+    store, q = tl.PrefixStore(m), np.concatenate([p, [1, 2, 3]])
+    ok(f"{tag} store", store.generate(q, max_tokens=5) == single.generate(q, max_tokens=5)
+       and store.generate(q[:-1], max_tokens=5) == single.generate(q[:-1], max_tokens=5))
+    deep = m.build_prefix_cache(p, keep_state=True)
+    ok(f"{tag} at_depth", m.generate_from_prefix_cache(deep.at_depth(2), max_tokens=5)
+       == single.generate(p, loops=2, max_tokens=5))
+
+
+def shards(tag: str, m: tl.Model) -> None:
+    """Per-device shapes are what the layout says."""
+    c, mesh = m.weights.config, m.weights.config.mesh
+    d, md = sharding.size(mesh, "data"), sharding.size(mesh, "model")
+    blk = m.weights.params.loop[0]
+    shard = lambda a: a.addressable_shards[0].data.shape  # noqa: E731
+    if c.block == "gpt2":
+        ok(f"{tag} qkv shard", shard(blk.w_qkv) == (c.d_model, 3, c.n_heads // md, c.head_dim))
+        ok(f"{tag} mlp shard", shard(blk.w_fc) == (c.d_model, c.intermediate_size // md))
+    else:
+        g = c.n_heads // c.n_kv_heads
+        ok(f"{tag} qkv shard", shard(blk.w_qkv) == (c.d_model, c.n_kv_heads // md, g + 2, c.head_dim))
+    ok(f"{tag} wo shard", shard(blk.w_o) == (c.q_dim // md, c.d_model))
+    prefix = m.build_prefix_cache(PROMPT)
+    pre_ok = all(shard(e["k"])[0] == c.n_kv_heads // md for e in prefix.cache.pre)
+    ok(f"{tag} prefix K shard", shard(prefix.cache.loop["k"])[-3] == c.n_kv_heads // md and pre_ok)
+    own = tl.functional.empty_cache(m.weights, 16, batch=8)
+    ok(f"{tag} own K shard", shard(own.loop["k"]) == (8 // d, c.default_loops, c.loop_blocks, c.n_kv_heads // md, 16,
+                                                       c.head_dim))
+
+
+def collectives(tag: str, m: tl.Model) -> None:
+    """The compiled decode loop: at most 2 all-reduces per block in it (+1: the loop's exit test
+    over 'data'), and no all-gather of floating-point data (no weight moves)."""
+    seen = {}
+    real = engine.decode
+
+    def spy(*a, **k):
+        seen["call"] = (a, k)
+        return real(*a, **k)
+    engine.decode = spy
+    try:
+        m.generate(PROMPT[:8], max_tokens=3)
+    finally:
+        engine.decode = real
+    a, k = seen["call"]
+    text = real.lower(*a, **k).compile().as_text()
+    ops = Counter(re.findall(r"= \S+ (all-reduce|all-gather)(?:-start)?\(", text))
+    c = m.weights.config
+    blocks = c.n_pre_blocks + c.loop_blocks + c.n_post_blocks  # the pass body holds the k loop blocks once
+    gathers = [ln for ln in text.splitlines()
+               if re.search(r"all-gather(-start)?\(", ln) and re.search(r"= \(?(f32|bf16|f16)", ln)]
+    ok(f"{tag} collectives {dict(ops)}", ops["all-reduce"] <= 2 * blocks + 1 and not gathers, gathers[:2])
+
+
+def save_load(single: tl.Model, m: tl.Model) -> None:
+    """A prefix saved on the mesh loads on one device and the reverse; a model saved from the
+    mesh loads anywhere with the same fingerprint."""
+    import tempfile
+    p = PROMPT
+    with tempfile.TemporaryDirectory() as d:
+        m.build_prefix_cache(p).save(os.path.join(d, "from_mesh"))
+        single.build_prefix_cache(p).save(os.path.join(d, "from_one"))
+        a = tl.PrefixCache.load(os.path.join(d, "from_mesh"), single)
+        b = tl.PrefixCache.load(os.path.join(d, "from_one"), m)
+        want = single.generate(p, max_tokens=6)
+        ok("prefix saved on the mesh, loaded on one device", single.generate_from_prefix_cache(a, max_tokens=6) == want)
+        ok("prefix saved on one device, loaded on the mesh", m.generate_from_prefix_cache(b, max_tokens=6) == want
+           and b.cache.loop["k"].sharding.spec[2] == "model")
+        m.save(os.path.join(d, "model"))
+        ok("model saved from the mesh", tl.Model.load(os.path.join(d, "model")).fingerprint == single.fingerprint)
+
+
+def main() -> None:
+    shapes = [tuple(int(x) for x in s.split("x")) for s in sys.argv[1:]] or [(1, 4), (2, 4), (4, 2), (8, 1)]
+    assert jax.device_count() == 8, jax.devices()
+    gpt2 = tl.Model.random(GPT2, seed=0)
+    for i, (d, mm) in enumerate(shapes):
+        tag = f"gpt2 {d}x{mm}"
+        m = tl.Model.random(GPT2, seed=0, mesh=sharding.make_mesh(d, mm))
+        ok(f"{tag} fingerprint", m.fingerprint == gpt2.fingerprint)
+        same_calls(tag, gpt2, m, full=i == 1)
+        shards(tag, m)
+        if mm > 1 and d > 1:
+            collectives(tag, m)
+    ouro = tl.Model.random(OURO, seed=0)
+    m = tl.Model.random(OURO, seed=0, mesh=sharding.make_mesh(2, 4))
+    same_calls("ouro 2x4", ouro, m, full=True)
+    shards("ouro 2x4", m)
+    collectives("ouro 2x4", m)
+    save_load(ouro, m)
+    try:
+        tl.Model.random(OURO.replace(n_heads=6, n_kv_heads=3), mesh=sharding.make_mesh(2, 4))
+        ok("indivisible heads", False)
+    except ValueError as e:
+        ok("indivisible heads", "4 devices" in str(e) and "3 key/value heads" in str(e), e)
+
+
+if __name__ == "__main__":
+    main()
