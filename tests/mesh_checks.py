@@ -144,6 +144,13 @@ def main() -> None:
     shards("ouro 2x4", m)
     collectives("ouro 2x4", m)
     save_load(ouro, m)
+    # the int4 Pallas kernel (interpreted here) per device under shard_map over heads
+    kern = tl.Model.random(OURO.replace(kv_mode="int4", int4_attention="interpret"), seed=0,
+                           mesh=sharding.make_mesh(2, 4))
+    ref = tl.Model.random(OURO.replace(kv_mode="int4", int4_attention="jnp"), seed=0)
+    pk, pr = kern.build_prefix_cache(PROMPT[:12]), ref.build_prefix_cache(PROMPT[:12])
+    ok("int4 kernel under shard_map", kern.generate_batch_from_prefix_cache(pk, SUFFIXES, max_tokens=5)
+       == ref.generate_batch_from_prefix_cache(pr, SUFFIXES, max_tokens=5))
     try:
         tl.Model.random(OURO.replace(n_heads=6, n_kv_heads=3), mesh=sharding.make_mesh(2, 4))
         ok("indivisible heads", False)

@@ -15,10 +15,12 @@ program's size does not depend on the depth.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from . import cache as kvc
 from . import int4_attention as i4
@@ -246,8 +248,8 @@ def block(x: jax.Array, blk, cfg: ModelConfig, chunk: Chunk, ro: list, own: KVCa
         segs = ro + [Layer(kvc.read(store, index), kvc.write_positions(own.pos, chunk.q_pos, chunk.slots),
                            own.kv_mode)]
         if all(s.kv_mode == "int4" for s in segs):
-            return block_out(x, attention_int4_decode(q, chunk.q_pos, segs, window, cfg.int4_attention), blk,
-                             cfg), store
+            return block_out(x, attention_int4_decode(q, chunk.q_pos, segs, window, cfg.int4_attention, cfg.mesh),
+                             blk, cfg), store
         kvs = [(*read_kv(cfg, s.stored, blk, s.kv_mode, s.key_pos), s.key_pos) for s in segs]
     else:
         # Prefill: the chunk attends to itself directly (it may be longer than a window's ring
@@ -259,12 +261,18 @@ def block(x: jax.Array, blk, cfg: ModelConfig, chunk: Chunk, ro: list, own: KVCa
     return block_out(x, attention(q.astype(jnp.float32), chunk.q_pos, kvs, window), blk, cfg), store
 
 
-def attention_int4_decode(q: jax.Array, q_pos: jax.Array, segs: list, window: int, impl: str) -> jax.Array:
+def attention_int4_decode(q: jax.Array, q_pos: jax.Array, segs: list, window: int, impl: str,
+                          mesh=None) -> jax.Array:
     """Decode (T = 1) attention over int4 segments read packed: one partial softmax per segment
-    (the Pallas kernel on GPU), merged by log-sum-exp."""
+    (the Pallas kernel on GPU), merged by log-sum-exp. On a mesh the kernel runs per device under
+    `shard_map` over heads (XLA cannot split a custom kernel itself)."""
     qs = q[:, 0].astype(jnp.float32) * q.shape[-1] ** -0.5
-    parts = [i4.int4_attention(qs, q_pos[0], s.stored["k"], s.stored["ks"], s.stored["v"], s.stored["vs"], s.key_pos,
-                               window=window, impl=impl) for s in segs]
+    f = partial(i4.int4_attention, window=window, impl=impl)
+    if mesh is not None and impl != "jnp":
+        heads, rep = P("model"), P()
+        f = jax.shard_map(f, mesh=mesh, in_specs=(heads, rep, heads, heads, heads, heads, rep),
+                          out_specs=(heads, heads, heads), check_vma=False)
+    parts = [f(qs, q_pos[0], s.stored["k"], s.stored["ks"], s.stored["v"], s.stored["vs"], s.key_pos) for s in segs]
     return normalize(parts)[:, None]
 
 
