@@ -78,15 +78,23 @@ def _map_blocks(params: Params, f) -> Params:
                           post=tuple(map(f, params.post)))
 
 
+def _vocab_rows(cfg: ModelConfig, m: int) -> int:
+    return -(-cfg.vocab_size // m) * m
+
+
 def mesh_layout(params: Params, cfg: ModelConfig) -> Params:
-    """Single-device weights -> the mesh view of the fused projections."""
+    """Single-device weights -> the mesh view of the fused projections, the embedding and head
+    padded with zero rows to a multiple of 'model' (split by vocabulary; the logits of the
+    padding ids are cut off in `transformer.lm_head`)."""
     def blk(b):
         b = b.replace(w_qkv=_qkv_view(cfg, b.w_qkv),
                       b_qkv=None if b.b_qkv is None else _qkv_view(cfg, b.b_qkv))
         if isinstance(b, LlamaBlock):
             b = b.replace(w_gate_up=b.w_gate_up.reshape(b.w_gate_up.shape[0], 2, -1))
         return b
-    return _map_blocks(params, blk)
+    pad = _vocab_rows(cfg, size(cfg.mesh, MODEL)) - cfg.vocab_size
+    rows = lambda a: None if a is None else jnp.pad(a, ((0, pad), (0, 0)))  # noqa: E731
+    return _map_blocks(params, blk).replace(wte=rows(params.wte), head=rows(params.head))
 
 
 def single_layout(params: Params, cfg: ModelConfig) -> Params:
@@ -96,7 +104,8 @@ def single_layout(params: Params, cfg: ModelConfig) -> Params:
         if isinstance(b, LlamaBlock):
             b = b.replace(w_gate_up=b.w_gate_up.reshape(b.w_gate_up.shape[0], -1))
         return b
-    return _map_blocks(params, blk)
+    cut = lambda a: None if a is None else a[:cfg.vocab_size]  # noqa: E731
+    return _map_blocks(params, blk).replace(wte=cut(params.wte), head=cut(params.head))
 
 
 def param_specs(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
@@ -111,13 +120,13 @@ def param_specs(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
         return rep.replace(w_qkv=P(None, MODEL), b_qkv=None if b.b_qkv is None else P(MODEL), w_o=P(MODEL),
                            w_gate_up=P(None, None, width), w_down=P(width))
 
-    specs = jax.tree.map(lambda a: P(), params)
+    specs = jax.tree.map(lambda a: P(), params).replace(wte=P(MODEL), head=None if params.head is None else P(MODEL))
     return specs.replace(pre=tuple(map(blk, params.pre)), loop=tuple(map(blk, params.loop)),
                          post=tuple(map(blk, params.post)))
 
 
 def place_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
-    """Single-device weights -> mesh-layout weights placed with `param_specs`."""
+    """Single-device weights -> mesh-layout weights placed with `param_specs` (cfg.mesh = mesh)."""
     params = mesh_layout(params, cfg)
     specs = param_specs(params, cfg, mesh)
     return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)

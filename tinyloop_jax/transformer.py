@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import cache as kvc
@@ -79,7 +80,13 @@ def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     if not cfg.pass_norm:
         x = final_norm(params, cfg, x)
     w = params.wte if params.head is None else params.head
-    return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
+    if cfg.mesh is not None:  # computed where the vocabulary-split head is, then gathered once: no
+        # collectives in sampling, and the head's weights never move
+        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(cfg.mesh, P(*[None] * (logits.ndim - 1),
+                                                                                      "model")))
+        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(cfg.mesh, P()))
+    return logits if w.shape[0] == cfg.vocab_size else logits[..., :cfg.vocab_size]  # a mesh's vocabulary padding
 
 
 def _heads(a: jax.Array, n: int) -> jax.Array:

@@ -1,0 +1,147 @@
+"""Bytes per device and collectives per decode step on meshes of 1, 2, 4 and 8 devices.
+
+    python scripts/bench_mesh.py            # GPT-2-small and Ouro-1.4B shapes, ~5 min on 2 CPUs
+    python scripts/bench_mesh.py --quick    # tiny shapes, nothing written
+
+Runs with 8 fake CPU devices (set before JAX starts). Nothing is allocated at full size: the
+weights, a shared prefix and the requests' own segments are abstract arrays with the shardings
+`tinyloop_jax.sharding` gives them, the decode loop (`engine.decode`) is compiled for them, and
+per-device bytes come from the shard shapes and the compiled program's `memory_analysis()`.
+Collectives are counted in the compiled HLO. Fake devices share 2 cores, so no speed is claimed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections import Counter
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _report  # noqa: E402
+
+import tinyloop_jax as tl  # noqa: E402
+from tinyloop_jax import engine, sharding  # noqa: E402
+from tinyloop_jax.cache import KVCache  # noqa: E402
+from tinyloop_jax.kv_modes import layer_shapes, split_mode  # noqa: E402
+from tinyloop_jax.params import Shape, param_shapes  # noqa: E402
+from tinyloop_jax.sampling import Request  # noqa: E402
+
+GPT2_SMALL = dict(vocab_size=50257, d_model=768, n_heads=12, n_pre_blocks=11, default_loops=1, max_seq_len=1024)
+OURO_1_4B = dict(vocab_size=49152, d_model=2048, n_heads=16, n_kv_heads=16, head_dim=128, intermediate_size=5632,
+                 n_pre_blocks=0, loop_blocks=24, default_loops=4, max_seq_len=4096, block="llama",
+                 norm_placement="sandwich", pass_norm=True, early_exit_gate=True, tie_embeddings=False)
+QUICK = {"gpt2-tiny": dict(GPT2_SMALL, vocab_size=512, d_model=64, n_heads=8, n_pre_blocks=1),
+         "ouro-tiny": dict(OURO_1_4B, vocab_size=512, d_model=64, n_heads=8, n_kv_heads=8, head_dim=8,
+                           intermediate_size=96, loop_blocks=2)}
+
+
+def abstract(shape, dtype, spec, mesh):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+def per_device(tree) -> int:
+    """Bytes of one device's shards of abstract arrays."""
+    return sum(int(np.prod(a.sharding.shard_shape(a.shape))) * np.dtype(a.dtype).itemsize
+               for a in jax.tree.leaves(tree))
+
+
+def total(tree) -> int:
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+def weights(cfg, mesh):
+    shapes = param_shapes(cfg)
+    dt = cfg.compute_dtype
+    single = jax.tree.map(lambda s: jax.ShapeDtypeStruct(tuple(s), dt), shapes, is_leaf=lambda x: isinstance(x, Shape))
+    layout = jax.eval_shape(lambda p: sharding.mesh_layout(p, cfg), single)
+    specs = sharding.param_specs(layout, cfg, mesh)
+    return jax.tree.map(lambda a, s: abstract(a.shape, a.dtype, s, mesh), layout, specs)
+
+
+def segment(cfg, mesh, kv_mode, capacity, passes, batch=None):
+    """An abstract segment placed as `cache.empty` places it."""
+    lead = () if batch is None else (batch,)
+    heads = not split_mode(kv_mode)[1]
+    shapes = layer_shapes(kv_mode, cfg.n_kv_heads, capacity, cfg.head_dim, cfg.d_model)
+
+    def arr(shape, dtype, head_axis=None):
+        spec = sharding.cache_spec(shape, batch is not None, head_axis if heads else None, mesh)
+        return abstract(shape, dtype, spec, mesh)
+    layer = lambda: {n: arr(lead + s, d, len(lead)) for n, (s, d) in shapes.items()}  # noqa: E731
+    return KVCache(pre=tuple(layer() for _ in range(cfg.n_pre_blocks)),
+                   loop={n: arr(lead + (passes, cfg.loop_blocks) + s, d, len(lead) + 2) for n, (s, d) in shapes.items()},
+                   pos=arr(lead + (capacity,), jnp.int32), length=arr(lead, jnp.int32), kv_mode=kv_mode,
+                   post=tuple(layer() for _ in range(cfg.n_post_blocks)))
+
+
+def measure(name, shape, m, args):
+    mesh = sharding.make_mesh(1, m)
+    cfg = tl.ModelConfig(**shape, kv_mode=args.kv_mode, mesh=mesh)
+    loops, n = cfg.default_loops, args.requests
+    w = weights(cfg, mesh)
+    prefix = segment(cfg, mesh, args.kv_mode, args.prefix, loops)
+    own = segment(cfg, mesh, args.kv_mode, args.own, loops, batch=n)
+    rep = lambda shape, dt: abstract(shape, dt, jax.sharding.PartitionSpec(), mesh)  # noqa: E731
+    req = Request.make(n, max_tokens=args.own // 2)
+    lowered = engine.decode.lower(w, cfg, (prefix,), own, rep((n, cfg.vocab_size), jnp.float32),
+                                  rep((n, cfg.vocab_size), jnp.bool_), req, loops=loops, window=0,
+                                  out_len=args.own // 2)
+    compiled = lowered.compile()
+    text = compiled.as_text()
+    ops = Counter(re.findall(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", text))
+    blocks = cfg.n_pre_blocks + cfg.loop_blocks + cfg.n_post_blocks
+    mem = compiled.memory_analysis()
+    return dict(model=name, m=m, weights=per_device(w), weights_total=total(w), prefix=per_device(prefix),
+                prefix_total=total(prefix), own=per_device(own), own_total=total(own),
+                temp=getattr(mem, "temp_size_in_bytes", 0), args_mem=getattr(mem, "argument_size_in_bytes", 0),
+                all_reduce=ops["all-reduce"], all_gather=ops["all-gather"], other=ops["reduce-scatter"] + ops["all-to-all"],
+                blocks=blocks)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kv-mode", default="fp16")
+    ap.add_argument("--prefix", type=int, default=1024, help="shared prefix slots")
+    ap.add_argument("--own", type=int, default=128, help="own-segment slots per request")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    assert jax.device_count() == 8, "needs 8 (fake) devices: JAX_NUM_CPU_DEVICES=8"
+    models = QUICK if args.quick else {"gpt2-small": GPT2_SMALL, "ouro-1.4b": OURO_1_4B}
+    rows = []
+    for name, shape in models.items():
+        for m in (1, 2, 4, 8):
+            if shape.get("n_kv_heads", shape["n_heads"]) % m:
+                continue
+            r = measure(name, shape, m, args)
+            rows.append(r)
+            print(r, flush=True)
+    mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
+    lines = [f"Command: `{_report.command()}`  ", f"Machine: {_report.machine()} (8 fake CPU devices)  ",
+             f"Mesh ('data' 1, 'model' m); KV mode {args.kv_mode}; a {args.prefix}-slot shared prefix; "
+             f"{args.requests} requests' own segments of {args.own} slots. Per device (MiB) and, in brackets, the "
+             "share of the one-device size; collectives in the compiled decode loop (`blocks`: blocks in its "
+             "program, the pass body holding the loop stack once).", "",
+             "| model | m | weights | prefix | own segments | XLA temp | all-reduce | all-gather | blocks |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        share = lambda k: f"{mib(r[k])} ({r[k] / r[k + '_total']:.0%})"  # noqa: E731
+        lines.append(f"| {r['model']} | {r['m']} | {share('weights')} | {share('prefix')} | {share('own')} | "
+                     f"{mib(r['temp'])} | {r['all_reduce']} | {r['all_gather']} | {r['blocks']} |")
+    text = "\n".join(lines)
+    print(text)
+    if not args.quick:
+        _report.write_section("bench_mesh", text)
+
+
+if __name__ == "__main__":
+    main()
