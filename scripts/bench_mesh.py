@@ -78,13 +78,14 @@ def segment(cfg, mesh, kv_mode, capacity, passes, batch=None):
         return abstract(shape, dtype, spec, mesh)
     layer = lambda: {n: arr(lead + s, d, len(lead)) for n, (s, d) in shapes.items()}  # noqa: E731
     return KVCache(pre=tuple(layer() for _ in range(cfg.n_pre_blocks)),
-                   loop={n: arr(lead + (passes, cfg.loop_blocks) + s, d, len(lead) + 2) for n, (s, d) in shapes.items()},
+                   loop={n: arr(lead + (passes, cfg.loop_blocks) + s, d, len(lead) + 2)
+                         for n, (s, d) in shapes.items()},
                    pos=arr(lead + (capacity,), jnp.int32), length=arr(lead, jnp.int32), kv_mode=kv_mode,
                    post=tuple(layer() for _ in range(cfg.n_post_blocks)))
 
 
-def measure(name, shape, m, args):
-    mesh = sharding.make_mesh(1, m)
+def measure(name, shape, d, m, args):
+    mesh = sharding.make_mesh(d, m)
     cfg = tl.ModelConfig(**shape, kv_mode=args.kv_mode, mesh=mesh)
     loops, n = cfg.default_loops, args.requests
     w = weights(cfg, mesh)
@@ -100,10 +101,11 @@ def measure(name, shape, m, args):
     ops = Counter(re.findall(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", text))
     blocks = cfg.n_pre_blocks + cfg.loop_blocks + cfg.n_post_blocks
     mem = compiled.memory_analysis()
-    return dict(model=name, m=m, weights=per_device(w), weights_total=total(w), prefix=per_device(prefix),
+    return dict(model=name, mesh=f"{d}x{m}", weights=per_device(w), weights_total=total(w), prefix=per_device(prefix),
                 prefix_total=total(prefix), own=per_device(own), own_total=total(own),
                 temp=getattr(mem, "temp_size_in_bytes", 0), args_mem=getattr(mem, "argument_size_in_bytes", 0),
-                all_reduce=ops["all-reduce"], all_gather=ops["all-gather"], other=ops["reduce-scatter"] + ops["all-to-all"],
+                all_reduce=ops["all-reduce"], all_gather=ops["all-gather"],
+                other=ops["reduce-scatter"] + ops["all-to-all"],
                 blocks=blocks)
 
 
@@ -120,22 +122,23 @@ def main():
     rows = []
     for name, shape in models.items():
         for m in (1, 2, 4, 8):
-            if shape.get("n_kv_heads", shape["n_heads"]) % m:
-                continue
-            r = measure(name, shape, m, args)
+            d = 1
+            while shape.get("n_kv_heads", shape["n_heads"]) % m:  # heads 'model' cannot split: 8 devices as d x m
+                d, m = d * 2, m // 2
+            r = measure(name, shape, d, m, args)
             rows.append(r)
             print(r, flush=True)
     mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
     lines = [f"Command: `{_report.command()}`  ", f"Machine: {_report.machine()} (8 fake CPU devices)  ",
-             f"Mesh ('data' 1, 'model' m); KV mode {args.kv_mode}; a {args.prefix}-slot shared prefix; "
+             f"Mesh 'data' x 'model'; KV mode {args.kv_mode}; a {args.prefix}-slot shared prefix; "
              f"{args.requests} requests' own segments of {args.own} slots. Per device (MiB) and, in brackets, the "
              "share of the one-device size; collectives in the compiled decode loop (`blocks`: blocks in its "
              "program, the pass body holding the loop stack once).", "",
-             "| model | m | weights | prefix | own segments | XLA temp | all-reduce | all-gather | blocks |",
+             "| model | mesh | weights | prefix | own segments | XLA temp | all-reduce | all-gather | blocks |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         share = lambda k: f"{mib(r[k])} ({r[k] / r[k + '_total']:.0%})"  # noqa: E731
-        lines.append(f"| {r['model']} | {r['m']} | {share('weights')} | {share('prefix')} | {share('own')} | "
+        lines.append(f"| {r['model']} | {r['mesh']} | {share('weights')} | {share('prefix')} | {share('own')} | "
                      f"{mib(r['temp'])} | {r['all_reduce']} | {r['all_gather']} | {r['blocks']} |")
     text = "\n".join(lines)
     print(text)
