@@ -140,6 +140,13 @@ def main() -> None:
         shards(tag, m)
         if mm > 1 and d > 1:
             collectives(tag, m)
+    mesh = sharding.make_mesh(2, 4)
+    for mode in ("fp16", "int4", "fp16-h", "int8-h", "int4-h"):  # fp32 above, int8 with the Ouro layout below
+        one, many = tl.Model.random(GPT2.replace(kv_mode=mode), seed=0), tl.Model.random(GPT2.replace(kv_mode=mode),
+                                                                                      seed=0, mesh=mesh)
+        a, b = many.build_prefix_cache(PROMPT[:12]), one.build_prefix_cache(PROMPT[:12])
+        ok(f"gpt2 2x4 {mode}", many.generate_batch_from_prefix_cache(a, SUFFIXES[:2], max_tokens=5)
+           == one.generate_batch_from_prefix_cache(b, SUFFIXES[:2], max_tokens=5))
     ouro = tl.Model.random(OURO, seed=0)
     m = tl.Model.random(OURO, seed=0, mesh=sharding.make_mesh(2, 4))
     same_calls("ouro 2x4", ouro, m, full=True)
