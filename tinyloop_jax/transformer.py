@@ -15,6 +15,7 @@ program's size does not depend on the depth.
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 from typing import NamedTuple
 
@@ -30,6 +31,19 @@ from .cache import KVCache
 from .config import ModelConfig
 from .kv_modes import pack_kv, unpack_kv
 from .params import Params
+
+
+def exact(fn):
+    """Run `fn(params, cfg, ...)` with float32 matmuls when the model computes in float32: XLA's
+    default on GPUs is TF32 (10-bit mantissas), which moved Ouro's logits by 0.1 and changed
+    greedy tokens on an H200 (scripts/gpu_parity.py). On CPU the programs compute the same."""
+    @functools.wraps(fn)
+    def wrapped(params, cfg, *args, **kwargs):
+        if cfg.dtype != "float32":
+            return fn(params, cfg, *args, **kwargs)
+        with jax.default_matmul_precision("float32"):
+            return fn(params, cfg, *args, **kwargs)
+    return wrapped
 
 
 def layer_norm(x: jax.Array, g: jax.Array, b: jax.Array, eps: float) -> jax.Array:
@@ -74,6 +88,7 @@ def embed(params: Params, tokens: jax.Array, start_pos: jax.Array) -> jax.Array:
     return params.wte[tokens] + params.wpe[jnp.minimum(q_pos, params.wpe.shape[0] - 1)]
 
 
+@exact
 def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Streams [..., D] after the last pass -> float32 logits [..., V]: the final norm (already
     applied with `pass_norm`), then the head (the tied embedding unless the model has its own)."""
@@ -291,6 +306,7 @@ class Run(NamedTuple):
     exit_x: jax.Array  # [T, D] the streams the logits come from (after the coda; or the early exit's pick)
 
 
+@exact
 def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
                ro: tuple, own: KVCache, loops: int, window: int, keep_states: bool = False,
                exit: Exit | None = None) -> Run:
@@ -367,6 +383,7 @@ def last_logits(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Arr
     return lm_head(params, cfg, jax.lax.dynamic_index_in_dim(x, jnp.maximum(n_valid - 1, 0), axis=0, keepdims=False))
 
 
+@exact
 def exit_stream(params: Params, cfg: ModelConfig, pass_states: jax.Array, exit: Exit | None) -> jax.Array:
     """One position's pass outputs [loops, D] -> the stream its logits come from [D]."""
     if exit is None or not cfg.early_exit_gate:
@@ -379,6 +396,7 @@ def exit_stream(params: Params, cfg: ModelConfig, pass_states: jax.Array, exit: 
     return jnp.where(sel[3][0], sel[0][0], pass_states[-1])
 
 
+@exact
 def materialize(params: Params, cfg: ModelConfig, seg: KVCache, passes: int) -> KVCache:
     """The segment's first `passes` passes with K/V stored in float32 ("fp32" mode): for h modes,
     K/V rebuilt from the stored h once, so that a whole call (every decode step, every request
@@ -392,6 +410,7 @@ def materialize(params: Params, cfg: ModelConfig, seg: KVCache, passes: int) -> 
                        post=tuple(kv(e, b) for e, b in zip(seg.post, params.post)), kv_mode="fp32")
 
 
+@exact
 def forward_seq(params: Params, cfg: ModelConfig, tokens: jax.Array, loops: int, window: int = 0) -> jax.Array:
     """Cache-free forward over a whole sequence (training and evaluation): tokens [T] -> logits
     [T, V]. K/V pass through the kv_mode round trip, as the cached path sees them. The passes
