@@ -1,4 +1,4 @@
-"""`tinyloop` command line: generate, demo (prefix sharing), eval (bits per byte)."""
+"""`tinyloop` command line: generate, demo (prefix sharing), eval (bits per byte), serve (HTTP)."""
 
 from __future__ import annotations
 
@@ -136,6 +136,30 @@ def cmd_eval(args) -> None:
         print(f"{mode:<8}{window:>8}{loops:>7}{bpb:>11.4f}")
 
 
+def cmd_serve(args) -> None:
+    try:
+        import uvicorn
+
+        from .server import eos_ids, make_app
+    except ImportError as e:
+        raise UsageError(f"tinyloop serve needs the serve extra (pip install 'tinyloop-jax[serve]'): {e}") from None
+    from .serving import Engine
+
+    model, tok = _model_and_tokenizer(args)
+    name = args.name or os.path.basename(os.path.normpath(args.model or BUNDLED))
+    engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue, timeout=args.timeout)
+    t = time.perf_counter()
+    n = engine.warmup()
+    print(f"tinyloop serve: {name} (loops={model.config()['default_loops']}, max_batch={args.max_batch}), "
+          f"{n} programs compiled in {time.perf_counter() - t:.1f} s; http://{args.host}:{args.port}/v1",
+          file=sys.stderr)
+    try:
+        uvicorn.run(make_app(engine, tok, name, eos_ids(args.model, tok, model.config()["vocab_size"])),
+                    host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.close()
+
+
 def _bar(i, total, k, n):
     done = (i + k / n) / total
     sys.stderr.write(f"\r[{'#' * int(30 * done):<30}] {100 * done:5.1f}%")
@@ -179,6 +203,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--windows", type=_int_list, default=[0])
     e.add_argument("--max-bytes", type=int, default=None, help="evaluate only the first N held-out bytes")
     e.set_defaults(func=cmd_eval)
+    s = sub.add_parser("serve", parents=[common], help="an OpenAI-compatible HTTP server (continuous batching)")
+    s.add_argument("--host", default="127.0.0.1", help="no authentication: keep 127.0.0.1 unless behind a proxy")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-batch", type=int, default=16)
+    s.add_argument("--max-queue", type=int, default=256)
+    s.add_argument("--timeout", type=float, default=None, help="per-request deadline in seconds")
+    s.add_argument("--name", default=None, help="the model name clients send (default: the folder's name)")
+    s.add_argument("--log-level", default="info")
+    s.set_defaults(func=cmd_serve)
     return ap
 
 

@@ -76,8 +76,9 @@ class Request:
         return out.replace(max_tokens=np.concatenate([np.asarray(self.max_tokens), np.ones((k,), np.int32)]))
 
     def keys(self, step: jax.Array) -> jax.Array:
-        """[N] PRNG keys for loop step `step` (the first token is step 0)."""
-        return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), step))(self.seed)
+        """[N] PRNG keys for loop step `step` ([] or one per row [N]; the first token is step 0)."""
+        steps = jnp.broadcast_to(jnp.asarray(step, jnp.int32), self.seed.shape)
+        return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(self.seed, steps)
 
 
 def penalize(logits: jax.Array, seen: jax.Array, penalty: jax.Array) -> jax.Array:
@@ -114,7 +115,8 @@ def _choose(logits: jax.Array, req: Request, greedy, sample) -> jax.Array:
 
 
 def select_tokens(logits: jax.Array, seen: jax.Array, req: Request, step: jax.Array) -> jax.Array:
-    """logits, seen [N, V] -> token ids [N] int32 (row i draws with req.keys(step)[i])."""
+    """logits, seen [N, V] -> token ids [N] int32 (row i draws with req.keys(step)[i]; step [] or
+    [N], one per row)."""
     return _choose(penalize(logits, seen, req.repetition_penalty), req,
                    lambda lg: jnp.argmax(lg, axis=-1).astype(jnp.int32),
                    lambda filt: jax.vmap(jax.random.categorical)(req.keys(step), filt).astype(jnp.int32))

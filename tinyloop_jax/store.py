@@ -174,6 +174,25 @@ class PrefixStore:
             k, i = self._match(prompt)
             return (self._entries[i] if i is not None else None), k
 
+    def insert(self, entry: PrefixCache) -> None:
+        """Add a prefix built elsewhere (the serving engine's prompts) as the most recently used
+        entry; an entry of the same prompt already held is kept and touched instead."""
+        if not isinstance(entry, PrefixCache):
+            raise ValueError(f"insert takes a PrefixCache, got {type(entry).__name__}")
+        if (entry.loops, entry.cache_window) != (self.loops, self.cache_window):
+            raise ValueError(f"the entry was built at loops={entry.loops}, cache_window={entry.cache_window}; "
+                             f"this store holds loops={self.loops}, cache_window={self.cache_window}")
+        with self._lock:
+            self._touch(self._insert(entry))
+            self._evict()
+
+    def touch(self, entry: PrefixCache) -> None:
+        """Mark a held entry as just used (LRU); an entry no longer held is ignored."""
+        with self._lock:
+            i = self._by_prompt.get(entry.prompt.tobytes())
+            if i is not None and self._entries[i] is entry:
+                self._touch(i)
+
     def prefix_for(self, prompt) -> PrefixCache:
         """The PrefixCache of exactly `prompt`: reused, extended from the longest cached
         prefix, or built; inserted (most recently used) either way."""

@@ -1,0 +1,154 @@
+"""The serving engine: continuous batching over the prefix store equals `model.generate`,
+request by request, whatever else is in flight."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import tiny_model
+
+import tinyloop_jax as tl
+from tinyloop_jax.serving import Cancelled, QueueFull, RequestTimeout
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("fp32")
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    # small chunks and pool so that prompts take several chunks and prefixes compete for slots
+    with tl.Engine(model, max_batch=8, prefill_chunk=16, prefix_slots=2) as eng:
+        assert eng.warmup() > 0
+        yield eng
+
+
+def workload(seed: int = 0, n: int = 24):
+    """n requests over 3 shared system prompts + unique questions: mixed max_tokens, stop
+    sequences, sampled rows with seeds, and a second depth."""
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(0, 128, size) for size in (40, 23, 57)]
+    out = []
+    for i in range(n):
+        prompt = np.concatenate([systems[i % 3], rng.integers(0, 128, 3 + i % 7)])
+        kw = dict(max_tokens=int(rng.integers(3, 14)))
+        if i % 4 == 1:
+            kw.update(temperature=0.8, top_k=20, seed=100 + i)
+        if i % 6 == 2:
+            kw.update(loops=2)
+        out.append((prompt, kw))
+    return out
+
+
+def with_stops(model, work):
+    """Give every third request a stop sequence taken from its own greedy output, so it fires."""
+    out = []
+    for i, (p, kw) in enumerate(work):
+        if i % 3 == 0 and kw["max_tokens"] > 6:
+            ref = model.generate(p, **kw)[len(p):]
+            kw = dict(kw, stop_sequences=[ref[3:5], [127, 126, 125]])
+        out.append((p, kw))
+    return out
+
+
+def test_many_threads_equal_generate(model, engine):
+    work = with_stops(model, workload())
+    results = [None] * len(work)
+
+    def client(k):
+        for i in range(k, len(work), 8):
+            p, kw = work[i]
+            results[i] = engine.submit(p, **kw).result()
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stopped = 0
+    for (p, kw), got in zip(work, results):
+        want = model.generate(p, **kw)
+        assert got == want, (kw, got[len(p):], want[len(p):])
+        stopped += "stop_sequences" in kw and len(got) - len(p) < kw["max_tokens"]
+    assert stopped >= 2  # the stop sequences did end requests early
+    s = engine.stats()
+    assert s["prefix_hit_rate"] > 0.5 and s["prefix_tokens_reused"] > 0
+    assert s["mean_batch_size"] > 1.5  # requests really shared steps
+    assert s["running"] == 0 and s["queue_depth"] == 0
+
+
+def test_join_mid_run(model, engine):
+    """Requests submitted while a long one decodes join its batch and finish before it."""
+    rng = np.random.default_rng(1)
+    long_prompt = rng.integers(0, 128, 30)
+    long = engine.submit(long_prompt, max_tokens=60)
+    stream = long.stream()
+    [next(stream) for _ in range(3)]
+    late = [(rng.integers(0, 128, 20 + 9 * i), dict(max_tokens=4)) for i in range(3)]
+    handles = [engine.submit(p, **kw) for p, kw in late]
+    for (p, kw), h in zip(late, handles):
+        assert h.result() == model.generate(p, **kw)
+    assert not long.done  # the late ones did not wait for it
+    assert long.result() == model.generate(long_prompt, max_tokens=60)
+
+
+def test_cancel_and_timeout(model, engine):
+    p = np.arange(10, 40)
+    h = engine.submit(p, max_tokens=90)
+    it = h.stream()
+    first = [next(it) for _ in range(2)]
+    h.cancel()
+    rest = list(it)  # the stream ends
+    with pytest.raises(Cancelled, match="cancelled"):
+        h.result()
+    assert h.finish_reason == "cancelled" and len(first) + len(rest) < 90
+    t = engine.submit(p, max_tokens=90, timeout=0.05)
+    with pytest.raises(RequestTimeout, match="deadline"):
+        t.result()
+    assert engine.generate(p, max_tokens=5) == model.generate(p, max_tokens=5)  # still serving
+    deadline = time.time() + 10
+    while engine.stats()["running"] and time.time() < deadline:
+        time.sleep(0.01)
+    assert engine.stats()["running"] == 0
+
+
+def test_bad_request_fails_alone(model, engine):
+    rng = np.random.default_rng(2)
+    good = [(rng.integers(0, 128, 12), dict(max_tokens=6)) for _ in range(3)]
+    handles = [engine.submit(p, **kw) for p, kw in good]
+    for bad, match in [(dict(temperature=-1.0), "temperature"), (dict(max_tokens=0), "max_tokens"),
+                       (dict(prompt=[5, 128]), r"prompt\[1\] = 128"), (dict(max_tokens=200), "max_seq_len"),
+                       (dict(loops=0), "loops"), (dict(timeout=-1), "timeout")]:
+        kw = dict(dict(prompt=[1, 2, 3], max_tokens=4), **bad)
+        with pytest.raises((ValueError, RuntimeError), match=match):
+            engine.submit(**kw)
+    for (p, kw), h in zip(good, handles):
+        assert h.result() == model.generate(p, **kw)
+
+
+def test_queue_full(model):
+    with tl.Engine(model, max_batch=1, max_queue=2) as eng:
+        handles = []
+        with pytest.raises(QueueFull, match="queue is full"):
+            for _ in range(8):
+                handles.append(eng.submit([1, 2, 3], max_tokens=100))
+        assert 2 <= len(handles) <= 3 and eng.stats()["requests_rejected"] == 1
+        for h in handles:
+            h.cancel()
+        assert eng.generate([4, 5, 6], max_tokens=3) == model.generate([4, 5, 6], max_tokens=3)
+
+
+def test_async_face(model, engine):
+    import asyncio
+
+    async def main():
+        hs = [engine.submit([7, 8, 9, i], max_tokens=5) for i in range(3)]
+        streamed = [[t async for t in hs[0].astream()]]
+        return streamed, await asyncio.gather(*(h.aresult() for h in hs))
+
+    streamed, results = asyncio.run(main())
+    for i, got in enumerate(results):
+        assert got == model.generate([7, 8, 9, i], max_tokens=5)
+    assert streamed[0] == results[0][4:]

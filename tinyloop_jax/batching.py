@@ -1,0 +1,131 @@
+"""Device programs of continuous batching (`serving.Engine`): a batch of B rows that requests
+join and leave between steps, over a pool of G shared prefixes.
+
+    pool  = G read-only prefix segments, stacked: [G, ..., Cp, ..]    (prefixes from the store)
+    own   = B rows' own segments, stacked:       [B, ..., Co, ..]    (prompt rest + new tokens)
+
+Row i reads pool slot group[i], positions < limit[i] only (the first limit[i] tokens of a
+cached prompt it shares), and its own segment, which starts at position limit[i]. Every row
+attends to every pool slot with the other slots' keys masked out, so a prefix is read once per
+step for all the rows that share it and rows with different prefixes still share the step; a
+masked key contributes an exact zero. Static arguments are shapes only: one program per
+(B, Co, G, Cp, chunk) bucket, whatever the requests are.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from . import transformer as tf
+from .cache import KVCache, copy_prefix
+from .config import ModelConfig
+from .engine import rows_in_loop, rows_out_of_loop, token_mask
+from .params import Params
+from .sampling import Request, select_tokens
+
+__all__ = ["decode_step", "prefill_chunk", "load_slot", "extract_prefix", "regather", "token_mask"]
+
+
+def row(tree, i):
+    """Row i of a stacked pytree (dynamic i)."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, axis=0, keepdims=False), tree)
+
+
+def set_row(tree, i, value):
+    return jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, i, axis=0), tree, value)
+
+
+def visible_slot(slot: KVCache, mine: jax.Array, limit: jax.Array) -> KVCache:
+    """A pool slot as one row sees it: its keys below `limit` if the slot is the row's (`mine`),
+    else none (positions -1 are never visible)."""
+    return slot.replace(pos=jnp.where(mine & (slot.pos >= 0) & (slot.pos < limit), slot.pos, -1))
+
+
+@partial(jax.jit, static_argnames=("cfg", "loops"), donate_argnames=("own", "seen"))
+def decode_step(params: Params, cfg: ModelConfig, pool: KVCache, own: KVCache, last: jax.Array, group: jax.Array,
+                limit: jax.Array, active: jax.Array, seen: jax.Array, req: Request, steps: jax.Array, loops: int,
+                exit: tf.Exit | None = None):
+    """One token for every active row: feed last [B] at each row's next position, choose the next
+    token (row i's key index steps[i]). Inactive rows (free, or still prefilling) keep their
+    segment: their write goes to an empty slot and their positions are restored.
+    Returns (tokens [B], own, seen [B, V])."""
+    G = pool.length.shape[0]
+    slots = [row(pool, g) for g in range(G)]
+    seen = jnp.where(active[:, None], seen.at[jnp.arange(last.shape[0]), last].set(True), seen)
+
+    def one(tok, g, k, o):
+        ro = tuple(visible_slot(s, g == j, k) for j, s in enumerate(slots))
+        x, o = tf.forward(params, cfg, tok[None], jnp.int32(1), o.length, ro, o, loops, 0, exit)
+        return x[0], o
+
+    carried = rows_in_loop(own)  # one row unbatched: in-place cache writes (see engine.rows_in_loop)
+    if carried.length.ndim == 0:
+        x, new = one(last[0], group[0], limit[0], carried)
+        x, new = x[None], rows_out_of_loop(new)
+    else:
+        x, new = jax.vmap(one)(last, group, limit, own)
+    new = new.replace(pos=jnp.where(active[:, None], new.pos, own.pos), length=jnp.where(active, new.length,
+                                                                                          own.length))
+    tok = select_tokens(tf.lm_head(params, cfg, x), seen, req, steps)
+    return tok, new, seen
+
+
+@partial(jax.jit, static_argnames=("cfg", "loops"), donate_argnames=("own", "seen"))
+def prefill_chunk(params: Params, cfg: ModelConfig, pool: KVCache, own: KVCache, i: jax.Array, tokens: jax.Array,
+                  n_valid: jax.Array, start: jax.Array, fresh: jax.Array, group: jax.Array, limit: jax.Array,
+                  seen: jax.Array, prompt_seen: jax.Array, req: Request, loops: int, exit: tf.Exit | None = None):
+    """Append tokens[:n_valid] (tokens [T]) of row i's prompt at positions start + j, reading pool
+    slot `group` below `limit` (group < 0: no prefix). fresh: the row's first chunk (its segment
+    is emptied first). Also sets the row's `seen` to prompt_seen [V] and picks its first token
+    from the chunk's last logits (used after the prompt's last chunk; req: the row's request, one
+    row). Returns (first token [], logits [V], depth states [n_pre + loops, D], own, seen)."""
+    o = row(own, i)
+    o = o.replace(pos=jnp.where(fresh, -1, o.pos), length=jnp.where(fresh, start, o.length))
+    slot = visible_slot(row(pool, jnp.maximum(group, 0)), group >= 0, limit)
+    run = tf.run_layers(params, cfg, tf.embed(params, tokens, start), n_valid, start, (slot,), o, loops, 0,
+                        keep_states=True, exit=exit)
+    logits = tf.last_logits(params, cfg, run.exit_x, n_valid)
+    tok = select_tokens(logits[None], prompt_seen[None], req, jnp.int32(0))[0]
+    seen = jax.lax.dynamic_update_index_in_dim(seen, prompt_seen, i, axis=0)
+    return tok, logits, run.states, set_row(own, i, run.own), seen
+
+
+@partial(jax.jit, static_argnames=("passes", "materialize", "cfg"), donate_argnames=("pool",))
+def load_slot(params: Params, cfg: ModelConfig, pool: KVCache, g: jax.Array, src: KVCache, n: jax.Array, passes: int,
+              materialize: bool):
+    """Pool slot g <- the first n positions of segment src (n <= the pool's capacity), its first
+    `passes` passes; h modes rebuild K/V to float32 once here (`materialize`)."""
+    if materialize:
+        src = tf.materialize(params, cfg, src, passes)
+    seg = copy_prefix(src, n, capacity=pool.capacity, passes=passes)
+    return set_row(pool, g, seg.replace(kv_mode=pool.kv_mode))
+
+
+@partial(jax.jit, static_argnames=("capacity",))
+def extract_prefix(pool: KVCache, own: KVCache, i: jax.Array, group: jax.Array, limit: jax.Array, n: jax.Array,
+                   capacity: int) -> KVCache:
+    """Row i's prompt as one segment of `capacity` slots (>= n): positions < limit from pool slot
+    `group`, positions limit..n-1 from the row's own segment (a copy, for the prefix store)."""
+    slot, o = row(pool, jnp.maximum(group, 0)), row(own, i)
+    p = jnp.arange(capacity)
+    from_pool = (group >= 0) & (p < limit)
+
+    def take(a_pool, a_own):  # [..., C, w]: slot axis -2; the pool holds position p at slot p
+        at_pool = jnp.take(a_pool, jnp.minimum(p, a_pool.shape[-2] - 1), axis=-2)
+        at_own = jnp.take(a_own, p % a_own.shape[-2], axis=-2)
+        return jnp.where((from_pool[:, None]), at_pool, at_own)
+
+    pick = lambda ps, os: {k: take(ps[k], os[k]) for k in ps}  # noqa: E731
+    return KVCache(pre=tuple(pick(a, b) for a, b in zip(slot.pre, o.pre)), loop=pick(slot.loop, o.loop),
+                   pos=jnp.where(p < n, p, -1).astype(jnp.int32), length=n.astype(jnp.int32), kv_mode=o.kv_mode,
+                   post=tuple(pick(a, b) for a, b in zip(slot.post, o.post)))
+
+
+@jax.jit
+def regather(tree, idx: jax.Array):
+    """Rows idx [B'] of every array of a stacked pytree (a batch grown or compacted to B' rows;
+    an index past the end gives a row that is reset before use)."""
+    return jax.tree.map(lambda a: jnp.take(a, idx, axis=0, mode="clip"), tree)
