@@ -113,7 +113,7 @@ class Handle:
     def cancel(self) -> None:
         """Stop generating; the row is freed before the next step. No effect once done."""
         self._cancel = True
-        self._engine._wake()
+        self._engine._cancelled(self)
 
     # engine side
     def _emit(self, tok: int) -> None:
@@ -379,6 +379,16 @@ class Engine:
 
     def _wake(self) -> None:
         with self._cv:
+            self._cv.notify_all()
+
+    def _cancelled(self, h: Handle) -> None:
+        """A queued request leaves the queue at once (its place is free); a running one leaves the
+        batch before the next step."""
+        with self._cv:
+            if h in self._queue:
+                self._queue.remove(h)
+                h._finish("cancelled", Cancelled(f"request {h.id} was cancelled"))
+                self._stats["finished_cancelled"] += 1
             self._cv.notify_all()
 
     # ---- the loop ----------------------------------------------------------------------------

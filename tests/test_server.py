@@ -1,0 +1,195 @@
+"""`tinyloop serve`'s HTTP API, started on a free localhost port and driven by the official
+`openai` client: completions equal `model.generate`, streaming, concurrency, errors, metrics."""
+
+import http.client
+import json
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from conftest import tiny_config
+
+import tinyloop_jax as tl
+
+openai = pytest.importorskip("openai", reason="the test extra installs the openai client")
+uvicorn = pytest.importorskip("uvicorn", reason="the serve extra installs uvicorn")
+
+from tinyloop_jax.server import make_app  # noqa: E402
+
+TOK = tl.ByteTokenizer()
+EOS = tl.ByteTokenizer.EOS
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tl.Model.random(tiny_config(vocab_size=260), seed=3)  # byte vocabulary
+
+
+class Server:
+    def __init__(self, model, eos=(EOS,), **engine_kw):
+        self.engine = tl.Engine(model, **engine_kw)
+        self.engine.warmup()
+        app = make_app(self.engine, TOK, "tiny", eos=list(eos))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join()
+        self.engine.close()
+
+    def post_raw(self, body: bytes) -> tuple[int, dict]:
+        req = urllib.request.Request(self.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req) as r:
+                return r.status, json.load(r)
+        except urllib.error.HTTPError as e:
+            return e.code, json.load(e)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    s = Server(model, max_batch=4, prefill_chunk=16)
+    yield s
+    s.close()
+
+
+def complete(server, prompt, **kw):
+    extra = {k: kw.pop(k) for k in ("top_k", "repetition_penalty", "loops", "ignore_eos") if k in kw}
+    return server.client.completions.create(model="tiny", prompt=prompt, temperature=kw.pop("temperature", 0.0),
+                                            extra_body=extra or None, **kw)
+
+
+PROMPTS = ["The \"for\" statement\n", "The \"for\" statement\nis used", "def f(x):\n    return",
+           "Boolean operations\n", "import os\nimport sys\n", "class A:\n    pass\n"]
+
+
+def test_completions_equal_generate(model, server):
+    for i, text in enumerate(PROMPTS[:4]):
+        kw = dict(max_tokens=6 + i, ignore_eos=True)
+        if i == 3:
+            kw.update(temperature=0.7, seed=11, top_k=30, top_p=0.9, repetition_penalty=1.2, loops=2)
+        r = complete(server, text, **kw)
+        ids = TOK.encode(text)
+        want = model.generate(ids, max_tokens=kw["max_tokens"], temperature=kw.get("temperature", 0.0),
+                              top_k=kw.get("top_k", 0), top_p=kw.get("top_p", 1.0), seed=kw.get("seed", 0),
+                              repetition_penalty=kw.get("repetition_penalty", 1.0), loops=kw.get("loops"))[len(ids):]
+        c = r.choices[0]
+        assert c.token_ids == want and c.text == TOK.decode(want)
+        assert c.finish_reason == "length"
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(want))
+    # a list of token ids is a prompt too
+    r = complete(server, [70, 71, 72], max_tokens=5, ignore_eos=True)
+    assert r.choices[0].token_ids == model.generate([70, 71, 72], max_tokens=5)[3:]
+
+
+def test_stops_and_eos(model):
+    ids = TOK.encode(PROMPTS[2])
+    want = model.generate(ids, max_tokens=12)[len(ids):]
+    srv = Server(model, eos=(want[4],), max_batch=2)  # the model "ends its text" at its 5th token
+    try:
+        r = complete(srv, PROMPTS[2], max_tokens=12)
+        assert r.choices[0].token_ids == want[:5] and r.choices[0].finish_reason == "stop"
+        assert r.choices[0].text == TOK.decode(want[:4])
+        r = complete(srv, PROMPTS[2], max_tokens=12, ignore_eos=True)
+        assert r.choices[0].token_ids == want and r.choices[0].finish_reason == "length"
+        text = TOK.decode(want)
+        stop = next(text[i:i + 2] for i in range(2, len(text) - 1) if "\ufffd" not in text[i:i + 2])
+        r = complete(srv, PROMPTS[2], max_tokens=12, ignore_eos=True, stop=[stop, "never"])  # ends before it
+        assert r.choices[0].text == text[:text.find(stop)] and r.choices[0].finish_reason == "stop"
+        assert len(r.choices[0].token_ids) < 12
+    finally:
+        srv.close()
+
+
+def test_stream_equals_non_stream(server):
+    for text in PROMPTS[:3]:
+        for kw in (dict(max_tokens=10, ignore_eos=True), dict(max_tokens=10, ignore_eos=True, stop=["TT", "Q"])):
+            full = complete(server, text, **kw).choices[0]
+            parts = list(complete(server, text, stream=True, **kw))
+            assert "".join(p.choices[0].text for p in parts) == full.text
+            assert sum((p.choices[0].token_ids for p in parts), []) == full.token_ids
+            assert parts[-1].choices[0].finish_reason == full.finish_reason
+            assert all(p.choices[0].finish_reason is None for p in parts[:-1])
+
+
+def test_concurrent_clients_equal_sequential(server):
+    rng = np.random.default_rng(0)
+    jobs = [(PROMPTS[i % len(PROMPTS)] + str(i), int(rng.integers(3, 12))) for i in range(12)]
+    run = lambda job: complete(server, job[0], max_tokens=job[1], ignore_eos=True).choices[0].token_ids  # noqa: E731
+    sequential = [run(j) for j in jobs]
+    with ThreadPoolExecutor(12) as pool:
+        concurrent = list(pool.map(run, jobs))
+    assert concurrent == sequential
+
+
+@pytest.mark.parametrize("body, param", [
+    (dict(prompt="hi", max_tokens="5"), "max_tokens"),
+    (dict(prompt="hi", max_tokens=0), "max_tokens"),
+    (dict(prompt="x" * 120, max_tokens=20), "max_seq_len"),
+    (dict(prompt=[1, 2, 999], max_tokens=2), "999"),
+    (dict(prompt=[1, -2], max_tokens=2), "-2"),
+    (dict(prompt="hi", temperature=-0.5), "temperature"),
+    (dict(prompt="hi", top_p=0), "top_p"),
+    (dict(prompt=5), "prompt"),
+    (dict(prompt="hi", stream="yes"), "stream"),
+    (dict(prompt="hi", n=2), "n = 1"),
+    (dict(prompt="hi", stop=[""]), "stop"),
+    (dict(prompt="hi", loops=0), "loops"),
+    (dict(prompt="hi", model="gpt-4"), "gpt-4"),
+    (dict(max_tokens=3), "prompt"),
+])
+def test_bad_requests_are_400(server, body, param):
+    status, err = server.post_raw(json.dumps(dict(dict(model="tiny", temperature=0), **body)).encode())
+    assert status == 400 and param in err["error"]["message"] and err["error"]["type"] == "invalid_request_error"
+    assert complete(server, "ok", max_tokens=2).choices[0].finish_reason in ("length", "stop")  # still serving
+
+
+def test_malformed_json_and_client_errors(server):
+    status, err = server.post_raw(b'{"prompt": "hi", "max_tokens": ')
+    assert status == 400 and "JSON" in err["error"]["message"]
+    with pytest.raises(openai.BadRequestError):
+        complete(server, "hi", max_tokens=-1)
+    assert complete(server, "ok", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_disconnect_frees_the_row(server):
+    before = server.engine.stats().get("finished_cancelled", 0)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port)
+    conn.request("POST", "/v1/completions", json.dumps(dict(model="tiny", prompt="abc", max_tokens=100,
+                                                           ignore_eos=True, stream=True, temperature=0)),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    conn.close()  # mid-stream
+    deadline = time.time() + 20
+    while server.engine.stats().get("finished_cancelled", 0) == before and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.engine.stats()["finished_cancelled"] == before + 1
+    assert server.engine.stats()["running"] == 0
+
+
+def test_models_health_metrics(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert [m.id for m in server.client.models.list()] == ["tiny"]
+    with urllib.request.urlopen(server.url + "/health") as r:
+        assert json.load(r)["status"] == "ok"
+    with urllib.request.urlopen(server.url + "/metrics") as r:
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    for name in ("tinyloop_requests", "tinyloop_tokens_in", "tinyloop_tokens_out", "tinyloop_prefix_hit_rate",
+                 "tinyloop_queue_depth", "tinyloop_mean_batch_size", "tinyloop_ttft_p50_s",
+                 "tinyloop_tokens_per_second", "tinyloop_requests_finished"):
+        assert name in families, name
+    value = lambda n: families[n].samples[0].value  # noqa: E731
+    assert value("tinyloop_requests") >= 1 and value("tinyloop_tokens_out") >= 1
