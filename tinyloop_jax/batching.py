@@ -1,15 +1,16 @@
 """Device programs of continuous batching (`serving.Engine`): a batch of B rows that requests
 join and leave between steps, over a pool of G shared prefixes.
 
-    pool  = G read-only prefix segments, stacked: [G, ..., Cp, ..]    (prefixes from the store)
-    own   = B rows' own segments, stacked:       [B, ..., Co, ..]    (prompt rest + new tokens)
+    pool  = one read-only segment of G slots x Cp positions: [..., G * Cp, ..]  (store prefixes)
+    own   = B rows' own segments, stacked:                   [B, ..., Co, ..]   (prompt rest + new)
 
 Row i reads pool slot group[i], positions < limit[i] only (the first limit[i] tokens of a
-cached prompt it shares), and its own segment, which starts at position limit[i]. Every row
-attends to every pool slot with the other slots' keys masked out, so a prefix is read once per
-step for all the rows that share it and rows with different prefixes still share the step; a
-masked key contributes an exact zero. Static arguments are shapes only: one program per
-(B, Co, G, Cp, chunk) bucket, whatever the requests are.
+cached prompt it shares), and its own segment, which starts at position limit[i]. The pool is
+unbatched: one matmul of every row's query against all of it, each row's keys outside its slot
+masked out, so a prefix is read once per step for all the rows that share it and rows with
+different prefixes still share the step; a masked key contributes an exact zero. Static
+arguments are shapes only: one program per (B, Co, G * Cp, chunk) bucket, whatever the
+requests are.
 """
 
 from __future__ import annotations
@@ -38,26 +39,35 @@ def set_row(tree, i, value):
     return jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, i, axis=0), tree, value)
 
 
-def visible_slot(slot: KVCache, mine: jax.Array, limit: jax.Array) -> KVCache:
-    """A pool slot as one row sees it: its keys below `limit` if the slot is the row's (`mine`),
-    else none (positions -1 are never visible)."""
-    return slot.replace(pos=jnp.where(mine & (slot.pos >= 0) & (slot.pos < limit), slot.pos, -1))
+def visible_pool(pool: KVCache, slot_len: int, group: jax.Array, limit: jax.Array) -> KVCache:
+    """The pool as one row sees it: slot `group`'s keys below `limit`, nothing else (positions
+    -1 are never visible). The pool is one segment whose slot g is the slot range
+    [g * slot_len, (g + 1) * slot_len)."""
+    mine = (jnp.arange(pool.capacity) // slot_len == group) & (pool.pos >= 0) & (pool.pos < limit)
+    return pool.replace(pos=jnp.where(mine, pool.pos, -1))
 
 
-@partial(jax.jit, static_argnames=("cfg", "loops"), donate_argnames=("own", "seen"))
+def pool_slot(pool: KVCache, slot_len: int, group: jax.Array) -> KVCache:
+    """Slot `group` of the pool as a segment of its own (slot_len slots)."""
+    take = lambda a: jax.lax.dynamic_slice_in_dim(a, group * slot_len, slot_len, axis=a.ndim - 2)  # noqa: E731
+    return KVCache(pre=tuple({n: take(a) for n, a in e.items()} for e in pool.pre),
+                   loop={n: take(a) for n, a in pool.loop.items()},
+                   pos=jax.lax.dynamic_slice_in_dim(pool.pos, group * slot_len, slot_len), length=pool.length,
+                   kv_mode=pool.kv_mode, post=tuple({n: take(a) for n, a in e.items()} for e in pool.post))
+
+
+@partial(jax.jit, static_argnames=("cfg", "loops", "slot_len"), donate_argnames=("own", "seen"))
 def decode_step(params: Params, cfg: ModelConfig, pool: KVCache, own: KVCache, last: jax.Array, group: jax.Array,
                 limit: jax.Array, active: jax.Array, seen: jax.Array, req: Request, steps: jax.Array, loops: int,
-                exit: tf.Exit | None = None):
+                slot_len: int, exit: tf.Exit | None = None):
     """One token for every active row: feed last [B] at each row's next position, choose the next
     token (row i's key index steps[i]). Inactive rows (free, or still prefilling) keep their
     segment: their write goes to an empty slot and their positions are restored.
     Returns (tokens [B], own, seen [B, V])."""
-    G = pool.length.shape[0]
-    slots = [row(pool, g) for g in range(G)]
     seen = jnp.where(active[:, None], seen.at[jnp.arange(last.shape[0]), last].set(True), seen)
 
     def one(tok, g, k, o):
-        ro = tuple(visible_slot(s, g == j, k) for j, s in enumerate(slots))
+        ro = (visible_pool(pool, slot_len, g, k),)  # the K/V are shared by all rows: read once
         x, o = tf.forward(params, cfg, tok[None], jnp.int32(1), o.length, ro, o, loops, 0, exit)
         return x[0], o
 
@@ -73,10 +83,11 @@ def decode_step(params: Params, cfg: ModelConfig, pool: KVCache, own: KVCache, l
     return tok, new, seen
 
 
-@partial(jax.jit, static_argnames=("cfg", "loops"), donate_argnames=("own", "seen"))
+@partial(jax.jit, static_argnames=("cfg", "loops", "slot_len"), donate_argnames=("own", "seen"))
 def prefill_chunk(params: Params, cfg: ModelConfig, pool: KVCache, own: KVCache, i: jax.Array, tokens: jax.Array,
                   n_valid: jax.Array, start: jax.Array, fresh: jax.Array, group: jax.Array, limit: jax.Array,
-                  seen: jax.Array, prompt_seen: jax.Array, req: Request, loops: int, exit: tf.Exit | None = None):
+                  seen: jax.Array, prompt_seen: jax.Array, req: Request, loops: int, slot_len: int,
+                  exit: tf.Exit | None = None):
     """Append tokens[:n_valid] (tokens [T]) of row i's prompt at positions start + j, reading pool
     slot `group` below `limit` (group < 0: no prefix). fresh: the row's first chunk (its segment
     is emptied first). Also sets the row's `seen` to prompt_seen [V] and picks its first token
@@ -84,7 +95,8 @@ def prefill_chunk(params: Params, cfg: ModelConfig, pool: KVCache, own: KVCache,
     row). Returns (first token [], logits [V], depth states [n_pre + loops, D], own, seen)."""
     o = row(own, i)
     o = o.replace(pos=jnp.where(fresh, -1, o.pos), length=jnp.where(fresh, start, o.length))
-    slot = visible_slot(row(pool, jnp.maximum(group, 0)), group >= 0, limit)
+    slot = pool_slot(pool, slot_len, jnp.maximum(group, 0))
+    slot = slot.replace(pos=jnp.where((group >= 0) & (slot.pos < limit), slot.pos, -1))
     run = tf.run_layers(params, cfg, tf.embed(params, tokens, start), n_valid, start, (slot,), o, loops, 0,
                         keep_states=True, exit=exit)
     logits = tf.last_logits(params, cfg, run.exit_x, n_valid)
@@ -93,27 +105,33 @@ def prefill_chunk(params: Params, cfg: ModelConfig, pool: KVCache, own: KVCache,
     return tok, logits, run.states, set_row(own, i, run.own), seen
 
 
-@partial(jax.jit, static_argnames=("passes", "materialize", "cfg"), donate_argnames=("pool",))
+@partial(jax.jit, static_argnames=("cfg", "passes", "materialize", "slot_len"), donate_argnames=("pool",))
 def load_slot(params: Params, cfg: ModelConfig, pool: KVCache, g: jax.Array, src: KVCache, n: jax.Array, passes: int,
-              materialize: bool):
-    """Pool slot g <- the first n positions of segment src (n <= the pool's capacity), its first
-    `passes` passes; h modes rebuild K/V to float32 once here (`materialize`)."""
+              materialize: bool, slot_len: int) -> KVCache:
+    """Pool slot g <- the first n positions of segment src (n <= slot_len), its first `passes`
+    passes; h modes rebuild K/V to float32 once here (`materialize`)."""
     if materialize:
         src = tf.materialize(params, cfg, src, passes)
-    seg = copy_prefix(src, n, capacity=pool.capacity, passes=passes)
-    return set_row(pool, g, seg.replace(kv_mode=pool.kv_mode))
+    seg = copy_prefix(src, n, capacity=slot_len, passes=passes)  # slot p holds position p
+    put = lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), g * slot_len,  # noqa: E731
+                                                           axis=a.ndim - 2)
+    return KVCache(pre=tuple({k: put(a[k], b[k]) for k in a} for a, b in zip(pool.pre, seg.pre)),
+                   loop={k: put(pool.loop[k], seg.loop[k]) for k in pool.loop},
+                   pos=jax.lax.dynamic_update_slice_in_dim(pool.pos, seg.pos, g * slot_len, axis=0),
+                   length=pool.length, kv_mode=pool.kv_mode,
+                   post=tuple({k: put(a[k], b[k]) for k in a} for a, b in zip(pool.post, seg.post)))
 
 
-@partial(jax.jit, static_argnames=("capacity",))
+@partial(jax.jit, static_argnames=("capacity", "slot_len"))
 def extract_prefix(pool: KVCache, own: KVCache, i: jax.Array, group: jax.Array, limit: jax.Array, n: jax.Array,
-                   capacity: int) -> KVCache:
+                   capacity: int, slot_len: int) -> KVCache:
     """Row i's prompt as one segment of `capacity` slots (>= n): positions < limit from pool slot
     `group`, positions limit..n-1 from the row's own segment (a copy, for the prefix store)."""
-    slot, o = row(pool, jnp.maximum(group, 0)), row(own, i)
+    slot, o = pool_slot(pool, slot_len, jnp.maximum(group, 0)), row(own, i)
     p = jnp.arange(capacity)
     from_pool = (group >= 0) & (p < limit)
 
-    def take(a_pool, a_own):  # [..., C, w]: slot axis -2; the pool holds position p at slot p
+    def take(a_pool, a_own):  # [..., C, w]: slot axis -2; a pool slot holds position p at slot p
         at_pool = jnp.take(a_pool, jnp.minimum(p, a_pool.shape[-2] - 1), axis=-2)
         at_own = jnp.take(a_own, p % a_own.shape[-2], axis=-2)
         return jnp.where((from_pool[:, None]), at_pool, at_own)

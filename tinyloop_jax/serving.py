@@ -11,8 +11,9 @@ prefixes and a store):
 
   1. waiting requests join free rows of the batch; each is matched against the prefix pool and
      the store (the longest cached prefix it shares is read, never recomputed);
-  2. one prompt chunk (`prefill_chunk` tokens) of the oldest request still prefilling runs, so a
-     long prompt delays the running rows by one chunk per step, never by its whole length;
+  2. prompt chunks of the requests still prefilling, oldest first, up to `prefill_chunk` tokens
+     (several short prompt rests, or one chunk of a long prompt), so a long prompt delays the
+     running rows by one chunk per step, never by its whole length;
      after its last chunk the request emits its first token and its prompt goes into the store;
   3. one decode step for every row past its prompt; rows that hit a stop sequence, their
      max_tokens, a cancel or their deadline leave at once and their row is free.
@@ -239,11 +240,14 @@ class Engine:
     default per-request deadline in seconds (None: none). prefill_chunk: prompt tokens per
     chunk. prefix_slots / prefix_capacity: the pool of shared prefixes a step reads (G slots of
     Cp positions; default Cp: the model's context). Rows hold max_seq_len positions.
+    insert_prompts: add every prompt to the store once prefilled. prefix_cache=False: no store
+    at all (every prompt prefilled whole; the baseline of scripts/bench_serve.py).
     """
 
     def __init__(self, model, max_batch: int = 16, store: PrefixStore | None = None, *, max_queue: int = 256,
-                 timeout: float | None = None, prefill_chunk: int = 64, prefix_slots: int = 4,
-                 prefix_capacity: int | None = None, store_bytes: int = 512 << 20, insert_prompts: bool = True):
+                 timeout: float | None = None, prefill_chunk: int = 64, prefix_slots: int = 8,
+                 prefix_capacity: int | None = None, store_bytes: int = 512 << 20, insert_prompts: bool = True,
+                 prefix_cache: bool = True):
         self.model = model
         c = model.weights.config
         if c.mesh is not None:
@@ -260,13 +264,15 @@ class Engine:
                                  f"{store.cache_window}")
         self.max_batch, self.max_queue, self.timeout = max_batch, max_queue, timeout
         self.chunk = kvc.bucket(prefill_chunk)
+        self.chunk_sizes = sorted({kvc.bucket(n) for n in range(1, self.chunk + 1)})  # 16, 32, 64, ...
         self.slots = prefix_slots
         self.row_capacity = kvc.bucket(c.max_seq_len)
         self.prefix_capacity = kvc.bucket(prefix_capacity or c.max_seq_len)
         self.work_mode = "fp32" if c.kv_mode.endswith("-h") else c.kv_mode
         # h modes: rows hold float32 K/V, which cannot be stored back in h form; such an engine
         # reads the store but does not add to it
-        self.insert_prompts = insert_prompts and self.work_mode == c.kv_mode
+        self.insert_prompts = insert_prompts and prefix_cache and self.work_mode == c.kv_mode
+        self.prefix_cache = prefix_cache  # False: every prompt is prefilled whole (a baseline)
         self.store_bytes = store_bytes
         self._default_store = store
         self._lanes: dict[int, _Lane] = {}
@@ -407,8 +413,9 @@ class Engine:
                 self._expire()
                 self._admit()
                 for lane in list(self._lanes.values()):
-                    if lane.order:
-                        self._prefill(lane)
+                    budget = self.chunk  # prompt tokens per iteration: several short rests, or one chunk
+                    while lane.order and budget > 0:
+                        budget -= self._prefill(lane)
                     if any(r.decoding for r in lane.rows.values()):
                         self._decode(lane)
             except Exception as e:  # noqa: BLE001 - a failed step fails its rows, never the loop
@@ -486,7 +493,7 @@ class Engine:
                     self._default_store = store
             lane = _Lane(loops, store, self.model._exit(None, None, loops))
             w = self.model.weights
-            lane.pool = F.empty_cache(w, self.prefix_capacity, loops, kv_mode=self.work_mode, batch=self.slots)
+            lane.pool = F.empty_cache(w, self.prefix_capacity * self.slots, loops, kv_mode=self.work_mode)
             lane.pool_entries, lane.pool_len = [None] * self.slots, [0] * self.slots
             lane.pool_refs, lane.pool_used = [0] * self.slots, [0] * self.slots
             self._lanes[loops] = lane
@@ -544,6 +551,8 @@ class Engine:
         """(pool slot, positions read from it) for a prompt: the pooled prefix sharing the most
         of it, unless the store holds one longer by more than a chunk (then it is loaded into a
         free slot). At least the prompt's last token is always prefilled (its logits)."""
+        if not self.prefix_cache:
+            return -1, 0
         cap = min(len(prompt) - 1, self.prefix_capacity)
         best_g, best_k = -1, 0
         for g, e in enumerate(lane.pool_entries):
@@ -570,7 +579,8 @@ class Engine:
         n = min(len(entry), self.prefix_capacity)
         self._count("load", lane.loops, entry.cache.capacity)
         lane.pool = B.load_slot(w.params, w.config, lane.pool, jnp.int32(g), entry.cache, jnp.int32(n),
-                                passes=lane.loops, materialize=self.work_mode != w.config.kv_mode)
+                                passes=lane.loops, materialize=self.work_mode != w.config.kv_mode,
+                                slot_len=self.prefix_capacity)
         lane.pool_entries[g], lane.pool_len[g] = entry, n
         self._stats["prefix_pool_loads"] += 1
 
@@ -590,32 +600,35 @@ class Engine:
                        repetition_penalty=r["repetition_penalty"], seed=r["seed"], max_tokens=r["max_tokens"],
                        stop=stop)
 
-    def _prefill(self, lane: _Lane) -> None:
+    def _prefill(self, lane: _Lane) -> int:
+        """One chunk of the oldest prompt still prefilling; returns its (padded) length."""
         r = lane.order[0]
         h, w = r.handle, self.model.weights
         c = w.config
         n = len(h.prompt)
         todo = h.prompt[r.fed:r.fed + self.chunk]
-        tokens = np.zeros((self.chunk,), np.int32)
+        tokens = np.zeros((kvc.bucket(len(todo)),), np.int32)  # a short rest runs a short program
         tokens[:len(todo)] = todo
         final = r.fed + len(todo) == n
         prompt_seen = np.zeros((c.vocab_size,), bool)
         prompt_seen[h.prompt] = True
-        self._count("prefill", lane.loops, lane.size)
+        self._count("prefill", lane.loops, lane.size, len(tokens))
         try:
             tok, logits, states, lane.own, lane.seen = B.prefill_chunk(
                 w.params, c, lane.pool, lane.own, jnp.int32(r.index), jnp.asarray(tokens), jnp.int32(len(todo)),
                 jnp.int32(r.fed), jnp.bool_(r.fed == r.limit), jnp.int32(r.group), jnp.int32(r.limit), lane.seen,
-                jnp.asarray(prompt_seen), self._request(lane, [r.index]), loops=lane.loops, exit=lane.exit)
+                jnp.asarray(prompt_seen), self._request(lane, [r.index]), loops=lane.loops,
+                slot_len=self.prefix_capacity, exit=lane.exit)
             self._stats["prefill_chunks"] += 1
             r.fed += len(todo)
             if not final:
-                return
+                return len(tokens)
             lane.order.popleft()
             if self.insert_prompts:
                 self._insert(lane, r, logits, states, prompt_seen)
             r.decoding = True
             self._tokens(lane, {r.index: int(tok)})
+            return len(tokens)
         except Exception as e:  # noqa: BLE001 - one request's prompt failed
             if lane.order and lane.order[0] is r:
                 lane.order.popleft()
@@ -623,6 +636,7 @@ class Engine:
             self._stats["requests_failed"] += 1
             if lane.own is None or any(a.is_deleted() for a in jax.tree.leaves(lane.own)):
                 raise
+            return len(tokens)
 
     def _insert(self, lane: _Lane, r: _Row, logits, states, prompt_seen) -> None:
         """The prompt, now all in place, as a store entry (copied out of the pool and the row)."""
@@ -630,7 +644,7 @@ class Engine:
         cap = kvc.bucket(len(h.prompt))
         self._count("extract", lane.loops, lane.size, cap)
         seg = B.extract_prefix(lane.pool, lane.own, jnp.int32(r.index), jnp.int32(r.group), jnp.int32(r.limit),
-                               jnp.int32(len(h.prompt)), capacity=cap)
+                               jnp.int32(len(h.prompt)), capacity=cap, slot_len=self.prefix_capacity)
         prompt = np.array(h.prompt, np.int32)
         prompt.setflags(write=False)
         lane.store.insert(PrefixCache(cache=seg, prompt=prompt, loops=lane.loops, cache_window=0, logits=logits,
@@ -648,7 +662,8 @@ class Engine:
         tok, lane.own, lane.seen = B.decode_step(w.params, w.config, lane.pool, lane.own, jnp.asarray(lane.last),
                                                  jnp.asarray(group), jnp.asarray(limit), jnp.asarray(active),
                                                  lane.seen, self._request(lane), jnp.asarray(steps),
-                                                 loops=lane.loops, exit=lane.exit)
+                                                 loops=lane.loops, slot_len=self.prefix_capacity,
+                                                 exit=lane.exit)
         tok = np.asarray(tok)
         self._stats["decode_steps"] += 1
         self._stats["batch_rows"] += int(active.sum())
@@ -692,18 +707,19 @@ class Engine:
         lane.size, lane.req = 0, {}
         for size in batch_buckets(self.max_batch):  # grown as serving grows it (regather warmed too)
             self._resize(lane, size)
-            self._count("prefill", loops, size)
             z = jnp.int32(0)
-            out = B.prefill_chunk(w.params, c, lane.pool, lane.own, z, jnp.zeros((self.chunk,), jnp.int32),
-                                  jnp.int32(1), z, jnp.bool_(True), jnp.int32(-1), z, lane.seen,
-                                  jnp.zeros((c.vocab_size,), bool), self._request(lane, [0]), loops=loops,
-                                  exit=lane.exit)
-            lane.own, lane.seen = out[3], out[4]
+            for t in self.chunk_sizes:
+                self._count("prefill", loops, size, t)
+                out = B.prefill_chunk(w.params, c, lane.pool, lane.own, z, jnp.zeros((t,), jnp.int32), jnp.int32(1),
+                                      z, jnp.bool_(True), jnp.int32(-1), z, lane.seen, jnp.zeros((c.vocab_size,), bool),
+                                      self._request(lane, [0]), loops=loops, slot_len=self.prefix_capacity,
+                                      exit=lane.exit)
+                lane.own, lane.seen = out[3], out[4]
             self._count("decode", loops, size)
             zeros = jnp.zeros((size,), jnp.int32)
             _, lane.own, lane.seen = B.decode_step(w.params, c, lane.pool, lane.own, zeros, zeros, zeros,
                                                    jnp.zeros((size,), bool), lane.seen, self._request(lane), zeros,
-                                                   loops=loops, exit=lane.exit)
+                                                   loops=loops, slot_len=self.prefix_capacity, exit=lane.exit)
             jax.block_until_ready(lane.own)
         lane.own = lane.seen = lane.last = None
         lane.size, lane.req = 0, {}

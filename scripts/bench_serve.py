@@ -1,0 +1,238 @@
+"""Load test of `tinyloop serve` on localhost: N concurrent streaming clients, Zipf over 8 system
+prompts + unique questions, and now and then a long prompt with no cached prefix.
+
+Arms (the same requests, in the same process, one after another):
+  engine     Engine(max_batch=16) with the prefix store (the server as shipped)
+  batch1     the same server with max_batch=1 (one request at a time, still prefix-cached)
+  nostore    max_batch=16, no prefix store (every prompt prefilled whole)
+  unchunked  max_batch=16 with the store, whole prompts in one prefill program (no chunking)
+
+Reported per arm: throughput (emitted tokens / wall time), time to first token (TTFT) p50/p99
+for the short (system-prompt) requests and for the long ones, request latency p50/p99, and
+whether every greedy output equals the engine arm's. Each arm first serves one request per
+system prompt (untimed: compiles, and the store holds the hot prompts, as in steady state).
+
+    python scripts/bench_serve.py                       # bundled model and a GPT-2-small shape
+    python scripts/bench_serve.py --models bundled --requests 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _report import command, machine, write_section  # noqa: E402
+
+import tinyloop_jax as tl  # noqa: E402
+from tinyloop_jax.cli import BUNDLED  # noqa: E402
+from tinyloop_jax.data import pydoc_bytes  # noqa: E402
+
+
+class IdsTokenizer:
+    """Text for a model without a tokenizer (the random GPT-2 shape): ids as words."""
+
+    def encode(self, text: str, special: bool = True) -> np.ndarray:
+        return np.array([int(t) for t in text.split()], np.int32)
+
+    def decode(self, ids) -> str:
+        return "".join(f" {int(i)}" for i in ids)
+
+
+def workload(name: str, model, n: int, rng) -> list[list[int]]:
+    """n prompts: Zipf(1) over 8 system prompts + a unique question; every 8th a long unique
+    prompt. The bundled model has a 256-byte context, so its system prompts are 96-160 bytes
+    of pydoc text (the GPT-2 shape's 256-512 tokens)."""
+    c = model.weights.config
+    if name == "bundled":
+        text = np.frombuffer(pydoc_bytes(), np.uint8).astype(np.int32)
+        starts = rng.integers(0, len(text) - 1000, 9)
+        systems = [text[s:s + int(rng.integers(96, 161))] for s in starts[:8]]
+        question = lambda: text[(q := int(rng.integers(0, len(text) - 40))):q + int(rng.integers(16, 33))]  # noqa
+        long = lambda: text[(q := int(rng.integers(0, len(text) - 300))):q + 200]  # noqa: E731
+    else:
+        systems = [rng.integers(0, c.vocab_size, int(rng.integers(256, 513))) for _ in range(8)]
+        question = lambda: rng.integers(0, c.vocab_size, int(rng.integers(16, 33)))  # noqa: E731
+        long = lambda: rng.integers(0, c.vocab_size, 480)  # noqa: E731
+    zipf = 1.0 / np.arange(1, 9)
+    zipf /= zipf.sum()
+    out = []
+    for i in range(n):
+        if i % 8 == 7:
+            out.append(long().tolist())
+        else:
+            out.append(np.concatenate([systems[rng.choice(8, p=zipf)], question()]).tolist())
+    warm = [np.concatenate([s, question()]).tolist() for s in systems] + [long().tolist()]
+    return out, warm
+
+
+class Server:
+    def __init__(self, model, tokenizer, **engine_kw):
+        import uvicorn
+
+        from tinyloop_jax.server import make_app
+
+        self.engine = tl.Engine(model, **engine_kw)
+        t = time.perf_counter()
+        self.engine.warmup()
+        self.warmup_s = time.perf_counter() - t
+        self.server = uvicorn.Server(uvicorn.Config(make_app(self.engine, tokenizer, "bench"), host="127.0.0.1",
+                                                    port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join()
+        self.engine.close()
+
+
+def request(port: int, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed greedy completion: ids, time to first token, latency."""
+    t = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", "/v1/completions", json.dumps(dict(model="bench", prompt=prompt, max_tokens=max_tokens,
+                                                           temperature=0, ignore_eos=True, stream=True)),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]}")
+    ids, ttft = [], None
+    for line in resp:
+        line = line.strip()
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise RuntimeError(chunk["error"]["message"])
+        new = chunk["choices"][0]["token_ids"]
+        if new and ttft is None:
+            ttft = time.perf_counter() - t
+        ids += new
+    conn.close()
+    return dict(ids=ids, ttft=ttft, latency=time.perf_counter() - t, prompt=len(prompt))
+
+
+def load(port: int, prompts: list, max_tokens: int, clients: int) -> tuple[list, float]:
+    """`clients` threads take the next prompt until none is left. Returns (results, wall s)."""
+    results, nxt, lock = [None] * len(prompts), [0], threading.Lock()
+
+    def client():
+        while True:
+            with lock:
+                i = nxt[0]
+                nxt[0] += 1
+            if i >= len(prompts):
+                return
+            results[i] = request(port, prompts[i], max_tokens)
+
+    t = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return results, time.perf_counter() - t
+
+
+def pct(xs, q) -> float:
+    return float(np.percentile(np.array(xs), q)) if xs else float("nan")
+
+
+ARMS = dict(engine=dict(max_batch=16), batch1=dict(max_batch=1), nostore=dict(max_batch=16, prefix_cache=False),
+            unchunked=dict(max_batch=16, prefill_chunk=None))
+
+
+def run_model(name: str, args) -> str:
+    if name == "bundled":
+        model, tok = tl.Model.load(BUNDLED), tl.ByteTokenizer()
+        extra = {}
+    else:  # GPT-2 small's shape (random weights): 12 layers of d 768, vocabulary 50257
+        cfg = tl.ModelConfig(vocab_size=50257, d_model=768, n_heads=12, n_pre_blocks=11, default_loops=1,
+                             max_seq_len=1024)
+        model, tok = tl.Model.random(cfg, seed=0), IdsTokenizer()
+        extra = dict(prefix_capacity=512)  # system prompts are <= 512 tokens
+    c = model.weights.config
+    rng = np.random.default_rng(0)
+    prompts, warm = workload(name, model, args.requests, rng)
+    rows, ref = [], None
+    for arm in args.arms:
+        kw = dict(ARMS[arm], prefix_slots=args.prefix_slots, **extra)
+        if kw.get("prefill_chunk", 1) is None:
+            kw["prefill_chunk"] = c.max_seq_len
+        print(f"[{name}] {arm}: {kw}", file=sys.stderr, flush=True)
+        srv = Server(model, tok, **kw)
+        try:
+            load(srv.port, warm, args.max_tokens, 1)
+            before = srv.engine.stats()
+            results, wall = load(srv.port, prompts, args.max_tokens, args.clients)
+            after = srv.engine.stats()
+            stats = {k: after.get(k, 0) - before.get(k, 0) for k in ("decode_steps", "batch_rows",
+                                                                      "requests_prefix_hit", "requests",
+                                                                      "compiles_after_warmup")}
+        finally:
+            srv.close()
+        tokens = sum(len(r["ids"]) for r in results)
+        short = [r for i, r in enumerate(results) if i % 8 != 7]
+        long_ = [r for i, r in enumerate(results) if i % 8 == 7]
+        ids = [r["ids"] for r in results]
+        same = "reference" if ref is None else ("yes" if ids == ref else
+                                                f"NO ({sum(a != b for a, b in zip(ids, ref))} differ)")
+        ref = ids if ref is None else ref
+        rows.append(dict(arm=arm, tps=tokens / wall, wall=wall, tokens=tokens,
+                         ttft50=pct([r["ttft"] for r in short], 50), ttft99=pct([r["ttft"] for r in short], 99),
+                         lttft50=pct([r["ttft"] for r in long_], 50), lttft99=pct([r["ttft"] for r in long_], 99),
+                         lat50=pct([r["latency"] for r in results], 50), lat99=pct([r["latency"] for r in results], 99),
+                         batch=stats["batch_rows"] / max(stats["decode_steps"], 1),
+                         hit=stats["requests_prefix_hit"] / max(stats["requests"], 1), same=same,
+                         compiles=after.get("compiles_after_warmup", 0), warmup=srv.warmup_s))
+        r = rows[-1]
+        print(f"  {r['tps']:.1f} tok/s, ttft p50 {r['ttft50']:.3f} p99 {r['ttft99']:.3f} s, batch {r['batch']:.1f}, "
+              f"same {same}", file=sys.stderr, flush=True)
+    base = next((r for r in rows if r["arm"] == "batch1"), None)
+    lines = [f"**{name}** (loops={c.default_loops}, context {c.max_seq_len}, {args.requests} requests, "
+             f"{args.clients} clients, max_tokens {args.max_tokens}, prefix slots {args.prefix_slots}"
+             + (f" x {extra['prefix_capacity']}" if extra else "") + ")", "",
+             "| arm | tok/s | vs batch1 | TTFT p50 / p99 (s), system-prompt requests | TTFT p50 / p99 (s), "
+             "long prompts | latency p50 / p99 (s) | mean batch | prefix hits | greedy == engine | "
+             "compiles after warmup (warmup s) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{r['tps'] / base['tps']:.2f}x" if base else "-"
+        lines.append(f"| {r['arm']} | {r['tps']:.1f} | {ratio} | {r['ttft50']:.3f} / {r['ttft99']:.3f} | "
+                     f"{r['lttft50']:.3f} / {r['lttft99']:.3f} | {r['lat50']:.2f} / {r['lat99']:.2f} | "
+                     f"{r['batch']:.1f} | {r['hit']:.0%} | {r['same']} | {r['compiles']} ({r['warmup']:.0f}) |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="bundled,gpt2-small")
+    ap.add_argument("--arms", default="engine,batch1,nostore,unchunked")
+    ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--prefix-slots", type=int, default=8)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    args.arms = args.arms.split(",")
+    sections = [run_model(m, args) for m in args.models.split(",")]
+    body = "\n\n".join([f"## Serving: continuous batching over the prefix store (issue 15)\n",
+                        f"`{command()}` on {machine()}.\n", *sections])
+    print(body)
+    if not args.no_write:
+        print("wrote", write_section("bench_serve", body))
+
+
+if __name__ == "__main__":
+    main()
