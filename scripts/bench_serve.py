@@ -8,7 +8,8 @@ Arms (the same requests, in the same process, one after another):
   unchunked  max_batch=16 with the store, whole prompts in one prefill program (no chunking)
 
 Reported per arm: throughput (emitted tokens / wall time), time to first token (TTFT) p50/p99
-for the short (system-prompt) requests and for the long ones, request latency p50/p99, and
+for the short (system-prompt) requests and for the long ones, the gaps between a stream's
+tokens (inter-token latency) p50/p99, request latency p50/p99, and
 whether every greedy output equals the engine arm's. Each arm first serves one request per
 system prompt (untimed: compiles, and the store holds the hot prompts, as in steady state).
 
@@ -107,7 +108,7 @@ def request(port: int, prompt: list[int], max_tokens: int) -> dict:
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]}")
-    ids, ttft = [], None
+    ids, ttft, stamps = [], None, []
     for line in resp:
         line = line.strip()
         if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -116,11 +117,12 @@ def request(port: int, prompt: list[int], max_tokens: int) -> dict:
         if "error" in chunk:
             raise RuntimeError(chunk["error"]["message"])
         new = chunk["choices"][0]["token_ids"]
-        if new and ttft is None:
-            ttft = time.perf_counter() - t
+        if new:
+            stamps.append(time.perf_counter())
+            ttft = stamps[0] - t if ttft is None else ttft
         ids += new
     conn.close()
-    return dict(ids=ids, ttft=ttft, latency=time.perf_counter() - t, prompt=len(prompt))
+    return dict(ids=ids, ttft=ttft, latency=time.perf_counter() - t, prompt=len(prompt), itl=np.diff(stamps).tolist())
 
 
 def load(port: int, prompts: list, max_tokens: int, clients: int) -> tuple[list, float]:
@@ -193,24 +195,28 @@ def run_model(name: str, args) -> str:
                          ttft50=pct([r["ttft"] for r in short], 50), ttft99=pct([r["ttft"] for r in short], 99),
                          lttft50=pct([r["ttft"] for r in long_], 50), lttft99=pct([r["ttft"] for r in long_], 99),
                          lat50=pct([r["latency"] for r in results], 50), lat99=pct([r["latency"] for r in results], 99),
+                         itl50=pct(sum((r["itl"] for r in results), []), 50),
+                         itl99=pct(sum((r["itl"] for r in results), []), 99),
                          batch=stats["batch_rows"] / max(stats["decode_steps"], 1),
                          hit=stats["requests_prefix_hit"] / max(stats["requests"], 1), same=same,
                          compiles=after.get("compiles_after_warmup", 0), warmup=srv.warmup_s))
         r = rows[-1]
-        print(f"  {r['tps']:.1f} tok/s, ttft p50 {r['ttft50']:.3f} p99 {r['ttft99']:.3f} s, batch {r['batch']:.1f}, "
+        print(f"  {r['tps']:.1f} tok/s, ttft p50 {r['ttft50']:.3f} p99 {r['ttft99']:.3f} s, "
+              f"itl p99 {r['itl99'] * 1e3:.0f} ms, batch {r['batch']:.1f}, "
               f"same {same}", file=sys.stderr, flush=True)
     base = next((r for r in rows if r["arm"] == "batch1"), None)
     lines = [f"**{name}** (loops={c.default_loops}, context {c.max_seq_len}, {args.requests} requests, "
              f"{args.clients} clients, max_tokens {args.max_tokens}, prefix slots {args.prefix_slots}"
              + (f" x {extra['prefix_capacity']}" if extra else "") + ")", "",
              "| arm | tok/s | vs batch1 | TTFT p50 / p99 (s), system-prompt requests | TTFT p50 / p99 (s), "
-             "long prompts | latency p50 / p99 (s) | mean batch | prefix hits | greedy == engine | "
-             "compiles after warmup (warmup s) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "long prompts | inter-token p50 / p99 (ms) | latency p50 / p99 (s) | mean batch | prefix hits | "
+             "greedy == engine | compiles after warmup (warmup s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['tps'] / base['tps']:.2f}x" if base else "-"
         lines.append(f"| {r['arm']} | {r['tps']:.1f} | {ratio} | {r['ttft50']:.3f} / {r['ttft99']:.3f} | "
-                     f"{r['lttft50']:.3f} / {r['lttft99']:.3f} | {r['lat50']:.2f} / {r['lat99']:.2f} | "
+                     f"{r['lttft50']:.3f} / {r['lttft99']:.3f} | {r['itl50'] * 1e3:.0f} / {r['itl99'] * 1e3:.0f} | "
+                     f"{r['lat50']:.2f} / {r['lat99']:.2f} | "
                      f"{r['batch']:.1f} | {r['hit']:.0%} | {r['same']} | {r['compiles']} ({r['warmup']:.0f}) |")
     return "\n".join(lines)
 
@@ -227,7 +233,7 @@ def main() -> None:
     args = ap.parse_args()
     args.arms = args.arms.split(",")
     sections = [run_model(m, args) for m in args.models.split(",")]
-    body = "\n\n".join([f"## Serving: continuous batching over the prefix store (issue 15)\n",
+    body = "\n\n".join(["## Serving: continuous batching over the prefix store (issue 15)\n",
                         f"`{command()}` on {machine()}.\n", *sections])
     print(body)
     if not args.no_write:

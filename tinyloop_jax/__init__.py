@@ -12,6 +12,6 @@ from .store import PrefixStore
 from .tokenizer import ByteTokenizer, HFTokenizer
 from .transformer import Exit
 
-__all__ = ["ByteTokenizer", "Engine", "Exit", "HFTokenizer", "KV_MODES", "KVCache", "Model", "ModelConfig", "PrefixCache",
-           "PrefixStore", "Request", "ResumeHandle", "Weights", "functional"]
+__all__ = ["ByteTokenizer", "Engine", "Exit", "HFTokenizer", "KV_MODES", "KVCache", "Model", "ModelConfig",
+           "PrefixCache", "PrefixStore", "Request", "ResumeHandle", "Weights", "functional"]
 __version__ = "0.1.0"
