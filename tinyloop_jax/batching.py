@@ -27,7 +27,8 @@ from .engine import rows_in_loop, rows_out_of_loop, token_mask
 from .params import Params
 from .sampling import Request, select_tokens
 
-__all__ = ["decode_step", "prefill_chunk", "load_slot", "extract_prefix", "regather", "token_mask"]
+__all__ = ["decode_step", "prefill_chunk", "prefill_slot", "load_slot", "extract_prefix", "reshape_rows",
+           "reset_row", "token_mask"]
 
 
 def row(tree, i):
@@ -105,14 +106,8 @@ def prefill_chunk(params: Params, cfg: ModelConfig, pool: KVCache, own: KVCache,
     return tok, logits, run.states, set_row(own, i, run.own), seen
 
 
-@partial(jax.jit, static_argnames=("cfg", "passes", "materialize", "slot_len"), donate_argnames=("pool",))
-def load_slot(params: Params, cfg: ModelConfig, pool: KVCache, g: jax.Array, src: KVCache, n: jax.Array, passes: int,
-              materialize: bool, slot_len: int) -> KVCache:
-    """Pool slot g <- the first n positions of segment src (n <= slot_len), its first `passes`
-    passes; h modes rebuild K/V to float32 once here (`materialize`)."""
-    if materialize:
-        src = tf.materialize(params, cfg, src, passes)
-    seg = copy_prefix(src, n, capacity=slot_len, passes=passes)  # slot p holds position p
+def put_slot(pool: KVCache, g: jax.Array, seg: KVCache, slot_len: int) -> KVCache:
+    """The pool with slot g replaced by seg (slot_len slots)."""
     put = lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), g * slot_len,  # noqa: E731
                                                            axis=a.ndim - 2)
     return KVCache(pre=tuple({k: put(a[k], b[k]) for k in a} for a, b in zip(pool.pre, seg.pre)),
@@ -120,6 +115,33 @@ def load_slot(params: Params, cfg: ModelConfig, pool: KVCache, g: jax.Array, src
                    pos=jax.lax.dynamic_update_slice_in_dim(pool.pos, seg.pos, g * slot_len, axis=0),
                    length=pool.length, kv_mode=pool.kv_mode,
                    post=tuple({k: put(a[k], b[k]) for k in a} for a, b in zip(pool.post, seg.post)))
+
+
+@partial(jax.jit, static_argnames=("cfg", "passes", "materialize", "slot_len"), donate_argnames=("pool",))
+def load_slot(params: Params, cfg: ModelConfig, pool: KVCache, g: jax.Array, src: KVCache, n: jax.Array, passes: int,
+              materialize: bool, slot_len: int) -> KVCache:
+    """Pool slot g <- the first n positions of segment src (n <= slot_len; n = 0 empties it), its
+    first `passes` passes; h modes rebuild K/V to float32 once here (`materialize`)."""
+    if materialize:
+        src = tf.materialize(params, cfg, src, passes)
+    seg = copy_prefix(src, n, capacity=slot_len, passes=passes)  # slot p holds position p
+    return put_slot(pool, g, seg, slot_len)
+
+
+@partial(jax.jit, static_argnames=("cfg", "loops", "slot_len"), donate_argnames=("pool", "seen"))
+def prefill_slot(params: Params, cfg: ModelConfig, pool: KVCache, seen: jax.Array, i: jax.Array, g: jax.Array,
+                 tokens: jax.Array, n_valid: jax.Array, start: jax.Array, prompt_seen: jax.Array, req: Request,
+                 loops: int, slot_len: int, exit: tf.Exit | None = None):
+    """A chunk of row i's prompt written into pool slot g (which holds positions < start): a
+    long prompt becomes a pooled prefix as it is prefilled, and the row's own segment holds
+    only what it generates. Returns (first token [], logits [V], depth states, pool, seen)."""
+    slot = pool_slot(pool, slot_len, g).replace(length=start)
+    run = tf.run_layers(params, cfg, tf.embed(params, tokens, start), n_valid, start, (), slot, loops, 0,
+                        keep_states=True, exit=exit)
+    logits = tf.last_logits(params, cfg, run.exit_x, n_valid)
+    tok = select_tokens(logits[None], prompt_seen[None], req, jnp.int32(0))[0]
+    seen = jax.lax.dynamic_update_index_in_dim(seen, prompt_seen, i, axis=0)
+    return tok, logits, run.states, put_slot(pool, g, run.own, slot_len), seen
 
 
 @partial(jax.jit, static_argnames=("capacity", "slot_len"))
@@ -142,8 +164,30 @@ def extract_prefix(pool: KVCache, own: KVCache, i: jax.Array, group: jax.Array, 
                    post=tuple(pick(a, b) for a, b in zip(slot.post, o.post)))
 
 
-@jax.jit
-def regather(tree, idx: jax.Array):
-    """Rows idx [B'] of every array of a stacked pytree (a batch grown or compacted to B' rows;
-    an index past the end gives a row that is reset before use)."""
-    return jax.tree.map(lambda a: jnp.take(a, idx, axis=0, mode="clip"), tree)
+@partial(jax.jit, donate_argnames=("own",))
+def reset_row(own: KVCache, i: jax.Array, start: jax.Array) -> KVCache:
+    """Row i's own segment emptied, its next position `start`."""
+    return own.replace(pos=own.pos.at[i].set(-1), length=own.length.at[i].set(start))
+
+
+def reslot(o: KVCache, capacity: int) -> KVCache:
+    """One own segment moved to `capacity` slots (position p to slot p % capacity); its
+    positions must span at most `capacity`."""
+    tgt = jnp.where(o.pos >= 0, o.pos % capacity, capacity)  # empty slots: dropped
+
+    def move(a):  # [..., C, w]
+        out = jnp.zeros(a.shape[:-2] + (capacity, a.shape[-1]), a.dtype)
+        return out.at[..., tgt, :].set(a, mode="drop")
+
+    return KVCache(pre=tuple({k: move(a) for k, a in e.items()} for e in o.pre),
+                   loop={k: move(a) for k, a in o.loop.items()},
+                   pos=jnp.full((capacity,), -1, jnp.int32).at[tgt].set(o.pos, mode="drop"), length=o.length,
+                   kv_mode=o.kv_mode, post=tuple({k: move(a) for k, a in e.items()} for e in o.post))
+
+
+@partial(jax.jit, static_argnames=("capacity",))
+def reshape_rows(own: KVCache, seen: jax.Array, idx: jax.Array, capacity: int):
+    """The batch as rows idx [B'] (a batch grown or compacted; an index past the end gives a row
+    that is reset before use), each moved to `capacity` slots."""
+    own, seen = jax.tree.map(lambda a: jnp.take(a, idx, axis=0, mode="clip"), (own, seen))
+    return jax.vmap(lambda o: reslot(o, capacity))(own), seen

@@ -209,6 +209,8 @@ class _Row:
     group: int  # pool slot, -1: none
     limit: int  # prompt positions read from the pool slot
     fed: int  # prompt positions in place (limit + prefilled)
+    need: int  # positions its own segment must hold
+    owner: bool = False  # its prompt is prefilled into its pool slot (a long prompt)
     decoding: bool = False
 
 
@@ -218,10 +220,12 @@ class _Lane:
     store: PrefixStore
     exit: object
     size: int = 0  # rows allocated (a bucket)
+    cap: int = 0  # positions per row (Co)
     own: object = None  # KVCache [size]
     seen: object = None  # [size, V] bool
     pool: object = None  # KVCache [G]
-    pool_entries: list = field(default_factory=list)  # PrefixCache | None per slot
+    pool_entries: list = field(default_factory=list)  # the store's PrefixCache of each slot, if any
+    pool_prompt: list = field(default_factory=list)  # the prompt each slot holds (None: free)
     pool_len: list = field(default_factory=list)  # positions held per slot
     pool_refs: list = field(default_factory=list)  # rows reading each slot
     pool_used: list = field(default_factory=list)  # tick of last use
@@ -239,15 +243,18 @@ class Engine:
     requests waiting beyond the running ones (then `submit` raises `QueueFull`). timeout:
     default per-request deadline in seconds (None: none). prefill_chunk: prompt tokens per
     chunk. prefix_slots / prefix_capacity: the pool of shared prefixes a step reads (G slots of
-    Cp positions; default Cp: the model's context). Rows hold max_seq_len positions.
+    Cp positions; default Cp: the model's context); a prompt whose uncached rest is longer
+    than a chunk is prefilled into a free slot. row_capacity: positions of a row's own segment
+    (default min(context, 256)); the batch moves to the model's whole context while a row
+    needs more, and back.
     insert_prompts: add every prompt to the store once prefilled. prefix_cache=False: no store
     at all (every prompt prefilled whole; the baseline of scripts/bench_serve.py).
     """
 
     def __init__(self, model, max_batch: int = 16, store: PrefixStore | None = None, *, max_queue: int = 256,
                  timeout: float | None = None, prefill_chunk: int = 64, prefix_slots: int = 8,
-                 prefix_capacity: int | None = None, store_bytes: int = 512 << 20, insert_prompts: bool = True,
-                 prefix_cache: bool = True):
+                 prefix_capacity: int | None = None, row_capacity: int | None = None, store_bytes: int = 512 << 20,
+                 insert_prompts: bool = True, prefix_cache: bool = True):
         self.model = model
         c = model.weights.config
         if c.mesh is not None:
@@ -266,7 +273,8 @@ class Engine:
         self.chunk = kvc.bucket(prefill_chunk)
         self.chunk_sizes = sorted({kvc.bucket(n) for n in range(1, self.chunk + 1)})  # 16, 32, 64, ...
         self.slots = prefix_slots
-        self.row_capacity = kvc.bucket(c.max_seq_len)
+        self.max_capacity = kvc.bucket(c.max_seq_len)
+        self.row_capacity = min(self.max_capacity, kvc.bucket(row_capacity or 256))
         self.prefix_capacity = kvc.bucket(prefix_capacity or c.max_seq_len)
         self.work_mode = "fp32" if c.kv_mode.endswith("-h") else c.kv_mode
         # h modes: rows hold float32 K/V, which cannot be stored back in h form; such an engine
@@ -433,8 +441,8 @@ class Engine:
         for lane in list(self._lanes.values()):
             for r in list(lane.rows.values()):
                 self._release(lane, r, "error", RuntimeError(f"the batch step failed: {e}"))
-            lane.size = 0  # reallocated on the next request
-            lane.own = lane.seen = None
+            lane.size, lane.cap, lane.req = 0, 0, {}  # reallocated on the next request
+            lane.own = lane.seen = lane.last = None
         self._stats["step_failures"] += 1
 
     def _expire(self) -> None:
@@ -494,7 +502,8 @@ class Engine:
             lane = _Lane(loops, store, self.model._exit(None, None, loops))
             w = self.model.weights
             lane.pool = F.empty_cache(w, self.prefix_capacity * self.slots, loops, kv_mode=self.work_mode)
-            lane.pool_entries, lane.pool_len = [None] * self.slots, [0] * self.slots
+            lane.pool_entries, lane.pool_prompt = [None] * self.slots, [None] * self.slots
+            lane.pool_len = [0] * self.slots
             lane.pool_refs, lane.pool_used = [0] * self.slots, [0] * self.slots
             self._lanes[loops] = lane
         return lane
@@ -504,16 +513,17 @@ class Engine:
         """The store of the default depth (created with the first request if none was given)."""
         return self._default_store
 
-    def _resize(self, lane: _Lane, size: int) -> None:
-        """Allocate the lane's rows at `size` (a batch bucket), keeping the rows in use."""
+    def _reshape(self, lane: _Lane, size: int, cap: int) -> None:
+        """The lane's rows as `size` rows (a batch bucket) of `cap` positions, keeping the rows
+        in use (at their indices)."""
         w, c = self.model.weights, self.model.weights.config
         if lane.own is None:
-            lane.own = F.empty_cache(w, self.row_capacity, lane.loops, kv_mode=self.work_mode, batch=size)
+            lane.own = F.empty_cache(w, cap, lane.loops, kv_mode=self.work_mode, batch=size)
             lane.seen = jnp.zeros((size, c.vocab_size), bool)
-        else:
-            self._count("regather", lane.loops, lane.size, size)
+        elif (size, cap) != (lane.size, lane.cap):
+            self._count("reshape", lane.loops, lane.size, lane.cap, size, cap)
             idx = jnp.asarray(np.minimum(np.arange(size), lane.size - 1), jnp.int32)
-            lane.own, lane.seen = B.regather((lane.own, lane.seen), idx)
+            lane.own, lane.seen = B.reshape_rows(lane.own, lane.seen, idx, capacity=cap)
         old = lane.req
         fresh = dict(temperature=np.zeros(size, np.float32), top_k=np.zeros(size, np.int32),
                      top_p=np.ones(size, np.float32), repetition_penalty=np.ones(size, np.float32),
@@ -524,64 +534,97 @@ class Engine:
         last = np.zeros(size, np.int32)
         if lane.last is not None:
             last[:min(size, len(lane.last))] = lane.last[:size]
-        lane.last, lane.size = last, size
+        lane.last, lane.size, lane.cap = last, size, cap
+
+    def _fit(self, lane: _Lane) -> None:
+        """Move the batch back to row_capacity once no row needs more; release it when empty."""
+        if not lane.rows:
+            lane.own = lane.seen = lane.last = None
+            lane.size, lane.cap, lane.req = 0, 0, {}
+        elif lane.cap > self.row_capacity and max(r.need for r in lane.rows.values()) <= self.row_capacity:
+            self._reshape(lane, lane.size, self.row_capacity)
 
     def _place(self, h: Handle) -> None:
-        s = h.sampling
+        s, n = h.sampling, len(h.prompt)
         lane = self._lane(s.loops)
+        group, limit, source = self._prefix(lane, h.prompt)
+        owner = False
+        if n - limit > self.chunk and n <= self.prefix_capacity:  # a long rest: prefilled into a slot
+            slot = self._free_slot(lane)
+            if slot is not None:
+                self._load(lane, slot, source if source is not None else group, limit)
+                group, owner = slot, True
+        elif source is not None and group < 0:  # a cached prefix not pooled yet
+            slot = self._free_slot(lane)
+            if slot is not None:
+                self._load(lane, slot, source, len(source))
+                lane.pool_prompt[slot], lane.pool_len[slot] = source.prompt, min(len(source), self.prefix_capacity)
+                lane.pool_entries[slot] = source
+                group = slot
+        if group < 0:
+            limit = 0
+        need = s.max_tokens + (0 if owner else n - limit)
         free = [i for i in range(lane.size) if i not in lane.rows]
-        if not free:
-            size = next(b for b in batch_buckets(self.max_batch) if b > len(lane.rows))
-            self._resize(lane, size)
-            free = [i for i in range(lane.size) if i not in lane.rows]
-        i = free[0]
-        group, limit = self._prefix(lane, h.prompt)
+        size = lane.size if free else next(b for b in batch_buckets(self.max_batch) if b > len(lane.rows))
+        cap = max(lane.cap, self.row_capacity if need <= self.row_capacity else self.max_capacity)
+        if (size, cap) != (lane.size, lane.cap):
+            self._reshape(lane, size, cap)
+        i = next(i for i in range(lane.size) if i not in lane.rows)
         h.prefix_tokens = limit
         self._stats["requests_prefix_hit" if limit else "requests_prefix_miss"] += 1
         self._stats["prefix_tokens_reused"] += limit
-        lane.rows[i] = r = _Row(h, i, group, limit, limit)
+        lane.rows[i] = r = _Row(h, i, group, limit, limit, need, owner)
         if group >= 0:
             lane.pool_refs[group] += 1
+            self._tick += 1
+            lane.pool_used[group] = self._tick
+            if lane.pool_entries[group] is not None:
+                lane.store.touch(lane.pool_entries[group])
+        if owner:  # the slot holds this prompt once prefilled; until then no one else matches it
+            lane.pool_prompt[group], lane.pool_len[group], lane.pool_entries[group] = None, 0, None
         lane.order.append(r)
         for k, v in dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                          repetition_penalty=s.repetition_penalty, seed=s.seed, max_tokens=s.max_tokens).items():
             lane.req[k][i] = v
 
-    def _prefix(self, lane: _Lane, prompt: np.ndarray) -> tuple[int, int]:
-        """(pool slot, positions read from it) for a prompt: the pooled prefix sharing the most
-        of it, unless the store holds one longer by more than a chunk (then it is loaded into a
-        free slot). At least the prompt's last token is always prefilled (its logits)."""
+    def _prefix(self, lane: _Lane, prompt: np.ndarray) -> tuple[int, int, PrefixCache | None]:
+        """(pool slot or -1, positions it serves, the store entry to load instead or None) for a
+        prompt: the pooled prefix sharing the most of it, unless the store holds one longer by
+        more than a chunk. At least the prompt's last token is always prefilled (its logits)."""
         if not self.prefix_cache:
-            return -1, 0
+            return -1, 0, None
         cap = min(len(prompt) - 1, self.prefix_capacity)
         best_g, best_k = -1, 0
-        for g, e in enumerate(lane.pool_entries):
-            if e is not None:
-                k = min(common_prefix(e.prompt, prompt), lane.pool_len[g], cap)
+        for g, p in enumerate(lane.pool_prompt):
+            if p is not None:
+                k = min(common_prefix(p, prompt), lane.pool_len[g], cap)
                 if k > best_k:
                     best_g, best_k = g, k
         entry, k = lane.store.lookup(prompt)
         k = min(k, cap) if entry is not None else 0
         if k > best_k + self.chunk or (k > best_k and best_g < 0):
-            free = [g for g in range(self.slots) if lane.pool_refs[g] == 0]
-            if free:
-                g = min(free, key=lambda j: lane.pool_used[j])
-                self._load(lane, g, entry)
-                best_g, best_k = g, k
-        if best_g >= 0:
-            self._tick += 1
-            lane.pool_used[best_g] = self._tick
-            lane.store.touch(lane.pool_entries[best_g])
-        return (best_g, best_k) if best_k > 0 else (-1, 0)
+            return -1, k, entry
+        return best_g, best_k, None
 
-    def _load(self, lane: _Lane, g: int, entry: PrefixCache) -> None:
+    def _free_slot(self, lane: _Lane) -> int | None:
+        """The least recently used pool slot no row reads, if any."""
+        free = [g for g in range(self.slots) if lane.pool_refs[g] == 0]
+        return min(free, key=lambda j: lane.pool_used[j]) if free else None
+
+    def _load(self, lane: _Lane, g: int, source, n: int) -> None:
+        """Pool slot g <- the first n positions of `source` (a store entry, or -1 / None: the
+        slot emptied; an int: another pool slot)."""
         w = self.model.weights
-        n = min(len(entry), self.prefix_capacity)
-        self._count("load", lane.loops, entry.cache.capacity)
-        lane.pool = B.load_slot(w.params, w.config, lane.pool, jnp.int32(g), entry.cache, jnp.int32(n),
-                                passes=lane.loops, materialize=self.work_mode != w.config.kv_mode,
-                                slot_len=self.prefix_capacity)
-        lane.pool_entries[g], lane.pool_len[g] = entry, n
+        cp = self.prefix_capacity
+        if isinstance(source, PrefixCache) and n > 0:
+            src, mat = source.cache, self.work_mode != w.config.kv_mode
+        else:  # empty the slot, or copy from a slot that holds a prefix already in working form
+            src, mat, n = B.pool_slot(lane.pool, cp, jnp.int32(max(source if isinstance(source, int) else g, 0))), \
+                False, n if isinstance(source, int) else 0
+        self._count("load", lane.loops, src.capacity, mat)
+        lane.pool = B.load_slot(w.params, w.config, lane.pool, jnp.int32(g), src, jnp.int32(min(n, cp)),
+                                passes=lane.loops, materialize=mat, slot_len=cp)
+        lane.pool_entries[g], lane.pool_prompt[g], lane.pool_len[g] = None, None, 0
         self._stats["prefix_pool_loads"] += 1
 
     # ---- device steps ------------------------------------------------------------------------
@@ -612,18 +655,29 @@ class Engine:
         final = r.fed + len(todo) == n
         prompt_seen = np.zeros((c.vocab_size,), bool)
         prompt_seen[h.prompt] = True
-        self._count("prefill", lane.loops, lane.size, len(tokens))
         try:
-            tok, logits, states, lane.own, lane.seen = B.prefill_chunk(
-                w.params, c, lane.pool, lane.own, jnp.int32(r.index), jnp.asarray(tokens), jnp.int32(len(todo)),
-                jnp.int32(r.fed), jnp.bool_(r.fed == r.limit), jnp.int32(r.group), jnp.int32(r.limit), lane.seen,
-                jnp.asarray(prompt_seen), self._request(lane, [r.index]), loops=lane.loops,
-                slot_len=self.prefix_capacity, exit=lane.exit)
+            if r.owner:
+                self._count("prefill_slot", lane.loops, lane.size, len(tokens))
+                tok, logits, states, lane.pool, lane.seen = B.prefill_slot(
+                    w.params, c, lane.pool, lane.seen, jnp.int32(r.index), jnp.int32(r.group), jnp.asarray(tokens),
+                    jnp.int32(len(todo)), jnp.int32(r.fed), jnp.asarray(prompt_seen), self._request(lane, [r.index]),
+                    loops=lane.loops, slot_len=self.prefix_capacity, exit=lane.exit)
+            else:
+                self._count("prefill", lane.loops, lane.size, lane.cap, len(tokens))
+                tok, logits, states, lane.own, lane.seen = B.prefill_chunk(
+                    w.params, c, lane.pool, lane.own, jnp.int32(r.index), jnp.asarray(tokens), jnp.int32(len(todo)),
+                    jnp.int32(r.fed), jnp.bool_(r.fed == r.limit), jnp.int32(r.group), jnp.int32(r.limit), lane.seen,
+                    jnp.asarray(prompt_seen), self._request(lane, [r.index]), loops=lane.loops,
+                    slot_len=self.prefix_capacity, exit=lane.exit)
             self._stats["prefill_chunks"] += 1
             r.fed += len(todo)
             if not final:
                 return len(tokens)
             lane.order.popleft()
+            if r.owner:  # the slot now holds the whole prompt: the row reads it all, others may share it
+                r.limit = n
+                lane.pool_prompt[r.group], lane.pool_len[r.group] = h.prompt, n
+                self._fresh_row(lane, r)
             if self.insert_prompts:
                 self._insert(lane, r, logits, states, prompt_seen)
             r.decoding = True
@@ -638,17 +692,24 @@ class Engine:
                 raise
             return len(tokens)
 
+    def _fresh_row(self, lane: _Lane, r: _Row) -> None:
+        self._count("reset", lane.size, lane.cap)
+        lane.own = B.reset_row(lane.own, jnp.int32(r.index), jnp.int32(r.limit))
+
     def _insert(self, lane: _Lane, r: _Row, logits, states, prompt_seen) -> None:
         """The prompt, now all in place, as a store entry (copied out of the pool and the row)."""
         h, w = r.handle, self.model.weights
         cap = kvc.bucket(len(h.prompt))
-        self._count("extract", lane.loops, lane.size, cap)
+        self._count("extract", lane.loops, lane.size, lane.cap, cap)
         seg = B.extract_prefix(lane.pool, lane.own, jnp.int32(r.index), jnp.int32(r.group), jnp.int32(r.limit),
                                jnp.int32(len(h.prompt)), capacity=cap, slot_len=self.prefix_capacity)
         prompt = np.array(h.prompt, np.int32)
         prompt.setflags(write=False)
-        lane.store.insert(PrefixCache(cache=seg, prompt=prompt, loops=lane.loops, cache_window=0, logits=logits,
-                                      seen=jnp.asarray(prompt_seen), depth_states=states, weights=w))
+        entry = PrefixCache(cache=seg, prompt=prompt, loops=lane.loops, cache_window=0, logits=logits,
+                            seen=jnp.asarray(prompt_seen), depth_states=states, weights=w)
+        lane.store.insert(entry)
+        if r.owner:
+            lane.pool_entries[r.group] = entry
 
     def _decode(self, lane: _Lane) -> None:
         w = self.model.weights
@@ -658,7 +719,7 @@ class Engine:
         for i, r in lane.rows.items():
             if r.decoding:
                 active[i], group[i], limit[i], steps[i] = True, r.group, r.limit, len(r.handle.tokens)
-        self._count("decode", lane.loops, lane.size)
+        self._count("decode", lane.loops, lane.size, lane.cap)
         tok, lane.own, lane.seen = B.decode_step(w.params, w.config, lane.pool, lane.own, jnp.asarray(lane.last),
                                                  jnp.asarray(group), jnp.asarray(limit), jnp.asarray(active),
                                                  lane.seen, self._request(lane), jnp.asarray(steps),
@@ -692,6 +753,9 @@ class Engine:
             del lane.rows[r.index]
             if r.group >= 0:
                 lane.pool_refs[r.group] -= 1
+            if r.owner and lane.pool_prompt[r.group] is None:  # left before its prompt was in place
+                lane.pool_len[r.group] = 0
+            self._fit(lane)
         if r in lane.order:
             lane.order.remove(r)
         r.handle._finish(reason, error)
@@ -703,25 +767,31 @@ class Engine:
             raise RuntimeError("warmup() runs before requests are served")
         w, c = self.model.weights, self.model.weights.config
         before = len(self._programs)
-        lane.own = lane.seen = lane.last = None
-        lane.size, lane.req = 0, {}
-        for size in batch_buckets(self.max_batch):  # grown as serving grows it (regather warmed too)
-            self._resize(lane, size)
-            z = jnp.int32(0)
+        cap, z = self.row_capacity, jnp.int32(0)
+        self._fit(lane)
+        for size in batch_buckets(self.max_batch):  # grown as serving grows it (the growth copies too)
+            self._reshape(lane, size, cap)
+            req, no_seen = self._request(lane, [0]), jnp.zeros((c.vocab_size,), bool)
             for t in self.chunk_sizes:
-                self._count("prefill", loops, size, t)
+                self._count("prefill", loops, size, cap, t)
                 out = B.prefill_chunk(w.params, c, lane.pool, lane.own, z, jnp.zeros((t,), jnp.int32), jnp.int32(1),
-                                      z, jnp.bool_(True), jnp.int32(-1), z, lane.seen, jnp.zeros((c.vocab_size,), bool),
-                                      self._request(lane, [0]), loops=loops, slot_len=self.prefix_capacity,
-                                      exit=lane.exit)
+                                      z, jnp.bool_(True), jnp.int32(-1), z, lane.seen, no_seen, req, loops=loops,
+                                      slot_len=self.prefix_capacity, exit=lane.exit)
                 lane.own, lane.seen = out[3], out[4]
-            self._count("decode", loops, size)
+                self._count("prefill_slot", loops, size, t)
+                out = B.prefill_slot(w.params, c, lane.pool, lane.seen, z, z, jnp.zeros((t,), jnp.int32),
+                                     jnp.int32(1), z, no_seen, req, loops=loops, slot_len=self.prefix_capacity,
+                                     exit=lane.exit)
+                lane.pool, lane.seen = out[3], out[4]
+            self._count("decode", loops, size, cap)
             zeros = jnp.zeros((size,), jnp.int32)
             _, lane.own, lane.seen = B.decode_step(w.params, c, lane.pool, lane.own, zeros, zeros, zeros,
                                                    jnp.zeros((size,), bool), lane.seen, self._request(lane), zeros,
                                                    loops=loops, slot_len=self.prefix_capacity, exit=lane.exit)
+            self._count("reset", size, cap)
+            lane.own = B.reset_row(lane.own, z, z)
             jax.block_until_ready(lane.own)
-        lane.own = lane.seen = lane.last = None
-        lane.size, lane.req = 0, {}
+        self._fit(lane)
+        self._load(lane, 0, None, 0)  # (the slot warmup wrote into)
         self._warm = True
         return len(self._programs) - before
