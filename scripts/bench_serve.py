@@ -163,7 +163,7 @@ def run_model(name: str, args) -> str:
         cfg = tl.ModelConfig(vocab_size=50257, d_model=768, n_heads=12, n_pre_blocks=11, default_loops=1,
                              max_seq_len=1024)
         model, tok = tl.Model.random(cfg, seed=0), IdsTokenizer()
-        extra = dict(prefix_capacity=512)  # system prompts are <= 512 tokens
+        extra = dict(prefix_capacity=512, row_capacity=128)  # system prompts <= 512 tokens; rests + answers < 128
     c = model.weights.config
     rng = np.random.default_rng(0)
     prompts, warm = workload(name, model, args.requests, rng)
@@ -207,7 +207,7 @@ def run_model(name: str, args) -> str:
     base = next((r for r in rows if r["arm"] == "batch1"), None)
     lines = [f"**{name}** (loops={c.default_loops}, context {c.max_seq_len}, {args.requests} requests, "
              f"{args.clients} clients, max_tokens {args.max_tokens}, prefix slots {args.prefix_slots}"
-             + (f" x {extra['prefix_capacity']}" if extra else "") + ")", "",
+             + (f", {extra}" if extra else "") + ")", "",
              "| arm | tok/s | vs batch1 | TTFT p50 / p99 (s), system-prompt requests | TTFT p50 / p99 (s), "
              "long prompts | inter-token p50 / p99 (ms) | latency p50 / p99 (s) | mean batch | prefix hits | "
              "greedy == engine | compiles after warmup (warmup s) |",

@@ -57,14 +57,26 @@ def pool_slot(pool: KVCache, slot_len: int, group: jax.Array) -> KVCache:
                    kv_mode=pool.kv_mode, post=tuple({n: take(a) for n, a in e.items()} for e in pool.post))
 
 
+def pool_slots(pool: KVCache, slot_len: int, ids: jax.Array) -> KVCache:
+    """The pool's slots ids [S] side by side, as one segment of S * slot_len positions."""
+    parts = [pool_slot(pool, slot_len, ids[j]) for j in range(ids.shape[0])]
+    if len(parts) == 1:
+        return parts[0]
+    cat = lambda *a: jnp.concatenate(a, axis=a[0].ndim - 2)  # noqa: E731
+    out = jax.tree.map(cat, *[p.replace(pos=p.pos[:, None], length=None) for p in parts])
+    return out.replace(pos=out.pos[:, 0], length=parts[0].length)
+
+
 @partial(jax.jit, static_argnames=("cfg", "loops", "slot_len"), donate_argnames=("own", "seen"))
-def decode_step(params: Params, cfg: ModelConfig, pool: KVCache, own: KVCache, last: jax.Array, group: jax.Array,
-                limit: jax.Array, active: jax.Array, seen: jax.Array, req: Request, steps: jax.Array, loops: int,
-                slot_len: int, exit: tf.Exit | None = None):
+def decode_step(params: Params, cfg: ModelConfig, pool: KVCache, slot_ids: jax.Array, own: KVCache, last: jax.Array,
+                group: jax.Array, limit: jax.Array, active: jax.Array, seen: jax.Array, req: Request, steps: jax.Array,
+                loops: int, slot_len: int, exit: tf.Exit | None = None):
     """One token for every active row: feed last [B] at each row's next position, choose the next
-    token (row i's key index steps[i]). Inactive rows (free, or still prefilling) keep their
-    segment: their write goes to an empty slot and their positions are restored.
-    Returns (tokens [B], own, seen [B, V])."""
+    token (row i's key index steps[i]). The step reads the pool slots slot_ids [S] (S a bucket of
+    the slots its rows read; group[i] indexes slot_ids). Inactive rows (free, or still
+    prefilling) keep their segment: their write goes to an empty slot and their positions are
+    restored. Returns (tokens [B], own, seen [B, V])."""
+    pool = pool_slots(pool, slot_len, slot_ids)
     seen = jnp.where(active[:, None], seen.at[jnp.arange(last.shape[0]), last].set(True), seen)
 
     def one(tok, g, k, o):

@@ -64,6 +64,11 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else m
 
 
+def slot_buckets(slots: int, n: int) -> int:
+    """How many pool slots a step reads when its rows read n distinct ones: 1, 2, 4, ..., slots."""
+    return min(slots, 1 << max(n - 1, 0).bit_length())
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     """The batch sizes programs are compiled for: powers of two below max_batch, and max_batch."""
     return sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch} | {max_batch})
@@ -714,16 +719,19 @@ class Engine:
     def _decode(self, lane: _Lane) -> None:
         w = self.model.weights
         active = np.zeros((lane.size,), bool)
-        group, limit, steps = np.zeros(lane.size, np.int32), np.zeros(lane.size, np.int32), np.zeros(lane.size,
-                                                                                                      np.int32)
-        for i, r in lane.rows.items():
-            if r.decoding:
-                active[i], group[i], limit[i], steps[i] = True, r.group, r.limit, len(r.handle.tokens)
-        self._count("decode", lane.loops, lane.size, lane.cap)
-        tok, lane.own, lane.seen = B.decode_step(w.params, w.config, lane.pool, lane.own, jnp.asarray(lane.last),
-                                                 jnp.asarray(group), jnp.asarray(limit), jnp.asarray(active),
-                                                 lane.seen, self._request(lane), jnp.asarray(steps),
-                                                 loops=lane.loops, slot_len=self.prefix_capacity,
+        group, limit, steps = (np.zeros(lane.size, np.int32) for _ in range(3))
+        decoding = [r for r in lane.rows.values() if r.decoding]
+        read = sorted({r.group for r in decoding if r.group >= 0}) or [0]
+        ids = np.array(read + [read[0]] * (slot_buckets(self.slots, len(read)) - len(read)), np.int32)
+        for r in decoding:  # a row reads only its slot of the step's slots (masked by position)
+            i = r.index
+            active[i], steps[i] = True, len(r.handle.tokens)
+            group[i], limit[i] = (read.index(r.group), r.limit) if r.group >= 0 else (-1, 0)
+        self._count("decode", lane.loops, lane.size, lane.cap, len(ids))
+        tok, lane.own, lane.seen = B.decode_step(w.params, w.config, lane.pool, jnp.asarray(ids), lane.own,
+                                                 jnp.asarray(lane.last), jnp.asarray(group), jnp.asarray(limit),
+                                                 jnp.asarray(active), lane.seen, self._request(lane),
+                                                 jnp.asarray(steps), loops=lane.loops, slot_len=self.prefix_capacity,
                                                  exit=lane.exit)
         tok = np.asarray(tok)
         self._stats["decode_steps"] += 1
@@ -783,11 +791,13 @@ class Engine:
                                      jnp.int32(1), z, no_seen, req, loops=loops, slot_len=self.prefix_capacity,
                                      exit=lane.exit)
                 lane.pool, lane.seen = out[3], out[4]
-            self._count("decode", loops, size, cap)
             zeros = jnp.zeros((size,), jnp.int32)
-            _, lane.own, lane.seen = B.decode_step(w.params, c, lane.pool, lane.own, zeros, zeros, zeros,
-                                                   jnp.zeros((size,), bool), lane.seen, self._request(lane), zeros,
-                                                   loops=loops, slot_len=self.prefix_capacity, exit=lane.exit)
+            for n in sorted({slot_buckets(self.slots, n) for n in range(1, self.slots + 1)}):
+                self._count("decode", loops, size, cap, n)
+                _, lane.own, lane.seen = B.decode_step(w.params, c, lane.pool, jnp.zeros((n,), jnp.int32), lane.own,
+                                                       zeros, zeros, zeros, jnp.zeros((size,), bool), lane.seen,
+                                                       self._request(lane), zeros, loops=loops,
+                                                       slot_len=self.prefix_capacity, exit=lane.exit)
             self._count("reset", size, cap)
             lane.own = B.reset_row(lane.own, z, z)
             jax.block_until_ready(lane.own)
