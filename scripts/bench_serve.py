@@ -166,7 +166,8 @@ def run_model(name: str, args) -> str:
         extra = dict(prefix_capacity=512, row_capacity=128)  # system prompts <= 512 tokens; rests + answers < 128
     c = model.weights.config
     rng = np.random.default_rng(0)
-    prompts, warm = workload(name, model, args.requests, rng)
+    n = args.requests if name == "bundled" else args.gpt2_requests
+    prompts, warm = workload(name, model, n, rng)
     rows, ref = [], None
     for arm in args.arms:
         kw = dict(ARMS[arm], prefix_slots=args.prefix_slots, **extra)
@@ -205,7 +206,7 @@ def run_model(name: str, args) -> str:
               f"itl p99 {r['itl99'] * 1e3:.0f} ms, batch {r['batch']:.1f}, "
               f"same {same}", file=sys.stderr, flush=True)
     base = next((r for r in rows if r["arm"] == "batch1"), None)
-    lines = [f"**{name}** (loops={c.default_loops}, context {c.max_seq_len}, {args.requests} requests, "
+    lines = [f"**{name}** (loops={c.default_loops}, context {c.max_seq_len}, {n} requests, "
              f"{args.clients} clients, max_tokens {args.max_tokens}, prefix slots {args.prefix_slots}"
              + (f", {extra}" if extra else "") + ")", "",
              "| arm | tok/s | vs batch1 | TTFT p50 / p99 (s), system-prompt requests | TTFT p50 / p99 (s), "
@@ -225,7 +226,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="bundled,gpt2-small")
     ap.add_argument("--arms", default="engine,batch1,nostore,unchunked")
-    ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--requests", type=int, default=96, help="requests per arm, bundled model")
+    ap.add_argument("--gpt2-requests", type=int, default=48, help="requests per arm, GPT-2 shape")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prefix-slots", type=int, default=8)
