@@ -193,3 +193,39 @@ def test_models_health_metrics(server):
         assert name in families, name
     value = lambda n: families[n].samples[0].value  # noqa: E731
     assert value("tinyloop_requests") >= 1 and value("tinyloop_tokens_out") >= 1
+
+
+def test_tinyloop_serve_command(model, tmp_path):
+    """`tinyloop serve` as a user starts it: a saved model folder, 127.0.0.1 by default."""
+    import socket
+    import subprocess
+    import sys
+
+    from tinyloop_jax.cli import build_parser
+
+    args = build_parser().parse_args(["serve"])
+    assert (args.host, args.port, args.max_batch) == ("127.0.0.1", 8000, 16)
+    model.save(str(tmp_path / "tiny"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "tinyloop_jax.cli", "serve", "--model", str(tmp_path / "tiny"),
+                             "--port", str(port), "--max-batch", "2", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 240
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    assert json.load(r)["status"] == "ok"
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()[-2000:]
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        r = client.completions.create(model="tiny", prompt="abc", max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].token_ids == model.generate(TOK.encode("abc"), max_tokens=4)[3:]
+    finally:
+        proc.terminate()
+        proc.wait(30)

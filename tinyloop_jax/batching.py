@@ -72,11 +72,12 @@ def decode_step(params: Params, cfg: ModelConfig, pool: KVCache, slot_ids: jax.A
                 group: jax.Array, limit: jax.Array, active: jax.Array, seen: jax.Array, req: Request, steps: jax.Array,
                 loops: int, slot_len: int, exit: tf.Exit | None = None):
     """One token for every active row: feed last [B] at each row's next position, choose the next
-    token (row i's key index steps[i]). The step reads the pool slots slot_ids [S] (S a bucket of
-    the slots its rows read; group[i] indexes slot_ids). Inactive rows (free, or still
+    token (row i's key index steps[i]). The step reads the pool slots slot_ids [S] (group[i]
+    indexes slot_ids; S = all G slots reads the pool in place, slot_ids = 0..G-1). Inactive rows (free, or still
     prefilling) keep their segment: their write goes to an empty slot and their positions are
     restored. Returns (tokens [B], own, seen [B, V])."""
-    pool = pool_slots(pool, slot_len, slot_ids)
+    if slot_ids.shape[0] < pool.capacity // slot_len:  # a few slots: their copy is cheaper than the rest
+        pool = pool_slots(pool, slot_len, slot_ids)
     seen = jnp.where(active[:, None], seen.at[jnp.arange(last.shape[0]), last].set(True), seen)
 
     def one(tok, g, k, o):

@@ -65,8 +65,10 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 def slot_buckets(slots: int, n: int) -> int:
-    """How many pool slots a step reads when its rows read n distinct ones: 1, 2, 4, ..., slots."""
-    return min(slots, 1 << max(n - 1, 0).bit_length())
+    """How many pool slots a step reads when its rows read n distinct ones: 1 or 2 (a copy of
+    them), else all of them in place (copying more than a quarter of the pool costs more than
+    reading all of it)."""
+    return n if n <= 2 and 4 * n <= slots else slots
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -253,7 +255,8 @@ class Engine:
     (default min(context, 256)); the batch moves to the model's whole context while a row
     needs more, and back.
     insert_prompts: add every prompt to the store once prefilled. prefix_cache=False: no store
-    at all (every prompt prefilled whole; the baseline of scripts/bench_serve.py).
+    and no pool (every prompt prefilled whole into its row; the baseline of
+    scripts/bench_serve.py).
     """
 
     def __init__(self, model, max_batch: int = 16, store: PrefixStore | None = None, *, max_queue: int = 256,
@@ -490,7 +493,10 @@ class Engine:
                     return
                 h = self._queue.popleft()
             try:
-                self._place(h)
+                if not self._place(h):  # it waits for a pool slot, at the head of the queue
+                    with self._cv:
+                        self._queue.appendleft(h)
+                    return
             except Exception as e:  # noqa: BLE001 - this request fails alone
                 h._finish("error", e)
                 self._stats["requests_failed"] += 1
@@ -549,13 +555,16 @@ class Engine:
         elif lane.cap > self.row_capacity and max(r.need for r in lane.rows.values()) <= self.row_capacity:
             self._reshape(lane, lane.size, self.row_capacity)
 
-    def _place(self, h: Handle) -> None:
+    def _place(self, h: Handle) -> bool:
+        """Give a request a row (and a pool slot); False: it must wait for a slot to free up."""
         s, n = h.sampling, len(h.prompt)
         lane = self._lane(s.loops)
         group, limit, source = self._prefix(lane, h.prompt)
         owner = False
-        if n - limit > self.chunk and n <= self.prefix_capacity:  # a long rest: prefilled into a slot
+        if n - limit > self.chunk and n <= self.prefix_capacity and self.prefix_cache:  # a long rest: into a slot
             slot = self._free_slot(lane)
+            if slot is None and n - limit + s.max_tokens > self.row_capacity:
+                return False  # rather than moving every row to the whole context (rows hold slots: one frees)
             if slot is not None:
                 self._load(lane, slot, source if source is not None else group, limit)
                 group, owner = slot, True
@@ -591,6 +600,7 @@ class Engine:
         for k, v in dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                          repetition_penalty=s.repetition_penalty, seed=s.seed, max_tokens=s.max_tokens).items():
             lane.req[k][i] = v
+        return True
 
     def _prefix(self, lane: _Lane, prompt: np.ndarray) -> tuple[int, int, PrefixCache | None]:
         """(pool slot or -1, positions it serves, the store entry to load instead or None) for a
@@ -722,7 +732,9 @@ class Engine:
         group, limit, steps = (np.zeros(lane.size, np.int32) for _ in range(3))
         decoding = [r for r in lane.rows.values() if r.decoding]
         read = sorted({r.group for r in decoding if r.group >= 0}) or [0]
-        ids = np.array(read + [read[0]] * (slot_buckets(self.slots, len(read)) - len(read)), np.int32)
+        if slot_buckets(self.slots, len(read)) == self.slots:
+            read = list(range(self.slots))
+        ids = np.array(read, np.int32)
         for r in decoding:  # a row reads only its slot of the step's slots (masked by position)
             i = r.index
             active[i], steps[i] = True, len(r.handle.tokens)
