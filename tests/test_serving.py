@@ -77,6 +77,7 @@ def test_many_threads_equal_generate(model, engine):
     assert s["prefix_hit_rate"] > 0.3 and s["prefix_tokens_reused"] > 0  # first arrivals of a prompt miss
     assert s["mean_batch_size"] > 1.5  # requests really shared steps
     assert s["running"] == 0 and s["queue_depth"] == 0
+    assert len(engine.store) > 0  # prompts prefilled into pool slots went into the store
 
 
 def test_join_mid_run(model, engine):

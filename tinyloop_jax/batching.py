@@ -27,7 +27,7 @@ from .engine import rows_in_loop, rows_out_of_loop, token_mask
 from .params import Params
 from .sampling import Request, select_tokens
 
-__all__ = ["decode_step", "prefill_chunk", "prefill_slot", "load_slot", "extract_prefix", "reshape_rows",
+__all__ = ["decode_step", "prefill_chunk", "prefill_slot", "load_slot", "slot_prefix", "reshape_rows",
            "reset_row", "token_mask"]
 
 
@@ -158,23 +158,10 @@ def prefill_slot(params: Params, cfg: ModelConfig, pool: KVCache, seen: jax.Arra
 
 
 @partial(jax.jit, static_argnames=("capacity", "slot_len"))
-def extract_prefix(pool: KVCache, own: KVCache, i: jax.Array, group: jax.Array, limit: jax.Array, n: jax.Array,
-                   capacity: int, slot_len: int) -> KVCache:
-    """Row i's prompt as one segment of `capacity` slots (>= n): positions < limit from pool slot
-    `group`, positions limit..n-1 from the row's own segment (a copy, for the prefix store)."""
-    slot, o = pool_slot(pool, slot_len, jnp.maximum(group, 0)), row(own, i)
-    p = jnp.arange(capacity)
-    from_pool = (group >= 0) & (p < limit)
-
-    def take(a_pool, a_own):  # [..., C, w]: slot axis -2; a pool slot holds position p at slot p
-        at_pool = jnp.take(a_pool, jnp.minimum(p, a_pool.shape[-2] - 1), axis=-2)
-        at_own = jnp.take(a_own, p % a_own.shape[-2], axis=-2)
-        return jnp.where((from_pool[:, None]), at_pool, at_own)
-
-    pick = lambda ps, os: {k: take(ps[k], os[k]) for k in ps}  # noqa: E731
-    return KVCache(pre=tuple(pick(a, b) for a, b in zip(slot.pre, o.pre)), loop=pick(slot.loop, o.loop),
-                   pos=jnp.where(p < n, p, -1).astype(jnp.int32), length=n.astype(jnp.int32), kv_mode=o.kv_mode,
-                   post=tuple(pick(a, b) for a, b in zip(slot.post, o.post)))
+def slot_prefix(pool: KVCache, g: jax.Array, n: jax.Array, capacity: int, slot_len: int) -> KVCache:
+    """Pool slot g's first n positions as a segment of its own, `capacity` slots (a copy, for
+    the prefix store)."""
+    return copy_prefix(pool_slot(pool, slot_len, g), n, capacity=capacity, passes=pool.passes)
 
 
 @partial(jax.jit, donate_argnames=("own",))

@@ -71,6 +71,11 @@ def slot_buckets(slots: int, n: int) -> int:
     return n if n <= 2 and 4 * n <= slots else slots
 
 
+def entry_capacity(n: int) -> int:
+    """Capacity of a store entry the engine makes for an n-token prompt: a power of two."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     """The batch sizes programs are compiled for: powers of two below max_batch, and max_batch."""
     return sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch} | {max_batch})
@@ -693,7 +698,7 @@ class Engine:
                 r.limit = n
                 lane.pool_prompt[r.group], lane.pool_len[r.group] = h.prompt, n
                 self._fresh_row(lane, r)
-            if self.insert_prompts:
+            if self.insert_prompts and r.owner:
                 self._insert(lane, r, logits, states, prompt_seen)
             r.decoding = True
             self._tokens(lane, {r.index: int(tok)})
@@ -712,19 +717,19 @@ class Engine:
         lane.own = B.reset_row(lane.own, jnp.int32(r.index), jnp.int32(r.limit))
 
     def _insert(self, lane: _Lane, r: _Row, logits, states, prompt_seen) -> None:
-        """The prompt, now all in place, as a store entry (copied out of the pool and the row)."""
+        """A prompt prefilled into its pool slot, as a store entry (a copy of the slot's positions,
+        in a power-of-two capacity: few programs)."""
         h, w = r.handle, self.model.weights
-        cap = kvc.bucket(len(h.prompt))
-        self._count("extract", lane.loops, lane.size, lane.cap, cap)
-        seg = B.extract_prefix(lane.pool, lane.own, jnp.int32(r.index), jnp.int32(r.group), jnp.int32(r.limit),
-                               jnp.int32(len(h.prompt)), capacity=cap, slot_len=self.prefix_capacity)
+        cap = entry_capacity(len(h.prompt))
+        self._count("extract", lane.loops, cap)
+        seg = B.slot_prefix(lane.pool, jnp.int32(r.group), jnp.int32(len(h.prompt)), capacity=cap,
+                            slot_len=self.prefix_capacity)
         prompt = np.array(h.prompt, np.int32)
         prompt.setflags(write=False)
         entry = PrefixCache(cache=seg, prompt=prompt, loops=lane.loops, cache_window=0, logits=logits,
                             seen=jnp.asarray(prompt_seen), depth_states=states, weights=w)
         lane.store.insert(entry)
-        if r.owner:
-            lane.pool_entries[r.group] = entry
+        lane.pool_entries[r.group] = entry
 
     def _decode(self, lane: _Lane) -> None:
         w = self.model.weights
@@ -814,6 +819,15 @@ class Engine:
             lane.own = B.reset_row(lane.own, z, z)
             jax.block_until_ready(lane.own)
         self._fit(lane)
-        self._load(lane, 0, None, 0)  # (the slot warmup wrote into)
+        self._load(lane, 0, None, 0)  # (the slot warmup wrote into; also the slot-to-slot copy)
+        cap = 16
+        while cap <= self.prefix_capacity:  # the store entries the engine makes, and their loads
+            self._count("extract", loops, cap)
+            seg = B.slot_prefix(lane.pool, z, jnp.int32(0), capacity=cap, slot_len=self.prefix_capacity)
+            if self.insert_prompts:
+                self._count("load", loops, cap, False)
+                lane.pool = B.load_slot(w.params, c, lane.pool, z, seg, z, passes=loops, materialize=False,
+                                        slot_len=self.prefix_capacity)
+            cap *= 2
         self._warm = True
         return len(self._programs) - before
