@@ -256,7 +256,7 @@ class Engine:
     default per-request deadline in seconds (None: none). prefill_chunk: prompt tokens per
     chunk. prefix_slots / prefix_capacity: the pool of shared prefixes a step reads (G slots of
     Cp positions; default Cp: the model's context); a prompt whose uncached rest is longer
-    than a chunk is prefilled into a free slot. row_capacity: positions of a row's own segment
+    than 32 tokens (or a chunk, if smaller) is prefilled into a free slot. row_capacity: positions of a row's own segment
     (default min(context, 256)); the batch moves to the model's whole context while a row
     needs more, and back.
     insert_prompts: add every prompt to the store once prefilled. prefix_cache=False: no store
@@ -285,6 +285,9 @@ class Engine:
         self.max_batch, self.max_queue, self.timeout = max_batch, max_queue, timeout
         self.chunk = kvc.bucket(prefill_chunk)
         self.chunk_sizes = sorted({kvc.bucket(n) for n in range(1, self.chunk + 1)})  # 16, 32, 64, ...
+        # a prompt rest longer than this is prefilled into a pool slot (and stored); shorter ones
+        # on top of a cached prefix go into the row
+        self.long_rest = min(self.chunk, 32)
         self.slots = prefix_slots
         self.max_capacity = kvc.bucket(c.max_seq_len)
         self.row_capacity = min(self.max_capacity, kvc.bucket(row_capacity or 256))
@@ -566,7 +569,7 @@ class Engine:
         lane = self._lane(s.loops)
         group, limit, source = self._prefix(lane, h.prompt)
         owner = False
-        if n - limit > self.chunk and n <= self.prefix_capacity and self.prefix_cache:  # a long rest: into a slot
+        if n - limit > self.long_rest and n <= self.prefix_capacity and self.prefix_cache:  # into a pool slot
             slot = self._free_slot(lane)
             if slot is None and n - limit + s.max_tokens > self.row_capacity:
                 return False  # rather than moving every row to the whole context (rows hold slots: one frees)
