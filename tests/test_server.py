@@ -30,8 +30,7 @@ def model():
 
 class Server:
     def __init__(self, model, eos=(EOS,), **engine_kw):
-        self.engine = tl.Engine(model, **engine_kw)
-        self.engine.warmup()
+        self.engine = tl.Engine(model, **engine_kw)  # (no warmup: the tests compile what they use)
         app = make_app(self.engine, TOK, "tiny", eos=list(eos))
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -59,7 +58,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(model):
-    s = Server(model, max_batch=4, prefill_chunk=16)
+    s = Server(model, max_batch=4)
     yield s
     s.close()
 
@@ -96,7 +95,7 @@ def test_completions_equal_generate(model, server):
 def test_stops_and_eos(model):
     ids = TOK.encode(PROMPTS[2])
     want = model.generate(ids, max_tokens=12)[len(ids):]
-    srv = Server(model, eos=(want[4],), max_batch=2)  # the model "ends its text" at its 5th token
+    srv = Server(model, eos=(want[4],), max_batch=4)  # the model "ends its text" at its 5th token
     try:
         r = complete(srv, PROMPTS[2], max_tokens=12)
         assert r.choices[0].token_ids == want[:5] and r.choices[0].finish_reason == "stop"
@@ -210,7 +209,7 @@ def test_tinyloop_serve_command(model, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "tinyloop_jax.cli", "serve", "--model", str(tmp_path / "tiny"),
-                             "--port", str(port), "--max-batch", "2", "--log-level", "warning"],
+                             "--port", str(port), "--max-batch", "1", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 240
