@@ -23,12 +23,12 @@ import jax.numpy as jnp
 from . import transformer as tf
 from .cache import KVCache, copy_prefix
 from .config import ModelConfig
-from .engine import rows_in_loop, rows_out_of_loop, token_mask
+from .engine import rows_in_loop, rows_out_of_loop
 from .params import Params
 from .sampling import Request, select_tokens
 
 __all__ = ["decode_step", "prefill_chunk", "prefill_slot", "load_slot", "slot_prefix", "reshape_rows",
-           "reset_row", "token_mask"]
+           "reset_row"]
 
 
 def row(tree, i):

@@ -256,10 +256,10 @@ class Engine:
     default per-request deadline in seconds (None: none). prefill_chunk: prompt tokens per
     chunk. prefix_slots / prefix_capacity: the pool of shared prefixes a step reads (G slots of
     Cp positions; default Cp: the model's context); a prompt whose uncached rest is longer
-    than 32 tokens (or a chunk, if smaller) is prefilled into a free slot. row_capacity: positions of a row's own segment
-    (default min(context, 256)); the batch moves to the model's whole context while a row
-    needs more, and back.
-    insert_prompts: add every prompt to the store once prefilled. prefix_cache=False: no store
+    than 32 tokens (or a chunk, if smaller) is prefilled into a free slot. row_capacity:
+    positions of a row's own segment (default min(context, 256)); the batch moves to the
+    model's whole context while a row needs more, and back. insert_prompts: add the prompts
+    prefilled into a pool slot to the store. prefix_cache=False: no store
     and no pool (every prompt prefilled whole into its row; the baseline of
     scripts/bench_serve.py).
     """
