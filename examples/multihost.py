@@ -25,7 +25,7 @@ def worker(process_id: int, n: int, port: int) -> None:
     import numpy as np
 
     import tinyloop_jax as tl
-    from tinyloop_jax import sharding
+    from tinyloop_jax.model import sharding
 
     mesh = sharding.make_mesh(2, 2)  # 'data' over the processes' devices, 'model' splits the heads
     model = tl.Model.random(tl.ModelConfig(vocab_size=256, d_model=64, n_heads=4, default_loops=4), seed=0,

@@ -28,10 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _report  # noqa: E402
 
 import tinyloop_jax as tl  # noqa: E402
-from tinyloop_jax import cache as kvc  # noqa: E402
-from tinyloop_jax import engine  # noqa: E402
-from tinyloop_jax import functional as F  # noqa: E402
-from tinyloop_jax import transformer as tf  # noqa: E402
+from tinyloop_jax.model import cache as kvc  # noqa: E402
+from tinyloop_jax.decoding import programs as engine  # noqa: E402
+from tinyloop_jax.api import functional as F  # noqa: E402
+from tinyloop_jax.model import transformer as tf  # noqa: E402
 from tinyloop_jax.cli import BUNDLED  # noqa: E402
 from tinyloop_jax.data import pydoc_split  # noqa: E402
 

@@ -5,7 +5,7 @@
 
 Runs with 8 fake CPU devices (set before JAX starts). Nothing is allocated at full size: the
 weights, a shared prefix and the requests' own segments are abstract arrays with the shardings
-`tinyloop_jax.sharding` gives them, the decode loop (`engine.decode`) is compiled for them, and
+`tinyloop_jax.model.sharding` gives them, the decode loop (`engine.decode`) is compiled for them, and
 per-device bytes come from the shard shapes and the compiled program's `memory_analysis()`.
 Collectives are counted in the compiled HLO. Fake devices share 2 cores, so no speed is claimed.
 """
@@ -29,11 +29,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _report  # noqa: E402
 
 import tinyloop_jax as tl  # noqa: E402
-from tinyloop_jax import engine, sharding  # noqa: E402
-from tinyloop_jax.cache import KVCache  # noqa: E402
-from tinyloop_jax.kv_modes import layer_shapes, split_mode  # noqa: E402
-from tinyloop_jax.params import Shape, param_shapes  # noqa: E402
-from tinyloop_jax.sampling import Request  # noqa: E402
+from tinyloop_jax.decoding import programs as engine  # noqa: E402
+from tinyloop_jax.model import sharding  # noqa: E402
+from tinyloop_jax.model.cache import KVCache  # noqa: E402
+from tinyloop_jax.model.kv_modes import layer_shapes, split_mode  # noqa: E402
+from tinyloop_jax.model.params import Shape, param_shapes  # noqa: E402
+from tinyloop_jax.decoding.sampling import Request  # noqa: E402
 
 GPT2_SMALL = dict(vocab_size=50257, d_model=768, n_heads=12, n_pre_blocks=11, default_loops=1, max_seq_len=1024)
 OURO_1_4B = dict(vocab_size=49152, d_model=2048, n_heads=16, n_kv_heads=16, head_dim=128, intermediate_size=5632,

@@ -31,7 +31,7 @@ from bench_decode import gemv_bandwidth  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import tinyloop_jax as tl  # noqa: E402
-from tinyloop_jax import cache as kvc  # noqa: E402
+from tinyloop_jax.model import cache as kvc  # noqa: E402
 
 OURO_1_4B = dict(vocab_size=49152, d_model=2048, n_heads=16, n_kv_heads=16, head_dim=128, intermediate_size=5632,
                  n_pre_blocks=0, loop_blocks=24, default_loops=4, max_seq_len=4096, block="llama",

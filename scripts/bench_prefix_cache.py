@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _report  # noqa: E402
 
 import tinyloop_jax as tl  # noqa: E402
-from tinyloop_jax import cache as kvc  # noqa: E402
+from tinyloop_jax.model import cache as kvc  # noqa: E402
 
 
 def run_arm(fn, n):

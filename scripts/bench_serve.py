@@ -78,7 +78,7 @@ class Server:
     def __init__(self, model, tokenizer, **engine_kw):
         import uvicorn
 
-        from tinyloop_jax.server import make_app
+        from tinyloop_jax.serving.app import make_app
 
         self.engine = tl.Engine(model, **engine_kw)
         t = time.perf_counter()

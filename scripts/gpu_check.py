@@ -23,8 +23,8 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _report  # noqa: E402
 
-from tinyloop_jax import int4_attention as ia  # noqa: E402
-from tinyloop_jax import quant  # noqa: E402
+from tinyloop_jax.model import int4_attention as ia
+from tinyloop_jax.model import quant  # noqa: E402
 
 
 def segment(key, H, C, hd, n_valid, KV=None):

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _report  # noqa: E402
 
 import tinyloop_jax as tl  # noqa: E402
-from tinyloop_jax import transformer as tf  # noqa: E402
+from tinyloop_jax.model import transformer as tf  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data")
 

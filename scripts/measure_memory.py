@@ -19,7 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _report  # noqa: E402
 
 import tinyloop_jax as tl  # noqa: E402
-from tinyloop_jax import cache as kvc, engine  # noqa: E402
+from tinyloop_jax.model import cache as kvc  # noqa: E402
+from tinyloop_jax.decoding import programs as engine  # noqa: E402
 
 
 def decode_memory(model, prefix, own_capacity, loops, out_len=32):

@@ -73,7 +73,7 @@ def prompt_of(n: int, seed: int = 0, vocab: int = TINY["vocab_size"]) -> np.ndar
 def check_position_reset_fails(model) -> None:
     """Seed 000's pair reproduces recompute, and the same path with the suffix's positions reset
     to 0 must not (the negative control of the position rule)."""
-    from tinyloop_jax import functional as F
+    from tinyloop_jax.api import functional as F
     w = model.weights
     p, s = prompt_of(24, seed=1), prompt_of(5, seed=2)
     saved = F.save_prefix_cache(p, w)

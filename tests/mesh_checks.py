@@ -17,7 +17,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tinyloop_jax as tl  # noqa: E402
-from tinyloop_jax import engine, sharding  # noqa: E402
+from tinyloop_jax.decoding import programs as engine  # noqa: E402
+from tinyloop_jax.model import sharding  # noqa: E402
 
 warnings.filterwarnings("error", message=".*[Dd]onated.*")
 

@@ -19,7 +19,7 @@ jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processe
                            initialization_timeout=120)
 
 import tinyloop_jax as tl  # noqa: E402
-from tinyloop_jax import sharding  # noqa: E402
+from tinyloop_jax.model import sharding  # noqa: E402
 from mesh_checks import GPT2, PROMPT, SUFFIXES  # noqa: E402
 
 model = tl.Model.random(GPT2, seed=0, mesh=sharding.make_mesh(2, 2))

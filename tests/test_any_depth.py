@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 
 import tinyloop_jax as tl
-from tinyloop_jax import cache as kvc, engine, functional as F, speculative
+from tinyloop_jax.model import cache as kvc
+from tinyloop_jax.decoding import programs as engine
+from tinyloop_jax.api import functional as F
+from tinyloop_jax.decoding import speculative
 from conftest import prompt_of, tiny_config, tiny_model
 from reference import forward as ref_forward
 

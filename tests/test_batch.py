@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import tinyloop_jax as tl
-from tinyloop_jax import engine, functional as F
+from tinyloop_jax.decoding import programs as engine
+from tinyloop_jax.api import functional as F
 from conftest import prompt_of
 
 CLOSE = dict(atol=1e-3, rtol=1e-2)

@@ -11,7 +11,7 @@ import tinyloop_jax as tl
 from tinyloop_jax import cli
 from tinyloop_jax.cli import BUNDLED
 from tinyloop_jax.data import pydoc_split
-from tinyloop_jax.evaluate import bits_per_byte
+from tinyloop_jax.api.evaluate import bits_per_byte
 
 # Measured on the committed checkpoint over the first 8192 held-out bytes (docs/quality.md):
 # MEASURED_DEFAULT at the default depth, MEASURED_LOOPS1 at loops=1. The bound leaves a small margin.

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import tinyloop_jax as tl
-from tinyloop_jax import engine
+from tinyloop_jax.decoding import programs as engine
 from conftest import prompt_of, tiny_model
 
 CLOSE = dict(atol=1e-3, rtol=1e-2)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import tinyloop_jax as tl
-from tinyloop_jax import cache as kvc
+from tinyloop_jax.model import cache as kvc
 from conftest import prompt_of, tiny_config
 
 BAD_PROMPTS = [

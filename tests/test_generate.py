@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 import tinyloop_jax as tl
-from tinyloop_jax import cache as kvc
-from tinyloop_jax import engine, functional as F
+from tinyloop_jax.model import cache as kvc
+from tinyloop_jax.decoding import programs as engine
+from tinyloop_jax.api import functional as F
 from conftest import cache_layers, prompt_of, tiny_config
 
 

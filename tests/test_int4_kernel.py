@@ -10,7 +10,11 @@ import pytest
 from jax import export
 
 import tinyloop_jax as tl
-from tinyloop_jax import config as tlc, functional as F, int4_attention as ia, quant, transformer as tf
+from tinyloop_jax.model import config as tlc
+from tinyloop_jax.api import functional as F
+from tinyloop_jax.model import int4_attention as ia
+from tinyloop_jax.model import quant
+from tinyloop_jax.model import transformer as tf
 from conftest import OURO, prompt_of, tiny_config
 
 TIGHT = dict(atol=1e-5, rtol=1e-5)

@@ -5,7 +5,9 @@ import pytest
 import jax.numpy as jnp
 
 import tinyloop_jax as tl
-from tinyloop_jax import cache as kvc, functional as F, quant
+from tinyloop_jax.model import cache as kvc
+from tinyloop_jax.api import functional as F
+from tinyloop_jax.model import quant
 from conftest import check_position_reset_fails, prompt_of, tiny_config
 
 CLOSE = dict(atol=1e-3, rtol=1e-2)

@@ -13,8 +13,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import tinyloop_jax as tl
-from tinyloop_jax import functional as F
-from tinyloop_jax import transformer as tf
+from tinyloop_jax.api import functional as F
+from tinyloop_jax.model import transformer as tf
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "llama-tiny")
 GPT2 = os.path.join(os.path.dirname(__file__), "data", "gpt2-tiny")

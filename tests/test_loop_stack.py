@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import tinyloop_jax as tl
-from tinyloop_jax import transformer as tf
-from tinyloop_jax.params import random_params
+from tinyloop_jax.model import transformer as tf
+from tinyloop_jax.model.params import random_params
 from conftest import prompt_of
 
 EXACT = dict(atol=1e-5, rtol=1e-5)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import tinyloop_jax as tl
-from tinyloop_jax import functional as F
-from tinyloop_jax import transformer as tf
-from tinyloop_jax.prefix import tree_equal
+from tinyloop_jax.api import functional as F
+from tinyloop_jax.model import transformer as tf
+from tinyloop_jax.api.prefix import tree_equal
 from conftest import check_position_reset_fails, ouro_model, prompt_of
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "ouro-tiny")

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import tinyloop_jax as tl
-from tinyloop_jax import functional as F
-from tinyloop_jax.prefix import tree_equal
+from tinyloop_jax.api import functional as F
+from tinyloop_jax.api.prefix import tree_equal
 from conftest import prompt_of, tiny_config
 from test_model_io import flip_a_byte
 

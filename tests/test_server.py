@@ -17,7 +17,7 @@ import tinyloop_jax as tl
 openai = pytest.importorskip("openai", reason="the test extra installs the openai client")
 uvicorn = pytest.importorskip("uvicorn", reason="the serve extra installs uvicorn")
 
-from tinyloop_jax.server import make_app  # noqa: E402
+from tinyloop_jax.serving.app import make_app  # noqa: E402
 
 TOK = tl.ByteTokenizer()
 EOS = tl.ByteTokenizer.EOS

@@ -9,7 +9,7 @@ import pytest
 from conftest import tiny_model
 
 import tinyloop_jax as tl
-from tinyloop_jax.serving import Cancelled, QueueFull, RequestTimeout
+from tinyloop_jax.serving.engine import Cancelled, QueueFull, RequestTimeout
 
 
 ENGINE = dict(max_batch=4, prefill_chunk=16, prefix_slots=2)  # one set of shapes: the tests share programs

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 import tinyloop_jax as tl
-from tinyloop_jax import engine, functional as F, speculative
+from tinyloop_jax.decoding import programs as engine
+from tinyloop_jax.api import functional as F
+from tinyloop_jax.decoding import speculative
 from conftest import prompt_of
 
 

@@ -55,7 +55,7 @@ def hf_folder(tmp_path, name: str):
 
 
 def test_hf_tokenizer_round_trip(tmp_path):
-    from tinyloop_jax.tokenizer import tokenizer_for
+    from tinyloop_jax.formats.tokenizer import tokenizer_for
     tok = tokenizer_for(hf_folder(tmp_path, "llama-tiny"))
     assert isinstance(tok, tl.HFTokenizer) and tok.vocab_size <= 90
     ids = tok.encode("the for statement repeats")

@@ -1,16 +1,16 @@
 """tinyloop-jax: a JAX/XLA inference runtime for looped transformer LMs with prefix caching."""
 
-from . import functional
-from .cache import KVCache
-from .config import KV_MODES, ModelConfig
-from .params import Weights
-from .prefix import PrefixCache
-from .runtime import Model, ResumeHandle
-from .sampling import Request
-from .serving import Engine
-from .store import PrefixStore
-from .tokenizer import ByteTokenizer, HFTokenizer
-from .transformer import Exit
+from .api import functional
+from .model.cache import KVCache
+from .model.config import KV_MODES, ModelConfig
+from .model.params import Weights
+from .api.prefix import PrefixCache
+from .api.runtime import Model, ResumeHandle
+from .decoding.sampling import Request
+from .serving.engine import Engine
+from .api.store import PrefixStore
+from .formats.tokenizer import ByteTokenizer, HFTokenizer
+from .model.transformer import Exit
 
 __all__ = ["ByteTokenizer", "Engine", "Exit", "HFTokenizer", "KV_MODES", "KVCache", "Model", "ModelConfig",
            "PrefixCache", "PrefixStore", "Request", "ResumeHandle", "Weights", "functional"]

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from .config import KV_MODES
+from .model.config import KV_MODES
 
 BUNDLED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "tinyloop-pydoc")
 
@@ -42,7 +42,7 @@ def _load(path: str | None, kv_mode: str | None):
 
 
 def _model_and_tokenizer(args):
-    from .tokenizer import tokenizer_for
+    from .formats.tokenizer import tokenizer_for
 
     model, tok = _load(args.model, args.kv_mode), tokenizer_for(args.model)
     if tok.vocab_size > model.config()["vocab_size"]:
@@ -112,8 +112,8 @@ def cmd_demo(args) -> None:
 
 
 def cmd_eval(args) -> None:
-    from tinyloop_jax.data import pydoc_split
-    from tinyloop_jax.evaluate import bits_per_byte
+    from .data import pydoc_split
+    from .api.evaluate import bits_per_byte
 
     _, val = pydoc_split()
     rows = []
@@ -140,10 +140,10 @@ def cmd_serve(args) -> None:
     try:
         import uvicorn
 
-        from .server import eos_ids, make_app
+        from .serving.app import eos_ids, make_app
     except ImportError as e:
         raise UsageError(f"tinyloop serve needs the serve extra (pip install 'tinyloop-jax[serve]'): {e}") from None
-    from .serving import Engine
+    from .serving.engine import Engine
 
     model, tok = _model_and_tokenizer(args)
     name = args.name or os.path.basename(os.path.normpath(args.model or BUNDLED))

@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from . import cache as kvc
-from . import transformer as tf
-from .cache import KVCache
-from .config import ModelConfig
-from .params import Params
+from ..model import cache as kvc
+from ..model import transformer as tf
+from ..model.cache import KVCache
+from ..model.config import ModelConfig
+from ..model.params import Params
 from .sampling import Request, select_tokens, stop_hit
 
 

@@ -25,7 +25,7 @@ from collections import OrderedDict
 import numpy as np
 
 from . import functional as F
-from . import sharding
+from ..model import sharding
 from . import validation as check
 from .prefix import PrefixCache
 

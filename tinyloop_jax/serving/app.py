@@ -21,7 +21,7 @@ import secrets
 import time
 from contextlib import aclosing
 
-from .serving import Engine, QueueFull, RequestTimeout
+from .engine import Engine, QueueFull, RequestTimeout
 
 
 class BadRequest(ValueError):
@@ -306,7 +306,7 @@ class _Collector:
 def eos_ids(path: str | None, tokenizer, vocab_size: int) -> list[int]:
     """The model's end-of-text ids: a folder's eos_token_id (config.json, else
     generation_config.json), or the byte tokenizer's EOS."""
-    from .tokenizer import ByteTokenizer
+    from ..formats.tokenizer import ByteTokenizer
 
     for name in ("generation_config.json", "config.json"):
         file = os.path.join(path, name) if path else None

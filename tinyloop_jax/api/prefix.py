@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import checkpoint, sharding
+from ..formats import checkpoint
+from ..model import sharding
 from . import validation as check
-from .cache import KVCache, first_passes
-from .params import Weights
+from ..model.cache import KVCache, first_passes
+from ..model.params import Weights
 
 # prefix checkpoints: 1 = one array per cache layer (before the pass axis), 2 = passes stacked,
 # 3 = passes x loop blocks (2 reads as 3 with one loop block)

@@ -20,12 +20,12 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from . import transformer as tf
-from .cache import KVCache, copy_prefix
-from .config import ModelConfig
-from .engine import rows_in_loop, rows_out_of_loop
-from .params import Params
-from .sampling import Request, select_tokens
+from ..model import transformer as tf
+from ..model.cache import KVCache, copy_prefix
+from ..model.config import ModelConfig
+from ..decoding.programs import rows_in_loop, rows_out_of_loop
+from ..model.params import Params
+from ..decoding.sampling import Request, select_tokens
 
 __all__ = ["decode_step", "prefill_chunk", "prefill_slot", "load_slot", "slot_prefix", "reshape_rows",
            "reset_row"]

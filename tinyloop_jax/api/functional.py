@@ -24,14 +24,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import cache as kvc
-from . import engine, sharding, speculative
-from .cache import KVCache
-from .engine import DecodeState
-from .params import Weights
+from ..model import cache as kvc
+from ..decoding import programs
+from ..model import sharding
+from ..decoding import speculative
+from ..model.cache import KVCache
+from ..decoding.programs import DecodeState
+from ..model.params import Weights
 from .prefix import PrefixCache
-from .sampling import Request
-from .transformer import Exit
+from ..decoding.sampling import Request
+from ..model.transformer import Exit
 
 
 class Speculation(NamedTuple):
@@ -68,7 +70,7 @@ def prefill(weights: Weights, tokens, cache: KVCache, ro: tuple = (), start_pos:
     `cache` is donated: do not use it afterwards."""
     c = weights.config
     start = cache.length if start_pos is None else jnp.int32(start_pos)
-    return engine.prefill(weights.params, c, jnp.asarray(pad(tokens)), jnp.int32(len(tokens)), start, tuple(ro),
+    return programs.prefill(weights.params, c, jnp.asarray(pad(tokens)), jnp.int32(len(tokens)), start, tuple(ro),
                           cache, loops=c.default_loops if loops is None else loops, window=cache_window, exit=exit)
 
 
@@ -103,7 +105,7 @@ def build_prefix(weights: Weights, prompt, loops: int | None = None, cache_windo
     prompt = np.asarray(prompt, np.int32)
     own = empty_cache(weights, len(prompt), loops, cache_window)
     tokens, n = jnp.asarray(pad(prompt)), jnp.int32(len(prompt))
-    out = engine.prefill_prefix(weights.params, weights.config, tokens, n, jnp.int32(0), tokens, n, own, loops=loops,
+    out = programs.prefill_prefix(weights.params, weights.config, tokens, n, jnp.int32(0), tokens, n, own, loops=loops,
                                 window=cache_window, keep_state=keep_state, exit=exit)
     return _wrap(weights, out[2], prompt, loops, cache_window, out[0], out[1], out[3], out[4])
 
@@ -113,9 +115,9 @@ def extend_prefix(source: PrefixCache, k: int, prompt, exit: Exit | None = None)
     those positions are copied (no compute), only prompt[k:] is prefilled."""
     w, loops, window = source.weights, source.loops, source.cache_window
     prompt = np.asarray(prompt, np.int32)
-    own = engine.copy_prefix(source.cache, jnp.int32(k), capacity=kvc.segment_capacity(len(prompt), window),
+    own = programs.copy_prefix(source.cache, jnp.int32(k), capacity=kvc.segment_capacity(len(prompt), window),
                              passes=loops)
-    logits, seen, own, states, _ = engine.prefill_prefix(
+    logits, seen, own, states, _ = programs.prefill_prefix(
         w.params, w.config, jnp.asarray(pad(prompt[k:])), jnp.int32(len(prompt) - k), jnp.int32(k),
         jnp.asarray(pad(prompt)), jnp.int32(len(prompt)), own, loops=loops, window=window, keep_state=False,
         exit=exit)
@@ -135,7 +137,7 @@ def prefix_at_depth(prefix: PrefixCache, loops: int, exit: Exit | None = None) -
         if c.n_post_blocks:
             raise RuntimeError(f"the model's coda blocks were run at loops={prefix.cache.passes}: their cache does "
                                f"not hold depth {loops}; build the prefix at loops={loops}")
-        logits = engine.prefix_logits(w.params, c, prefix.depth_states, loops=loops, exit=exit)
+        logits = programs.prefix_logits(w.params, c, prefix.depth_states, loops=loops, exit=exit)
         return _wrap(w, prefix.cache, prefix.prompt, loops, prefix.cache_window, logits, prefix.seen,
                      prefix.depth_states, prefix.state)
     if prefix.state is None:
@@ -144,11 +146,11 @@ def prefix_at_depth(prefix: PrefixCache, loops: int, exit: Exit | None = None) -
     extra = loops - prefix.cache.passes
     own = kvc.empty(c.kv_mode, 0, extra, c.n_kv_heads, prefix.cache.capacity, c.head_dim,
                     loop_blocks=c.loop_blocks, d_model=c.d_model, n_post=c.n_post_blocks, mesh=c.mesh)
-    logits, own, state, states = engine.continue_depth(w.params, c, prefix.state, jnp.int32(len(prefix)), own,
+    logits, own, state, states = programs.continue_depth(w.params, c, prefix.state, jnp.int32(len(prefix)), own,
                                                        loops=extra, window=prefix.cache_window)
     states = jnp.concatenate([prefix.depth_states, states])
     if c.early_exit_gate:
-        logits = engine.prefix_logits(w.params, c, states, loops=loops, exit=exit)
+        logits = programs.prefix_logits(w.params, c, states, loops=loops, exit=exit)
     return _wrap(w, kvc.append_passes(prefix.cache, own), prefix.prompt, loops, prefix.cache_window, logits,
                  prefix.seen, states, state)
 
@@ -163,7 +165,7 @@ def call_segments(weights: Weights, prefix: PrefixCache | None, loops: int) -> t
     ro = () if prefix is None else (prefix.cache,)
     if not weights.config.kv_mode.endswith("-h"):
         return ro, None
-    return tuple(engine.materialize(weights.params, weights.config, s, passes=loops) for s in ro), "fp32"
+    return tuple(programs.materialize(weights.params, weights.config, s, passes=loops) for s in ro), "fp32"
 
 
 def own_room(longest_suffix: int, max_new: int, cache_window: int, speculation: Speculation | None):
@@ -198,11 +200,11 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
     own = empty_cache(weights, room, loops, ring, start=P, kv_mode=work_mode, batch=N)
     prior_logits = prefix.logits if prefix is not None else jnp.zeros((c.vocab_size,), jnp.float32)
     if prefix is not None and c.early_exit_gate:  # the prefix's logits with this call's exit
-        prior_logits = engine.prefix_logits(weights.params, c, prefix.depth_states, loops=loops, exit=exit)
+        prior_logits = programs.prefix_logits(weights.params, c, prefix.depth_states, loops=loops, exit=exit)
     prior_seen = prefix.seen if prefix is not None else jnp.zeros((c.vocab_size,), bool)
     if lens.max() > 0:
         tokens = np.stack([pad(s, kvc.bucket(int(lens.max()))) for s in suffixes])
-        logits, seen, own = engine.prefill_rows(weights.params, c, jnp.asarray(tokens), jnp.asarray(lens),
+        logits, seen, own = programs.prefill_rows(weights.params, c, jnp.asarray(tokens), jnp.asarray(lens),
                                                 jnp.full((N,), P, jnp.int32), ro, own, prior_logits, prior_seen,
                                                 loops=loops, window=window, exit=exit)
     else:
@@ -211,7 +213,7 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
     args = (weights.params, c, ro, own, logits, seen, request)
     kw = dict(loops=loops, window=window, out_len=kvc.bucket(max_new, minimum=8), exit=exit)
     if speculation is None:
-        return engine.decode(*args, **kw)
+        return programs.decode(*args, **kw)
     return speculative.decode(*args, **kw, draft_loops=speculation.draft_loops, lookahead=speculation.lookahead)
 
 

@@ -37,13 +37,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import batching as B
-from . import cache as kvc
-from . import functional as F
-from . import validation as check
-from .prefix import PrefixCache
-from .sampling import Request
-from .store import PrefixStore
+from . import programs as B
+from ..model import cache as kvc
+from ..api import functional as F
+from ..api import validation as check
+from ..api.prefix import PrefixCache
+from ..decoding.sampling import Request
+from ..api.store import PrefixStore
 
 
 class QueueFull(RuntimeError):

@@ -6,7 +6,7 @@ import numbers
 
 import numpy as np
 
-from .sampling import Request
+from ..decoding.sampling import Request
 
 
 def tokens(ids, vocab_size: int, name: str = "prompt", allow_empty: bool = False) -> np.ndarray:

@@ -12,15 +12,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import cache as kvc
-from . import checkpoint, engine, hf_gpt2, hf_import, sharding
+from ..model import cache as kvc
+from ..formats import checkpoint
+from ..decoding import programs
+from ..formats import hf_gpt2
+from ..formats import hf_import
+from ..model import sharding
 from . import functional as F
 from . import validation as check
-from .config import ModelConfig, check_kv_mode
-from .engine import DecodeState
-from .params import Params, Weights, check_shapes, random_params, unflatten
+from ..model.config import ModelConfig, check_kv_mode
+from ..decoding.programs import DecodeState
+from ..model.params import Params, Weights, check_shapes, random_params, unflatten
 from .prefix import PrefixCache
-from .transformer import Exit
+from ..model.transformer import Exit
 
 
 class Model:
@@ -305,7 +309,7 @@ class Model:
         self._check_length(len(prefix) + len(suffix), "prefix + suffix")
         if len(suffix) == 0:
             if ex is not None:
-                return sharding.to_host(engine.prefix_logits(w.params, w.config, prefix.depth_states, loops, ex),
+                return sharding.to_host(programs.prefix_logits(w.params, w.config, prefix.depth_states, loops, ex),
                                         np.float32)
             return sharding.to_host(prefix.logits, np.float32).copy()
         own = F.empty_cache(w, len(suffix), loops, window, start=len(prefix))

@@ -22,8 +22,8 @@ import os
 
 import numpy as np
 
-from .config import ModelConfig
-from .params import BlockParams, Params
+from ..model.config import ModelConfig
+from ..model.params import BlockParams, Params
 from .safetensors_io import Tensors
 
 _BLOCK = {  # our field -> (HF name inside h.{i}., shape as a function of (D, F))

@@ -21,7 +21,7 @@ import tempfile
 import numpy as np
 import orbax.checkpoint as ocp
 
-from .params import named_leaves
+from ..model.params import named_leaves
 
 FORMAT = 1
 META_FILE = "tinyloop.json"

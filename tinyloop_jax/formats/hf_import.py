@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import hf_gpt2
-from .config import ModelConfig
-from .params import LlamaBlock, Params
+from ..model.config import ModelConfig
+from ..model.params import LlamaBlock, Params
 from .safetensors_io import Tensors
 
 MODEL_TYPES = ("gpt2", "llama", "ouro")

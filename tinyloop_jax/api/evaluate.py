@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import transformer as tf
-from .config import ModelConfig
-from .params import Params
+from ..model import transformer as tf
+from ..model.config import ModelConfig
+from ..model.params import Params
 
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window"))

@@ -22,12 +22,12 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from . import transformer as tf
-from .cache import KVCache
-from .config import ModelConfig
-from .engine import (DecodeState, emit, feed, forward_rows, is_done, rollback_rows, row_lengths, rows_in_loop,
+from ..model import transformer as tf
+from ..model.cache import KVCache
+from ..model.config import ModelConfig
+from .programs import (DecodeState, emit, feed, forward_rows, is_done, rollback_rows, row_lengths, rows_in_loop,
                      rows_out_of_loop, start)
-from .params import Params
+from ..model.params import Params
 from .sampling import Request, distribution
 
 
