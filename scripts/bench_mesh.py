@@ -32,7 +32,7 @@ import tinyloop_jax as tl  # noqa: E402
 from tinyloop_jax.decoding import programs as engine  # noqa: E402
 from tinyloop_jax.model import sharding  # noqa: E402
 from tinyloop_jax.model.cache import KVCache  # noqa: E402
-from tinyloop_jax.model.kv_modes import layer_shapes, split_mode  # noqa: E402
+from tinyloop_jax.model.kv_modes import kv_mode as parse_kv_mode  # noqa: E402
 from tinyloop_jax.model.params import Shape, param_shapes  # noqa: E402
 from tinyloop_jax.decoding.sampling import Request  # noqa: E402
 
@@ -71,8 +71,9 @@ def weights(cfg, mesh):
 def segment(cfg, mesh, kv_mode, capacity, passes, batch=None):
     """An abstract segment placed as `cache.empty` places it."""
     lead = () if batch is None else (batch,)
-    heads = not split_mode(kv_mode)[1]
-    shapes = layer_shapes(kv_mode, cfg.n_kv_heads, capacity, cfg.head_dim, cfg.d_model)
+    mode = parse_kv_mode(kv_mode)
+    heads = mode.splits_heads
+    shapes = mode.layer_shapes(cfg.n_kv_heads, capacity, cfg.head_dim, cfg.d_model)
 
     def arr(shape, dtype, head_axis=None):
         spec = sharding.cache_spec(shape, batch is not None, head_axis if heads else None, mesh)

@@ -47,7 +47,7 @@ def test_h_mode_call_scoped_rebuild_matches_step_by_step(mode_models, mode, wind
     for _ in range(10):
         want.append(int(np.argmax(np.asarray(logits))))
         logits, own = F.decode_step(w, want[-1], own, ro=(prefix.cache,), loops=loops, cache_window=window)
-    assert own.kv_mode == mode and got == want
+    assert own.kv_mode.name == mode and got == want
 
 
 @pytest.mark.parametrize("mode", QUANTIZED)
@@ -147,3 +147,25 @@ def test_int8_greedy_agrees_with_fp32_on_the_bundled_model():
     runs = {m: tl.Model.load(BUNDLED, kv_mode=m).generate(p, max_tokens=160)[len(p):] for m in ("fp32", "int8")}
     agree = np.mean(np.array(runs["fp32"]) == np.array(runs["int8"]))
     assert agree >= 0.9, agree
+
+
+def test_modes_parse_once_into_types():
+    """A mode name becomes one value: its codec by type, h or not, the working mode, head splits."""
+    from tinyloop_jax.model.kv_modes import FloatFormat, IntFormat, KVMode, kv_mode
+
+    for name in tl.KV_MODES:
+        m = kv_mode(name)
+        assert isinstance(m, KVMode) and str(m) == name and kv_mode(m) is m and kv_mode(name) is m
+        assert m.h == name.endswith("-h") and m.splits_heads == (not m.h)
+        assert isinstance(m.format, FloatFormat if name.startswith("fp") else IntFormat)
+        assert m.working == (kv_mode("fp32") if m.h else m)
+        assert m.packed_int4 == (name == "int4")
+    assert kv_mode("int4-h").format is kv_mode("int4").format  # one codec per format
+    with pytest.raises(ValueError, match="int3"):
+        kv_mode("int3")
+    # a cache built from the name holds the value; the public prefix reports the name
+    c = tiny_config(kv_mode="int8-h")
+    assert c.storage is kv_mode("int8-h")
+    seg = kvc.empty("int8-h", 1, 2, c.n_kv_heads, 16, c.head_dim, d_model=c.d_model)
+    assert seg.kv_mode is kv_mode("int8-h")
+    assert set(seg.pre[0]) == {"h", "hs"} and seg.pre[0]["h"].dtype == jnp.int8

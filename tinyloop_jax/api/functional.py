@@ -162,10 +162,10 @@ def call_segments(weights: Weights, prefix: PrefixCache | None, loops: int) -> t
     prefix's K/V once for the whole call (every decode step and every request of a batch reads
     that copy) and keep the requests' own K/V in float32 while they run; the prefix at rest
     stays in h form, the rebuilt copy lives only during the call."""
-    ro = () if prefix is None else (prefix.cache,)
-    if not weights.config.kv_mode.endswith("-h"):
+    ro, mode = () if prefix is None else (prefix.cache,), weights.config.storage
+    if mode.working == mode:
         return ro, None
-    return tuple(programs.materialize(weights.params, weights.config, s, passes=loops) for s in ro), "fp32"
+    return tuple(programs.materialize(weights.params, weights.config, s, passes=loops) for s in ro), mode.working
 
 
 def own_room(longest_suffix: int, max_new: int, cache_window: int, speculation: Speculation | None):
@@ -235,9 +235,9 @@ def check_fits(weights: Weights, prompt_lens: list, request: Request, loops: int
     cannot fit in the memory free now: N requests of prompt_lens tokens (after a prefix of
     prefix_len, or for one prompt without a prefix, the prompt's own prefix segment)."""
     c = weights.config
-    work = "fp32" if c.kv_mode.endswith("-h") else c.kv_mode  # own segments of h modes hold float32 K/V
+    work = c.storage.working  # own segments of h modes hold float32 K/V
 
-    def nbytes(kv_mode: str, n_tokens: int, window: int) -> int:
+    def nbytes(kv_mode, n_tokens: int, window: int) -> int:
         return kvc.cache_nbytes(kv_mode, c.n_cache_layers(loops), c.n_kv_heads,
                                 kvc.segment_capacity(n_tokens, window), c.head_dim, c.d_model)
 
@@ -245,7 +245,7 @@ def check_fits(weights: Weights, prompt_lens: list, request: Request, loops: int
     if len(lens) == 1 and prefix_len == 0:  # generate(prompt): the prompt becomes a prefix segment
         prefix_len, lens = lens[0], [0]
         need += nbytes(c.kv_mode, prefix_len, cache_window)
-    if prefix_len and work != c.kv_mode:  # the call-scoped float32 rebuild of an h-mode prefix
+    if prefix_len and work != c.storage:  # the call-scoped float32 rebuild of an h-mode prefix
         need += nbytes(work, prefix_len, cache_window)
     room, ring = own_room(max(lens), int(np.max(request.max_tokens)), cache_window, speculation)
     need += len(lens) * nbytes(work, room, ring)

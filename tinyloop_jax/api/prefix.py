@@ -48,7 +48,7 @@ class PrefixCache:
 
     @property
     def kv_mode(self) -> str:
-        return self.cache.kv_mode
+        return self.cache.kv_mode.name
 
     @property
     def model_fingerprint(self) -> str:

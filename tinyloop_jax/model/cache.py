@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from . import sharding
-from .kv_modes import layer_nbytes, layer_shapes, split_mode
+from .kv_modes import KVMode, kv_mode as parse_mode
 
 
 @struct.dataclass
@@ -45,8 +45,11 @@ class KVCache:
     loop: dict  # dict[str, Array [.., L, k, lead, C, w]]: the loop's passes
     pos: jax.Array  # [.., C] int32
     length: jax.Array  # [..] int32
-    kv_mode: str = struct.field(pytree_node=False)
+    kv_mode: KVMode = struct.field(pytree_node=False)  # a mode name is parsed on construction
     post: tuple = ()  # tuple[dict, ...], one per coda block
+
+    def __post_init__(self):
+        object.__setattr__(self, "kv_mode", parse_mode(self.kv_mode))
 
     @property
     def capacity(self) -> int:
@@ -101,12 +104,12 @@ def segment_capacity(n_tokens: int, cache_window: int) -> int:
     return bucket(max(need, 1))
 
 
-def cache_nbytes(kv_mode: str, n_layers: int, n_kv_heads: int, capacity: int, head_dim: int,
+def cache_nbytes(kv_mode: str | KVMode, n_layers: int, n_kv_heads: int, capacity: int, head_dim: int,
                  d_model: int | None = None) -> int:
     """Bytes of a segment of n_layers cache layers (d_model, the width h modes store, defaults
     to n_kv_heads * head_dim)."""
     d_model = n_kv_heads * head_dim if d_model is None else d_model
-    return n_layers * layer_nbytes(kv_mode, n_kv_heads, capacity, head_dim, d_model) + capacity * 4 + 4
+    return n_layers * parse_mode(kv_mode).layer_nbytes(n_kv_heads, capacity, head_dim, d_model) + capacity * 4 + 4
 
 
 def free_bytes() -> int | None:
@@ -139,25 +142,25 @@ def check_fits(need: int, what: str) -> None:
                            "is free; shorten the prompt, lower loops, or set cache_window")
 
 
-def empty(kv_mode: str, n_pre: int, passes: int, n_kv_heads: int, capacity: int, head_dim: int,
+def empty(kv_mode: str | KVMode, n_pre: int, passes: int, n_kv_heads: int, capacity: int, head_dim: int,
           batch: int | None = None, loop_blocks: int = 1, d_model: int | None = None, n_post: int = 0,
           mesh=None) -> KVCache:
     """A fresh segment of n_pre pre layers, `passes` passes of `loop_blocks` layers and n_post
     coda layers (with `batch`: one per request, every array with a leading request axis). With
     a mesh, every array is allocated in its shards (`sharding.cache_spec`). Out of memory is a
     RuntimeError."""
+    mode = parse_mode(kv_mode)
     lead = () if batch is None else (batch,)
     d_model = n_kv_heads * head_dim if d_model is None else d_model
     layers = n_pre + passes * loop_blocks + n_post
     check_fits(cache_nbytes(kv_mode, layers, n_kv_heads, capacity, head_dim, d_model) * (batch or 1),
                f"a KV cache of {layers} layers x {capacity} slots ({kv_mode})")
-    shapes = layer_shapes(kv_mode, n_kv_heads, capacity, head_dim, d_model)
-    heads = not split_mode(kv_mode)[1]  # h modes store h [1, C, D]: no head axis to split
+    shapes = mode.layer_shapes(n_kv_heads, capacity, head_dim, d_model)
 
     def zeros(shape, dtype, head_axis=None, fill=0):
         if mesh is None:
             return jnp.full(shape, fill, dtype)
-        spec = sharding.cache_spec(shape, batch is not None, head_axis if heads else None, mesh)
+        spec = sharding.cache_spec(shape, batch is not None, head_axis if mode.splits_heads else None, mesh)
         return sharding.zeros(shape, dtype, spec, mesh, fill)
 
     try:
@@ -165,7 +168,7 @@ def empty(kv_mode: str, n_pre: int, passes: int, n_kv_heads: int, capacity: int,
         loop = {n: zeros(lead + (passes, loop_blocks) + s, d, len(lead) + 2) for n, (s, d) in shapes.items()}
         return KVCache(pre=tuple(layer() for _ in range(n_pre)), loop=loop, pos=zeros(lead + (capacity,), jnp.int32,
                                                                                        fill=-1),
-                       length=zeros(lead, jnp.int32), kv_mode=kv_mode, post=tuple(layer() for _ in range(n_post)))
+                       length=zeros(lead, jnp.int32), kv_mode=mode, post=tuple(layer() for _ in range(n_post)))
     except Exception as e:  # noqa: BLE001 - XLA reports OOM as a generic runtime error
         if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
             raise RuntimeError(f"out of memory while allocating a KV cache: {e}") from e

@@ -5,9 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-# Storage modes of the KV cache (SPEC §3): K/V as floats or quantized integers, or the
-# "-h" forms that store the block's normalized input h and rebuild K/V from it.
-KV_MODES = ("fp16", "fp32", "int8", "int4", "fp16-h", "int8-h", "int4-h")
+from .kv_modes import KVMode, check_kv_mode, kv_mode as parse_kv_mode
+
 # How int4 decode attention runs: the Pallas kernel, the kernel interpreted (CPU tests), or jnp.
 INT4_ATTENTION = ("pallas", "interpret", "jnp")
 # Fields that say how this process runs the model, not what the model is: not saved with
@@ -16,12 +15,6 @@ RUNTIME_FIELDS = ("int4_attention", "mesh")
 BLOCKS = ("gpt2", "llama")  # GPT-2 (LayerNorm, biases, GELU, learned positions) | Llama (RMSNorm, RoPE, SwiGLU, GQA)
 NORM_PLACEMENTS = ("pre", "sandwich")  # sandwich (Ouro): x += n2(attn(n1 x)); x += n4(mlp(n3 x))
 DTYPES = ("float32", "bfloat16")
-
-
-def check_kv_mode(kv_mode: str) -> str:
-    if kv_mode in KV_MODES:
-        return kv_mode
-    raise ValueError(f"unknown kv_mode {kv_mode!r}; valid modes: {', '.join(KV_MODES)}")
 
 
 def kv_mode_from_env(default: str = "fp16") -> str:
@@ -137,7 +130,7 @@ class ModelConfig:
         if self.kv_mode is None:
             object.__setattr__(self, "kv_mode", kv_mode_from_env())
         check_kv_mode(self.kv_mode)
-        if self.kv_mode.startswith("int4") and (self.d_model % 2 or self.head_dim % 2):
+        if self.storage.format.packed and (self.d_model % 2 or self.head_dim % 2):
             raise ValueError(f"int4 modes pack two values per byte: d_model {self.d_model} and head_dim "
                              f"{self.head_dim} must be even")
         if self.int4_attention is None:
@@ -148,6 +141,11 @@ class ModelConfig:
     def n_cache_layers(self, loops: int) -> int:
         """One cache layer per pre block, per loop block per pass, and per coda block."""
         return self.n_pre_blocks + loops * self.loop_blocks + self.n_post_blocks
+
+    @property
+    def storage(self) -> KVMode:
+        """`kv_mode` parsed: the format and codec every module uses."""
+        return parse_kv_mode(self.kv_mode)
 
     @property
     def q_dim(self) -> int:

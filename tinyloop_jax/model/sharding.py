@@ -174,9 +174,7 @@ def share(x):
 
 def place_cache(cache, mesh: Mesh):
     """An unbatched segment (a loaded prefix) placed on `mesh`: K/V split by heads over 'model'."""
-    from .kv_modes import split_mode
-
-    heads = not split_mode(cache.kv_mode)[1]
+    heads = cache.kv_mode.splits_heads
 
     def put(a, head_axis):
         spec = cache_spec(a.shape, False, head_axis if heads else None, mesh)

@@ -29,7 +29,7 @@ from . import int4_attention as i4
 from .attention import attention, normalize
 from .cache import KVCache
 from .config import ModelConfig
-from .kv_modes import pack_kv, unpack_kv
+from .kv_modes import KVMode
 from .params import Params
 
 
@@ -167,10 +167,10 @@ def kv_from_h(cfg: ModelConfig, blk, key_pos: jax.Array):
     return f
 
 
-def read_kv(cfg: ModelConfig, stored: dict, blk, kv_mode: str, key_pos: jax.Array):
+def read_kv(cfg: ModelConfig, stored: dict, blk, kv_mode: KVMode, key_pos: jax.Array):
     """One layer's stored arrays in `kv_mode` -> float32 K, V [KV, C, hd] (h modes rebuild them
     from the block's weights, K rotated at the slots' positions key_pos [C])."""
-    return unpack_kv(kv_mode, stored, kv_from_h(cfg, blk, key_pos))
+    return kv_mode.unpack(stored, kv_from_h(cfg, blk, key_pos))
 
 
 def block_out(x: jax.Array, a: jax.Array, blk, cfg: ModelConfig) -> jax.Array:
@@ -249,7 +249,7 @@ class Layer(NamedTuple):
     """One cache layer of a segment as attention reads it."""
     stored: dict  # arrays [lead, C, w] in kv_mode
     key_pos: jax.Array  # [C]
-    kv_mode: str
+    kv_mode: KVMode
 
 
 def block(x: jax.Array, blk, cfg: ModelConfig, chunk: Chunk, ro: list, own: KVCache, store: dict,
@@ -258,18 +258,18 @@ def block(x: jax.Array, blk, cfg: ModelConfig, chunk: Chunk, ro: list, own: KVCa
     ([Layer]); store: own's arrays for this layer — a pre layer (index None) or the loop stack
     (index = (pass, loop block)). Returns (x', store with the chunk written)."""
     h, q, k, v = qkv_heads(x, blk, cfg, chunk.q_pos)
-    fresh = pack_kv(cfg.kv_mode, h, k, v)
-    if own.kv_mode != cfg.kv_mode:
+    fresh = cfg.storage.pack(h, k, v)
+    if own.kv_mode != cfg.storage:
         # A call-scoped working segment (see `materialize`): store the values the model's mode
         # would give when read back, so results do not depend on where a token is kept.
-        fresh = pack_kv(own.kv_mode, h, *read_kv(cfg, fresh, blk, cfg.kv_mode, chunk.q_pos))
+        fresh = own.kv_mode.pack(h, *read_kv(cfg, fresh, blk, cfg.storage, chunk.q_pos))
     if x.shape[0] == 1:
         # Decode: write first, then attend to the updated buffer. The data dependency lets XLA
         # update the buffer in place; reading the old buffer beside the write forces a copy.
         store = kvc.write(store, fresh, chunk.slots, index)
         segs = ro + [Layer(kvc.read(store, index), kvc.write_positions(own.pos, chunk.q_pos, chunk.slots),
                            own.kv_mode)]
-        if all(s.kv_mode == "int4" for s in segs):
+        if all(s.kv_mode.packed_int4 for s in segs):
             return block_out(x, attention_int4_decode(q, chunk.q_pos, segs, window, cfg.int4_attention, cfg.mesh),
                              blk, cfg), store
         kvs = [(*read_kv(cfg, s.stored, blk, s.kv_mode, s.key_pos), s.key_pos) for s in segs]
@@ -419,7 +419,7 @@ def forward_seq(params: Params, cfg: ModelConfig, tokens: jax.Array, loops: int,
 
     def layer(x, blk):
         h, q, k, v = qkv_heads(x, blk, cfg, pos)
-        k, v = read_kv(cfg, pack_kv(cfg.kv_mode, h, k, v), blk, cfg.kv_mode, pos)  # as a cache would hold them
+        k, v = read_kv(cfg, cfg.storage.pack(h, k, v), blk, cfg.storage, pos)  # as a cache would hold them
         return block_out(x, attention(q.astype(jnp.float32), pos, [(k, v, pos)], window), blk, cfg)
 
     def one_pass(x, _):

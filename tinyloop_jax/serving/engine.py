@@ -292,10 +292,10 @@ class Engine:
         self.max_capacity = kvc.bucket(c.max_seq_len)
         self.row_capacity = min(self.max_capacity, kvc.bucket(row_capacity or 256))
         self.prefix_capacity = kvc.bucket(prefix_capacity or c.max_seq_len)
-        self.work_mode = "fp32" if c.kv_mode.endswith("-h") else c.kv_mode
+        self.work_mode = c.storage.working
         # h modes: rows hold float32 K/V, which cannot be stored back in h form; such an engine
         # reads the store but does not add to it
-        self.insert_prompts = insert_prompts and prefix_cache and self.work_mode == c.kv_mode
+        self.insert_prompts = insert_prompts and prefix_cache and self.work_mode == c.storage
         self.prefix_cache = prefix_cache  # False: every prompt is prefilled whole (a baseline)
         self.store_bytes = store_bytes
         self._default_store = store
@@ -640,7 +640,7 @@ class Engine:
         w = self.model.weights
         cp = self.prefix_capacity
         if isinstance(source, PrefixCache) and n > 0:
-            src, mat = source.cache, self.work_mode != w.config.kv_mode
+            src, mat = source.cache, self.work_mode != w.config.storage
         else:  # empty the slot, or copy from a slot that holds a prefix already in working form
             src, mat, n = B.pool_slot(lane.pool, cp, jnp.int32(max(source if isinstance(source, int) else g, 0))), \
                 False, n if isinstance(source, int) else 0
