@@ -215,8 +215,7 @@ class PrefixStore:
         path = os.fspath(path)
         if os.path.exists(path):
             raise ValueError(f"{path!r} already exists; choose a new folder")
-        with self._lock:
-            entries = list(self._entries.values())
+        entries = self.entries()  # LRU first: a load touches them in this order
         parent = os.path.dirname(os.path.abspath(path))
         tmp = tempfile.mkdtemp(prefix=".prefix_store-", dir=parent)
         try:

@@ -137,7 +137,7 @@ def decode_step(params: Params, cfg: ModelConfig, state: BatchState, rows: Decod
         x, o = tf.forward(params, cfg, tok[None], jnp.int32(1), o.length, ro, o, loops, 0, exit)
         return x[0], o
 
-    carried = rows_in_loop(own)  # one row unbatched: in-place cache writes (see engine.rows_in_loop)
+    carried = rows_in_loop(own)  # one row unbatched: in-place cache writes (see decoding.programs.rows_in_loop)
     if carried.length.ndim == 0:
         x, new = one(last[0], rows.group[0], rows.limit[0], carried)
         x, new = x[None], rows_out_of_loop(new)
