@@ -9,7 +9,7 @@ import pytest
 from conftest import tiny_model
 
 import tinyloop_jax as tl
-from tinyloop_jax.serving.engine import Cancelled, QueueFull, RequestTimeout
+from tinyloop_jax.serving import Cancelled, QueueFull, RequestTimeout
 
 
 ENGINE = dict(max_batch=4, prefill_chunk=16, prefix_slots=2)  # one set of shapes: the tests share programs
@@ -170,6 +170,6 @@ def test_rows_move_between_capacities(model):
         handles = [eng.submit(p, **kw) for p, kw in work]  # one prompt chunk per iteration: staggered starts
         for (p, kw), h in zip(work, handles):
             assert h.result() == model.generate(p, **kw)
-        assert any(k[0] == "reshape" and k[5] > k[3] for k in eng._programs)  # grew to the context...
-        assert any(k[0] == "reshape" and k[5] < k[3] for k in eng._programs)  # ...and moved back
-        assert any(k[0] == "prefill_slot" for k in eng._programs)
+        assert any(k[0] == "reshape" and k[5] > k[3] for k in eng.programs)  # grew to the context...
+        assert any(k[0] == "reshape" and k[5] < k[3] for k in eng.programs)  # ...and moved back
+        assert any(k[0] == "prefill_slot" for k in eng.programs)

@@ -3,14 +3,14 @@
     store = tl.PrefixStore(model, max_bytes=256 << 20)
     out = store.generate(system_prompt + question, max_tokens=64)   # == model.generate(...)
 
-A request's prompt is matched against every cached entry through a radix tree whose edges
-are chunks of at most 32 token ids (`CHUNK`); inside the first chunk that differs the match
-continues token by token, so the match is exact to the token. Any entry passing through the
-matched node serves that prefix (an entry serves every shorter prefix of itself). The matched
-positions are copied out of that entry (`cache.copy_prefix`, no model compute), the unmatched
-rest of the prompt is prefilled on top of them, the result is inserted as a new entry, and the
-request decodes from it. Entries are immutable; eviction is LRU by count and by bytes, and an
-entry a running call holds is never evicted.
+A request's prompt is matched against every cached entry through a radix tree
+(`radix.RadixIndex`: edges of at most 32 token ids, the match exact to the token); of the
+entries holding the matched prefix the most recently used serves it (an entry serves every
+shorter prefix of itself). The matched positions are copied out of that entry
+(`cache.copy_prefix`, no model compute), the unmatched rest of the prompt is prefilled on top
+of them, the result is inserted as a new entry, and the request decodes from it. Entries are
+immutable; eviction is LRU by count and by bytes (`radix.Recency`), and an entry a running call
+holds (pins) is never evicted.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import os
 import shutil
 import tempfile
 import threading
-from collections import OrderedDict
 
 import numpy as np
 
@@ -28,29 +27,7 @@ from . import functional as F
 from ..model import sharding
 from . import validation as check
 from .prefix import PrefixCache
-
-CHUNK = 32
-
-
-class _Node:
-    __slots__ = ("children", "entries")
-
-    def __init__(self):
-        self.children: dict[tuple, _Node] = {}
-        self.entries: set[int] = set()  # ids of the entries whose prompt runs through this node
-
-
-def _chunks(tokens: np.ndarray):
-    return [tuple(int(t) for t in tokens[i:i + CHUNK]) for i in range(0, len(tokens), CHUNK)]
-
-
-def _common(a: tuple, b: tuple) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+from .radix import RadixIndex, Recency
 
 
 class PrefixStore:
@@ -66,12 +43,10 @@ class PrefixStore:
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self.loops = model.config()["default_loops"] if loops is None else check.loops(loops)
         self.cache_window = check.cache_window(cache_window)
-        self._root = _Node()
-        self._entries: OrderedDict[int, PrefixCache] = OrderedDict()  # LRU first, MRU last
+        self._index = RadixIndex()  # entry id -> its prompt
+        self._lru = Recency()  # entry ids, LRU first, and the pins of running calls
+        self._entries: dict[int, PrefixCache] = {}
         self._by_prompt: dict[bytes, int] = {}
-        self._pins: dict[int, int] = {}
-        self._used: dict[int, int] = {}  # entry id -> tick of its last use
-        self._tick = 0
         self._next_id = 0
         self._lock = threading.RLock()
         self._stats = dict(hits=0, misses=0, tokens_reused=0, tokens_prefilled=0, evictions=0)
@@ -89,7 +64,7 @@ class PrefixStore:
     def entries(self) -> list[PrefixCache]:
         """The cached prefixes, least recently used first."""
         with self._lock:
-            return list(self._entries.values())
+            return [self._entries[i] for i in self._lru]
 
     def _bytes(self) -> int:
         """What the entries hold per device (`max_bytes` budgets a device; one device: the total)."""
@@ -97,23 +72,8 @@ class PrefixStore:
 
     def _match(self, prompt: np.ndarray) -> tuple[int, int | None]:
         """(matched tokens, id of the most recently used entry that holds them)."""
-        node, k = self._root, 0
-        for chunk in _chunks(prompt):
-            child = node.children.get(chunk)
-            if child is not None:
-                node, k = child, k + len(chunk)
-                continue
-            best, best_child = 0, None
-            for key, ch in node.children.items():
-                n = _common(key, chunk)
-                if n > best:
-                    best, best_child = n, ch
-            if best_child is not None:
-                node, k = best_child, k + best
-            break
-        if k == 0 or not node.entries:
-            return 0, None
-        return k, max(node.entries, key=self._used.__getitem__)
+        i, k = self._index.match(prompt, prefer=self._lru.last_used)
+        return k, i
 
     def _insert(self, entry: PrefixCache) -> int:
         key = entry.prompt.tobytes()
@@ -123,47 +83,31 @@ class PrefixStore:
         self._entries[i] = entry
         self._by_prompt[key] = i
         self._touch(i)
-        node = self._root
-        node.entries.add(i)
-        for chunk in _chunks(entry.prompt):
-            node = node.children.setdefault(chunk, _Node())
-            node.entries.add(i)
+        self._index.insert(i, entry.prompt)
         return i
 
     def _remove(self, i: int) -> None:
         entry = self._entries.pop(i)
         del self._by_prompt[entry.prompt.tobytes()]
-        del self._used[i]
-        node = self._root
-        node.entries.discard(i)
-        for chunk in _chunks(entry.prompt):
-            child = node.children[chunk]
-            child.entries.discard(i)
-            if not child.entries:
-                del node.children[chunk]
-                break
-            node = child
+        self._lru.remove(i)
+        self._index.remove(i)
 
     def _evict(self) -> None:
         def over():
             return ((self.max_entries is not None and len(self._entries) > self.max_entries)
                     or (self.max_bytes is not None and self._bytes() > self.max_bytes))
-        for i in list(self._entries):  # LRU first
+        for i in self._lru:  # LRU first
             if not over():
                 break
-            if self._pins.get(i, 0) == 0:
+            if not self._lru.pinned(i):
                 self._remove(i)
                 self._stats["evictions"] += 1
 
     def _touch(self, i: int) -> None:
-        self._entries.move_to_end(i)
-        self._tick += 1
-        self._used[i] = self._tick
+        self._lru.touch(i)
 
     def _pin(self, i: int, delta: int) -> None:
-        self._pins[i] = self._pins.get(i, 0) + delta
-        if self._pins[i] == 0:
-            del self._pins[i]
+        self._lru.pin(i, delta)
 
     # ---- serving -----------------------------------------------------------------------------
 
@@ -271,8 +215,7 @@ class PrefixStore:
         path = os.fspath(path)
         if os.path.exists(path):
             raise ValueError(f"{path!r} already exists; choose a new folder")
-        with self._lock:
-            entries = list(self._entries.values())
+        entries = self.entries()  # LRU first: a load touches them in this order
         parent = os.path.dirname(os.path.abspath(path))
         tmp = tempfile.mkdtemp(prefix=".prefix_store-", dir=parent)
         try:

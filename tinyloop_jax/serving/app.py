@@ -21,7 +21,8 @@ import secrets
 import time
 from contextlib import aclosing
 
-from .engine import Engine, QueueFull, RequestTimeout
+from .engine import Engine
+from .handles import QueueFull, RequestTimeout
 
 
 class BadRequest(ValueError):

@@ -1,5 +1,6 @@
 """Device programs of continuous batching (`serving.Engine`): a batch of B rows that requests
-join and leave between steps, over a pool of G shared prefixes.
+join and leave between steps, over a pool of G shared prefixes — the engine API the driver
+(`engine.Engine`) calls, over one opaque `BatchState` per depth.
 
     pool  = one read-only segment of G slots x Cp positions: [..., G * Cp, ..]  (store prefixes)
     own   = B rows' own segments, stacked:                   [B, ..., Co, ..]   (prompt rest + new)
@@ -10,15 +11,19 @@ unbatched: one matmul of every row's query against all of it, each row's keys ou
 masked out, so a prefix is read once per step for all the rows that share it and rows with
 different prefixes still share the step; a masked key contributes an exact zero. Static
 arguments are shapes only: one program per (B, Co, G * Cp, chunk) bucket, whatever the
-requests are.
+requests are. The steps take and return the whole `BatchState`, donated: the parts a step does
+not change (the pool, the request rows) pass through in place, never copied.
 """
 
 from __future__ import annotations
 
 from functools import partial
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import struct
 
 from ..model import transformer as tf
 from ..model.cache import KVCache, copy_prefix
@@ -27,8 +32,54 @@ from ..decoding.programs import rows_in_loop, rows_out_of_loop
 from ..model.params import Params
 from ..decoding.sampling import Request, select_tokens
 
-__all__ = ["decode_step", "prefill_chunk", "prefill_slot", "load_slot", "slot_prefix", "reshape_rows",
-           "reset_row"]
+__all__ = ["BatchState", "Chunk", "DecodeRows", "decode_step", "prefill_chunk", "prefill_slot", "load_slot",
+           "slot_prefix", "reshape_rows", "reset_row", "pool_slot"]
+
+
+@struct.dataclass
+class BatchState:
+    """One lane's device state: its rows and the pool of prefixes they read. The row fields are
+    None while the lane has no rows (its buffers released); the pool stays."""
+
+    pool: KVCache  # [G * Cp] slots of shared prefixes, in the working mode
+    own: KVCache | None = None  # [B, .., Co, ..] the rows' own segments (prompt rest + generated)
+    seen: Annotated[jax.Array, "bool[B, V]"] | None = None  # tokens of each row's prompt and output
+    last: Annotated[jax.Array, "int32[B]"] | None = None  # each row's last token (the next step's input)
+    req: Request | None = None  # [B] each row's sampling knobs (stops are checked on the host)
+
+
+@struct.dataclass
+class Chunk:
+    """One prefill step's inputs: a chunk of row `row`'s prompt. Made by `Chunk.make` (host
+    numpy), so serving and warmup give the programs the same types."""
+
+    row: Annotated[jax.Array, "int32[]"]
+    tokens: Annotated[jax.Array, "int32[T]"]  # padded to a bucket
+    n_valid: Annotated[jax.Array, "int32[]"]  # tokens[:n_valid] are the prompt's
+    start: Annotated[jax.Array, "int32[]"]  # position of tokens[0]
+    fresh: Annotated[jax.Array, "bool[]"]  # the row's first chunk: its segment is emptied first
+    group: Annotated[jax.Array, "int32[]"]  # pool slot read (prefill_chunk) or written (prefill_slot); -1: none
+    limit: Annotated[jax.Array, "int32[]"]  # slot positions below it are read
+    prompt_seen: Annotated[jax.Array, "bool[V]"]  # the prompt's tokens
+    req: Request  # [1] the row's knobs
+
+    @classmethod
+    def make(cls, row: int, tokens, n_valid: int, start: int, fresh: bool, group: int, limit: int, prompt_seen,
+             req: Request) -> "Chunk":
+        i32 = lambda v: np.asarray(v, np.int32)  # noqa: E731
+        return cls(i32(row), i32(tokens), i32(n_valid), i32(start), np.asarray(fresh, bool), i32(group), i32(limit),
+                   np.asarray(prompt_seen, bool), req)
+
+
+@struct.dataclass
+class DecodeRows:
+    """One decode step's inputs (host numpy, made by `lane.decode_rows`)."""
+
+    slot_ids: Annotated[jax.Array, "int32[S]"]  # the pool slots the step reads (S = G: all, in place)
+    group: Annotated[jax.Array, "int32[B]"]  # row i reads slot_ids[group[i]]; -1: no slot
+    limit: Annotated[jax.Array, "int32[B]"]  # of which the positions below limit[i]
+    active: Annotated[jax.Array, "bool[B]"]  # rows past their prompt (others keep their state)
+    steps: Annotated[jax.Array, "int32[B]"]  # each row's token index (its sampling key)
 
 
 def row(tree, i):
@@ -67,56 +118,64 @@ def pool_slots(pool: KVCache, slot_len: int, ids: jax.Array) -> KVCache:
     return out.replace(pos=out.pos[:, 0], length=parts[0].length)
 
 
-@partial(jax.jit, static_argnames=("cfg", "loops", "slot_len"), donate_argnames=("own", "seen"))
-def decode_step(params: Params, cfg: ModelConfig, pool: KVCache, slot_ids: jax.Array, own: KVCache, last: jax.Array,
-                group: jax.Array, limit: jax.Array, active: jax.Array, seen: jax.Array, req: Request, steps: jax.Array,
-                loops: int, slot_len: int, exit: tf.Exit | None = None):
-    """One token for every active row: feed last [B] at each row's next position, choose the next
-    token (row i's key index steps[i]). The step reads the pool slots slot_ids [S] (group[i]
-    indexes slot_ids; S = all G slots reads the pool in place, slot_ids = 0..G-1). Inactive rows (free, or still
+@partial(jax.jit, static_argnames=("cfg", "loops", "slot_len"), donate_argnames=("state",))
+def decode_step(params: Params, cfg: ModelConfig, state: BatchState, rows: DecodeRows, loops: int, slot_len: int,
+                exit: tf.Exit | None = None) -> tuple[jax.Array, BatchState]:
+    """One token for every active row: feed state.last [B] at each row's next position, choose
+    the next token (row i's key index rows.steps[i]). The step reads the pool slots
+    rows.slot_ids [S] (S = all G slots reads the pool in place). Inactive rows (free, or still
     prefilling) keep their segment: their write goes to an empty slot and their positions are
-    restored. Returns (tokens [B], own, seen [B, V])."""
-    if slot_ids.shape[0] < pool.capacity // slot_len:  # a few slots: their copy is cheaper than the rest
-        pool = pool_slots(pool, slot_len, slot_ids)
-    seen = jnp.where(active[:, None], seen.at[jnp.arange(last.shape[0]), last].set(True), seen)
+    restored. Returns (tokens [B], state with own, seen and last advanced)."""
+    pool, last, own = state.pool, state.last, state.own
+    if rows.slot_ids.shape[0] < pool.capacity // slot_len:  # a few slots: their copy is cheaper than the rest
+        pool = pool_slots(pool, slot_len, rows.slot_ids)
+    active = rows.active
+    seen = jnp.where(active[:, None], state.seen.at[jnp.arange(last.shape[0]), last].set(True), state.seen)
 
     def one(tok, g, k, o):
         ro = (visible_pool(pool, slot_len, g, k),)  # the K/V are shared by all rows: read once
         x, o = tf.forward(params, cfg, tok[None], jnp.int32(1), o.length, ro, o, loops, 0, exit)
         return x[0], o
 
-    carried = rows_in_loop(own)  # one row unbatched: in-place cache writes (see engine.rows_in_loop)
+    carried = rows_in_loop(own)  # one row unbatched: in-place cache writes (see decoding.programs.rows_in_loop)
     if carried.length.ndim == 0:
-        x, new = one(last[0], group[0], limit[0], carried)
+        x, new = one(last[0], rows.group[0], rows.limit[0], carried)
         x, new = x[None], rows_out_of_loop(new)
     else:
-        x, new = jax.vmap(one)(last, group, limit, own)
+        x, new = jax.vmap(one)(last, rows.group, rows.limit, own)
     new = new.replace(pos=jnp.where(active[:, None], new.pos, own.pos), length=jnp.where(active, new.length,
                                                                                           own.length))
-    tok = select_tokens(tf.lm_head(params, cfg, x), seen, req, steps)
-    return tok, new, seen
+    tok = select_tokens(tf.lm_head(params, cfg, x), seen, state.req, rows.steps)
+    return tok, state.replace(own=new, seen=seen, last=jnp.where(active, tok, last))
 
 
-@partial(jax.jit, static_argnames=("cfg", "loops", "slot_len"), donate_argnames=("own", "seen"))
-def prefill_chunk(params: Params, cfg: ModelConfig, pool: KVCache, own: KVCache, i: jax.Array, tokens: jax.Array,
-                  n_valid: jax.Array, start: jax.Array, fresh: jax.Array, group: jax.Array, limit: jax.Array,
-                  seen: jax.Array, prompt_seen: jax.Array, req: Request, loops: int, slot_len: int,
+def _first_token(state: BatchState, c: Chunk, tok: jax.Array) -> BatchState:
+    """Row c.row after a prompt chunk: its seen set to the prompt's tokens, its knobs and its
+    (first) token in place; the host uses the token after the prompt's last chunk only."""
+    i = c.row
+    return state.replace(seen=jax.lax.dynamic_update_index_in_dim(state.seen, c.prompt_seen, i, axis=0),
+                         last=state.last.at[i].set(tok), req=set_row(state.req, i, row(c.req, 0)))
+
+
+@partial(jax.jit, static_argnames=("cfg", "loops", "slot_len"), donate_argnames=("state",))
+def prefill_chunk(params: Params, cfg: ModelConfig, state: BatchState, c: Chunk, loops: int, slot_len: int,
                   exit: tf.Exit | None = None):
-    """Append tokens[:n_valid] (tokens [T]) of row i's prompt at positions start + j, reading pool
-    slot `group` below `limit` (group < 0: no prefix). fresh: the row's first chunk (its segment
-    is emptied first). Also sets the row's `seen` to prompt_seen [V] and picks its first token
-    from the chunk's last logits (used after the prompt's last chunk; req: the row's request, one
-    row). Returns (first token [], logits [V], depth states [n_pre + loops, D], own, seen)."""
-    o = row(own, i)
-    o = o.replace(pos=jnp.where(fresh, -1, o.pos), length=jnp.where(fresh, start, o.length))
-    slot = pool_slot(pool, slot_len, jnp.maximum(group, 0))
-    slot = slot.replace(pos=jnp.where((group >= 0) & (slot.pos < limit), slot.pos, -1))
-    run = tf.run_layers(params, cfg, tf.embed(params, tokens, start), n_valid, start, (slot,), o, loops, 0,
+    """Append c.tokens[:c.n_valid] ([T]) of row c.row's prompt at positions c.start + j into its
+    own segment, reading pool slot c.group below c.limit (group < 0: no prefix); c.fresh: the
+    row's first chunk (its segment is emptied first). Picks the row's first token from the
+    chunk's last logits (meaningful after the prompt's last chunk). Returns (first token [],
+    logits [V], depth states [n_pre + loops, D], state)."""
+    i = c.row
+    o = row(state.own, i)
+    o = o.replace(pos=jnp.where(c.fresh, -1, o.pos), length=jnp.where(c.fresh, c.start, o.length))
+    slot = pool_slot(state.pool, slot_len, jnp.maximum(c.group, 0))
+    slot = slot.replace(pos=jnp.where((c.group >= 0) & (slot.pos < c.limit), slot.pos, -1))
+    run = tf.run_layers(params, cfg, tf.embed(params, c.tokens, c.start), c.n_valid, c.start, (slot,), o, loops, 0,
                         keep_states=True, exit=exit)
-    logits = tf.last_logits(params, cfg, run.exit_x, n_valid)
-    tok = select_tokens(logits[None], prompt_seen[None], req, jnp.int32(0))[0]
-    seen = jax.lax.dynamic_update_index_in_dim(seen, prompt_seen, i, axis=0)
-    return tok, logits, run.states, set_row(own, i, run.own), seen
+    logits = tf.last_logits(params, cfg, run.exit_x, c.n_valid)
+    tok = select_tokens(logits[None], c.prompt_seen[None], c.req, jnp.int32(0))[0]
+    state = _first_token(state.replace(own=set_row(state.own, i, run.own)), c, tok)
+    return tok, logits, run.states, state
 
 
 def put_slot(pool: KVCache, g: jax.Array, seg: KVCache, slot_len: int) -> KVCache:
@@ -141,20 +200,20 @@ def load_slot(params: Params, cfg: ModelConfig, pool: KVCache, g: jax.Array, src
     return put_slot(pool, g, seg, slot_len)
 
 
-@partial(jax.jit, static_argnames=("cfg", "loops", "slot_len"), donate_argnames=("pool", "seen"))
-def prefill_slot(params: Params, cfg: ModelConfig, pool: KVCache, seen: jax.Array, i: jax.Array, g: jax.Array,
-                 tokens: jax.Array, n_valid: jax.Array, start: jax.Array, prompt_seen: jax.Array, req: Request,
-                 loops: int, slot_len: int, exit: tf.Exit | None = None):
-    """A chunk of row i's prompt written into pool slot g (which holds positions < start): a
-    long prompt becomes a pooled prefix as it is prefilled, and the row's own segment holds
-    only what it generates. Returns (first token [], logits [V], depth states, pool, seen)."""
-    slot = pool_slot(pool, slot_len, g).replace(length=start)
-    run = tf.run_layers(params, cfg, tf.embed(params, tokens, start), n_valid, start, (), slot, loops, 0,
+@partial(jax.jit, static_argnames=("cfg", "loops", "slot_len"), donate_argnames=("state",))
+def prefill_slot(params: Params, cfg: ModelConfig, state: BatchState, c: Chunk, loops: int, slot_len: int,
+                 exit: tf.Exit | None = None):
+    """A chunk of row c.row's prompt written into pool slot c.group (which holds positions <
+    c.start): a long prompt becomes a pooled prefix as it is prefilled, and the row's own
+    segment holds only what it generates. Returns (first token [], logits [V], depth states,
+    state)."""
+    slot = pool_slot(state.pool, slot_len, c.group).replace(length=c.start)
+    run = tf.run_layers(params, cfg, tf.embed(params, c.tokens, c.start), c.n_valid, c.start, (), slot, loops, 0,
                         keep_states=True, exit=exit)
-    logits = tf.last_logits(params, cfg, run.exit_x, n_valid)
-    tok = select_tokens(logits[None], prompt_seen[None], req, jnp.int32(0))[0]
-    seen = jax.lax.dynamic_update_index_in_dim(seen, prompt_seen, i, axis=0)
-    return tok, logits, run.states, put_slot(pool, g, run.own, slot_len), seen
+    logits = tf.last_logits(params, cfg, run.exit_x, c.n_valid)
+    tok = select_tokens(logits[None], c.prompt_seen[None], c.req, jnp.int32(0))[0]
+    state = _first_token(state.replace(pool=put_slot(state.pool, c.group, run.own, slot_len)), c, tok)
+    return tok, logits, run.states, state
 
 
 @partial(jax.jit, static_argnames=("capacity", "slot_len"))
@@ -164,10 +223,11 @@ def slot_prefix(pool: KVCache, g: jax.Array, n: jax.Array, capacity: int, slot_l
     return copy_prefix(pool_slot(pool, slot_len, g), n, capacity=capacity, passes=pool.passes)
 
 
-@partial(jax.jit, donate_argnames=("own",))
-def reset_row(own: KVCache, i: jax.Array, start: jax.Array) -> KVCache:
+@partial(jax.jit, donate_argnames=("state",))
+def reset_row(state: BatchState, i: jax.Array, start: jax.Array) -> BatchState:
     """Row i's own segment emptied, its next position `start`."""
-    return own.replace(pos=own.pos.at[i].set(-1), length=own.length.at[i].set(start))
+    own = state.own
+    return state.replace(own=own.replace(pos=own.pos.at[i].set(-1), length=own.length.at[i].set(start)))
 
 
 def reslot(o: KVCache, capacity: int) -> KVCache:
@@ -186,8 +246,14 @@ def reslot(o: KVCache, capacity: int) -> KVCache:
 
 
 @partial(jax.jit, static_argnames=("capacity",))
-def reshape_rows(own: KVCache, seen: jax.Array, idx: jax.Array, capacity: int):
-    """The batch as rows idx [B'] (a batch grown or compacted; an index past the end gives a row
-    that is reset before use), each moved to `capacity` slots."""
-    own, seen = jax.tree.map(lambda a: jnp.take(a, idx, axis=0, mode="clip"), (own, seen))
-    return jax.vmap(lambda o: reslot(o, capacity))(own), seen
+def _take_rows(rows: tuple, idx: jax.Array, capacity: int) -> tuple:
+    own, *rest = jax.tree.map(lambda a: jnp.take(a, idx, axis=0, mode="clip"), rows)
+    return (jax.vmap(lambda o: reslot(o, capacity))(own), *rest)
+
+
+def reshape_rows(state: BatchState, idx: jax.Array, capacity: int) -> BatchState:
+    """The batch as rows idx [B'] (a batch grown or compacted; an index past the end gives a
+    row that is reset before use), each moved to `capacity` slots. The pool is left as it is
+    (rows change shape, so nothing is donated)."""
+    own, seen, last, req = _take_rows((state.own, state.seen, state.last, state.req), idx, capacity=capacity)
+    return state.replace(own=own, seen=seen, last=last, req=req)

@@ -1,0 +1,177 @@
+"""What a caller holds: a submitted request's `Handle` (blocking, streaming and asyncio faces),
+its knobs (`Sampling`), and the errors a request ends with. The engine's loop thread fills a
+handle (`emit`, `finish`); any thread reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ..decoding.sampling import Request
+
+
+class QueueFull(RuntimeError):
+    """`submit` when the engine's queue is full (the server's HTTP 429)."""
+
+
+class RequestTimeout(RuntimeError):
+    """A request that passed its deadline (`timeout`)."""
+
+
+class Cancelled(RuntimeError):
+    """`result()` of a cancelled request."""
+
+
+@dataclass
+class Sampling:
+    """One request's knobs (checked by `validation`, as `generate` checks them)."""
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+    seed: int
+    stops: list  # token-id lists
+    loops: int
+
+    def request(self) -> Request:
+        """These knobs as one `Request` row [1] for the device (stops are checked on the host)."""
+        return Request.make(1, self.temperature, self.top_k, self.top_p, self.repetition_penalty, seeds=self.seed,
+                            max_tokens=self.max_tokens)
+
+
+class Handle:
+    """A submitted request. `result()` blocks for prompt + emitted tokens (what `generate`
+    returns); `stream()` yields emitted token ids as they come; `cancel()` frees its row.
+    `aresult()` / `astream()` are the same for asyncio code."""
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt: np.ndarray, sampling: Sampling, deadline: float | None,
+                 on_cancel: Callable[["Handle"], None] = lambda h: None):
+        self.id = next(Handle._ids)
+        self.prompt, self.sampling, self.deadline = prompt, sampling, deadline
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "timeout" | "error"
+        self.stop_matched: list[int] | None = None  # the stop sequence that ended it
+        self.error: BaseException | None = None
+        self.submitted = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self.prefix_tokens = 0  # prompt tokens read from a cached prefix
+        self._on_cancel = on_cancel  # the engine frees a queued request's place at once
+        self.cancel_requested = False
+        self._cv = threading.Condition()
+        self._wakers: list = []
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def cancel(self) -> None:
+        """Stop generating; the row is freed before the next step. No effect once done."""
+        self.cancel_requested = True
+        self._on_cancel(self)
+
+    def overdue(self, now: float) -> tuple[str, BaseException] | None:
+        """(finish reason, error) if the request must leave now (cancelled, or past its
+        deadline at time `now`, a `time.perf_counter()` reading), else None."""
+        if self.cancel_requested:
+            return "cancelled", Cancelled(f"request {self.id} was cancelled")
+        if self.deadline is not None and now > self.deadline:
+            return "timeout", RequestTimeout(f"request {self.id} passed its deadline "
+                                             f"({self.deadline - self.submitted:.3g} s)")
+        return None
+
+    # engine side
+    def emit(self, tok: int) -> None:
+        """The engine emitted `tok` for this request (wakes its readers)."""
+        with self._cv:
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+            self.tokens.append(tok)
+            self._cv.notify_all()
+            wakers = list(self._wakers)
+        for w in wakers:
+            w()
+
+    def finish(self, reason: str, error: BaseException | None = None) -> None:
+        """The request ended (`finish_reason`; error: what `result()` raises). Only the first
+        call counts."""
+        with self._cv:
+            if self.finish_reason is not None:
+                return
+            self.finish_reason, self.error = reason, error
+            self.finished_at = time.perf_counter()
+            self._cv.notify_all()
+            wakers = list(self._wakers)
+        for w in wakers:
+            w()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    # caller side
+    def result(self, timeout: float | None = None) -> list[int]:
+        """prompt + emitted tokens; raises the request's error (Cancelled, RequestTimeout, ...)."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self.done, timeout):
+                raise TimeoutError(f"request {self.id} is still running after {timeout} s")
+        self._raise()
+        return self.prompt.tolist() + list(self.tokens)
+
+    def stream(self):
+        """Emitted token ids as they come; ends when the request ends (raising its error, if any,
+        except a cancel)."""
+        i = 0
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: len(self.tokens) > i or self.done)
+                new, done = self.tokens[i:], self.done
+            i += len(new)
+            yield from new
+            if done and i == len(self.tokens):
+                if not isinstance(self.error, Cancelled):
+                    self._raise()
+                return
+
+    async def astream(self):
+        """`stream()` for asyncio: never blocks the event loop."""
+        loop, event = asyncio.get_running_loop(), asyncio.Event()
+
+        def wake():
+            loop.call_soon_threadsafe(event.set)
+
+        with self._cv:
+            self._wakers.append(wake)
+        try:
+            i = 0
+            while True:
+                with self._cv:
+                    event.clear()
+                    new, done = self.tokens[i:], self.done
+                i += len(new)
+                for t in new:
+                    yield t
+                if done and i == len(self.tokens):
+                    if not isinstance(self.error, Cancelled):
+                        self._raise()
+                    return
+                if not new:
+                    await event.wait()
+        finally:
+            with self._cv:
+                self._wakers.remove(wake)
+
+    async def aresult(self) -> list[int]:
+        async for _ in self.astream():
+            pass
+        return self.result()

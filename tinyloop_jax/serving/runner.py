@@ -1,0 +1,164 @@
+"""`Runner`: the engine API the serving loop drives — each call runs one device program over a
+lane's `BatchState` and puts the new state back (`lane.state`), so the driver (`engine.Engine`)
+keeps the threads, queues and bookkeeping and never touches an array. It also knows which
+programs it has run (one per shape key), so warmup can compile them all and serving can count
+what it compiled later.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import programs as P
+from .lane import Lane, Limits, batch_buckets, slot_buckets
+from ..api import functional as F
+from ..api.prefix import PrefixCache
+from ..decoding.sampling import Request
+from ..model.kv_modes import KVMode
+from ..model.cache import KVCache
+
+
+class Runner:
+    """Device programs for the lanes of one engine (one model, one set of `Limits`).
+
+    work_mode: the K/V storage of the pool and the rows (the model's mode; float32 for h modes,
+    whose K/V are rebuilt from h when a store entry is loaded into a slot)."""
+
+    def __init__(self, weights, limits: Limits, work_mode: KVMode):
+        self.weights, self.limits, self.work_mode = weights, limits, work_mode
+        self.programs: set = set()  # shape keys of the programs run: ("decode", loops, B, Co, S), ...
+        self.warm = False
+        self.compiles_after_warmup = 0
+
+    def _count(self, *key) -> None:
+        if key not in self.programs:
+            self.programs.add(key)
+            if self.warm:
+                self.compiles_after_warmup += 1
+
+    # ---- buffers ---------------------------------------------------------------------------------
+
+    def empty_state(self, loops: int) -> P.BatchState:
+        """A lane's state with an empty pool and no rows."""
+        lim = self.limits
+        return P.BatchState(pool=F.empty_cache(self.weights, lim.prefix_capacity * lim.slots, loops,
+                                               kv_mode=self.work_mode))
+
+    def reshape(self, lane: Lane, size: int, cap: int) -> None:
+        """The lane's rows as `size` rows (a batch bucket) of `cap` positions, keeping the rows in
+        use (at their indices); allocated if the lane has none."""
+        s, V = lane.state, self.weights.config.vocab_size
+        if s.own is None:
+            lane.state = s.replace(own=F.empty_cache(self.weights, cap, lane.loops, kv_mode=self.work_mode, batch=size),
+                                   seen=jnp.zeros((size, V), bool), last=jnp.zeros((size,), jnp.int32),
+                                   req=jax.tree.map(jnp.asarray, Request.make(size, 0.0, 0, 1.0, 1.0, max_tokens=1)))
+        elif (size, cap) != (lane.size, lane.cap):
+            self._count("reshape", lane.loops, lane.size, lane.cap, size, cap)
+            idx = jnp.asarray(np.minimum(np.arange(size), lane.size - 1), jnp.int32)
+            lane.state = P.reshape_rows(s, idx, capacity=cap)
+        lane.size, lane.cap = size, cap
+
+    def release_rows(self, lane: Lane) -> None:
+        """Free the lane's row buffers (it has no rows); the pool stays."""
+        lane.state = lane.state.replace(own=None, seen=None, last=None, req=None)
+        lane.size = lane.cap = 0
+
+    def lost(self, lane: Lane) -> bool:
+        """Whether a failed program took the lane's buffers with it (donated, then not returned)."""
+        return lane.state.own is None or any(a.is_deleted() for a in jax.tree.leaves(lane.state))
+
+    def recover(self, lane: Lane) -> bool:
+        """After a failed step: the rows' buffers released, and a pool that was lost made anew
+        (returns True: the caller's record of the slots must be emptied too)."""
+        self.release_rows(lane)
+        if any(a.is_deleted() for a in jax.tree.leaves(lane.state.pool)):
+            lane.state = self.empty_state(lane.loops)
+            return True
+        return False
+
+    # ---- the pool --------------------------------------------------------------------------------
+
+    def load(self, lane: Lane, g: int, source, n: int) -> None:
+        """Pool slot g <- the first n positions of `source` (a store entry, or -1 / None: the slot
+        emptied; an int: another pool slot)."""
+        w, cp = self.weights, self.limits.prefix_capacity
+        pool = lane.state.pool
+        if isinstance(source, PrefixCache) and n > 0:
+            src, mat = source.cache, self.work_mode != w.config.storage
+        else:  # empty the slot, or copy from a slot that holds a prefix already in working form
+            slot = max(source if isinstance(source, int) else g, 0)
+            src, mat, n = P.pool_slot(pool, cp, jnp.int32(slot)), False, n if isinstance(source, int) else 0
+        self._count("load", lane.loops, src.capacity, mat)
+        pool = P.load_slot(w.params, w.config, pool, jnp.int32(g), src, jnp.int32(min(n, cp)), passes=lane.loops,
+                           materialize=mat, slot_len=cp)
+        lane.state = lane.state.replace(pool=pool)
+
+    def extract(self, lane: Lane, g: int, n: int, capacity: int) -> KVCache:
+        """Pool slot g's first n positions as a segment of `capacity` slots (a copy, for the store)."""
+        self._count("extract", lane.loops, capacity)
+        return P.slot_prefix(lane.state.pool, jnp.int32(g), jnp.int32(n), capacity=capacity,
+                             slot_len=self.limits.prefix_capacity)
+
+    # ---- steps -----------------------------------------------------------------------------------
+
+    def prefill(self, lane: Lane, chunk: P.Chunk, into_slot: bool):
+        """One prompt chunk (into the row's own segment, or into its pool slot: `into_slot`).
+        Returns (first token [], logits [V], depth states)."""
+        w, t = self.weights, chunk.tokens.shape[0]
+        if into_slot:
+            self._count("prefill_slot", lane.loops, lane.size, t)
+            program = P.prefill_slot
+        else:
+            self._count("prefill", lane.loops, lane.size, lane.cap, t)
+            program = P.prefill_chunk
+        tok, logits, states, lane.state = program(w.params, w.config, lane.state, chunk, loops=lane.loops,
+                                                  slot_len=self.limits.prefix_capacity, exit=lane.exit)
+        return tok, logits, states
+
+    def reset_row(self, lane: Lane, i: int, start: int) -> None:
+        """Row i's own segment emptied, its next position `start`."""
+        self._count("reset", lane.size, lane.cap)
+        lane.state = P.reset_row(lane.state, jnp.int32(i), jnp.int32(start))
+
+    def decode(self, lane: Lane, rows: P.DecodeRows) -> np.ndarray:
+        """One decode step of the lane's batch: the next token of every row [B] (active rows')."""
+        w = self.weights
+        self._count("decode", lane.loops, lane.size, lane.cap, len(rows.slot_ids))
+        tok, lane.state = P.decode_step(w.params, w.config, lane.state, rows, loops=lane.loops,
+                                        slot_len=self.limits.prefix_capacity, exit=lane.exit)
+        return np.asarray(tok)
+
+    # ---- warmup ----------------------------------------------------------------------------------
+
+    def warmup(self, lane: Lane, insert_prompts: bool) -> None:
+        """Run every program a lane of no rows will need (each batch bucket, chunk size and slot
+        count, each store-entry capacity), so serving compiles nothing later."""
+        lim, V = self.limits, self.weights.config.vocab_size
+        cap = lim.row_capacity
+        self.release_rows(lane)
+        for size in batch_buckets(lim.max_batch):  # grown as serving grows it (the growth copies too)
+            self.reshape(lane, size, cap)
+            req = Request.make(1, 0.0, 0, 1.0, 1.0, max_tokens=1)
+            for t in lim.chunk_sizes:
+                tokens, no_seen = np.zeros((t,), np.int32), np.zeros((V,), bool)
+                self.prefill(lane, P.Chunk.make(0, tokens, 1, 0, True, -1, 0, no_seen, req), into_slot=False)
+                self.prefill(lane, P.Chunk.make(0, tokens, 1, 0, False, 0, 0, no_seen, req), into_slot=True)
+            zeros = np.zeros((size,), np.int32)
+            for n in sorted({slot_buckets(lim.slots, n) for n in range(1, lim.slots + 1)}):
+                self.decode(lane, P.DecodeRows(np.zeros((n,), np.int32), zeros, zeros, np.zeros((size,), bool), zeros))
+            self.reset_row(lane, 0, 0)
+            jax.block_until_ready(lane.state)
+        self.release_rows(lane)
+        self.load(lane, 0, None, 0)  # (the slot warmup wrote into; also the slot-to-slot copy)
+        cap = 16
+        while cap <= lim.prefix_capacity:  # the store entries the engine makes, and their loads
+            seg = self.extract(lane, 0, 0, cap)
+            if insert_prompts:
+                self._count("load", lane.loops, cap, False)
+                pool = P.load_slot(self.weights.params, self.weights.config, lane.state.pool, jnp.int32(0), seg,
+                                   jnp.int32(0), passes=lane.loops, materialize=False, slot_len=lim.prefix_capacity)
+                lane.state = lane.state.replace(pool=pool)
+            cap *= 2
+        self.warm = True
