@@ -2,7 +2,8 @@
 
 from .api import functional
 from .model.cache import KVCache
-from .model.config import KV_MODES, ModelConfig
+from .model.config import ModelConfig
+from .model.kv_modes import KV_MODES
 from .model.params import Weights
 from .api.prefix import PrefixCache
 from .api.runtime import Model, ResumeHandle

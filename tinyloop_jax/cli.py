@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from .model.config import KV_MODES
+from .model.kv_modes import KV_MODES
 
 BUNDLED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "tinyloop-pydoc")
 
