@@ -38,7 +38,7 @@ def matmul_floor(params, n_layers: int = 12) -> float:
     """Seconds for just the decode step's weight GEMVs (every block matrix + the LM head), jitted
     as one program: the floor for a step with all the attention, norms and sampling removed."""
     blocks = (list(params.pre) + list(params.loop) * n_layers)[:n_layers]  # the blocks a step runs, in order
-    mats = [m for b in blocks for m in (b.w_qkv, b.w_o, b.w_fc, b.w_proj)]
+    mats = [m.reshape(m.shape[0], -1) for b in blocks for m in (b.w_qkv, b.w_o, b.w_fc, b.w_proj)]
 
     @jax.jit
     def chain(x, mats, wte):

@@ -63,7 +63,7 @@ def weights(cfg, mesh):
     shapes = param_shapes(cfg)
     dt = cfg.compute_dtype
     single = jax.tree.map(lambda s: jax.ShapeDtypeStruct(tuple(s), dt), shapes, is_leaf=lambda x: isinstance(x, Shape))
-    layout = jax.eval_shape(lambda p: sharding.mesh_layout(p, cfg), single)
+    layout = jax.eval_shape(lambda p: sharding.pad_vocab(p, cfg, mesh), single)
     specs = sharding.param_specs(layout, cfg, mesh)
     return jax.tree.map(lambda a, s: abstract(a.shape, a.dtype, s, mesh), layout, specs)
 

@@ -34,7 +34,7 @@ def forward(params, n_heads, tokens, loops, window=0, kv_dtype=np.float32):
         D = x.shape[1]
         hd = D // n_heads
         h = _ln(x, b["ln1_g"], b["ln1_b"])
-        qkv = h @ b["w_qkv"] + b["b_qkv"]
+        qkv = h @ b["w_qkv"].reshape(D, 3 * D) + b["b_qkv"].reshape(3 * D)  # [D, 3, H, hd]: q | k | v
         q, k, v = (qkv[:, s * D:(s + 1) * D].reshape(T, n_heads, hd).transpose(1, 0, 2) for s in range(3))
         k = k.astype(kv_dtype).astype(np.float64)
         v = v.astype(kv_dtype).astype(np.float64)

@@ -83,3 +83,53 @@ def test_checkpoints_from_before_the_llama_family_load_unchanged():
     assert gpt2.fingerprint == "02f3a81697244ad90228af1a31f9415c91ec312ba378d166fb21d17729c13db6"
     q = list(range(5, 40, 3))
     assert gpt2.generate(q, max_tokens=12)[len(q):] == [446, 520, 520, 520, 520, 520, 520, 520, 895, 245, 245, 245]
+
+
+LLAMA = tl.ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, intermediate_size=40, n_pre_blocks=1,
+                       default_loops=2, max_seq_len=64, block="llama", attention_bias=True, kv_mode="fp32")
+
+
+def test_flat_fused_columns_are_the_head_shaped_projection():
+    """Layout 1's flat w_qkv / b_qkv columns (q heads, then k heads, then v heads, each head's hd
+    contiguous, as Hugging Face's q|k|v_proj) project to the q, k, v that the head-shaped
+    weights give, and its gate | up columns to the gate and up halves."""
+    import jax.numpy as jnp
+    from tinyloop_jax.model import transformer
+    from tinyloop_jax.model.params import to_flat_layout
+
+    c, H, KV, hd = LLAMA, LLAMA.n_heads, LLAMA.n_kv_heads, LLAMA.head_dim
+    blk = tl.Model.random(c, seed=3).weights.params.loop[0]
+    x, pos = np.random.default_rng(0).normal(size=(5, c.d_model)).astype(np.float32), jnp.arange(5)
+    h, q, k, v = transformer.qkv_heads(jnp.asarray(x), blk, c, pos)
+    wf, bf = (to_flat_layout(n, np.asarray(getattr(blk, n)), c) for n in ("w_qkv", "b_qkv"))
+    y = np.asarray(h) @ wf + bf
+    heads = lambda a, n: a.reshape(5, n, hd).transpose(1, 0, 2)  # noqa: E731
+    qf, kf, vf = heads(y[:, :H * hd], H), heads(y[:, H * hd:(H + KV) * hd], KV), heads(y[:, (H + KV) * hd:], KV)
+    for got, want in ((q, transformer.rope(qf, pos, c.rope_theta)), (k, transformer.rope(kf, pos, c.rope_theta)),
+                      (v, vf)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    gu = to_flat_layout("w_gate_up", np.asarray(blk.w_gate_up), c)
+    F = c.intermediate_size
+    np.testing.assert_array_equal(gu[:, :F], blk.w_gate_up[:, 0])
+    np.testing.assert_array_equal(gu[:, F:], blk.w_gate_up[:, 1])
+
+
+def test_layout_1_checkpoints_load_as_the_same_model(tmp_path):
+    """A model checkpoint without a recorded weight layout (every one saved before head-shaped
+    weights) holds the fused projections flat; it loads as the same model (fingerprint and
+    logits), and a layout this version does not know is refused."""
+    from tinyloop_jax.formats import checkpoint
+    from tinyloop_jax.model.params import host_leaves, to_flat_layout
+
+    model = tl.Model.random(LLAMA, seed=3)
+    w = model.weights
+    flat = {n: to_flat_layout(n, a, w.config) for n, a in host_leaves(w.params, w.config)}
+    assert flat["loop.0.w_qkv"].shape == (32, (4 + 2 * 2) * 8) and flat["loop.0.w_gate_up"].shape == (32, 80)
+    checkpoint.save(tmp_path / "old", "model", flat, {"config": w.config.to_dict()})
+    old = tl.Model.load(tmp_path / "old")
+    assert old.fingerprint == model.fingerprint
+    p = prompt_of(9, vocab=64)
+    np.testing.assert_array_equal(old.next_token_logits(p), model.next_token_logits(p))
+    checkpoint.save(tmp_path / "new", "model", flat, {"config": w.config.to_dict(), "layout": 3})
+    with pytest.raises(ValueError, match="layout 3"):
+        tl.Model.load(tmp_path / "new")

@@ -22,7 +22,7 @@ from . import functional as F
 from . import validation as check
 from ..model.config import ModelConfig, check_kv_mode
 from ..decoding.programs import DecodeState
-from ..model.params import Params, Weights, check_shapes, random_params, unflatten
+from ..model.params import Params, Weights, check_shapes, random_params
 from .prefix import PrefixCache
 from ..model.transformer import Exit
 
@@ -39,7 +39,7 @@ class Model:
     """
 
     def __init__(self, params: Params, config: ModelConfig, mesh=None):
-        """params in the single-device layout; with `mesh` (a ('data', 'model') Mesh, see
+        """params shaped as `param_shapes(config)`; with `mesh` (a ('data', 'model') Mesh, see
         `sharding`) they are placed on it and every call runs on it."""
         check_shapes(params, config)
         dt = config.compute_dtype
@@ -78,17 +78,14 @@ class Model:
     def load(cls, path: str, kv_mode: str | None = None, mesh=None) -> "Model":
         """Load weights + config saved by `save`; `kv_mode` overrides the saved mode; `mesh`
         places them on a ('data', 'model') mesh."""
-        arrays, meta = checkpoint.load(path, "model")
-        config = ModelConfig.from_dict(meta["config"])
+        params, config = checkpoint.load_model(path)
         if kv_mode is not None:
             config = config.replace(kv_mode=check_kv_mode(kv_mode))
-        return cls(unflatten(arrays, config), config, mesh)
+        return cls(params, config, mesh)
 
     def save(self, path: str) -> None:
         """Write weights (keyed by tree path) and config to a new folder (orbax), atomically."""
-        w = self.weights
-        params = w.params if w.config.mesh is None else sharding.single_layout(w.params, w.config)
-        checkpoint.save(path, "model", checkpoint.flatten(params), {"config": w.config.to_dict()})
+        checkpoint.save_model(path, self.weights.params, self.weights.config)
 
     def close(self) -> None:
         """Release the weights; every later call raises RuntimeError. (Prefixes built by this

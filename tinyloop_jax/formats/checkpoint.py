@@ -8,6 +8,9 @@ A save goes to a temporary sibling folder and is renamed into place only when co
 a failed save leaves nothing half-written. A load checks the kind, that every array is
 present with the recorded shape/dtype, and every digest: a truncated, corrupted or foreign
 folder is an error, never a wrong result.
+
+A model's record also holds its config and weight layout (`params.LAYOUT`); a model saved
+before layouts were recorded holds layout 1 and is converted on load (`load_model`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import tempfile
 import numpy as np
 import orbax.checkpoint as ocp
 
-from ..model.params import named_leaves
+from ..model.config import ModelConfig
+from ..model.params import LAYOUT, Params, from_flat_layout, host_leaves, named_leaves, unflatten
 
 FORMAT = 1
 META_FILE = "tinyloop.json"
@@ -96,3 +100,22 @@ def load(path: str, kind: str) -> tuple[dict[str, np.ndarray], dict]:
 def flatten(tree) -> dict[str, np.ndarray]:
     """A pytree of arrays (dicts, lists, dataclasses) -> {"a.0.k": np.ndarray}, keyed by tree path."""
     return {k: np.asarray(v) for k, v in named_leaves(tree).items()}
+
+
+def save_model(path: str, params: Params, config: ModelConfig) -> None:
+    """A model's weights (keyed by tree path; on the host, without a mesh's padding, see
+    `params.host_leaves`), config and weight layout, as a "model" checkpoint."""
+    save(path, "model", dict(host_leaves(params, config)), {"config": config.to_dict(), "layout": LAYOUT})
+
+
+def load_model(path: str) -> tuple[Params, ModelConfig]:
+    """A "model" checkpoint -> (Params in this layout, ModelConfig); layout 1 (a checkpoint
+    without a recorded layout) is converted with `params.from_flat_layout`."""
+    arrays, meta = load(path, "model")
+    config = ModelConfig.from_dict(meta["config"])
+    layout = meta.get("layout", 1)
+    if layout not in (1, LAYOUT):
+        raise ValueError(f"{path} has weight layout {layout!r}; this version reads layouts 1 and {LAYOUT}")
+    if layout == 1:
+        arrays = {name: from_flat_layout(name, a, config) for name, a in arrays.items()}
+    return unflatten(arrays, config), config

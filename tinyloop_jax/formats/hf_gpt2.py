@@ -2,10 +2,10 @@
 
 A k-layer GPT-2 is a TinyLoop model with n_pre_blocks = k - 1 and the last layer as the loop
 block, run once (default_loops = 1). Hugging Face's `Conv1D` stores weights as [in, out], like
-ours, so every tensor maps one to one:
+ours, so every tensor maps one to one (c_attn's q | k | v columns viewed [D, 3, H, hd]):
 
     wte.weight [V, D] -> wte        h.{i}.ln_1.{weight,bias}     -> ln1_g, ln1_b
-    wpe.weight [S, D] -> wpe        h.{i}.attn.c_attn.{weight,bias} [D, 3D] -> w_qkv, b_qkv
+    wpe.weight [S, D] -> wpe        h.{i}.attn.c_attn.{weight,bias} [D, 3D] -> w_qkv, b_qkv (head-shaped)
     ln_f.{weight,bias} -> lnf_*     h.{i}.attn.c_proj.{weight,bias} [D, D]  -> w_o, b_o
                                     h.{i}.ln_2.{weight,bias}     -> ln2_g, ln2_b
                                     h.{i}.mlp.c_fc.{weight,bias} [D, F]     -> w_fc, b_fc
@@ -23,7 +23,7 @@ import os
 import numpy as np
 
 from ..model.config import ModelConfig
-from ..model.params import BlockParams, Params
+from ..model.params import BlockParams, Params, from_flat_layout
 from .safetensors_io import Tensors
 
 _BLOCK = {  # our field -> (HF name inside h.{i}., shape as a function of (D, F))
@@ -82,8 +82,8 @@ def load(path: str, kv_mode: str | None = None) -> tuple[Params, ModelConfig]:
     D, F = cfg.d_model, cfg.intermediate_size
     take = lambda name, shape: np.asarray(tensors.take(name, shape, np.float32))  # noqa: E731
 
-    blocks = [BlockParams(**{f: take(f"h.{i}.{hf}", shape(D, F)) for f, (hf, shape) in _BLOCK.items()})
-              for i in range(cfg.n_pre_blocks + 1)]
+    blocks = [BlockParams(**{f: from_flat_layout(f, take(f"h.{i}.{hf}", shape(D, F)), cfg)
+                             for f, (hf, shape) in _BLOCK.items()}) for i in range(cfg.n_pre_blocks + 1)]
     wte = take("wte.weight", (cfg.vocab_size, D))
     params = Params(wte=wte, wpe=take("wpe.weight", (cfg.max_seq_len, D)), pre=tuple(blocks[:-1]),
                     loop=(blocks[-1],), lnf_g=take("ln_f.weight", (D,)), lnf_b=take("ln_f.bias", (D,)))

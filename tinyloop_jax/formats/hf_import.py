@@ -8,11 +8,11 @@ sandwich norms, the final norm after every pass, and the early-exit gate. Tensor
 
     model.embed_tokens.weight [V, D]                       -> wte
     model.layers.{i}.input_layernorm.weight               -> attn_norm
-    model.layers.{i}.self_attn.{q,k,v}_proj.{weight,bias} -> w_qkv (q | k | v), b_qkv
+    model.layers.{i}.self_attn.{q,k,v}_proj.{weight,bias} -> w_qkv, b_qkv [.., KV, G + 2, hd] (`fuse_qkv`)
     model.layers.{i}.self_attn.o_proj.weight              -> w_o
     model.layers.{i}.input_layernorm_2.weight             -> attn_out_norm      (ouro)
     model.layers.{i}.post_attention_layernorm.weight      -> mlp_norm
-    model.layers.{i}.mlp.{gate,up}_proj.weight            -> w_gate_up (gate | up)
+    model.layers.{i}.mlp.{gate,up}_proj.weight            -> w_gate_up [D, 2, F] (gate | up)
     model.layers.{i}.mlp.down_proj.weight                 -> w_down
     model.layers.{i}.post_attention_layernorm_2.weight    -> mlp_out_norm       (ouro)
     model.norm.weight -> lnf_g      lm_head.weight -> head (untied)
@@ -34,7 +34,7 @@ import numpy as np
 
 from . import hf_gpt2
 from ..model.config import ModelConfig
-from ..model.params import LlamaBlock, Params
+from ..model.params import LlamaBlock, Params, fuse_qkv
 from .safetensors_io import Tensors
 
 MODEL_TYPES = ("gpt2", "llama", "ouro")
@@ -109,14 +109,14 @@ def load_llama(path: str, cfg: ModelConfig, tensors: Tensors) -> Params:
         p = f"model.layers.{i}."
         lin = lambda n, o, inn: tensors.take(p + n + ".weight", (o, inn), dt, transpose=True)  # noqa: E731
         vec = lambda n, k: tensors.take(p + n, (k,), dt)  # noqa: E731
-        qkv = jnp.concatenate([lin("self_attn.q_proj", qd, D), lin("self_attn.k_proj", kd, D),
-                               lin("self_attn.v_proj", kd, D)], axis=1)
+        qkv = fuse_qkv(lin("self_attn.q_proj", qd, D), lin("self_attn.k_proj", kd, D), lin("self_attn.v_proj", kd, D),
+                       cfg)
         bias = None
         if cfg.attention_bias:
-            bias = jnp.concatenate([vec(f"self_attn.{n}_proj.bias", k) for n, k in (("q", qd), ("k", kd), ("v", kd))])
+            bias = fuse_qkv(*(vec(f"self_attn.{n}_proj.bias", k) for n, k in (("q", qd), ("k", kd), ("v", kd))), cfg)
         return LlamaBlock(attn_norm=vec("input_layernorm.weight", D), w_qkv=qkv, w_o=lin("self_attn.o_proj", D, qd),
                           mlp_norm=vec("post_attention_layernorm.weight", D),
-                          w_gate_up=jnp.concatenate([lin("mlp.gate_proj", F, D), lin("mlp.up_proj", F, D)], axis=1),
+                          w_gate_up=jnp.stack([lin("mlp.gate_proj", F, D), lin("mlp.up_proj", F, D)], axis=1),
                           w_down=lin("mlp.down_proj", D, F), b_qkv=bias,
                           attn_out_norm=vec("input_layernorm_2.weight", D) if ouro else None,
                           mlp_out_norm=vec("post_attention_layernorm_2.weight", D) if ouro else None)

@@ -9,6 +9,17 @@ transposed on import):
     post[i]: BlockParams | LlamaBlock         i < n_post_blocks: the coda, each run once
     lnf_g, lnf_b [D] (b: LayerNorm only)     the final norm
     gate_w [D], gate_b []                     Ouro's early-exit gate (when the model has one)
+
+The fused projections are head-shaped, so that a slice along a head axis holds whole heads
+(a mesh only places them, see `sharding`):
+
+    gpt2   w_qkv [D, 3, H, hd] (q | k | v)         b_qkv [3, H, hd]
+    llama  w_qkv [D, KV, G + 2, hd]                b_qkv [KV, G + 2, hd]   (G = H / KV: each KV
+           head's G query heads, then its k and v)  w_gate_up [D, 2, F] (gate | up)
+
+Checkpoints record this as weight layout `LAYOUT` = 2. Layout 1 (before it) held them flat
+(w_qkv [D, (H + 2 KV) hd] as q | k | v, w_gate_up [D, 2F]) and is converted on load
+(`from_flat_layout`); fingerprints hash layout 1 (`to_flat_layout`), so they do not change.
 """
 
 from __future__ import annotations
@@ -24,13 +35,15 @@ from flax import struct
 
 from .config import ModelConfig
 
+LAYOUT = 2  # the weight layout checkpoints record (1: flat fused projections, converted on load)
+
 
 @struct.dataclass
 class BlockParams:
     ln1_g: jax.Array  # [D]
     ln1_b: jax.Array  # [D]
-    w_qkv: jax.Array  # [D, 3D]  (q | k | v, heads contiguous inside each)
-    b_qkv: jax.Array  # [3D]
+    w_qkv: jax.Array  # [D, 3, H, hd]  (q | k | v)
+    b_qkv: jax.Array  # [3, H, hd]
     w_o: jax.Array  # [D, D]
     b_o: jax.Array  # [D]
     ln2_g: jax.Array  # [D]
@@ -43,15 +56,16 @@ class BlockParams:
 
 @struct.dataclass
 class LlamaBlock:
-    """A Llama-family block: RMSNorm weights, fused q|k|v (q: H*hd, k and v: KV*hd each),
-    fused gate|up (F each). `attn_out_norm` / `mlp_out_norm`: the sandwich's output norms."""
+    """A Llama-family block: RMSNorm weights, fused q|k|v grouped by KV head (each KV head's G
+    query heads, then its k and v), fused gate|up. `attn_out_norm` / `mlp_out_norm`: the
+    sandwich's output norms."""
     attn_norm: jax.Array  # [D]
-    w_qkv: jax.Array  # [D, (H + 2 KV) hd]
+    w_qkv: jax.Array  # [D, KV, G + 2, hd]
     w_o: jax.Array  # [H hd, D]
     mlp_norm: jax.Array  # [D]
-    w_gate_up: jax.Array  # [D, 2F]
+    w_gate_up: jax.Array  # [D, 2, F]
     w_down: jax.Array  # [F, D]
-    b_qkv: jax.Array | None = None  # [(H + 2 KV) hd] with attention_bias
+    b_qkv: jax.Array | None = None  # [KV, G + 2, hd] with attention_bias
     attn_out_norm: jax.Array | None = None  # [D] sandwich
     mlp_out_norm: jax.Array | None = None  # [D] sandwich
 
@@ -100,20 +114,76 @@ class Weights:
 
     @property
     def fingerprint(self) -> str:
-        """sha256 of the config (kv_mode included) and every weight (in the single-device layout,
-        so a model on a mesh and on one device agree)."""
-        def compute():
-            params = self.params
-            if self.config.mesh is not None:
-                from .sharding import single_layout
-                params = single_layout(params, self.config)
-            return fingerprint(params, self.config)
-        return self.memo.get(compute)
+        """sha256 of the config (kv_mode included) and every weight (see `fingerprint`)."""
+        return self.memo.get(lambda: fingerprint(self.params, self.config))
 
 
 def fingerprint(params: Params, config: ModelConfig) -> str:
+    """sha256 of the config's description and `params_digest`: the same for a model on a mesh
+    and on one device, and for either weight layout."""
     cfg = json.dumps(config.to_dict(), sort_keys=True)
-    return hashlib.sha256((cfg + params_digest(params)).encode()).hexdigest()
+    return hashlib.sha256((cfg + params_digest(params, config)).encode()).hexdigest()
+
+
+# ---- the fused projections' layout --------------------------------------------------------------
+
+def _xp(a):
+    """numpy for host arrays (checkpoints, fingerprints), jax.numpy for device arrays (imports)."""
+    return jnp if isinstance(a, jax.Array) else np
+
+
+def fuse_qkv(q, k, v, config: ModelConfig):
+    """Separate projections q [..., H hd], k, v [..., KV hd] (weights with a leading D, or
+    biases) -> the fused head-shaped w_qkv / b_qkv: gpt2 [..., 3, H, hd]; llama
+    [..., KV, G + 2, hd], each KV head's G query heads, then its k and v.
+
+    >>> c = ModelConfig(vocab_size=8, d_model=4, n_heads=2, block="llama", n_kv_heads=1)
+    >>> fuse_qkv(np.zeros((4, 4)), np.ones((4, 2)), np.ones((4, 2)), c).shape
+    (4, 1, 4, 2)
+    """
+    xp, lead, hd = _xp(q), q.shape[:-1], config.head_dim
+    if config.block == "gpt2":
+        return xp.stack([a.reshape(*lead, config.n_heads, hd) for a in (q, k, v)], axis=-3)
+    kv = config.n_kv_heads
+    return xp.concatenate([q.reshape(*lead, kv, config.n_heads // kv, hd), k.reshape(*lead, kv, 1, hd),
+                           v.reshape(*lead, kv, 1, hd)], axis=-2)
+
+
+def _flat_width(field: str, config: ModelConfig) -> int | None:
+    """The last axis of a fused tensor in layout 1 (None: not a fused tensor)."""
+    if field in ("w_qkv", "b_qkv"):
+        return config.q_dim + 2 * config.kv_dim
+    if field == "w_gate_up":
+        return 2 * config.intermediate_size
+    return None
+
+
+def from_flat_layout(name: str, a, config: ModelConfig):
+    """One tensor named by its tree path (or field) in layout 1 -> this layout: the fused
+    projections get their head axes (w_qkv, b_qkv: see `fuse_qkv`; w_gate_up [D, 2F] ->
+    [D, 2, F]); every other tensor is returned as it is."""
+    field = name.rsplit(".", 1)[-1]
+    width = _flat_width(field, config)
+    if width is None:
+        return a
+    if a.shape[-1] != width:
+        raise ValueError(f"tensor {name} has shape {tuple(a.shape)}; the config implies a last axis of {width}")
+    if field == "w_gate_up":
+        return a.reshape(*a.shape[:-1], 2, config.intermediate_size)
+    qd, kd = config.q_dim, config.kv_dim
+    return fuse_qkv(a[..., :qd], a[..., qd:qd + kd], a[..., qd + kd:], config)
+
+
+def to_flat_layout(name: str, a, config: ModelConfig):
+    """Inverse of `from_flat_layout` (what fingerprints hash)."""
+    field = name.rsplit(".", 1)[-1]
+    if _flat_width(field, config) is None:
+        return a
+    if field == "w_gate_up" or config.block == "gpt2":  # row-major: only the shape changes
+        return a.reshape(*a.shape[:-2 if field == "w_gate_up" else -3], -1)
+    lead, g = a.shape[:-3], config.n_heads // config.n_kv_heads
+    parts = (a[..., :g, :], a[..., g:g + 1, :], a[..., g + 1:, :])  # q, k, v of every KV head
+    return _xp(a).concatenate([p.reshape(*lead, -1) for p in parts], axis=-1)
 
 
 def _random_block(rng: np.random.Generator, d: int, f: int) -> BlockParams:
@@ -149,7 +219,7 @@ def gpt2_init(config: ModelConfig, seed: int = 0) -> Params:
                   pre=tuple(blk() for _ in range(config.n_pre_blocks)),
                   loop=tuple(blk() for _ in range(config.loop_blocks)), lnf_g=o(d), lnf_b=z(d),
                   post=tuple(blk() for _ in range(config.n_post_blocks)))
-    return jax.tree.map(jnp.asarray, tree)
+    return jax.tree.map(jnp.asarray, _from_flat(tree, config))
 
 
 def _random_llama_block(rng: np.random.Generator, c: ModelConfig) -> LlamaBlock:
@@ -185,7 +255,13 @@ def random_params(config: ModelConfig, seed: int = 0) -> Params:
         gate_b=np.asarray(rng.normal(0.0, 0.5), np.float32) if c.early_exit_gate else None,
         post=tuple(blk() for _ in range(c.n_post_blocks)),  # drawn last: models without a coda keep their weights
     )
-    return cast(jax.tree.map(jnp.asarray, tree), config)
+    return cast(jax.tree.map(jnp.asarray, _from_flat(tree, config)), config)
+
+
+def _from_flat(params: Params, config: ModelConfig) -> Params:
+    """Every tensor through `from_flat_layout` (random weights are drawn flat, as before the
+    head-shaped layout: the same seed gives the same model and fingerprint)."""
+    return jax.tree_util.tree_map_with_path(lambda path, a: from_flat_layout(_key(path[-1]), a, config), params)
 
 
 def cast(params: Params, config: ModelConfig) -> Params:
@@ -199,14 +275,16 @@ def param_shapes(config: ModelConfig) -> Params:
     c, S = config, (lambda *dims: Shape(dims))
     d, f, v = c.d_model, c.intermediate_size, c.vocab_size
     llama, sw = c.block == "llama", c.norm_placement == "sandwich"
-    qkv = c.q_dim + 2 * c.kv_dim
+    hd, kv = c.head_dim, c.n_kv_heads
 
     def blk():
         if llama:
-            return LlamaBlock(attn_norm=S(d), w_qkv=S(d, qkv), w_o=S(c.q_dim, d), mlp_norm=S(d), w_gate_up=S(d, 2 * f),
-                              w_down=S(f, d), b_qkv=S(qkv) if c.attention_bias else None,
+            qkv = (kv, c.n_heads // kv + 2, hd)
+            return LlamaBlock(attn_norm=S(d), w_qkv=S(d, *qkv), w_o=S(c.q_dim, d), mlp_norm=S(d), w_gate_up=S(d, 2, f),
+                              w_down=S(f, d), b_qkv=S(*qkv) if c.attention_bias else None,
                               attn_out_norm=S(d) if sw else None, mlp_out_norm=S(d) if sw else None)
-        return BlockParams(ln1_g=S(d), ln1_b=S(d), w_qkv=S(d, 3 * d), b_qkv=S(3 * d), w_o=S(d, d), b_o=S(d),
+        qkv = (3, c.n_heads, hd)
+        return BlockParams(ln1_g=S(d), ln1_b=S(d), w_qkv=S(d, *qkv), b_qkv=S(*qkv), w_o=S(d, d), b_o=S(d),
                            ln2_g=S(d), ln2_b=S(d), w_fc=S(d, f), b_fc=S(f), w_proj=S(f, d), b_proj=S(d))
 
     return Params(wte=S(v, d), wpe=None if llama else S(c.max_seq_len, d),
@@ -270,11 +348,21 @@ def check_shapes(params: Params, config: ModelConfig) -> None:
             raise ValueError(f"tensor {name} has shape {tuple(arr.shape)}, expected {want[name]}")
 
 
-def params_digest(params: Params) -> str:
-    """sha256 over every parameter's bytes, in pytree order (for fingerprints)."""
-    h = hashlib.sha256()
-    for leaf in jax.tree.leaves(params):
+def host_leaves(params: Params, config: ModelConfig):
+    """(tree path, numpy array) of every tensor in pytree order, one at a time (a model never has
+    a second full copy on the host), without a mesh's padding of the embedding and head rows
+    past `vocab_size` (see `sharding.place_params`): the weights as checkpoints hold them."""
+    for name, leaf in flatten(params).items():
         a = np.asarray(leaf)
+        yield name, a[:config.vocab_size] if name in ("wte", "head") else a
+
+
+def params_digest(params: Params, config: ModelConfig) -> str:
+    """sha256 over every tensor's shape, dtype and bytes in pytree order, each in the flat
+    layout 1 (`to_flat_layout`), so digests recorded before the head-shaped layout still hold."""
+    h = hashlib.sha256()
+    for name, a in host_leaves(params, config):
+        a = to_flat_layout(name, a, config)
         h.update(str((a.shape, a.dtype.str)).encode())
         h.update(np.ascontiguousarray(a).tobytes())
     return h.hexdigest()

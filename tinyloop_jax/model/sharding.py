@@ -1,18 +1,19 @@
 """Placement on a `('data', 'model')` mesh: Megatron-style tensor parallelism over `'model'`,
 requests over `'data'`.
 
-    weights   attention heads and MLP width split over 'model': the fused q|k|v projection viewed
-              so that a device's slice holds whole heads (gpt2 [D, 3, H, hd]; llama
-              [D, KV, G + 2, hd]: each KV head with its G query heads), output / down projections
-              split by rows, gate|up viewed [D, 2, F]; norms, embeddings, head replicated; an MLP
-              width 'model' does not divide is replicated
+    weights   attention heads and MLP width split over 'model': the fused q|k|v projection by
+              its head axis, so a device's slice holds whole heads (gpt2 [D, 3, H, hd];
+              llama [D, KV, G + 2, hd]: each KV head with its G query heads; see `params`),
+              output / down projections by rows, gate|up [D, 2, F] by F; embedding and head
+              by vocabulary (padded to a multiple of 'model'); norms replicated; an MLP width
+              'model' does not divide is replicated
     caches    K/V split by KV heads over 'model' (h modes store h, which has no head axis:
               replicated); a batch of requests' own segments split over 'data'
     requests  N padded up to a multiple of 'data' with rows that finish at once
 
 So each layer's attention and MLP end in one all-reduce over 'model' (two per layer), and no
-weight moves between devices. `mesh_layout` / `single_layout` convert the fused weights between
-the single-device layout (what checkpoints hold) and the mesh view.
+weight moves between devices. The weights are stored in this layout from import on: placing
+them changes no shape but the vocabulary padding.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .config import ModelConfig
-from .params import BlockParams, LlamaBlock, Params
+from .params import BlockParams, Params
 
 DATA, MODEL = "data", "model"
 
@@ -52,64 +53,17 @@ def check(mesh: Mesh, cfg: ModelConfig) -> None:
 
 # ---- weights ---------------------------------------------------------------------------------
 
-def _qkv_view(cfg: ModelConfig, w: jax.Array) -> jax.Array:
-    """Fused q|k|v columns [..., (H + 2 KV) hd] -> a view whose head axis splits whole heads."""
-    lead, hd = w.shape[:-1], cfg.head_dim
-    if cfg.block == "gpt2":
-        return w.reshape(*lead, 3, cfg.n_heads, hd)
-    kv, g = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads
-    q = w[..., :cfg.q_dim].reshape(*lead, kv, g, hd)
-    k = w[..., cfg.q_dim:cfg.q_dim + cfg.kv_dim].reshape(*lead, kv, 1, hd)
-    v = w[..., cfg.q_dim + cfg.kv_dim:].reshape(*lead, kv, 1, hd)
-    return jnp.concatenate([q, k, v], axis=-2)  # [..., KV, G + 2, hd]
-
-
-def _qkv_flat(cfg: ModelConfig, w: jax.Array) -> jax.Array:
-    """Inverse of `_qkv_view`."""
-    if cfg.block == "gpt2":
-        return w.reshape(*w.shape[:-3], -1)
-    lead, g = w.shape[:-3], cfg.n_heads // cfg.n_kv_heads
-    parts = (w[..., :g, :], w[..., g:g + 1, :], w[..., g + 1:, :])
-    return jnp.concatenate([x.reshape(*lead, -1) for x in parts], axis=-1)
-
-
-def _map_blocks(params: Params, f) -> Params:
-    return params.replace(pre=tuple(map(f, params.pre)), loop=tuple(map(f, params.loop)),
-                          post=tuple(map(f, params.post)))
-
-
-def _vocab_rows(cfg: ModelConfig, m: int) -> int:
-    return -(-cfg.vocab_size // m) * m
-
-
-def mesh_layout(params: Params, cfg: ModelConfig) -> Params:
-    """Single-device weights -> the mesh view of the fused projections, the embedding and head
-    padded with zero rows to a multiple of 'model' (split by vocabulary; the logits of the
-    padding ids are cut off in `transformer.lm_head`)."""
-    def blk(b):
-        b = b.replace(w_qkv=_qkv_view(cfg, b.w_qkv),
-                      b_qkv=None if b.b_qkv is None else _qkv_view(cfg, b.b_qkv))
-        if isinstance(b, LlamaBlock):
-            b = b.replace(w_gate_up=b.w_gate_up.reshape(b.w_gate_up.shape[0], 2, -1))
-        return b
-    pad = _vocab_rows(cfg, size(cfg.mesh, MODEL)) - cfg.vocab_size
-    rows = lambda a: None if a is None else jnp.pad(a, ((0, pad), (0, 0)))  # noqa: E731
-    return _map_blocks(params, blk).replace(wte=rows(params.wte), head=rows(params.head))
-
-
-def single_layout(params: Params, cfg: ModelConfig) -> Params:
-    """Inverse of `mesh_layout` (what checkpoints hold)."""
-    def blk(b):
-        b = b.replace(w_qkv=_qkv_flat(cfg, b.w_qkv), b_qkv=None if b.b_qkv is None else _qkv_flat(cfg, b.b_qkv))
-        if isinstance(b, LlamaBlock):
-            b = b.replace(w_gate_up=b.w_gate_up.reshape(b.w_gate_up.shape[0], -1))
-        return b
-    cut = lambda a: None if a is None else a[:cfg.vocab_size]  # noqa: E731
-    return _map_blocks(params, blk).replace(wte=cut(params.wte), head=cut(params.head))
+def pad_vocab(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
+    """The embedding and head with zero rows up to a multiple of 'model', so that they split by
+    vocabulary (the logits of the padding ids are cut off in `transformer.lm_head`; checkpoints
+    and fingerprints leave the padding out, see `params.host_leaves`)."""
+    pad = -cfg.vocab_size % size(mesh, MODEL)
+    rows = lambda a: a if a is None or pad == 0 else jnp.pad(a, ((0, pad), (0, 0)))  # noqa: E731
+    return params.replace(wte=rows(params.wte), head=rows(params.head))
 
 
 def param_specs(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
-    """A PartitionSpec for every weight of a mesh-layout Params."""
+    """A PartitionSpec for every weight (heads and MLP width over 'model', see the module doc)."""
     width = MODEL if cfg.intermediate_size % size(mesh, MODEL) == 0 else None  # else replicated
 
     def blk(b):
@@ -117,6 +71,7 @@ def param_specs(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
         if isinstance(b, BlockParams):  # w_qkv [D, 3, H, hd]
             return rep.replace(w_qkv=P(None, None, MODEL), b_qkv=P(None, MODEL), w_o=P(MODEL), w_fc=P(None, width),
                                b_fc=P(width), w_proj=P(width))
+        # w_qkv [D, KV, G + 2, hd], w_gate_up [D, 2, F]
         return rep.replace(w_qkv=P(None, MODEL), b_qkv=None if b.b_qkv is None else P(MODEL), w_o=P(MODEL),
                            w_gate_up=P(None, None, width), w_down=P(width))
 
@@ -126,8 +81,8 @@ def param_specs(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
 
 
 def place_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
-    """Single-device weights -> mesh-layout weights placed with `param_specs` (cfg.mesh = mesh)."""
-    params = mesh_layout(params, cfg)
+    """Weights placed on `mesh` with `param_specs`, the vocabulary padded (`pad_vocab`)."""
+    params = pad_vocab(params, cfg, mesh)
     specs = param_specs(params, cfg, mesh)
     return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)
 

@@ -104,41 +104,25 @@ def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return logits if w.shape[0] == cfg.vocab_size else logits[..., :cfg.vocab_size]  # a mesh's vocabulary padding
 
 
-def _heads(a: jax.Array, n: int) -> jax.Array:
-    """[T, n * hd] -> [n, T, hd]."""
-    return a.reshape(a.shape[0], n, -1).transpose(1, 0, 2)
-
-
 def _project(h: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
-    """h [T, D] @ w [D, ...] (+ b [...]): a fused projection in either weight layout."""
+    """h [T, D] @ w [D, ...] (+ b [...]): a fused, head-shaped projection -> [T, ...]."""
     y = jnp.einsum("td,d...->t...", h, w)
     return y if b is None else y + b
 
 
 def qkv_heads(x: jax.Array, blk, cfg: ModelConfig, q_pos: jax.Array):
     """x [T, D] at positions q_pos [T] -> h [T, D] (the normalized input), q [H, T, hd],
-    k, v [KV, T, hd] (RoPE applied to q and k for llama blocks). Weights in the single-device
-    layout (w_qkv [D, (H + 2 KV) hd]) or the mesh view (`sharding.mesh_layout`)."""
+    k, v [KV, T, hd] (RoPE applied to q and k for llama blocks)."""
     T = x.shape[0]
     if cfg.block == "gpt2":
         h = layer_norm(x, blk.ln1_g, blk.ln1_b, cfg.layer_norm_eps)
-        if blk.w_qkv.ndim == 2:
-            qkv = (h @ blk.w_qkv + blk.b_qkv).reshape(T, 3, cfg.n_heads, cfg.head_dim)
-        else:  # [D, 3, H, hd]
-            qkv = _project(h, blk.w_qkv, blk.b_qkv)
-        qkv = qkv.transpose(1, 2, 0, 3)
+        qkv = _project(h, blk.w_qkv, blk.b_qkv).transpose(1, 2, 0, 3)  # [3, H, T, hd]
         return h, qkv[0], qkv[1], qkv[2]
     h = rms_norm(x, blk.attn_norm, cfg.layer_norm_eps)
-    if blk.w_qkv.ndim == 2:
-        qkv = h @ blk.w_qkv if blk.b_qkv is None else h @ blk.w_qkv + blk.b_qkv
-        q, kv = qkv[:, :cfg.q_dim], qkv[:, cfg.q_dim:]
-        q, k, v = _heads(q, cfg.n_heads), _heads(kv[:, :cfg.kv_dim], cfg.n_kv_heads), _heads(kv[:, cfg.kv_dim:],
-                                                                                             cfg.n_kv_heads)
-    else:  # [D, KV, G + 2, hd]: each KV head's G query heads, then its k and v
-        qkv = _project(h, blk.w_qkv, blk.b_qkv)  # [T, KV, G + 2, hd]
-        g = cfg.n_heads // cfg.n_kv_heads
-        q = qkv[:, :, :g].reshape(T, cfg.n_heads, cfg.head_dim).transpose(1, 0, 2)
-        k, v = qkv[:, :, g].transpose(1, 0, 2), qkv[:, :, g + 1].transpose(1, 0, 2)
+    qkv = _project(h, blk.w_qkv, blk.b_qkv)  # [T, KV, G + 2, hd]: each KV head's G query heads, then its k and v
+    g = cfg.n_heads // cfg.n_kv_heads
+    q = qkv[:, :, :g].reshape(T, cfg.n_heads, cfg.head_dim).transpose(1, 0, 2)
+    k, v = qkv[:, :, g].transpose(1, 0, 2), qkv[:, :, g + 1].transpose(1, 0, 2)
     return h, rope(q, q_pos, cfg.rope_theta), rope(k, q_pos, cfg.rope_theta), v
 
 
@@ -146,10 +130,7 @@ def kv_from_h(cfg: ModelConfig, blk, key_pos: jax.Array):
     """The K/V half of a block's projection as a function h [C, D] -> float32 K, V [KV, C, hd]
     (for h modes; K rotated at key_pos [C] for llama blocks)."""
     f32 = lambda a: None if a is None else a.astype(jnp.float32)  # noqa: E731
-    if blk.w_qkv.ndim == 2:
-        qd = cfg.q_dim if cfg.block == "llama" else cfg.d_model
-        w, b = f32(blk.w_qkv[:, qd:]), f32(None if blk.b_qkv is None else blk.b_qkv[qd:])
-    elif cfg.block == "gpt2":  # [D, 3, H, hd] -> k, v [D, 2, H, hd]
+    if cfg.block == "gpt2":  # [D, 3, H, hd] -> k, v [D, 2, H, hd]
         w, b = f32(blk.w_qkv[:, 1:]), f32(blk.b_qkv[1:])
     else:  # [D, KV, G + 2, hd] -> [D, 2, KV, hd]
         g = cfg.n_heads // cfg.n_kv_heads
@@ -157,12 +138,8 @@ def kv_from_h(cfg: ModelConfig, blk, key_pos: jax.Array):
         b = f32(None if blk.b_qkv is None else blk.b_qkv[:, g:].transpose(1, 0, 2))
 
     def f(h):
-        if w.ndim == 2:
-            kv = h @ w if b is None else h @ w + b
-            k, v = _heads(kv[:, :cfg.kv_dim], cfg.n_kv_heads), _heads(kv[:, cfg.kv_dim:], cfg.n_kv_heads)
-        else:
-            kv = _project(h, w, b)  # [C, 2, KV, hd]
-            k, v = kv[:, 0].transpose(1, 0, 2), kv[:, 1].transpose(1, 0, 2)
+        kv = _project(h, w, b)  # [C, 2, KV, hd]
+        k, v = kv[:, 0].transpose(1, 0, 2), kv[:, 1].transpose(1, 0, 2)
         return (rope(k, key_pos, cfg.rope_theta) if cfg.block == "llama" else k), v
     return f
 
@@ -182,14 +159,8 @@ def block_out(x: jax.Array, a: jax.Array, blk, cfg: ModelConfig) -> jax.Array:
         h2 = layer_norm(x, blk.ln2_g, blk.ln2_b, eps)
         return x + gelu(h2 @ blk.w_fc + blk.b_fc) @ blk.w_proj + blk.b_proj
     x = x + (o if blk.attn_out_norm is None else rms_norm(o, blk.attn_out_norm, eps))
-    if blk.w_gate_up.ndim == 2:
-        gu = rms_norm(x, blk.mlp_norm, eps) @ blk.w_gate_up
-        F = gu.shape[-1] // 2
-        gate, up = gu[:, :F], gu[:, F:]
-    else:  # the mesh view [D, 2, F]
-        gu = _project(rms_norm(x, blk.mlp_norm, eps), blk.w_gate_up, None)
-        gate, up = gu[:, 0], gu[:, 1]
-    m = (jax.nn.silu(gate) * up) @ blk.w_down
+    gu = _project(rms_norm(x, blk.mlp_norm, eps), blk.w_gate_up, None)  # [T, 2, F]
+    m = (jax.nn.silu(gu[:, 0]) * gu[:, 1]) @ blk.w_down
     return x + (m if blk.mlp_out_norm is None else rms_norm(m, blk.mlp_out_norm, eps))
 
 
