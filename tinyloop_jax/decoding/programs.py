@@ -81,15 +81,6 @@ def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Ar
     return tf.last_logits(params, cfg, x, n_valid), own
 
 
-class PrefixFill(NamedTuple):
-    """What `prefill_prefix` returns."""
-    logits: Annotated[jax.Array, "float32[V]"]  # next-token logits after the prompt's last token
-    seen: Annotated[jax.Array, "bool[V]"]  # the prompt's tokens (the repetition penalty's start)
-    own: KVCache  # the segment with the chunk written
-    depth_states: Annotated[jax.Array, "[n_pre + loops, D]"]  # the last token's stream after each pre block, pass
-    state: Annotated[jax.Array, "[T, D]"] | None  # every position's stream after the last pass (keep_state)
-
-
 @partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("own",))
 def decode_token(params: Params, cfg: ModelConfig, token: jax.Array, ro: tuple, own: KVCache, loops: int, window: int,
                  exit: tf.Exit | None = None):
@@ -98,6 +89,15 @@ def decode_token(params: Params, cfg: ModelConfig, token: jax.Array, ro: tuple, 
     Returns (next-token logits [V], new own)."""
     x, own = tf.forward(params, cfg, token[None], jnp.int32(1), own.length, ro, own, loops, window, exit)
     return tf.lm_head(params, cfg, x[0]), own
+
+
+class PrefixFill(NamedTuple):
+    """What `prefill_prefix` returns."""
+    logits: Annotated[jax.Array, "float32[V]"]  # next-token logits after the prompt's last token
+    seen: Annotated[jax.Array, "bool[V]"]  # the prompt's tokens (the repetition penalty's start)
+    own: KVCache  # the segment with the chunk written
+    depth_states: Annotated[jax.Array, "[n_pre + loops, D]"]  # the last token's stream after each pre block, pass
+    state: Annotated[jax.Array, "[T, D]"] | None  # every position's stream after the last pass (keep_state)
 
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "keep_state"), donate_argnames=("own",))
