@@ -1,5 +1,8 @@
 """Incremental decode == recompute, sampling semantics, compile counts, in-place decode."""
 
+import dataclasses
+
+import jax
 import numpy as np
 import pytest
 
@@ -148,3 +151,23 @@ def test_decode_updates_cache_in_place():
     mem = compiled.memory_analysis()
     assert mem.alias_size_in_bytes >= own.nbytes - 8
     assert mem.temp_size_in_bytes < own.nbytes / 4, (mem.temp_size_in_bytes, own.nbytes)
+
+
+def test_request_rows_are_the_sampling_params():
+    """`Request.from_params`: row i holds the i-th SamplingParams (the stops padded and
+    left-aligned, or left out for callers that check them on the host); `Request.make` is the
+    same rows from keywords."""
+    a = tl.SamplingParams(max_tokens=5, temperature=0.7, top_k=3, top_p=0.9, repetition_penalty=1.2, seed=9,
+                          stop_sequences=((1, 2, 3), (4,)))
+    req = tl.Request.from_params([a, tl.SamplingParams()])
+    assert req.max_tokens.tolist() == [5, 32] and req.top_k.tolist() == [3, 50] and req.seed.tolist() == [9, 0]
+    np.testing.assert_array_equal(req.temperature, np.float32([0.7, 0.0]))
+    np.testing.assert_array_equal(req.top_p, np.float32([0.9, 1.0]))
+    np.testing.assert_array_equal(req.repetition_penalty, np.float32([1.2, 1.0]))
+    assert req.stop.tokens.shape == (2, 2, 4) and req.stop.lengths.tolist() == [[3, 1], [0, 0]]
+    assert req.stop.tokens[0, 0].tolist() == [1, 2, 3, -1] and req.stop.tokens[0, 1].tolist() == [4, -1, -1, -1]
+    assert tl.Request.from_params([a], stops=False).stop.lengths.tolist() == [[0]]
+    made = tl.Request.make(2, temperature=0.7, top_k=3, top_p=0.9, repetition_penalty=1.2, seeds=[9, 0],
+                           max_tokens=[5, 5], stop_sequences=[[[1, 2, 3], [4]], []])
+    want = tl.Request.from_params([a, dataclasses.replace(a, seed=0, stop_sequences=())])
+    assert jax.tree.all(jax.tree.map(np.array_equal, made, want))

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import tinyloop_jax as tl
 from tinyloop_jax.model import cache as kvc
 from tinyloop_jax.api import functional as F
+from tinyloop_jax.decoding import programs
 from tinyloop_jax.model import quant
 from conftest import check_position_reset_fails, prompt_of, tiny_config
 
@@ -56,14 +57,17 @@ def test_position_reset_is_detected_every_mode(mode_models, mode):
 
 
 @pytest.mark.parametrize("mode", QUANTIZED)
-def test_chunked_and_token_by_token_caches_are_identical(mode_models, mode):
-    """Per-token quantization: the stored values do not depend on how tokens were grouped."""
+def test_chunked_and_token_by_token_caches_are_identical(mode_models, mode, monkeypatch):
+    """Per-token quantization: the stored values do not depend on how tokens were grouped (one
+    prefill chunk, or the decode path one token at a time: write, then attend)."""
     w = mode_models[mode].weights
     p = prompt_of(21, seed=3)
     one = F.prefill(w, p, F.empty_cache(w, 21))[1]
     many = F.empty_cache(w, 21)
-    for t in p:
-        many = F.decode_step(w, int(t), many)[1]
+    with monkeypatch.context() as m:  # token by token means the decode program, not a padded prefill
+        m.setattr(programs, "prefill", None)
+        for t in p:
+            many = F.decode_step(w, int(t), many)[1]
     for a, b in ((one.layer(i), many.layer(i)) for i in range(one.n_layers)):
         for name in a:
             x, y = np.asarray(a[name]), np.asarray(b[name])

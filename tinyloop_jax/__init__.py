@@ -7,12 +7,12 @@ from .model.kv_modes import KV_MODES
 from .model.params import Weights
 from .api.prefix import PrefixCache
 from .api.runtime import Model, ResumeHandle
-from .decoding.sampling import Request
+from .decoding.sampling import Request, SamplingParams
 from .serving.engine import Engine
 from .api.store import PrefixStore
 from .formats.tokenizer import ByteTokenizer, HFTokenizer
 from .model.transformer import Exit
 
 __all__ = ["ByteTokenizer", "Engine", "Exit", "HFTokenizer", "KV_MODES", "KVCache", "Model", "ModelConfig",
-           "PrefixCache", "PrefixStore", "Request", "ResumeHandle", "Weights", "functional"]
+           "PrefixCache", "PrefixStore", "Request", "ResumeHandle", "SamplingParams", "Weights", "functional"]
 __version__ = "0.1.0"

@@ -29,6 +29,7 @@ def bits_per_byte(params: Params, cfg: ModelConfig, data: np.ndarray, loops: int
     """Mean bits per predicted byte over non-overlapping windows of `seq_len` bytes of `data`
     (the first byte of each window is context only)."""
     T = seq_len or cfg.max_seq_len
+    cfg.check_positions(T, f"seq_len={T}")
     data = np.asarray(data[:max_bytes] if max_bytes else data, np.int32)
     n = len(data) // T
     if n == 0:

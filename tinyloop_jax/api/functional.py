@@ -31,7 +31,7 @@ from ..decoding import speculative
 from ..model.cache import KVCache
 from ..decoding.programs import DecodeState
 from ..model.params import Weights
-from .prefix import PrefixCache
+from .prefix import PrefixCache, prefix_at_depth  # noqa: F401 - prefix_at_depth is part of this API
 from ..decoding.sampling import Request
 from ..model.transformer import Exit
 
@@ -70,14 +70,21 @@ def prefill(weights: Weights, tokens, cache: KVCache, ro: tuple = (), start_pos:
     `cache` is donated: do not use it afterwards."""
     c = weights.config
     start = cache.length if start_pos is None else jnp.int32(start_pos)
+    if c.block == "gpt2":  # learned positions: the host needs the start (one read of cache.length)
+        c.check_positions(int(start) + len(tokens), "the chunk")
     return programs.prefill(weights.params, c, jnp.asarray(pad(tokens)), jnp.int32(len(tokens)), start, tuple(ro),
-                          cache, loops=c.default_loops if loops is None else loops, window=cache_window, exit=exit)
+                            cache, loops=c.default_loops if loops is None else loops, window=cache_window, exit=exit)
 
 
 def decode_step(weights: Weights, token: int, cache: KVCache, ro: tuple = (), loops: int | None = None,
                 cache_window: int = 0, exit: Exit | None = None) -> tuple[jax.Array, KVCache]:
-    """One token at position cache.length. Returns (next-token logits [V], new cache)."""
-    return prefill(weights, [token], cache, ro, loops=loops, cache_window=cache_window, exit=exit)
+    """One token at position cache.length, by the decode path of the generate loops (see
+    `programs.decode_token`). Returns (next-token logits [V], new cache); `cache` is donated."""
+    c = weights.config
+    if c.block == "gpt2":
+        c.check_positions(int(cache.length) + 1, "the token")
+    return programs.decode_token(weights.params, c, jnp.int32(token), tuple(ro), cache,
+                                 loops=c.default_loops if loops is None else loops, window=cache_window, exit=exit)
 
 
 # ---- prefixes --------------------------------------------------------------------------------
@@ -103,11 +110,12 @@ def build_prefix(weights: Weights, prompt, loops: int | None = None, cache_windo
     `exit`: which pass the stored next-token logits come from (gate models)."""
     loops = weights.config.default_loops if loops is None else loops
     prompt = np.asarray(prompt, np.int32)
+    weights.config.check_positions(len(prompt), "the prompt")
     own = empty_cache(weights, len(prompt), loops, cache_window)
     tokens, n = jnp.asarray(pad(prompt)), jnp.int32(len(prompt))
     out = programs.prefill_prefix(weights.params, weights.config, tokens, n, jnp.int32(0), tokens, n, own, loops=loops,
-                                window=cache_window, keep_state=keep_state, exit=exit)
-    return _wrap(weights, out[2], prompt, loops, cache_window, out[0], out[1], out[3], out[4])
+                                  window=cache_window, keep_state=keep_state, exit=exit)
+    return _wrap(weights, out.own, prompt, loops, cache_window, out.logits, out.seen, out.depth_states, out.state)
 
 
 def extend_prefix(source: PrefixCache, k: int, prompt, exit: Exit | None = None) -> PrefixCache:
@@ -115,44 +123,13 @@ def extend_prefix(source: PrefixCache, k: int, prompt, exit: Exit | None = None)
     those positions are copied (no compute), only prompt[k:] is prefilled."""
     w, loops, window = source.weights, source.loops, source.cache_window
     prompt = np.asarray(prompt, np.int32)
+    w.config.check_positions(len(prompt), "the prompt")
     own = programs.copy_prefix(source.cache, jnp.int32(k), capacity=kvc.segment_capacity(len(prompt), window),
                              passes=loops)
-    logits, seen, own, states, _ = programs.prefill_prefix(
-        w.params, w.config, jnp.asarray(pad(prompt[k:])), jnp.int32(len(prompt) - k), jnp.int32(k),
-        jnp.asarray(pad(prompt)), jnp.int32(len(prompt)), own, loops=loops, window=window, keep_state=False,
-        exit=exit)
-    return _wrap(w, own, prompt, loops, window, logits, seen, states)
-
-
-def prefix_at_depth(prefix: PrefixCache, loops: int, exit: Exit | None = None) -> PrefixCache:
-    """The same prompt's prefix at depth `loops`, re-running nothing already done:
-      * loops <= the passes its cache holds: a view of the first passes (the arrays are shared)
-        with that depth's logits, from the stream kept after every layer;
-      * deeper, with the loop state kept (keep_state=True): only the missing passes run;
-      * otherwise a RuntimeError."""
-    w, c = prefix.weights, prefix.weights.config
-    if loops == prefix.loops:
-        return prefix
-    if loops <= prefix.cache.passes:
-        if c.n_post_blocks:
-            raise RuntimeError(f"the model's coda blocks were run at loops={prefix.cache.passes}: their cache does "
-                               f"not hold depth {loops}; build the prefix at loops={loops}")
-        logits = programs.prefix_logits(w.params, c, prefix.depth_states, loops=loops, exit=exit)
-        return _wrap(w, prefix.cache, prefix.prompt, loops, prefix.cache_window, logits, prefix.seen,
-                     prefix.depth_states, prefix.state)
-    if prefix.state is None:
-        raise RuntimeError(f"loops={loops} is deeper than the prefix's loops={prefix.loops} and the prefix "
-                           f"did not keep its loop state; build it with keep_state=True (or rebuild at loops={loops})")
-    extra = loops - prefix.cache.passes
-    own = kvc.empty(c.kv_mode, 0, extra, c.n_kv_heads, prefix.cache.capacity, c.head_dim,
-                    loop_blocks=c.loop_blocks, d_model=c.d_model, n_post=c.n_post_blocks, mesh=c.mesh)
-    logits, own, state, states = programs.continue_depth(w.params, c, prefix.state, jnp.int32(len(prefix)), own,
-                                                       loops=extra, window=prefix.cache_window)
-    states = jnp.concatenate([prefix.depth_states, states])
-    if c.early_exit_gate:
-        logits = programs.prefix_logits(w.params, c, states, loops=loops, exit=exit)
-    return _wrap(w, kvc.append_passes(prefix.cache, own), prefix.prompt, loops, prefix.cache_window, logits,
-                 prefix.seen, states, state)
+    out = programs.prefill_prefix(w.params, w.config, jnp.asarray(pad(prompt[k:])), jnp.int32(len(prompt) - k),
+                                  jnp.int32(k), jnp.asarray(pad(prompt)), jnp.int32(len(prompt)), own, loops=loops,
+                                  window=window, keep_state=False, exit=exit)
+    return _wrap(w, out.own, prompt, loops, window, out.logits, out.seen, out.depth_states)
 
 
 # ---- decoding --------------------------------------------------------------------------------
@@ -195,6 +172,7 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
     N, P = len(suffixes), 0 if prefix is None else len(prefix)
     lens = np.array([len(s) for s in suffixes], np.int32)
     max_new = int(np.max(request.max_tokens))
+    c.check_positions(P + int(lens.max()) + max_new - 1, "decoding")  # the last emitted token is never fed
     ro, work_mode = call_segments(weights, prefix, loops)
     room, ring = own_room(int(lens.max()), max_new, window, speculation)
     own = empty_cache(weights, room, loops, ring, start=P, kv_mode=work_mode, batch=N)

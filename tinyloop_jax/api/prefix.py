@@ -1,4 +1,8 @@
-"""`PrefixCache`: a prompt's KV state, held immutably and shared by any number of requests."""
+"""`PrefixCache`: a prompt's KV state, held immutably and shared by any number of requests.
+
+Plain data and the one operation that derives a prefix from a prefix (`prefix_at_depth`);
+building one is `functional.build_prefix`, saving and loading `formats.prefix_checkpoint`.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..formats import checkpoint
-from ..model import sharding
+from ..decoding import programs
+from ..formats import prefix_checkpoint
+from ..model import cache as kvc
 from . import validation as check
-from ..model.cache import KVCache, first_passes
+from ..model.cache import KVCache
 from ..model.params import Weights
-
-# prefix checkpoints: 1 = one array per cache layer (before the pass axis), 2 = passes stacked,
-# 3 = passes x loop blocks (2 reads as 3 with one loop block)
-LAYOUT = 3
+from ..model.transformer import Exit
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -80,67 +82,58 @@ class PrefixCache:
         """This prompt's prefix at another loop depth, without re-running what is done: for
         loops <= the passes held, a view of the first passes (shared arrays) and that depth's
         logits; deeper, only the missing passes, from the kept state (`keep_state=True`).
-        Otherwise a RuntimeError. See `functional.prefix_at_depth`."""
-        from .functional import prefix_at_depth  # the method is sugar over the pure function
-
+        Otherwise a RuntimeError. See `prefix_at_depth`."""
         return prefix_at_depth(self, check.loops(loops))
 
     def __repr__(self) -> str:
         return (f"PrefixCache(len={len(self)}, loops={self.loops}, cache_window={self.cache_window}, "
                 f"kv_mode={self.kv_mode!r}, capacity={self.cache.capacity}, nbytes={self.nbytes})")
 
-    # ---- persistence -------------------------------------------------------------------------
+    # ---- persistence (see `formats.prefix_checkpoint`) -------------------------------------
 
     def save(self, path: str) -> None:
         """Write this prefix to a new folder `path` (orbax arrays keyed by tree path + a JSON
         record with the model fingerprint, mode, loops and window). Atomic: a failed save
         leaves nothing behind."""
-        cache, states, state = self.cache, self.depth_states, self.state
-        if cache.passes > self.loops:  # a view: save only the depth it serves
-            cache, states, state = first_passes(cache, self.loops), states[:len(cache.pre) + self.loops], None
-        tree = dict(cache=dict(pre=list(cache.pre), loop=cache.loop, post=list(cache.post), pos=cache.pos,
-                               length=cache.length),
-                    prompt=self.prompt, logits=self.logits, seen=self.seen, depth_states=states)
-        if state is not None:
-            tree["state"] = state
-        meta = dict(model_fingerprint=self.model_fingerprint, loops=self.loops, cache_window=self.cache_window,
-                    kv_mode=self.kv_mode, n_pre=len(cache.pre), n_post=len(cache.post), prompt_len=len(self),
-                    layout=LAYOUT)
-        checkpoint.save(path, "prefix_cache", checkpoint.flatten(tree), meta)
+        prefix_checkpoint.save(path, self)
 
     @classmethod
     def load(cls, path: str, model) -> "PrefixCache":
         """Load a prefix saved by `save` for use with `model`. A prefix of another model (or
         mode) is a ValueError; a damaged folder a RuntimeError or ValueError."""
         weights = model.weights
-        meta = checkpoint.read_meta(path, "prefix_cache")
-        if meta["model_fingerprint"] != weights.fingerprint:
-            raise ValueError(f"{path} was built by a different model or kv_mode "
-                             f"(fingerprint {meta['model_fingerprint'][:12]}…, this model "
-                             f"{weights.fingerprint[:12]}…)")
-        if meta.get("layout") not in (2, LAYOUT):
-            raise ValueError(f"{path} was saved by an older version (cache layout {meta.get('layout', 1)}, this "
-                             f"version reads 2 and {LAYOUT}); rebuild the prefix")
-        arrays, meta = checkpoint.load(path, "prefix_cache")
-        field = lambda name: {k[len(name) + 1:]: a for k, a in arrays.items() if k.startswith(name + ".")}  # noqa: E731
-        pre = [field(f"cache.pre.{j}") for j in range(int(meta["n_pre"]))]
-        cache = KVCache(pre=tuple({n: jnp.asarray(a) for n, a in e.items()} for e in pre),
-                        loop={n: jnp.asarray(a if meta["layout"] == LAYOUT else a[:, None])
-                              for n, a in field("cache.loop").items()},
-                        pos=jnp.asarray(arrays["cache.pos"]), length=jnp.asarray(arrays["cache.length"]),
-                        kv_mode=meta["kv_mode"],
-                        post=tuple({n: jnp.asarray(a) for n, a in field(f"cache.post.{j}").items()}
-                                   for j in range(int(meta.get("n_post", 0)))))
-        if weights.config.mesh is not None:  # saved from anywhere: placed on this model's mesh
-            cache = sharding.place_cache(cache, weights.config.mesh)
-        prompt = arrays["prompt"].copy()
-        if int(cache.length) != len(prompt) or int(meta["prompt_len"]) != len(prompt):
-            raise RuntimeError(f"{path}: cache length {int(cache.length)} disagrees with prompt length {len(prompt)}")
-        prompt.setflags(write=False)
-        return cls(cache=cache, prompt=prompt, loops=int(meta["loops"]), cache_window=int(meta["cache_window"]),
-                   logits=jnp.asarray(arrays["logits"]), seen=jnp.asarray(arrays["seen"]),
-                   depth_states=jnp.asarray(arrays["depth_states"]), weights=weights,
-                   state=jnp.asarray(arrays["state"]) if "state" in arrays else None)
+        return cls(**prefix_checkpoint.load(path, weights.fingerprint, weights.config.mesh), weights=weights)
+
+
+def prefix_at_depth(prefix: PrefixCache, loops: int, exit: Exit | None = None) -> PrefixCache:
+    """The same prompt's prefix at depth `loops`, re-running nothing already done:
+      * loops <= the passes its cache holds: a view of the first passes (the arrays are shared)
+        with that depth's logits, from the stream kept after every layer;
+      * deeper, with the loop state kept (keep_state=True): only the missing passes run;
+      * otherwise a RuntimeError.
+    `exit` (gate models): which pass the logits come from."""
+    w, c = prefix.weights, prefix.weights.config
+    if loops == prefix.loops:
+        return prefix
+    if loops <= prefix.cache.passes:
+        if c.n_post_blocks:
+            raise RuntimeError(f"the model's coda blocks were run at loops={prefix.cache.passes}: their cache does "
+                               f"not hold depth {loops}; build the prefix at loops={loops}")
+        logits = programs.prefix_logits(w.params, c, prefix.depth_states, loops=loops, exit=exit)
+        return dataclasses.replace(prefix, loops=loops, logits=logits)
+    if prefix.state is None:
+        raise RuntimeError(f"loops={loops} is deeper than the prefix's loops={prefix.loops} and the prefix "
+                           f"did not keep its loop state; build it with keep_state=True (or rebuild at loops={loops})")
+    extra = loops - prefix.cache.passes
+    own = kvc.empty(c.kv_mode, 0, extra, c.n_kv_heads, prefix.cache.capacity, c.head_dim,
+                    loop_blocks=c.loop_blocks, d_model=c.d_model, n_post=c.n_post_blocks, mesh=c.mesh)
+    logits, own, state, states = programs.continue_depth(w.params, c, prefix.state, jnp.int32(len(prefix)), own,
+                                                         loops=extra, window=prefix.cache_window)
+    states = jnp.concatenate([prefix.depth_states, states])
+    if c.early_exit_gate:
+        logits = programs.prefix_logits(w.params, c, states, loops=loops, exit=exit)
+    return dataclasses.replace(prefix, cache=kvc.append_passes(prefix.cache, own), loops=loops, logits=logits,
+                               depth_states=states, state=state)
 
 
 def tree_equal(a, b) -> bool:

@@ -22,6 +22,7 @@ from . import functional as F
 from . import validation as check
 from ..model.config import ModelConfig, check_kv_mode
 from ..decoding.programs import DecodeState
+from ..decoding.sampling import Request, SamplingParams
 from ..model.params import Params, Weights, check_shapes, random_params
 from .prefix import PrefixCache
 from ..model.transformer import Exit
@@ -134,6 +135,13 @@ class Model:
             raise ValueError(f"exit_at_step={step} is not a pass of this call (0 <= step < loops={loops})")
         return None if step is None and thr is None else Exit.make(step, thr)
 
+    def _sampling(self, **fields) -> SamplingParams:
+        """The call's sampling keywords, checked, as the one value the call carries."""
+        return check.sampling_params(self._config.vocab_size, **fields)
+
+    def _batch_sampling(self, n: int, **fields) -> list[SamplingParams]:
+        return check.batch_sampling_params(self._config.vocab_size, n, **fields)
+
     def _tokens(self, ids, name: str = "prompt", allow_empty: bool = False) -> np.ndarray:
         return check.tokens(ids, self._config.vocab_size, name=name, allow_empty=allow_empty)
 
@@ -210,11 +218,12 @@ class Model:
         w = self.weights
         prompt = self._tokens(prompt)
         loops, window = self._loops(loops), check.cache_window(cache_window)
-        req = check.request(1, self._config.vocab_size, locals(), batch=False)
+        params = self._sampling(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed)
         spec = self._speculation(draft_loops, lookahead, loops)
         ex = self._exit(exit_at_step, exit_threshold, loops)
-        self._check_length(len(prompt) + max_tokens, "prompt + max_tokens")
-        state = F.generate(w, [prompt], req, loops, window, spec, ex)
+        self._check_length(len(prompt) + params.max_tokens, "prompt + max_tokens")
+        state = F.generate(w, [prompt], Request.from_params([params]), loops, window, spec, ex)
         return self._lists(state, [prompt.tolist()], spec)[0]
 
     def build_prefix_cache(self, prompt, loops: int | None = None, cache_window: int = 0,
@@ -248,10 +257,12 @@ class Model:
         """
         w = self.weights
         loops, window, suffix = self._prefix_call(prefix, loops, cache_window, suffix)
-        req = check.request(1, self._config.vocab_size, locals(), batch=False)
+        params = self._sampling(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed)
+        req = Request.from_params([params])
         spec = self._speculation(draft_loops, lookahead, loops)
         ex = self._exit(exit_at_step, exit_threshold, loops)
-        self._check_length(len(prefix) + len(suffix) + max_tokens, "prefix + suffix + max_tokens")
+        self._check_length(len(prefix) + len(suffix) + params.max_tokens, "prefix + suffix + max_tokens")
         F.check_fits(w, [len(suffix)], req, loops, window, spec, prefix_len=len(prefix))
         state = F.decode(w, prefix, [suffix], req, loops, window, spec, ex)
         return self._lists(state, [prefix.prompt.tolist() + suffix.tolist()], spec)[0]
@@ -272,9 +283,12 @@ class Model:
         w = self.weights
         loops, window, _ = self._prefix_call(prefix, loops, cache_window, None)
         suffixes = check.token_lists(suffixes, self._config.vocab_size, "suffixes", allow_empty=True)
-        req = check.request(len(suffixes), self._config.vocab_size, locals(), batch=True)
+        params = self._batch_sampling(len(suffixes), seeds=seeds, stop_sequences=stop_sequences, max_tokens=max_tokens,
+                                      temperature=temperature, top_k=top_k, top_p=top_p,
+                                      repetition_penalty=repetition_penalty)
+        req = Request.from_params(params)
         ex = self._exit(exit_at_step, exit_threshold, loops)
-        self._check_length(len(prefix) + max(len(x) for x in suffixes) + max_tokens,
+        self._check_length(len(prefix) + max(len(x) for x in suffixes) + params[0].max_tokens,
                            "prefix + longest suffix + max_tokens")
         F.check_fits(w, [len(x) for x in suffixes], req, loops, window, prefix_len=len(prefix))
         state = F.decode(w, prefix, suffixes, req, loops, window, exit=ex)
@@ -290,10 +304,12 @@ class Model:
         w = self.weights
         prompts = check.token_lists(prompts, self._config.vocab_size, "prompts", allow_empty=False)
         loops, window = self._loops(loops), check.cache_window(cache_window)
-        req = check.request(len(prompts), self._config.vocab_size, locals(), batch=True)
+        params = self._batch_sampling(len(prompts), seeds=seeds, stop_sequences=stop_sequences, max_tokens=max_tokens,
+                                      temperature=temperature, top_k=top_k, top_p=top_p,
+                                      repetition_penalty=repetition_penalty)
         ex = self._exit(exit_at_step, exit_threshold, loops)
-        self._check_length(max(len(x) for x in prompts) + max_tokens, "longest prompt + max_tokens")
-        state = F.generate(w, prompts, req, loops, window, exit=ex)
+        self._check_length(max(len(x) for x in prompts) + params[0].max_tokens, "longest prompt + max_tokens")
+        state = F.generate(w, prompts, Request.from_params(params), loops, window, exit=ex)
         return self._lists(state, [x.tolist() for x in prompts], None)
 
     def next_token_logits_from_prefix(self, prefix: PrefixCache, suffix, loops: int | None = None,

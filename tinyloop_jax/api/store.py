@@ -15,6 +15,7 @@ holds (pins) is never evicted.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -196,12 +197,14 @@ class PrefixStore:
                  repetition_penalty: float = 1.0, stop_sequences=(), seed: int = 0) -> list[int]:
         """`model.generate(prompt, ...)` at the store's depth and window, prefilling only the part
         of `prompt` that no cached entry holds."""
-        prompt = check.tokens(prompt, self.model.config()["vocab_size"])
+        vocab = self.model.config()["vocab_size"]
+        prompt = check.tokens(prompt, vocab)
+        # checked before the store is touched: a bad argument inserts nothing
+        params = check.sampling_params(vocab, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                       repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed)
         prefix, i = self._acquire(prompt)
         try:
-            return self.model.generate_from_prefix_cache(
-                prefix, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed)
+            return self.model.generate_from_prefix_cache(prefix, **dataclasses.asdict(params))
         finally:
             with self._lock:
                 self._pin(i, -1)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 
 import numpy as np
 
-from ..decoding.sampling import Request
+from ..decoding.sampling import Request, SamplingParams
+
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def tokens(ids, vocab_size: int, name: str = "prompt", allow_empty: bool = False) -> np.ndarray:
@@ -122,7 +125,8 @@ def batch_stop_sequences(value, n: int, vocab_size: int) -> list[list[list[int]]
     return [shared for _ in range(n)]
 
 
-def seeds(value, n: int) -> list[int]:
+def seed_list(value, n: int) -> list[int]:
+    """One seed per request (None: 0 each)."""
     if value is None:
         return [0] * n
     if isinstance(value, (int, np.integer)) or len(value) != n:
@@ -130,18 +134,45 @@ def seeds(value, n: int) -> list[int]:
     return [seed(s) for s in value]
 
 
-def request(n: int, vocab_size: int, args: dict, batch: bool) -> Request:
-    """The one argument check of every generate call: `args` (the call's own arguments, e.g.
-    its `locals()`) -> the N requests' `Request`. Reads max_tokens, temperature, top_k, top_p,
-    repetition_penalty, stop_sequences, and `seed` (a single call: one request, stop_sequences a
-    list of token-id lists) or `seeds` (batched: one per request; stop_sequences one list for
-    all requests or one list per request)."""
-    if batch:
-        stops = batch_stop_sequences(args["stop_sequences"], n, vocab_size)
-        seed_list = seeds(args["seeds"], n)
-    else:
-        stops = [stop_sequences(list(args["stop_sequences"]), vocab_size)]
-        seed_list = [seed(args["seed"])]
-    return Request.make(n, temperature(args["temperature"]), top_k(args["top_k"]), top_p(args["top_p"]),
-                        repetition_penalty(args["repetition_penalty"]), seed_list, max_tokens(args["max_tokens"]),
-                        stops)
+def sampling_params(vocab_size: int, **fields) -> SamplingParams:
+    """One request's sampling arguments as keywords (any `SamplingParams` field; the others at
+    their defaults), each checked with a message naming it -> a `SamplingParams`. The one check
+    of every generate call and of every served request.
+
+    >>> p = sampling_params(256, max_tokens=16, temperature=0.7, stop_sequences=[[13, 10]])
+    >>> p.stop_sequences, p.top_k
+    (((13, 10),), 50)
+    """
+    unknown = sorted(set(fields) - set(SAMPLING_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown sampling argument(s) {', '.join(unknown)}; known: {', '.join(SAMPLING_FIELDS)}")
+    p = SamplingParams(**fields)
+    stops = p.stop_sequences
+    if stops is not None and not isinstance(stops, (str, bytes)) and hasattr(stops, "__iter__"):
+        stops = list(stops)  # any iterable of sequences (a tuple, a generator, a 2-D array)
+    return SamplingParams(max_tokens=max_tokens(p.max_tokens), temperature=temperature(p.temperature),
+                          top_k=top_k(p.top_k), top_p=top_p(p.top_p),
+                          repetition_penalty=repetition_penalty(p.repetition_penalty), seed=seed(p.seed),
+                          stop_sequences=tuple(tuple(s) for s in stop_sequences(stops, vocab_size)))
+
+
+def batch_sampling_params(vocab_size: int, n: int, seeds=None, stop_sequences=(), **fields) -> list[SamplingParams]:
+    """N requests' sampling arguments: `seeds` one per request (None: 0 each), `stop_sequences`
+    one list for all requests or one list per request (`batch_stop_sequences`), every other
+    keyword shared -> one `SamplingParams` per request."""
+    if "seed" in fields:
+        raise ValueError("a batch takes `seeds` (one per request), not `seed`")
+    shared = sampling_params(vocab_size, **fields)
+    per_seed, per_stops = seed_list(seeds, n), batch_stop_sequences(stop_sequences, n, vocab_size)
+    return [dataclasses.replace(shared, seed=s, stop_sequences=tuple(tuple(x) for x in stops))
+            for s, stops in zip(per_seed, per_stops)]
+
+
+# ---- kept only until serving/engine.py switches to `sampling_params` (issue 20); remove then ----
+
+def request(n: int, vocab_size: int, args: dict, batch: bool):
+    """The old by-name check, for `Engine.submit` only (one request, `batch=False`)."""
+    if batch or n != 1:
+        raise ValueError("validation.request serves one request; use batch_sampling_params")
+    fields = {k: args[k] for k in SAMPLING_FIELDS}
+    return Request.from_params([sampling_params(vocab_size, **fields)])

@@ -14,7 +14,7 @@ A single request is N = 1.
 from __future__ import annotations
 
 from functools import partial
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -81,19 +81,37 @@ def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Ar
     return tf.last_logits(params, cfg, x, n_valid), own
 
 
+@partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("own",))
+def decode_token(params: Params, cfg: ModelConfig, token: jax.Array, ro: tuple, own: KVCache, loops: int, window: int,
+                 exit: tf.Exit | None = None):
+    """One token (token [] int32) at position own.length of one segment, by the decode path that
+    every step of `decode` takes (a chunk of T = 1: written into the cache, then attended to).
+    Returns (next-token logits [V], new own)."""
+    x, own = tf.forward(params, cfg, token[None], jnp.int32(1), own.length, ro, own, loops, window, exit)
+    return tf.lm_head(params, cfg, x[0]), own
+
+
+class PrefixFill(NamedTuple):
+    """What `prefill_prefix` returns."""
+    logits: Annotated[jax.Array, "float32[V]"]  # next-token logits after the prompt's last token
+    seen: Annotated[jax.Array, "bool[V]"]  # the prompt's tokens (the repetition penalty's start)
+    own: KVCache  # the segment with the chunk written
+    depth_states: Annotated[jax.Array, "[n_pre + loops, D]"]  # the last token's stream after each pre block, pass
+    state: Annotated[jax.Array, "[T, D]"] | None  # every position's stream after the last pass (keep_state)
+
+
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "keep_state"), donate_argnames=("own",))
 def prefill_prefix(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
                    context: jax.Array, n_context: jax.Array, own: KVCache, loops: int, window: int, keep_state: bool,
-                   exit: tf.Exit | None = None):
+                   exit: tf.Exit | None = None) -> PrefixFill:
     """Prefill a prompt's segment (no read-only segments): tokens [T] at start_pos (own already
-    holds the positions before it), context [Tc] the whole prompt. Returns (logits [V], seen [V]
-    (the prompt's tokens), own, depth_states [n_pre + loops, D] (the last token's stream after
-    each pre block and pass), state [T, D] (every position's stream after the last pass) or None)."""
+    holds the positions before it), context [Tc] the whole prompt. keep_state=False: `state` is
+    None."""
     x0 = tf.embed(params, tokens, start_pos)
     out = tf.run_layers(params, cfg, x0, n_valid, start_pos, (), own, loops, window, keep_states=True, exit=exit)
-    seen = token_mask(context, n_context, cfg.vocab_size)
-    return (tf.last_logits(params, cfg, out.exit_x, n_valid), seen, out.own, out.states,
-            out.x if keep_state else None)
+    return PrefixFill(logits=tf.last_logits(params, cfg, out.exit_x, n_valid),
+                      seen=token_mask(context, n_context, cfg.vocab_size), own=out.own, depth_states=out.states,
+                      state=out.x if keep_state else None)
 
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("own",))

@@ -1,7 +1,10 @@
-"""Token selection on device: one request pytree, one sampling distribution, stop sequences.
+"""Token selection on device: one request value, one sampling distribution, stop sequences.
 
-Every knob is a traced array with one row per request (never static), so changing them never
-recompiles and requests with different knobs share a batch. The order is Hugging Face's:
+A request's knobs travel as one value from the API edge to the device: `SamplingParams` (one
+request, on the host; checked at the edge by `validation.sampling_params`) -> `Request` (N
+requests' rows as arrays, `Request.from_params`) -> the jitted loops. Every knob is a traced
+array with one row per request (never static), so changing them never recompiles and requests
+with different knobs share a batch. The order is Hugging Face's:
 
     repetition penalty -> greedy (argmax)  |  temperature -> top-k -> top-p -> sample
 
@@ -11,12 +14,32 @@ and speculative decoding's acceptance rule compares its softmax (`distribution`)
 
 from __future__ import annotations
 
-from typing import Annotated
+import dataclasses
+from typing import Annotated, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """What one request asks of the decode loop (host side, hashable). Built once at the API
+    edge (`validation.sampling_params` checks every field against the model) and turned into
+    device rows by `Request.from_params`.
+
+    >>> p = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=3, stop_sequences=((13, 10),))
+    >>> req = Request.from_params([p, dataclasses.replace(p, seed=4)])   # two rows
+    """
+
+    max_tokens: int = 32  # >= 1 tokens emitted at most
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 50  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    seed: int = 0  # in [0, 2**32): the request's keys are fold_in(key(seed), step)
+    stop_sequences: tuple[tuple[int, ...], ...] = ()  # token-id sequences that end the output
 
 
 @struct.dataclass
@@ -44,8 +67,8 @@ class StopSpec:
 
 @struct.dataclass
 class Request:
-    """What N requests ask of the decode loop, one row each. Made on the host (numpy) by
-    `Request.make`; traced inside the jitted loops."""
+    """What N requests ask of the decode loop, one row each: N `SamplingParams` as arrays. Made
+    on the host (numpy) by `Request.from_params`; traced inside the jitted loops."""
 
     temperature: Annotated[jax.Array, "float32[N]"]  # 0 = greedy
     top_k: Annotated[jax.Array, "int32[N]"]  # 0 = off
@@ -56,14 +79,27 @@ class Request:
     stop: StopSpec
 
     @classmethod
+    def from_params(cls, params: Sequence[SamplingParams], stops: bool = True) -> "Request":
+        """One row per request, in order. stops=False leaves the stop sequences out (an empty
+        spec, the same shape for every batch): for callers that check stops on the host."""
+        col = lambda name, dt: np.array([getattr(p, name) for p in params], dt)  # noqa: E731
+        stop = StopSpec.make([[list(s) for s in p.stop_sequences] if stops else [] for p in params])
+        return cls(col("temperature", np.float32), col("top_k", np.int32), col("top_p", np.float32),
+                   col("repetition_penalty", np.float32), col("seed", np.uint32), col("max_tokens", np.int32), stop)
+
+    @classmethod
     def make(cls, n: int, temperature=0.0, top_k=50, top_p=1.0, repetition_penalty=1.0, seeds=None, max_tokens=32,
              stop_sequences=None) -> "Request":
-        """Scalars apply to every row; `seeds` and `max_tokens` may be per row; stop_sequences
+        """N rows from keywords (unchecked; the functional API's shorthand for `from_params`):
+        scalars apply to every row; `seeds` and `max_tokens` may be per row; stop_sequences
         is one list of token-id lists per row (None: no stops)."""
-        row = lambda v, dt: np.broadcast_to(np.asarray(v, dt), (n,)).copy()  # noqa: E731
-        return cls(row(temperature, np.float32), row(top_k, np.int32), row(top_p, np.float32),
-                   row(repetition_penalty, np.float32), row(0 if seeds is None else seeds, np.uint32),
-                   row(max_tokens, np.int32), StopSpec.make(stop_sequences or [[] for _ in range(n)]))
+        seeds = np.broadcast_to(np.asarray(0 if seeds is None else seeds), (n,))
+        max_tokens = np.broadcast_to(np.asarray(max_tokens), (n,))
+        stops = stop_sequences or [[] for _ in range(n)]
+        return cls.from_params([SamplingParams(max_tokens=int(max_tokens[i]), temperature=temperature, top_k=top_k,
+                                               top_p=top_p, repetition_penalty=repetition_penalty, seed=int(seeds[i]),
+                                               stop_sequences=tuple(tuple(s) for s in stops[i]))
+                                for i in range(n)])
 
     @property
     def n(self) -> int:

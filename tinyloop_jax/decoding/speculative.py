@@ -18,6 +18,7 @@ of plain sampling at depth L. The loop carries the same `DecodeState` as plain d
 from __future__ import annotations
 
 from functools import partial
+from typing import Annotated, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,24 @@ from .programs import (DecodeState, emit, feed, forward_rows, is_done, rollback_
                      rows_out_of_loop, start)
 from ..model.params import Params
 from .sampling import Request, distribution
+
+# The stream of keys the rounds draw from: round r's drafts and acceptance use
+# fold_in(req.keys(r), DRAFT_STREAM), apart from the keys of plain decoding's token steps.
+DRAFT_STREAM = 1
+
+
+class Drafting(NamedTuple):
+    """The carry of one round's draft loop (N rows, k drafts, vocabulary V)."""
+    own: KVCache  # the rows' segments, the drafts written at depth d
+    tok: Annotated[jax.Array, "int32[N]"]  # the token fed next (the last draft)
+    seen: Annotated[jax.Array, "bool[N, V]"]  # tokens fed so far
+    drafts: Annotated[jax.Array, "int32[N, k]"]  # the drafts so far
+    qs: Annotated[jax.Array, "float32[N, k, V]"]  # the distribution each draft was drawn from
+
+
+def fold_in(keys: jax.Array, data) -> jax.Array:
+    """keys [N] -> [N] keys, each folded with the same `data` (an int or an int32 [])."""
+    return jax.vmap(jax.random.fold_in, (0, None))(keys, data)
 
 
 def draw(key: jax.Array, p: jax.Array) -> jax.Array:
@@ -55,7 +74,7 @@ def accept(key: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Array) -> tup
 def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logits: jax.Array, seen: jax.Array,
            req: Request, loops: int, window: int, out_len: int, draft_loops: int, lookahead: int,
            exit: tf.Exit | None = None) -> DecodeState:
-    """Like `engine.decode`, in rounds of `lookahead` drafts at depth `draft_loops`. `own` needs
+    """Like `programs.decode`, in rounds of `lookahead` drafts at depth `draft_loops`. `own` needs
     room for lookahead + 1 positions past the last emitted token. `state.step` counts rounds
     and `state.accepted` the drafts kept per row."""
     k = lookahead
@@ -63,23 +82,24 @@ def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logi
     rows, ones = jnp.arange(N), jnp.ones((N,), jnp.int32)
 
     def round_(state: DecodeState) -> DecodeState:
-        keys = req.keys(1_000_000 + state.step)
+        keys = fold_in(req.keys(state.step), DRAFT_STREAM)
         V = state.seen.shape[-1]
 
-        def draft(j, c):  # one draft token at depth d: passes 0..d-1 of the same caches, written in place
-            own, tok, seen, drafts, qs = c
-            seen = seen.at[rows, tok].set(True)
-            x, own = forward_rows(params, cfg, tok[:, None], ones, row_lengths(own), ro, own, draft_loops, window)
+        def draft(j, c: Drafting) -> Drafting:  # one token at depth d: passes 0..d-1 of the same caches, in place
+            seen = c.seen.at[rows, c.tok].set(True)
+            x, own = forward_rows(params, cfg, c.tok[:, None], ones, row_lengths(c.own), ro, c.own, draft_loops,
+                                  window)
             q = distribution(tf.lm_head(params, cfg, x[:, 0]), seen, req)
-            tok = jax.vmap(draw)(jax.vmap(jax.random.fold_in, (0, None))(keys, j), q)
-            return own, tok, seen, drafts.at[:, j].set(tok), qs.at[:, j].set(q)
+            tok = jax.vmap(draw)(fold_in(keys, j), q)
+            return Drafting(own, tok, seen, c.drafts.at[:, j].set(tok), c.qs.at[:, j].set(q))
 
-        drafting, _, _, drafts, qs = jax.lax.fori_loop(0, k, draft, (
-            state.own, state.last, state.seen, jnp.zeros((N, k), jnp.int32), jnp.zeros((N, k, V), jnp.float32)))
+        d = jax.lax.fori_loop(0, k, draft, Drafting(state.own, state.last, state.seen, jnp.zeros((N, k), jnp.int32),
+                                                    jnp.zeros((N, k, V), jnp.float32)))
+        drafts, qs = d.drafts, d.qs
         # Keep the buffers the draft wrote (no copy of the cache per round) but not its positions:
         # those slots are masked again and the verify rewrites them (a window's ring has room for
         # lookahead + 1 extra slots, so no position the verify needs was overwritten).
-        own = drafting.replace(pos=state.own.pos, length=state.own.length)
+        own = d.own.replace(pos=state.own.pos, length=state.own.length)
         # verify all of them in one chunk at full depth
         chunk = jnp.concatenate([state.last[:, None], drafts], axis=1)  # [N, k+1]
         at = row_lengths(own)
@@ -89,7 +109,7 @@ def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logi
         per_pos = jax.tree.map(lambda a: jnp.repeat(a, k + 1, axis=0), req)
         ps = distribution(tf.lm_head(params, cfg, x).reshape(N * (k + 1), V), seen_v.reshape(N * (k + 1), V),
                           per_pos).reshape(N, k + 1, V)
-        a, nxt = jax.vmap(accept)(jax.vmap(jax.random.fold_in, (0, None))(keys, k), ps, qs, drafts)
+        a, nxt = jax.vmap(accept)(fold_in(keys, k), ps, qs, drafts)
         own = rollback_rows(own, at + 1 + a)  # y and the kept drafts stay; the rest is dropped
         # `seen` holds the tokens fed so far (as in plain decoding): y and the kept drafts, not nxt
         seen = feed(state, state.last)

@@ -142,6 +142,14 @@ class ModelConfig:
         """One cache layer per pre block, per loop block per pass, and per coda block."""
         return self.n_pre_blocks + loops * self.loop_blocks + self.n_post_blocks
 
+    def check_positions(self, n_positions: int, what: str) -> None:
+        """RuntimeError if `what` feeds tokens at positions >= max_seq_len of a model with learned
+        positions (GPT-2 blocks: a table of max_seq_len rows, which the programs clamp into for
+        padding; a real token there would silently read the last row). RoPE models have no table."""
+        if self.block == "gpt2" and n_positions > self.max_seq_len:
+            raise RuntimeError(f"{what} needs positions up to {n_positions - 1}, past the learned positions of this "
+                               f"GPT-2 model (max_seq_len={self.max_seq_len})")
+
     @property
     def storage(self) -> KVMode:
         """`kv_mode` parsed: the format and codec every module uses."""
@@ -175,9 +183,14 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        """A saved description -> config (unknown keys ignored, missing ones at their defaults)."""
+        """A saved description -> config (missing keys at their defaults). An unknown key is a
+        ValueError naming it: a description from a newer version may describe another model."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig field(s) {', '.join(map(repr, unknown))}: saved by a newer "
+                             "version of tinyloop-jax? Loading it could run a different model")
+        return cls(**d)
 
 
 # Fields added with the Llama family, and their defaults: omitted from `to_dict` when they say

@@ -85,6 +85,8 @@ def embed(params: Params, tokens: jax.Array, start_pos: jax.Array) -> jax.Array:
     if params.wpe is None:  # RoPE models: positions enter in attention
         return params.wte[tokens]
     q_pos = start_pos + jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    # clamped only for tokens whose outputs are discarded (bucket padding, speculative drafts past
+    # max_tokens): real positions past the table are refused on the host (`ModelConfig.check_positions`)
     return params.wte[tokens] + params.wpe[jnp.minimum(q_pos, params.wpe.shape[0] - 1)]
 
 
@@ -196,15 +198,33 @@ def exit_distribution(params: Params, pass_states: jax.Array) -> jax.Array:
     return jnp.stack(pdf)
 
 
-def exit_update(params: Params, ex: Exit, i, last, x: jax.Array, carry):
-    """Fold pass i's output x [T, D] into the exit selection carry (sel [T, D], remaining [T],
-    cumulative [T], chosen [T]): the pass is taken if it is `ex.step`, or (no step) the first
-    whose cumulative exit probability reaches `ex.threshold`."""
-    sel, rem, cum, chosen = carry
-    p, rem = exit_prob(gate(params, x), rem, last)
-    cum = cum + p
-    take = jnp.where(ex.step >= 0, i == ex.step, ~chosen & (cum >= ex.threshold))
-    return jnp.where(take[:, None], x, sel), rem, cum, chosen | take
+class ExitCarry(NamedTuple):
+    """The early exit's running pick over the passes, per position of a chunk of T tokens."""
+    x: jax.Array  # [T, D] the stream of the pass taken (zeros until one is)
+    remaining: jax.Array  # [T] float32: exit probability not yet given to a pass
+    cumulative: jax.Array  # [T] float32: exit probability of the passes so far
+    chosen: jax.Array  # [T] bool: a pass was taken
+
+    @classmethod
+    def start(cls, x: jax.Array) -> "ExitCarry":
+        """Before the first pass, for streams like x [T, D]."""
+        T = x.shape[0]
+        return cls(jnp.zeros_like(x), jnp.ones((T,), jnp.float32), jnp.zeros((T,), jnp.float32),
+                   jnp.zeros((T,), bool))
+
+    def pick(self, last: jax.Array) -> jax.Array:
+        """The streams the logits come from [T, D]: the taken pass's, else `last` (the last pass's)."""
+        return jnp.where(self.chosen[:, None], self.x, last)
+
+
+def exit_update(params: Params, ex: Exit, i, last, x: jax.Array, carry: ExitCarry) -> ExitCarry:
+    """Fold pass i's output x [T, D] into the exit's pick: the pass is taken if it is `ex.step`,
+    or (no step) the first whose cumulative exit probability reaches `ex.threshold`. `last`:
+    pass i is the last one (it takes what probability remains)."""
+    p, remaining = exit_prob(gate(params, x), carry.remaining, last)
+    cumulative = carry.cumulative + p
+    take = jnp.where(ex.step >= 0, i == ex.step, ~carry.chosen & (cumulative >= ex.threshold))
+    return ExitCarry(jnp.where(take[:, None], x, carry.x), remaining, cumulative, carry.chosen | take)
 
 
 class Chunk(NamedTuple):
@@ -323,8 +343,7 @@ def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Arra
         return x, stack, passes, sel
 
     passes = jnp.zeros((loops, x.shape[1]), x.dtype) if keep_states else None
-    sel = (jnp.zeros_like(x), jnp.ones((T,), jnp.float32), jnp.zeros((T,), jnp.float32),
-           jnp.zeros((T,), bool)) if gated else None
+    sel = ExitCarry.start(x) if gated else None
     x, loop, passes, sel = jax.lax.fori_loop(0, loops, one_pass, (x, own.loop, passes, sel))
     y, post = x, []
     for j, store in enumerate(own.post):
@@ -336,7 +355,7 @@ def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Arra
                           length=(start_pos + n_valid).astype(jnp.int32))
     if keep_states:
         states = jnp.concatenate([jnp.stack(states), passes]) if states else passes
-    exit_x = jnp.where(sel[3][:, None], sel[0], x) if gated else y
+    exit_x = sel.pick(x) if gated else y
     return Run(x, new_own, states if keep_states else None, exit_x)
 
 
@@ -359,12 +378,10 @@ def exit_stream(params: Params, cfg: ModelConfig, pass_states: jax.Array, exit: 
     """One position's pass outputs [loops, D] -> the stream its logits come from [D]."""
     if exit is None or not cfg.early_exit_gate:
         return pass_states[-1]
-    sel = (jnp.zeros_like(pass_states[:1]), jnp.ones((1,), jnp.float32), jnp.zeros((1,), jnp.float32),
-           jnp.zeros((1,), bool))
-    n = pass_states.shape[0]
+    sel, n = ExitCarry.start(pass_states[:1]), pass_states.shape[0]
     for i in range(n):  # a handful of [D] dot products
         sel = exit_update(params, exit, i, i == n - 1, pass_states[i:i + 1], sel)
-    return jnp.where(sel[3][0], sel[0][0], pass_states[-1])
+    return sel.pick(pass_states[-1:])[0]
 
 
 @exact
