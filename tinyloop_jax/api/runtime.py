@@ -119,9 +119,10 @@ class Model:
     def _loops(self, loops) -> int:
         return self._config.default_loops if loops is None else check.loops(loops)
 
-    def _exit(self, exit_at_step, exit_threshold, loops: int) -> Exit | None:
-        """The early exit of a call: the arguments, else the model's defaults (Ouro's
-        early_exit_step / early_exit_threshold); None when neither says (the last pass)."""
+    def exit_for(self, loops: int, exit_at_step=None, exit_threshold=None) -> Exit | None:
+        """The early exit of a call at `loops`: the arguments, else the model's defaults (Ouro's
+        early_exit_step / early_exit_threshold); None when neither says (the last pass).
+        The serving engine asks it for a depth's default exit."""
         c = self._config
         if not c.early_exit_gate:
             if exit_at_step is not None or exit_threshold is not None:
@@ -199,7 +200,7 @@ class Model:
         w = self.weights
         prompt = self._tokens(prompt)
         loops, window = self._loops(loops), check.cache_window(cache_window)
-        ex = self._exit(exit_at_step, exit_threshold, loops)
+        ex = self.exit_for(loops, exit_at_step, exit_threshold)
         self._check_length(len(prompt), "prompt")
         logits, _ = F.prefill(w, prompt, F.empty_cache(w, len(prompt), loops, window), loops=loops,
                               cache_window=window, exit=ex)
@@ -221,7 +222,7 @@ class Model:
         params = self._sampling(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed)
         spec = self._speculation(draft_loops, lookahead, loops)
-        ex = self._exit(exit_at_step, exit_threshold, loops)
+        ex = self.exit_for(loops, exit_at_step, exit_threshold)
         self._check_length(len(prompt) + params.max_tokens, "prompt + max_tokens")
         state = F.generate(w, [prompt], Request.from_params([params]), loops, window, spec, ex)
         return self._lists(state, [prompt.tolist()], spec)[0]
@@ -238,7 +239,7 @@ class Model:
             raise ValueError(f"keep_state must be True or False, got {keep_state!r}")
         self._check_length(len(prompt), "prompt")
         kvc.check_fits(F.prefix_nbytes(w, len(prompt), loops, window), f"a prefix at loops={loops}")
-        return F.build_prefix(w, prompt, loops, window, keep_state, self._exit(None, None, loops))
+        return F.build_prefix(w, prompt, loops, window, keep_state, self.exit_for(loops))
 
     def resume(self, prompt, loops: int | None = None, cache_window: int = 0) -> "ResumeHandle":
         """Prefill `prompt` at a (shallow) depth and return a handle to look at the result and
@@ -261,7 +262,7 @@ class Model:
                                 repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed)
         req = Request.from_params([params])
         spec = self._speculation(draft_loops, lookahead, loops)
-        ex = self._exit(exit_at_step, exit_threshold, loops)
+        ex = self.exit_for(loops, exit_at_step, exit_threshold)
         self._check_length(len(prefix) + len(suffix) + params.max_tokens, "prefix + suffix + max_tokens")
         F.check_fits(w, [len(suffix)], req, loops, window, spec, prefix_len=len(prefix))
         state = F.decode(w, prefix, [suffix], req, loops, window, spec, ex)
@@ -287,7 +288,7 @@ class Model:
                                       temperature=temperature, top_k=top_k, top_p=top_p,
                                       repetition_penalty=repetition_penalty)
         req = Request.from_params(params)
-        ex = self._exit(exit_at_step, exit_threshold, loops)
+        ex = self.exit_for(loops, exit_at_step, exit_threshold)
         self._check_length(len(prefix) + max(len(x) for x in suffixes) + params[0].max_tokens,
                            "prefix + longest suffix + max_tokens")
         F.check_fits(w, [len(x) for x in suffixes], req, loops, window, prefix_len=len(prefix))
@@ -307,7 +308,7 @@ class Model:
         params = self._batch_sampling(len(prompts), seeds=seeds, stop_sequences=stop_sequences, max_tokens=max_tokens,
                                       temperature=temperature, top_k=top_k, top_p=top_p,
                                       repetition_penalty=repetition_penalty)
-        ex = self._exit(exit_at_step, exit_threshold, loops)
+        ex = self.exit_for(loops, exit_at_step, exit_threshold)
         self._check_length(max(len(x) for x in prompts) + params[0].max_tokens, "longest prompt + max_tokens")
         state = F.generate(w, prompts, Request.from_params(params), loops, window, exit=ex)
         return self._lists(state, [x.tolist() for x in prompts], None)
@@ -318,7 +319,7 @@ class Model:
         """Next-token logits [V] float32 after prefix.prompt + suffix, reusing the prefix."""
         w = self.weights
         loops, window, suffix = self._prefix_call(prefix, loops, None, suffix)
-        ex = self._exit(exit_at_step, exit_threshold, loops)
+        ex = self.exit_for(loops, exit_at_step, exit_threshold)
         self._check_length(len(prefix) + len(suffix), "prefix + suffix")
         if len(suffix) == 0:
             if ex is not None:

@@ -7,7 +7,7 @@ import numbers
 
 import numpy as np
 
-from ..decoding.sampling import Request, SamplingParams
+from ..decoding.sampling import SamplingParams
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -166,13 +166,3 @@ def batch_sampling_params(vocab_size: int, n: int, seeds=None, stop_sequences=()
     per_seed, per_stops = seed_list(seeds, n), batch_stop_sequences(stop_sequences, n, vocab_size)
     return [dataclasses.replace(shared, seed=s, stop_sequences=tuple(tuple(x) for x in stops))
             for s, stops in zip(per_seed, per_stops)]
-
-
-# ---- kept only until serving/engine.py switches to `sampling_params` (issue 20); remove then ----
-
-def request(n: int, vocab_size: int, args: dict, batch: bool):
-    """The old by-name check, for `Engine.submit` only (one request, `batch=False`)."""
-    if batch or n != 1:
-        raise ValueError("validation.request serves one request; use batch_sampling_params")
-    fields = {k: args[k] for k in SAMPLING_FIELDS}
-    return Request.from_params([sampling_params(vocab_size, **fields)])

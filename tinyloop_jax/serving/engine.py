@@ -35,7 +35,7 @@ import collections
 import threading
 import time
 
-from .handles import Cancelled, Handle, QueueFull, RequestTimeout, Sampling
+from .handles import Cancelled, Handle, QueueFull, RequestTimeout
 from .lane import Limits
 from .scheduler import Scheduler
 from ..api import validation as check
@@ -110,18 +110,17 @@ class Engine:
         queue raises `QueueFull`."""
         c = self.model.weights.config
         prompt = check.tokens(prompt, c.vocab_size)
-        req = check.request(1, c.vocab_size, dict(locals()), batch=False)
+        params = check.sampling_params(c.vocab_size, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                                       top_p=top_p, repetition_penalty=repetition_penalty,
+                                       stop_sequences=stop_sequences, seed=seed)
         loops = c.default_loops if loops is None else check.loops(loops)
-        if len(prompt) + max_tokens > c.max_seq_len:
-            raise RuntimeError(f"prompt + max_tokens is {len(prompt) + max_tokens} tokens, longer than "
+        if len(prompt) + params.max_tokens > c.max_seq_len:
+            raise RuntimeError(f"prompt + max_tokens is {len(prompt) + params.max_tokens} tokens, longer than "
                                f"max_seq_len={c.max_seq_len}")
         timeout = self.timeout if timeout is None else timeout
         if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        stops = [s[s >= 0].tolist() for s, n in zip(req.stop.tokens[0], req.stop.lengths[0]) if n > 0]
-        sampling = Sampling(int(req.max_tokens[0]), float(req.temperature[0]), int(req.top_k[0]), float(req.top_p[0]),
-                            float(req.repetition_penalty[0]), int(req.seed[0]), stops, loops)
-        h = Handle(prompt, sampling, None if timeout is None else time.perf_counter() + timeout, self._cancelled)
+        h = Handle(prompt, params, loops, None if timeout is None else time.perf_counter() + timeout, self._cancelled)
         with self._cv:
             if self._closed:
                 raise RuntimeError("engine is closed")

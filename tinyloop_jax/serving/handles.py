@@ -1,5 +1,5 @@
 """What a caller holds: a submitted request's `Handle` (blocking, streaming and asyncio faces),
-its knobs (`Sampling`), and the errors a request ends with. The engine's loop thread fills a
+its knobs (a `SamplingParams` and a depth), and the errors a request ends with. The engine's loop thread fills a
 handle (`emit`, `finish`); any thread reads it.
 """
 
@@ -9,12 +9,11 @@ import asyncio
 import itertools
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from ..decoding.sampling import Request
+from ..decoding.sampling import SamplingParams
 
 
 class QueueFull(RuntimeError):
@@ -29,24 +28,6 @@ class Cancelled(RuntimeError):
     """`result()` of a cancelled request."""
 
 
-@dataclass
-class Sampling:
-    """One request's knobs (checked by `validation`, as `generate` checks them)."""
-    max_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    repetition_penalty: float
-    seed: int
-    stops: list  # token-id lists
-    loops: int
-
-    def request(self) -> Request:
-        """These knobs as one `Request` row [1] for the device (stops are checked on the host)."""
-        return Request.make(1, self.temperature, self.top_k, self.top_p, self.repetition_penalty, seeds=self.seed,
-                            max_tokens=self.max_tokens)
-
-
 class Handle:
     """A submitted request. `result()` blocks for prompt + emitted tokens (what `generate`
     returns); `stream()` yields emitted token ids as they come; `cancel()` frees its row.
@@ -54,10 +35,10 @@ class Handle:
 
     _ids = itertools.count()
 
-    def __init__(self, prompt: np.ndarray, sampling: Sampling, deadline: float | None,
+    def __init__(self, prompt: np.ndarray, params: SamplingParams, loops: int, deadline: float | None,
                  on_cancel: Callable[["Handle"], None] = lambda h: None):
         self.id = next(Handle._ids)
-        self.prompt, self.sampling, self.deadline = prompt, sampling, deadline
+        self.prompt, self.params, self.loops, self.deadline = prompt, params, loops, deadline
         self.tokens: list[int] = []
         self.finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "timeout" | "error"
         self.stop_matched: list[int] | None = None  # the stop sequence that ended it

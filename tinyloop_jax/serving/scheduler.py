@@ -19,6 +19,7 @@ from .programs import Chunk
 from .runner import Runner
 from ..api.prefix import PrefixCache
 from ..api.store import PrefixStore
+from ..decoding.sampling import Request
 from ..model.kv_modes import KVMode
 from ..model.cache import bucket
 
@@ -57,7 +58,7 @@ class Scheduler:
                 store = PrefixStore(self.model, max_bytes=self.store_bytes, loops=loops)
                 if self.default_store is None and loops == self.model.weights.config.default_loops:
                     self.default_store = store
-            lane = Lane(loops, store, self.model._exit(None, None, loops), PrefixPool(self.limits.slots),
+            lane = Lane(loops, store, self.model.exit_for(loops), PrefixPool(self.limits.slots),
                         self.runner.empty_state(loops))
             self.lanes[loops] = lane
         return lane
@@ -76,8 +77,8 @@ class Scheduler:
 
     def place(self, h: Handle) -> bool:
         """Give a request a row (and a pool slot); False: it must wait for a slot to free up."""
-        lane = self.lane(h.sampling.loops)
-        p = place(self.limits, lane, len(h.prompt), h.sampling.max_tokens, *self._prefix(lane, h.prompt))
+        lane = self.lane(h.loops)
+        p = place(self.limits, lane, len(h.prompt), h.params.max_tokens, *self._prefix(lane, h.prompt))
         if p is None:
             return False
         if p.load is not None:
@@ -146,7 +147,7 @@ class Scheduler:
         prompt_seen[h.prompt] = True
         try:
             chunk = Chunk.make(r.index, tokens, n, r.fed, r.fed == r.limit, r.group, r.limit, prompt_seen,
-                               h.sampling.request())
+                               Request.from_params([h.params], stops=False))
             tok, logits, states = self.runner.prefill(lane, chunk, into_slot=r.owner)
             self.stats["prefill_chunks"] += 1
             r.fed += n
@@ -192,14 +193,15 @@ class Scheduler:
         """Emit each row's new token; rows that are done leave."""
         for i, t in new.items():
             r = lane.rows[i]
-            h, s = r.handle, r.handle.sampling
+            h, s = r.handle, r.handle.params
             h.emit(t)
             self.stats["tokens_out"] += 1
             if len(h.tokens) == 1:
                 self._on_first_token(h)
-            stop = next((q for q in s.stops if len(q) <= len(h.tokens) and h.tokens[-len(q):] == q), None)
+            tail = tuple(h.tokens[-max((len(q) for q in s.stop_sequences), default=0):])
+            stop = next((q for q in s.stop_sequences if tail[len(tail) - len(q):] == q and len(q) <= len(tail)), None)
             if stop is not None:
-                h.stop_matched = stop
+                h.stop_matched = list(stop)
                 self.release(lane, r, "stop")
             elif len(h.tokens) >= s.max_tokens:
                 self.release(lane, r, "length")
