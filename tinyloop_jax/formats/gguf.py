@@ -125,10 +125,15 @@ def hf_config(reader, path: str) -> dict:
             "num_hidden_layers": int(need("block_count")), "intermediate_size": int(need("feed_forward_length")),
             "num_key_value_heads": int(field(reader, f"{arch}.attention.head_count_kv", H)), "head_dim": head_dim,
             "max_position_embeddings": int(field(reader, f"{arch}.context_length", 2048)),
-            "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
-            "rope_theta": float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+            "rms_norm_eps": decimal(need("attention.layer_norm_rms_epsilon")),
+            "rope_theta": decimal(field(reader, f"{arch}.rope.freq_base", 10000.0)),
             "attention_bias": "blk.0.attn_q.bias" in names, "tie_word_embeddings": "output.weight" not in names,
             "vocab_size": vocab}
+
+
+def decimal(x: float) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-5, not 9.999999747e-06)."""
+    return float(str(np.float32(x)))
 
 
 def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
