@@ -80,53 +80,54 @@ def field(reader: GGUFFile, key: str, default=None):
     return reader.fields.get(key, default)
 
 
-def architecture(reader, path: str) -> str:
+def architecture(reader: GGUFFile) -> str:
     arch = field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
-        raise ValueError(f"{path}: general.architecture {arch!r} is not supported; supported: "
+        raise ValueError(f"{reader.path}: general.architecture {arch!r} is not supported; supported: "
                          f"{', '.join(ARCHITECTURES)}")
     return arch
 
 
-def hf_config(reader, path: str) -> dict:
+def hf_config(reader: GGUFFile) -> dict:
     """The metadata of a llama GGUF as a Hugging Face LlamaConfig dict (for `hf_import.llama_config`)."""
-    arch = architecture(reader, path)
+    arch, path = architecture(reader), reader.path
 
-    def need(key: str):
-        v = field(reader, f"{arch}.{key}")
+    def need(key: str, default=None, kind=int):
+        v = field(reader, f"{arch}.{key}", default)
         if v is None:
             raise ValueError(f"{path}: GGUF metadata {arch}.{key} is missing")
-        return v
+        if isinstance(v, (list, str)):  # e.g. per-layer head counts
+            raise ValueError(f"{path}: GGUF metadata {arch}.{key}={v!r} is not supported (one {kind.__name__})")
+        return kind(v)
 
-    D, H = int(need("embedding_length")), int(need("attention.head_count"))
-    head_dim = int(field(reader, f"{arch}.attention.key_length", D // H))
-    if int(field(reader, f"{arch}.attention.value_length", head_dim)) != head_dim:
+    D, H = need("embedding_length"), need("attention.head_count")
+    head_dim = need("attention.key_length", D // H)
+    if need("attention.value_length", head_dim) != head_dim:
         raise ValueError(f"{path}: {arch}.attention.value_length differs from key_length ({head_dim}): not supported")
-    rope_dim = int(field(reader, f"{arch}.rope.dimension_count", head_dim))
+    rope_dim = need("rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise ValueError(f"{path}: {arch}.rope.dimension_count={rope_dim} (partial RoPE) is not supported; "
                          f"head_dim is {head_dim}")
     scaling = field(reader, f"{arch}.rope.scaling.type", "none")
     if scaling != "none":
         raise ValueError(f"{path}: {arch}.rope.scaling.type={scaling!r} is not supported (only plain RoPE)")
-    if int(field(reader, f"{arch}.expert_count", 0)) > 0:
-        raise ValueError(f"{path}: {arch}.expert_count={field(reader, f'{arch}.expert_count')}: "
-                         "mixture-of-experts models are not supported")
+    if need("expert_count", 0) > 0:
+        raise ValueError(f"{path}: {arch}.expert_count={need('expert_count')}: mixture-of-experts models are not "
+                         "supported")
     names = set(reader.tensors)
     if "rope_freqs.weight" in names:  # llama 3.1's frequency scaling, as per-dimension factors
         raise ValueError(f"{path}: tensor 'rope_freqs.weight' (scaled RoPE) is not supported (only plain RoPE)")
     if "token_embd.weight" not in names:
         raise ValueError(f"{path}: tensor 'token_embd.weight' is missing")
     vocab = int(reader.tensors["token_embd.weight"].shape[0])
-    meta_vocab = field(reader, f"{arch}.vocab_size")
-    if meta_vocab is not None and int(meta_vocab) != vocab:
-        raise ValueError(f"{path}: {arch}.vocab_size={meta_vocab} but token_embd.weight has {vocab} rows")
+    if need("vocab_size", vocab) != vocab:
+        raise ValueError(f"{path}: {arch}.vocab_size={need('vocab_size')} but token_embd.weight has {vocab} rows")
     return {"model_type": "llama", "hidden_act": "silu", "hidden_size": D, "num_attention_heads": H,
-            "num_hidden_layers": int(need("block_count")), "intermediate_size": int(need("feed_forward_length")),
-            "num_key_value_heads": int(field(reader, f"{arch}.attention.head_count_kv", H)), "head_dim": head_dim,
-            "max_position_embeddings": int(field(reader, f"{arch}.context_length", 2048)),
-            "rms_norm_eps": decimal(need("attention.layer_norm_rms_epsilon")),
-            "rope_theta": decimal(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+            "num_hidden_layers": need("block_count"), "intermediate_size": need("feed_forward_length"),
+            "num_key_value_heads": need("attention.head_count_kv", H), "head_dim": head_dim,
+            "max_position_embeddings": need("context_length", 2048),
+            "rms_norm_eps": decimal(need("attention.layer_norm_rms_epsilon", kind=float)),
+            "rope_theta": decimal(need("rope.freq_base", 10000.0, float)),
             "attention_bias": "blk.0.attn_q.bias" in names, "tie_word_embeddings": "output.weight" not in names,
             "vocab_size": vocab}
 
@@ -208,7 +209,7 @@ def load(path, kv_mode: str | None = None, dtype: str | None = None):
     if file is None:
         raise ValueError(f"{os.fspath(path)!r} is not a GGUF file nor a folder holding one")
     reader = open_file(file)
-    hf = hf_config(reader, file)
+    hf = hf_config(reader)
     for name, info in reader.tensors.items():  # before reading any: fail fast
         if reader.type_name(info) not in TENSOR_TYPES:
             raise ValueError(f"{file}: tensor {name!r} has type {reader.type_name(info)}; supported: "
