@@ -281,6 +281,29 @@ def test_tiny_gguf_tokenizer(tiny_pair):
             tok.apply_chat_template(bad)
 
 
+def test_hf_folder_tokenizer_reads_its_config_files(tmp_path, tiny_pair):
+    from tinyloop_jax.formats import gguf_vocab
+    gguf_vocab.build(gguf_vocab.metadata(tiny_pair[0])).save(str(tmp_path / "tokenizer.json"))
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] | tojson }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": {"content": "<|im_start|>"}, "eos_token": "<|im_end|>", "chat_template": template}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    tok = tl.load_tokenizer(str(tmp_path))
+    assert tok.eos_token_ids == [2, 0]
+    assert tok.special_tokens == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
+    assert tok.apply_chat_template([{"role": "user", "content": "é<"}]) == '<|im_start|>"é<"'  # no HTML escaping
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.role }}]{% endfor %}")
+    assert tl.load_tokenizer(str(tmp_path)).apply_chat_template([{"role": "user", "content": "x"}]) == "[user]"
+    (tmp_path / "chat_template.jinja").write_text("{% if true %}")
+    with pytest.raises(ValueError, match="not valid Jinja"):
+        tl.load_tokenizer(str(tmp_path)).apply_chat_template([{"role": "user", "content": "x"}])
+    (tmp_path / "chat_template.jinja").write_text("{{ raise_exception('no system messages') }}")
+    with pytest.raises(ValueError, match="no system messages"):
+        tl.load_tokenizer(str(tmp_path)).apply_chat_template([{"role": "user", "content": "x"}])
+    (tmp_path / "chat_template.jinja").write_text("{{ messages.__class__ }}")  # the sandbox hides it
+    assert tl.load_tokenizer(str(tmp_path)).apply_chat_template([{"role": "user", "content": "x"}]) == ""
+
+
 def test_cli_generates_from_a_gguf_file(tiny_pair, capsys):
     from test_bundled_and_cli import tinyloop
     r = tinyloop(capsys, "generate", "--model", tiny_pair[0], "--kv-mode", "fp32", "--max-tokens", "4", "the cat")
