@@ -2,7 +2,7 @@
 
 A GGUF file holds the hyperparameters as metadata (`llama.block_count`, ...), the tokenizer
 (`tokenizer.ggml.*`, see `gguf_vocab`) and the tensors under llama.cpp's names. This module reads
-it with the `gguf` package and presents it to `hf_import` the way a Hugging Face folder looks:
+it (`gguf_reader`) and presents it to `hf_import` the way a Hugging Face folder looks:
 an HF-style config dict (`hf_config`) and a tensor source with HF Llama names (`GGUFTensors`, the
 same interface as `safetensors_io.Tensors`), so the one Llama import path builds the model.
 
@@ -15,7 +15,8 @@ same interface as `safetensors_io.Tensors`), so the one Llama import path builds
     output_norm.weight -> model.norm.weight      output.weight -> lm_head.weight (absent: tied)
 
 GGUF lists a tensor's dims fastest first ([in, out]); its rows are Hugging Face's [out, in]
-rows. Tensors are dequantized one at a time to float32 numpy (`gguf.quants.dequantize`: F32,
+rows. Tensors are dequantized one at a time to float32 numpy (the `gguf` package's
+`quants.dequantize`, checked block by block against ggml's reference in tests/test_gguf.py: F32,
 F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), then cast to the model's dtype.
 
 llama.cpp's converter permutes the rows of q_proj and k_proj so that its RoPE kernel rotates
@@ -140,8 +141,8 @@ def decimal(x: float) -> float:
 def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row order: [n_heads * hd, ...] with per-head rows (j, half) -> (half, j).
 
-    >>> unpermute(np.arange(4), 1).tolist()   # GGUF rows x0, x2, x1, x3 of one head, hd = 4
-    [0, 2, 1, 3]
+    >>> unpermute(np.array([0, 2, 1, 3]), 1).tolist()   # one head, hd = 4: HF rows 0..3 stored as 0, 2, 1, 3
+    [0, 1, 2, 3]
     """
     hd = w.shape[0] // n_heads
     return w.reshape(n_heads, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
