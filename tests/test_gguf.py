@@ -16,6 +16,7 @@ import json
 import os
 import zipfile
 
+import gguf
 import numpy as np
 import pytest
 
@@ -23,7 +24,6 @@ import tinyloop_jax as tl
 from tinyloop_jax.formats import gguf as gguf_format
 from tinyloop_jax.formats import gguf_reader, hub
 
-gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
 DATA = os.path.join(os.path.dirname(__file__), "data")
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
