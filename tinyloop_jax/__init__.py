@@ -10,9 +10,11 @@ from .api.runtime import Model, ResumeHandle
 from .decoding.sampling import Request, SamplingParams
 from .serving.engine import Engine
 from .api.store import PrefixStore
-from .formats.tokenizer import ByteTokenizer, HFTokenizer
+from .formats.hub import model_path
+from .formats.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from .model.transformer import Exit
 
 __all__ = ["ByteTokenizer", "Engine", "Exit", "HFTokenizer", "KV_MODES", "KVCache", "Model", "ModelConfig",
-           "PrefixCache", "PrefixStore", "Request", "ResumeHandle", "SamplingParams", "Weights", "functional"]
+           "PrefixCache", "PrefixStore", "Request", "ResumeHandle", "SamplingParams", "Weights", "functional",
+           "load_tokenizer", "model_path"]
 __version__ = "0.1.0"

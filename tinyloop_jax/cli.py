@@ -30,10 +30,15 @@ class UsageError(Exception):
 
 
 def _load(path: str | None, kv_mode: str | None):
-    """A tinyloop checkpoint (tinyloop.json) or a Hugging Face folder (config.json)."""
+    """A tinyloop checkpoint (tinyloop.json), a Hugging Face folder (config.json), a GGUF file or
+    folder, or a known model name ("smollm2")."""
     import tinyloop_jax as tl
 
+    from .formats import gguf, hub
+
     path = path or BUNDLED
+    if hub.is_name(path) or gguf.find_file(path) is not None:  # "smollm2", a GGUF file or a folder holding one
+        return tl.Model.from_pretrained(path, kv_mode=kv_mode)
     if not os.path.isdir(path):
         raise UsageError(f"no model at {path}" + ("" if path != BUNDLED else " (the bundled checkpoint is missing)"))
     if os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(os.path.join(path, "tinyloop.json")):

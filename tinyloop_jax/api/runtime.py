@@ -16,7 +16,7 @@ from ..model import cache as kvc
 from ..formats import checkpoint
 from ..decoding import programs
 from ..formats import hf_gpt2
-from ..formats import hf_import
+from ..formats import gguf, hf_import, hub
 from ..model import sharding
 from . import functional as F
 from . import validation as check
@@ -72,7 +72,12 @@ class Model:
         model.safetensors.index.json) by its `model_type`: "gpt2", "llama" (n_pre = L - 1, one
         loop block run once) or "ouro" (the whole stack looped `total_ut_steps` times, early-exit
         gate). `dtype` (float32 | bfloat16) defaults to float32 on CPU and bfloat16 on GPU.
-        Tensors are read one at a time (no second full copy in host memory). See `hf_import`."""
+        Tensors are read one at a time (no second full copy in host memory). See `hf_import`.
+        Also a GGUF file (or a folder holding one; dequantized, see `formats.gguf`) and a known
+        model name (`tl.model_path`: "smollm2")."""
+        path = hub.resolve(path)  # a known name ("smollm2") -> its local file
+        if gguf.find_file(path) is not None:
+            return cls(*gguf.load(path, kv_mode, dtype), mesh=mesh)
         return cls(*hf_import.load(path, kv_mode, dtype), mesh=mesh)
 
     @classmethod

@@ -1,8 +1,10 @@
 """Tokenizers: the bundled model's bytes (UTF-8 bytes are ids 0..255, then a few special ids),
-and a Hugging Face folder's tokenizer.json through the `tokenizers` package."""
+and a Hugging Face folder's tokenizer.json or a GGUF file's vocabulary through the `tokenizers`
+package, with the model's chat template (`load_tokenizer`)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -32,8 +34,11 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A folder's tokenizer.json (any model Hugging Face's `tokenizers` reads). Same interface
-    as ByteTokenizer: encode(str) -> int32 ids, decode(ids) -> str (special tokens dropped)."""
+    """A `tokenizers` tokenizer with its model's metadata: a folder's tokenizer.json (+
+    tokenizer_config.json, chat_template.jinja, generation_config.json), or a GGUF file's
+    `tokenizer.ggml.*` metadata (`from_gguf`). Same interface as ByteTokenizer: encode(str) ->
+    int32 ids, decode(ids) -> str (special tokens dropped); plus `eos_token_ids` (every id that ends
+    a turn), `special_tokens` and `apply_chat_template`."""
 
     def __init__(self, path: str):
         from tokenizers import Tokenizer
@@ -42,13 +47,45 @@ class HFTokenizer:
         if not os.path.isfile(file):
             raise ValueError(f"{path!r} has no tokenizer.json")
         try:
-            self._tok = Tokenizer.from_file(file)
+            tok = Tokenizer.from_file(file)
         except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception type
             raise ValueError(f"cannot read {file}: {e}") from e
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        folder = os.path.dirname(file)
+        config = _read_json(os.path.join(folder, "tokenizer_config.json"))
+        specials = {k: _token_text(config[k]) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+                    if _token_text(config.get(k)) is not None}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja = os.path.join(folder, "chat_template.jinja")
+        if os.path.isfile(jinja):
+            with open(jinja, encoding="utf-8") as f:
+                template = f.read()
+        eos = [tok.token_to_id(specials["eos_token"])] if "eos_token" in specials else []
+        for name in ("config.json", "generation_config.json"):
+            value = _read_json(os.path.join(folder, name)).get("eos_token_id")
+            eos += value if isinstance(value, list) else [value]
+        self._setup(tok, specials, template, eos)
+
+    @classmethod
+    def from_gguf(cls, path: str) -> "HFTokenizer":
+        """The tokenizer in a GGUF file's metadata, built as `transformers` builds it (see `gguf_vocab`)."""
+        from . import gguf_vocab
+
+        meta = gguf_vocab.metadata(path)
+        self = cls.__new__(cls)
+        self._setup(gguf_vocab.build(meta, path), gguf_vocab.special_tokens(meta), meta.get("chat_template"),
+                    gguf_vocab.end_of_turn_ids(meta))
+        return self
+
+    def _setup(self, tok, specials: dict, chat_template: str | None, eos_ids: list) -> None:
+        self._tok, self.special_tokens, self.chat_template = tok, dict(specials), chat_template
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.eos_token_ids = [int(i) for i in dict.fromkeys(eos_ids) if i is not None and 0 <= int(i) < self.vocab_size]
 
     def encode(self, text: str, special: bool = True) -> np.ndarray:
-        """str -> np.ndarray[int32]; special=True adds the tokenizer's own special tokens (BOS)."""
+        """str -> np.ndarray[int32]; special=True adds the tokenizer's own special tokens (BOS).
+        Special-token text in `text` ("<|im_start|>") is its id either way, as in transformers."""
         if not isinstance(text, str):
             raise ValueError(f"encode takes a str, got {type(text).__name__}")
         return np.array(self._tok.encode(text, add_special_tokens=special).ids, np.int32)
@@ -56,10 +93,69 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in np.asarray(ids, np.int64).ravel()], skip_special_tokens=True)
 
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False, **kwargs):
+        """`messages` ([{"role": "user", "content": "..."}, ...]) rendered by the model's chat
+        template, as `transformers`' `apply_chat_template`: a str, or int32 ids (no BOS added)
+        with `tokenize=True`. `kwargs` are extra template variables. ValueError if the model
+        has no chat template or a message is malformed.
+
+        >>> tok.apply_chat_template([{"role": "user", "content": "Hi"}])   # doctest: +SKIP
+        '<|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n'
+        """
+        from . import chat_template
+
+        if not self.chat_template:
+            raise ValueError("this model has no chat template")
+        text = chat_template.render(self.chat_template, messages, add_generation_prompt,
+                                    **{**self.special_tokens, **kwargs})
+        return self.encode(text, special=False) if tokenize else text
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+def _token_text(value):
+    """A special token as tokenizer_config.json writes it (a str or an AddedToken dict) -> str."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def load_tokenizer(path=None):
+    """The tokenizer of a model: a known name ("smollm2"), a GGUF file or a folder holding one, a
+    Hugging Face folder (tokenizer.json), or None / a tinyloop checkpoint (the byte tokenizer).
+
+    >>> load_tokenizer("smollm2").decode(load_tokenizer("smollm2").encode("Hello"))   # doctest: +SKIP
+    'Hello'
+    """
+    from . import gguf, hub
+
+    if path is None:
+        return ByteTokenizer()
+    path = hub.resolve(path)
+    file = gguf.find_file(path)
+    if file is not None:
+        return HFTokenizer.from_gguf(file)
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return HFTokenizer(path)
+    if os.path.isfile(os.path.join(path, "tinyloop.json")):
+        return ByteTokenizer()
+    raise ValueError(f"no tokenizer at {path!r}: expected a GGUF file, a folder with tokenizer.json, a tinyloop "
+                     f"checkpoint or a known model name ({', '.join(sorted(hub.MODELS))})")
+
 
 def tokenizer_for(path: str | None):
     """The tokenizer of a model folder: tokenizer.json if it has one, else the byte tokenizer
-    (the bundled model and tinyloop checkpoints)."""
+    (the bundled model and tinyloop checkpoints); GGUF files and known names as `load_tokenizer`."""
+    from . import gguf, hub
+
+    if path is not None and (hub.is_name(path) or gguf.find_file(path) is not None):
+        return load_tokenizer(path)
     if path is not None and os.path.isfile(os.path.join(path, "tokenizer.json")):
         return HFTokenizer(path)
     return ByteTokenizer()

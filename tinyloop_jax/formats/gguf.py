@@ -1,0 +1,220 @@
+"""GGUF files (llama.cpp, ollama) as a Hugging Face Llama: `Model.from_pretrained("x.gguf")`.
+
+A GGUF file holds the hyperparameters as metadata (`llama.block_count`, ...), the tokenizer
+(`tokenizer.ggml.*`, see `gguf_vocab`) and the tensors under llama.cpp's names. This module reads
+it (`gguf_reader`) and presents it to `hf_import` the way a Hugging Face folder looks:
+an HF-style config dict (`hf_config`) and a tensor source with HF Llama names (`GGUFTensors`, the
+same interface as `safetensors_io.Tensors`), so the one Llama import path builds the model.
+
+    token_embd.weight            -> model.embed_tokens.weight
+    blk.{i}.attn_norm.weight     -> model.layers.{i}.input_layernorm.weight
+    blk.{i}.attn_{q,k,v}.weight  -> model.layers.{i}.self_attn.{q,k,v}_proj.weight   (q, k un-permuted)
+    blk.{i}.attn_output.weight   -> model.layers.{i}.self_attn.o_proj.weight
+    blk.{i}.ffn_norm.weight      -> model.layers.{i}.post_attention_layernorm.weight
+    blk.{i}.ffn_{gate,up,down}.weight -> model.layers.{i}.mlp.{gate,up,down}_proj.weight
+    output_norm.weight -> model.norm.weight      output.weight -> lm_head.weight (absent: tied)
+
+GGUF lists a tensor's dims fastest first ([in, out]); its rows are Hugging Face's [out, in]
+rows. Tensors are dequantized one at a time to float32 numpy (the `gguf` package's
+`quants.dequantize`, checked block by block against ggml's reference in tests/test_gguf.py: F32,
+F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), then cast to the model's dtype.
+
+llama.cpp's converter permutes the rows of q_proj and k_proj so that its RoPE kernel rotates
+adjacent pairs (x0, x1), (x2, x3) ... where Hugging Face rotates halves (x_j, x_{j + hd/2}):
+per head, HF row (half a, index j) is stored at GGUF row 2 j + a. `unpermute` undoes it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+
+from .gguf_reader import MAGIC, GGUFFile
+
+ARCHITECTURES = ("llama",)
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+_LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def hf_name(name: str) -> str:
+    """llama.cpp's tensor name -> Hugging Face Llama's ('blk.3.attn_q.weight' ->
+    'model.layers.3.self_attn.q_proj.weight'); a name with no HF twin is returned as 'gguf:<name>'."""
+    if name in _TOP:
+        return _TOP[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER:
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
+    return "gguf:" + name
+
+
+def find_file(path) -> str | None:
+    """The GGUF file `path` names: a file starting with the GGUF magic, or a folder without a
+    config.json holding exactly one `*.gguf` (ValueError if it holds several). None otherwise."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            return path if f.read(4) == MAGIC or path.endswith(".gguf") else None
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    found = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+    if len(found) > 1:
+        raise ValueError(f"{path!r} holds several GGUF files ({', '.join(found)}); pass one of them")
+    return os.path.join(path, found[0]) if found else None
+
+
+def open_file(path: str) -> GGUFFile:
+    """A parsed GGUF file (tensors memory-mapped, read when used); ValueError naming the file for
+    anything that is not a complete GGUF file."""
+    return GGUFFile(path)
+
+
+def field(reader: GGUFFile, key: str, default=None):
+    """Metadata value `key` (int, float, bool, str or list), `default` if absent."""
+    return reader.fields.get(key, default)
+
+
+def architecture(reader: GGUFFile) -> str:
+    arch = field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{reader.path}: general.architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(ARCHITECTURES)}")
+    return arch
+
+
+def hf_config(reader: GGUFFile) -> dict:
+    """The metadata of a llama GGUF as a Hugging Face LlamaConfig dict (for `hf_import.llama_config`)."""
+    arch, path = architecture(reader), reader.path
+
+    def need(key: str, default=None, kind=int):
+        v = field(reader, f"{arch}.{key}", default)
+        if v is None:
+            raise ValueError(f"{path}: GGUF metadata {arch}.{key} is missing")
+        if isinstance(v, (list, str)):  # e.g. per-layer head counts
+            raise ValueError(f"{path}: GGUF metadata {arch}.{key}={v!r} is not supported (one {kind.__name__})")
+        return kind(v)
+
+    D, H = need("embedding_length"), need("attention.head_count")
+    head_dim = need("attention.key_length", D // H)
+    if need("attention.value_length", head_dim) != head_dim:
+        raise ValueError(f"{path}: {arch}.attention.value_length differs from key_length ({head_dim}): not supported")
+    rope_dim = need("rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise ValueError(f"{path}: {arch}.rope.dimension_count={rope_dim} (partial RoPE) is not supported; "
+                         f"head_dim is {head_dim}")
+    scaling = field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ValueError(f"{path}: {arch}.rope.scaling.type={scaling!r} is not supported (only plain RoPE)")
+    if need("expert_count", 0) > 0:
+        raise ValueError(f"{path}: {arch}.expert_count={need('expert_count')}: mixture-of-experts models are not "
+                         "supported")
+    names = set(reader.tensors)
+    if "rope_freqs.weight" in names:  # llama 3.1's frequency scaling, as per-dimension factors
+        raise ValueError(f"{path}: tensor 'rope_freqs.weight' (scaled RoPE) is not supported (only plain RoPE)")
+    if "token_embd.weight" not in names:
+        raise ValueError(f"{path}: tensor 'token_embd.weight' is missing")
+    vocab = int(reader.tensors["token_embd.weight"].shape[0])
+    if need("vocab_size", vocab) != vocab:
+        raise ValueError(f"{path}: {arch}.vocab_size={need('vocab_size')} but token_embd.weight has {vocab} rows")
+    return {"model_type": "llama", "hidden_act": "silu", "hidden_size": D, "num_attention_heads": H,
+            "num_hidden_layers": need("block_count"), "intermediate_size": need("feed_forward_length"),
+            "num_key_value_heads": need("attention.head_count_kv", H), "head_dim": head_dim,
+            "max_position_embeddings": need("context_length", 2048),
+            "rms_norm_eps": decimal(need("attention.layer_norm_rms_epsilon", kind=float)),
+            "rope_theta": decimal(need("rope.freq_base", 10000.0, float)),
+            "attention_bias": "blk.0.attn_q.bias" in names, "tie_word_embeddings": "output.weight" not in names,
+            "vocab_size": vocab}
+
+
+def decimal(x: float) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-5, not 9.999999747e-06)."""
+    return float(str(np.float32(x)))
+
+
+def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order: [n_heads * hd, ...] with per-head rows (j, half) -> (half, j).
+
+    >>> unpermute(np.array([0, 2, 1, 3]), 1).tolist()   # one head, hd = 4: HF rows 0..3 stored as 0, 2, 1, 3
+    [0, 1, 2, 3]
+    """
+    hd = w.shape[0] // n_heads
+    return w.reshape(n_heads, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def dequantize(reader: GGUFFile, name: str) -> np.ndarray:
+    """Tensor `name` (GGUF's name) -> float32 numpy in row-major shape (GGUF's dims reversed)."""
+    from gguf import GGMLQuantizationType, quants
+
+    info = reader.tensors[name]
+    kind = reader.type_name(info)
+    if kind not in TENSOR_TYPES:
+        raise ValueError(f"tensor {name!r} has type {kind}; supported: {', '.join(TENSOR_TYPES)}")
+    return np.asarray(quants.dequantize(reader.data(info), GGMLQuantizationType(info.ggml_type)),
+                      np.float32).reshape(info.shape)
+
+
+class GGUFTensors:
+    """A GGUF file's tensors under Hugging Face Llama names, read and dequantized one at a time
+    (the interface of `safetensors_io.Tensors`: `where`, `shape`, `read`, `take`, `unused`, `done`)."""
+
+    def __init__(self, reader: GGUFFile, n_heads: int, n_kv_heads: int, progress: bool | None = None):
+        self.reader, self.path, self.used = reader, reader.path, set()
+        self.where = {hf_name(name): name for name in reader.tensors}
+        self._heads = {"q_proj": n_heads, "k_proj": n_kv_heads}
+        self.progress = os.path.getsize(self.path) > 256 * 2**20 if progress is None else progress
+
+    def shape(self, name: str) -> tuple:
+        return self.reader.tensors[self.where[name]].shape
+
+    def read(self, name: str, dtype):
+        """Tensor `name` dequantized (q/k rows in Hugging Face's order), cast; not marked used."""
+        a = dequantize(self.reader, self.where[name])
+        proj = name.rsplit(".", 2)[-2]
+        if proj in self._heads:
+            a = unpermute(a, self._heads[proj])
+        return jnp.asarray(a, dtype)
+
+    def take(self, name: str, shape: tuple, dtype, transpose: bool = False):
+        """Tensor `name`, checked against `shape` (Hugging Face's), cast, transposed if asked."""
+        if name not in self.where:
+            raise ValueError(f"tensor {name!r} is missing from {self.path}")
+        if self.shape(name) != tuple(shape):
+            raise ValueError(f"tensor {name!r} has shape {self.shape(name)}; the metadata implies {tuple(shape)}")
+        a = self.read(name, dtype)
+        self.used.add(name)
+        n, total = len(self.used), len(self.where)
+        if self.progress and (n == total or n % max(1, total // 20) == 0):
+            print(f"\rloading {self.path}: {n}/{total} tensors", end="", file=sys.stderr, flush=True)
+        return a.T if transpose else a
+
+    def unused(self, ignore: tuple = ()) -> list[str]:
+        return sorted(k for k in self.where if k not in self.used and not k.endswith(tuple(ignore)))
+
+    def done(self) -> None:
+        if self.progress:
+            print(file=sys.stderr)
+
+
+def load(path, kv_mode: str | None = None, dtype: str | None = None):
+    """A GGUF file (or a folder holding one) -> (Params, ModelConfig) through `hf_import`'s Llama path."""
+    from . import hf_import
+
+    file = find_file(path)
+    if file is None:
+        raise ValueError(f"{os.fspath(path)!r} is not a GGUF file nor a folder holding one")
+    reader = open_file(file)
+    hf = hf_config(reader)
+    for name, info in reader.tensors.items():  # before reading any: fail fast
+        if reader.type_name(info) not in TENSOR_TYPES:
+            raise ValueError(f"{file}: tensor {name!r} has type {reader.type_name(info)}; supported: "
+                             f"{', '.join(TENSOR_TYPES)}")
+    cfg = hf_import.llama_config(hf, kv_mode, hf_import.default_dtype() if dtype is None else dtype)
+    tensors = GGUFTensors(reader, hf["num_attention_heads"], hf["num_key_value_heads"])
+    return hf_import.load_llama(file, cfg, tensors), cfg
