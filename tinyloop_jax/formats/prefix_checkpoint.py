@@ -41,7 +41,7 @@ def save(path: str, prefix: "PrefixCache") -> None:
     if state is not None:
         tree["state"] = state
     meta = dict(model_fingerprint=prefix.model_fingerprint, loops=prefix.loops, cache_window=prefix.cache_window,
-                kv_mode=cache.kv_mode, n_pre=len(cache.pre), n_post=len(cache.post), prompt_len=len(prefix.prompt),
+                kv_mode=cache.kv_mode.name, n_pre=len(cache.pre), n_post=len(cache.post), prompt_len=len(prefix.prompt),
                 layout=LAYOUT)
     checkpoint.save(path, KIND, checkpoint.flatten(tree), meta)
 
