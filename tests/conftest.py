@@ -50,6 +50,13 @@ def ouro_model(kv_mode: str, seed: int = 0) -> tl.Model:
     return tl.Model.random(tl.ModelConfig(**OURO, kv_mode=kv_mode), seed=seed)
 
 
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct (model, tokenizer): fetched once per machine, loaded once
+    per session (tests/test_gguf.py, tests/test_chat.py), float32, fp32 KV."""
+    return (tl.Model.from_pretrained("smollm2", kv_mode="fp32", dtype="float32"), tl.load_tokenizer("smollm2"))
+
+
 class _Models(dict):
     def __missing__(self, mode):
         return tiny_model(mode)

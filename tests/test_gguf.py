@@ -374,12 +374,6 @@ GOLDEN = os.path.join(DATA, "smollm2-golden.npz")
 KV_MODES = ["fp32", "fp16", "int8", "int4", "fp16-h", "int8-h", "int4-h"]
 
 
-@pytest.fixture(scope="session")
-def smollm2():
-    """(model, tokenizer): fetched once per machine, loaded once per session, float32, fp32 KV."""
-    return (tl.Model.from_pretrained("smollm2", kv_mode="fp32", dtype="float32"), tl.load_tokenizer("smollm2"))
-
-
 @pytest.mark.slow
 def test_smollm2_completes_the_capital_of_france(smollm2):
     model, tok = smollm2

@@ -1,5 +1,6 @@
 """`tinyloop serve`'s HTTP API, started on a free localhost port and driven by the official
-`openai` client: completions equal `model.generate`, streaming, concurrency, errors, metrics."""
+`openai` client: completions equal `model.generate`, streaming, concurrency, errors, metrics.
+(`Server` also serves tests/test_chat.py.)"""
 
 import http.client
 import json
@@ -29,9 +30,9 @@ def model():
 
 
 class Server:
-    def __init__(self, model, eos=(EOS,), **engine_kw):
+    def __init__(self, model, eos=(EOS,), tok=TOK, name="tiny", **engine_kw):
         self.engine = tl.Engine(model, **engine_kw)  # (no warmup: the tests compile what they use)
-        app = make_app(self.engine, TOK, "tiny", eos=list(eos))
+        app = make_app(self.engine, tok, name, eos=list(eos))
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -46,8 +47,8 @@ class Server:
         self.thread.join()
         self.engine.close()
 
-    def post_raw(self, body: bytes) -> tuple[int, dict]:
-        req = urllib.request.Request(self.url + "/v1/completions", data=body,
+    def post_raw(self, body: bytes, path: str = "/v1/completions") -> tuple[int, dict]:
+        req = urllib.request.Request(self.url + path, data=body,
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req) as r:

@@ -1,4 +1,5 @@
-"""`tinyloop` command line: generate, demo (prefix sharing), eval (bits per byte), serve (HTTP)."""
+"""`tinyloop` command line: generate, chat (a terminal chat), demo (prefix sharing), eval (bits
+per byte), serve (HTTP)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,13 @@ TITLES = ["The \"while\" statement", "The \"import\" statement", "The \"return\"
           "The \"del\" statement", "The \"for\" statement", "The \"global\" statement",
           "Boolean operations", "Comparisons"]
 QUESTIONS = [f"{t}\n{'*' * len(t)}\n\n" for t in TITLES]
+# The same demo with a chat model: one system message, questions through its chat template.
+CHAT_SYSTEM = ("You are a helpful assistant running on tinyloop, a small inference runtime. Answer every question "
+               "in one or two plain sentences, without lists, headings or code. If you are not sure of a fact, say "
+               "so briefly instead of guessing. Do not greet the user and do not sign off.")
+CHAT_QUESTIONS = ["What is the capital of France?", "Why is the sky blue?", "What does a compiler do?",
+                  "Name three primary colors.", "What is the boiling point of water?",
+                  "Who wrote Romeo and Juliet?", "What is photosynthesis?", "How many legs does a spider have?"]
 
 
 class UsageError(Exception):
@@ -46,10 +54,10 @@ def _load(path: str | None, kv_mode: str | None):
     return tl.Model.load(path, kv_mode=kv_mode)
 
 
-def _model_and_tokenizer(args):
+def _model_and_tokenizer(args, tok=None):
     from .formats.tokenizer import tokenizer_for
 
-    model, tok = _load(args.model, args.kv_mode), tokenizer_for(args.model)
+    model, tok = _load(args.model, args.kv_mode), tok or tokenizer_for(args.model)
     if tok.vocab_size > model.config()["vocab_size"]:
         raise UsageError(f"the tokenizer has {tok.vocab_size} ids but the model only {model.config()['vocab_size']}")
     return model, tok
@@ -82,12 +90,33 @@ def cmd_generate(args) -> None:
     print(f"\n[{len(out) - len(prompt)} tokens in {ms:.0f} ms, loops={loops}]", file=sys.stderr)
 
 
+def _demo_prompts(tok, n: int):
+    """(shared prefix ids, its text, [(question ids, question text)]): pydoc sections for the
+    bundled byte model, else a system message and questions through the model's chat template,
+    each question's ids being its rendering after the shared system part."""
+    if not getattr(tok, "chat_template", None):
+        return (tok.encode(SYSTEM_PROMPT), SYSTEM_PROMPT.rstrip(),
+                [(tok.encode(q, special=False), q) for q in (QUESTIONS * 4)[:n]])
+    system = [dict(role="system", content=CHAT_SYSTEM)]
+    head = tok.apply_chat_template(system, add_generation_prompt=False, tokenize=True)
+    out = []
+    for q in (CHAT_QUESTIONS * 4)[:n]:
+        ids = tok.apply_chat_template(system + [dict(role="user", content=q)], tokenize=True)
+        if not np.array_equal(ids[:len(head)], head):
+            raise RuntimeError("the chat template does not render the system message as a prefix of the chat")
+        out.append((ids[len(head):], q))
+    return head, f"system: {CHAT_SYSTEM}", out
+
+
 def cmd_demo(args) -> None:
     model, tok = _model_and_tokenizer(args)
-    system = tok.encode(SYSTEM_PROMPT)
-    questions = [tok.encode(q, special=False) for q in (QUESTIONS * 4)[: args.questions]]
+    system, system_text, qs = _demo_prompts(tok, args.questions)
+    questions = [q for q, _ in qs]
+    eot = getattr(tok, "eos_token_ids", None) if getattr(tok, "chat_template", None) else None
     kw = dict(max_tokens=args.max_tokens, loops=args.loops, temperature=args.temperature, top_k=args.top_k,
               seed=args.seed)
+    if eot:
+        kw["stop_sequences"] = [[i] for i in eot]
     # compile every program once so the timings below measure serving, not compiling
     warm = model.build_prefix_cache(system, loops=args.loops)
     model.generate_from_prefix_cache(warm, suffix=questions[0], **kw)
@@ -102,18 +131,73 @@ def cmd_demo(args) -> None:
     answers = [model.generate_from_prefix_cache(prefix, suffix=q, **kw) for q in questions]
     shared = time.perf_counter() - t
 
-    print(f"shared system prompt ({len(system)} bytes, loops={prefix.loops}, "
+    unit = "tokens" if eot else "bytes"
+    print(f"shared system prompt ({len(system)} {unit}, loops={prefix.loops}, "
           f"prefix cache {prefix.nbytes / 2**20:.2f} MiB):\n")
-    print(SYSTEM_PROMPT.rstrip())
-    for q, a in zip(questions, answers):
+    print(system_text)
+    for (q, text), a in zip(qs, answers):
         print("\n" + "-" * 60)
-        print(tok.decode(q) + tok.decode(a[len(system) + len(q):]))
+        answer = tok.decode(a[len(system) + len(q):])
+        print(f"user: {text}\nassistant: {answer.strip()}" if eot else tok.decode(q) + answer)
     n = len(questions)
     print("\n" + "-" * 60)
     print(f"{'arm':<10}{'requests':>10}{'total ms':>12}{'ms/request':>12}")
     print(f"{'NO_CACHE':<10}{n:>10}{no_cache * 1e3:>12.0f}{no_cache * 1e3 / n:>12.0f}")
     print(f"{'SHARED':<10}{n:>10}{shared * 1e3:>12.0f}{shared * 1e3 / n:>12.0f}")
     print(f"speedup: {no_cache / shared:.2f}x")
+
+
+def cmd_chat(args) -> None:
+    """A chat in the terminal: each line of stdin is a user message, the answer is streamed to
+    stdout; /reset starts over, /exit (or the end of stdin) quits. On a terminal it prompts and
+    reports each turn on stderr; piped, stdout holds only the answers, one per line."""
+    from .api import chat
+    from .formats.tokenizer import tokenizer_for
+
+    tok = tokenizer_for(args.model)
+    if not getattr(tok, "chat_template", None):
+        raise UsageError(f"{args.model or 'the bundled model'} has no chat template; chat needs an "
+                         "instruction-tuned model: try --model smollm2")
+    model, tok = _model_and_tokenizer(args, tok)
+    conv = chat.Conversation(model, tok, system=args.system, loops=args.loops, max_tokens=args.max_tokens,
+                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    tty = sys.stdin.isatty()
+    if tty:
+        print(f"chatting with {args.model} (loops={conv.loops}); /reset starts over, /exit quits", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ") if tty else sys.stdin.readline()
+        except (EOFError, KeyboardInterrupt):
+            break
+        if not tty and not line:  # the end of piped input
+            break
+        line = line.strip()
+        if line == "/exit":
+            break
+        if line == "/reset":
+            conv.reset()
+            if tty:
+                print("(a new conversation)", file=sys.stderr)
+            continue
+        if not line:
+            continue
+        try:
+            for piece in conv.send(line):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt:  # an abandoned turn leaves the conversation as it was
+            print("\n(interrupted)", file=sys.stderr)
+            continue
+        except RuntimeError as e:  # the conversation fills the context: the user may /reset
+            print(f"tinyloop: error: {e}", file=sys.stderr)
+            continue
+        finally:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        if tty:
+            t = conv.turns[-1]
+            print(f"[{len(t.answer)} tokens in {t.seconds:.1f} s; prefilled {t.prefill_tokens} new tokens, "
+                  f"{t.reused_tokens} kept]", file=sys.stderr)
 
 
 def cmd_eval(args) -> None:
@@ -175,8 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tinyloop", description="Looped-transformer inference with prefix caching.")
     sub = ap.add_subparsers(dest="command", required=True)
     model_arg = argparse.ArgumentParser(add_help=False)
-    model_arg.add_argument("--model", help="a tinyloop checkpoint or a Hugging Face GPT-2 / Llama / Ouro folder "
-                           "(default: the bundled model)")
+    model_arg.add_argument("--model", help="a tinyloop checkpoint, a Hugging Face GPT-2 / Llama / Ouro folder, a "
+                           "GGUF file or a known name (smollm2) (default: the bundled model)")
     common = argparse.ArgumentParser(add_help=False, parents=[model_arg])
     common.add_argument("--kv-mode", default=None, help="KV cache storage mode: " + ", ".join(KV_MODES))
 
@@ -201,6 +285,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--top-k", type=int, default=20)
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_demo)
+
+    c = sub.add_parser("chat", parents=[common], help="chat in the terminal (a model with a chat template)")
+    c.add_argument("--system", default=None, help="a system message")
+    c.add_argument("--loops", type=int, default=None)
+    c.add_argument("--max-tokens", type=int, default=512, help="per answer")
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--top-k", type=int, default=50)
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--seed", type=int, default=0)
+    c.set_defaults(func=cmd_chat)
 
     e = sub.add_parser("eval", parents=[model_arg], help="held-out bits per byte")
     e.add_argument("--loops", type=_int_list, default=[1, 2, 4, 8, 16])

@@ -5,7 +5,16 @@
                             seed, stream (server-sent events), n = 1; extras top_k,
                             repetition_penalty, loops, ignore_eos. Each choice also carries
                             token_ids (the emitted ids) and finish_reason "stop" | "length".
+    POST /v1/chat/completions  messages (system / user / assistant, string content) through the
+                            model's chat template; max_completion_tokens (or max_tokens) and the
+                            rest as above. The answer stops at the template's end-of-turn ids,
+                            which are not part of message.content; streamed chunks carry deltas,
+                            the first one the role. A model with no chat template: HTTP 400.
     GET  /v1/models   /health   /metrics (Prometheus text)
+
+Request bodies and response objects: `protocol`. `usage.prompt_tokens_details.cached_tokens` says
+how many prompt tokens were read from cached prefixes (a chat's earlier turns, a shared system
+prompt) instead of being prefilled.
 
 Bad requests get HTTP 400 with an OpenAI-style error body; a full queue 429; a request past its
 deadline 504. The server has no authentication of its own: it binds to 127.0.0.1 unless told
@@ -15,7 +24,6 @@ otherwise, and anything wider belongs behind a reverse proxy that authenticates.
 from __future__ import annotations
 
 import json
-import numbers
 import os
 import secrets
 import time
@@ -23,142 +31,8 @@ from contextlib import aclosing
 
 from .engine import Engine
 from .handles import QueueFull, RequestTimeout
-
-
-class BadRequest(ValueError):
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-# ---- text --------------------------------------------------------------------------------------
-
-class Detokenizer:
-    """Emitted ids -> text as it becomes final: held back while it ends in a partial character
-    (U+FFFD) or could be the start of a stop string; cut before the first stop string."""
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tok, self.stops = tokenizer, stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.ids: list[int] = []
-        self.sent = ""
-        self.stopped = False
-
-    def _text(self, ids) -> str:
-        text = self.tok.decode(ids)
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped = True
-            return text[:min(hits)]
-        return text
-
-    def _delta(self, text: str, final: bool) -> str:
-        if not (final or self.stopped):
-            text = text.rstrip("\ufffd")
-            text = text[:max(len(self.sent), len(text) - self.hold)]
-        if not text.startswith(self.sent) or len(text) <= len(self.sent):
-            return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
-
-    def add(self, ids: list[int]) -> str:
-        """More ids -> the text that is now final (possibly "")."""
-        if self.stopped:
-            return ""
-        self.ids += ids
-        return self._delta(self._text(self.ids), final=False)
-
-    def finish(self, drop: int = 0) -> str:
-        """The rest of the text once generation ended (the last `drop` ids, a stop token
-        sequence, are not text)."""
-        if self.stopped:
-            return ""
-        return self._delta(self._text(self.ids[:len(self.ids) - drop]), final=True)
-
-
-# ---- request parsing ---------------------------------------------------------------------------
-
-def _int(body: dict, name: str, default):
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise BadRequest(f"{name} must be an integer, got {v!r}", name)
-    return int(v)
-
-
-def _num(body: dict, name: str, default):
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise BadRequest(f"{name} must be a number, got {v!r}", name)
-    return float(v)
-
-
-def _bool(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise BadRequest(f"{name} must be true or false, got {v!r}", name)
-    return v
-
-
-def parse_prompt(prompt, tokenizer) -> list[int]:
-    """A string (the model's tokenizer), a list of token ids, or a list holding one of those."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt).tolist()
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise BadRequest("one prompt per request: n = 1 and a single prompt are supported", "prompt")
-    raise BadRequest(f"prompt must be a string or a list of token ids, got {json.dumps(prompt)[:80]}", "prompt")
-
-
-def parse_stop(stop) -> list[str]:
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest(f"stop must be a non-empty string or a list of them, got {stop!r}", "stop")
-    return stop
-
-
-def parse(body, tokenizer, model_name: str, eos: list[int]) -> tuple[dict, list[str], bool, dict]:
-    """A completions request body -> (engine.submit arguments, stop strings, stream, options)."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    if "prompt" not in body:
-        raise BadRequest("prompt is required", "prompt")
-    model = body.get("model", model_name)
-    if model is not None and model != model_name:
-        raise BadRequest(f"model {model!r} is not served here; this server serves {model_name!r}", "model")
-    if _int(body, "n", 1) != 1 or _int(body, "best_of", 1) != 1:
-        raise BadRequest("only n = 1 (and best_of = 1) is supported", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _num(body, name, 0.0) != 0.0:
-            raise BadRequest(f"{name} is not supported (use repetition_penalty)", name)
-    if body.get("logprobs") is not None or _bool(body, "echo", False) or body.get("logit_bias"):
-        raise BadRequest("logprobs, echo and logit_bias are not supported", "logprobs")
-    seed = _int(body, "seed", None)
-    kw = dict(prompt=parse_prompt(body["prompt"], tokenizer), max_tokens=_int(body, "max_tokens", 16),
-              temperature=_num(body, "temperature", 1.0), top_p=_num(body, "top_p", 1.0),
-              top_k=_int(body, "top_k", 0), repetition_penalty=_num(body, "repetition_penalty", 1.0),
-              seed=secrets.randbits(32) if seed is None else seed, loops=_int(body, "loops", None))
-    if not _bool(body, "ignore_eos", False):
-        kw["stop_sequences"] = [[e] for e in eos]
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict):
-        raise BadRequest("stream_options must be an object", "stream_options")
-    return kw, parse_stop(body.get("stop")), _bool(body, "stream", False), opts
-
-
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code=None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+from .protocol import BadRequest, ChatShape, TextShape, error_body, parse, parse_chat
+from ..api.chat import Detokenizer
 
 
 # ---- the app -----------------------------------------------------------------------------------
@@ -176,33 +50,37 @@ def make_app(engine: Engine, tokenizer, model_name: str = "tinyloop", eos: list[
     def fail(status: int, message: str, kind: str, param=None) -> JSONResponse:
         return JSONResponse(error_body(message, kind, param), status_code=status)
 
-    async def completions(request):
+    async def serve(request, parse_body, shape):
+        """One request: parse, submit, then the whole answer or a stream of chunks."""
         try:
             body = json.loads(await request.body())
         except ValueError as e:
             return fail(400, f"the request body is not valid JSON: {e}", "invalid_request_error")
         try:
-            kw, stops, stream, opts = parse(body, tokenizer, model_name, eos)
-            handle = engine.submit(**kw)
+            req = parse_body(body)
+            handle = engine.submit(**req.submit)
         except QueueFull as e:
             return fail(429, str(e), "rate_limit_error")
         except BadRequest as e:
             return fail(400, str(e), "invalid_request_error", e.param)
         except (ValueError, RuntimeError) as e:
             return fail(400, str(e), "invalid_request_error")
-        rid = f"cmpl-{handle.id}-{secrets.token_hex(6)}"
-        text = Detokenizer(tokenizer, stops)
+        rid = f"{shape.id_prefix}-{handle.id}-{secrets.token_hex(6)}"
+        text = Detokenizer(tokenizer, req.stops)
 
-        def chunk(delta: str, ids: list[int], finish=None, usage=None) -> dict:
-            out = dict(id=rid, object="text_completion", created=int(time.time()), model=model_name,
-                       choices=[dict(index=0, text=delta, logprobs=None, finish_reason=finish, token_ids=ids)])
+        def wrap(obj: str, choices: list, usage=None) -> dict:
+            out = dict(id=rid, object=obj, created=int(time.time()), model=model_name, choices=choices)
             if usage is not None:
                 out["usage"] = usage
             return out
 
+        def chunk(delta: str, ids: list[int], finish=None) -> dict:
+            return wrap(shape.chunk_object, [shape.choice(delta, ids, finish, streaming=True)])
+
         def usage() -> dict:  # the tokens up to a stop string (the engine may have run one step on)
-            n = len(text.ids)
-            return dict(prompt_tokens=len(handle.prompt), completion_tokens=n, total_tokens=len(handle.prompt) + n)
+            n, p = len(text.ids), len(handle.prompt)
+            return dict(prompt_tokens=p, completion_tokens=n, total_tokens=p + n,
+                        prompt_tokens_details=dict(cached_tokens=handle.prefix_tokens))
 
         def reason() -> str:
             return "stop" if text.stopped or handle.finish_reason == "stop" else "length"
@@ -210,7 +88,7 @@ def make_app(engine: Engine, tokenizer, model_name: str = "tinyloop", eos: list[
         def tail() -> str:
             return text.finish(len(handle.stop_matched or ()))
 
-        if not stream:
+        if not req.stream:
             try:
                 async with aclosing(handle.astream()) as tokens:
                     async for t in tokens:
@@ -222,11 +100,13 @@ def make_app(engine: Engine, tokenizer, model_name: str = "tinyloop", eos: list[
                 return fail(504, str(e), "timeout")
             except RuntimeError as e:
                 return fail(500, str(e), "server_error")
-            out = chunk(text.sent + tail(), list(text.ids), reason(), usage())
-            return JSONResponse(out)
+            choice = shape.choice(text.sent + tail(), list(text.ids), reason(), streaming=False)
+            return JSONResponse(wrap(shape.full_object, [choice], usage()))
 
         async def events():
             try:
+                if shape.opening() is not None:
+                    yield f"data: {json.dumps(wrap(shape.chunk_object, [shape.opening()]))}\n\n"
                 async with aclosing(handle.astream()) as tokens:
                     async for t in tokens:
                         delta = text.add([t])
@@ -235,10 +115,8 @@ def make_app(engine: Engine, tokenizer, model_name: str = "tinyloop", eos: list[
                             handle.cancel()
                             break
                 yield f"data: {json.dumps(chunk(tail(), [], reason()))}\n\n"
-                if opts.get("include_usage"):
-                    last = dict(id=rid, object="text_completion", created=int(time.time()), model=model_name,
-                                choices=[], usage=usage())
-                    yield f"data: {json.dumps(last)}\n\n"
+                if req.include_usage:
+                    yield f"data: {json.dumps(wrap(shape.chunk_object, [], usage()))}\n\n"
             except RuntimeError as e:  # a deadline or a failed step, after the headers went out
                 yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
             finally:
@@ -246,6 +124,13 @@ def make_app(engine: Engine, tokenizer, model_name: str = "tinyloop", eos: list[
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def completions(request):
+        return await serve(request, lambda body: parse(body, tokenizer, model_name, eos), TextShape)
+
+    async def chat_completions(request):
+        return await serve(request, lambda body: parse_chat(body, tokenizer, model_name, eos, cfg.max_seq_len),
+                           ChatShape)
 
     async def models(request):
         return JSONResponse(dict(object="list", data=[dict(id=model_name, object="model", created=created,
@@ -266,6 +151,7 @@ def make_app(engine: Engine, tokenizer, model_name: str = "tinyloop", eos: list[
         return fail(404, f"no route {request.method} {request.url.path}", "not_found_error")
 
     return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
                              Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics)],
                      exception_handlers={404: not_found, 405: not_found})
 
@@ -305,9 +191,13 @@ class _Collector:
 
 
 def eos_ids(path: str | None, tokenizer, vocab_size: int) -> list[int]:
-    """The model's end-of-text ids: a folder's eos_token_id (config.json, else
-    generation_config.json), or the byte tokenizer's EOS."""
+    """The model's end-of-text ids: the tokenizer's end-of-turn ids (a GGUF's or a Hugging Face
+    folder's), else a folder's eos_token_id (generation_config.json, else config.json), else the
+    byte tokenizer's EOS."""
     from ..formats.tokenizer import ByteTokenizer
+
+    if getattr(tokenizer, "eos_token_ids", None):
+        return [int(x) for x in tokenizer.eos_token_ids if 0 <= int(x) < vocab_size]
 
     for name in ("generation_config.json", "config.json"):
         file = os.path.join(path, name) if path else None

@@ -1,0 +1,203 @@
+"""Chat with a real model (SmolLM2-135M-Instruct, the session's `smollm2` fixture):
+`POST /v1/chat/completions` driven by the official `openai` client, and `tinyloop chat` driven
+through stdin.
+
+- A greedy chat completion equals `model.generate` on the rendered prompt up to the end-of-turn
+  token, which is not part of the content; streamed deltas concatenate to the same text.
+- A second turn reads the whole first-turn prompt from the engine's prefix cache.
+- Bad messages are HTTP 400 naming the field, and the server keeps serving; a model with no chat
+  template is a 400 saying so.
+- `tinyloop chat`: the answers equal greedy `generate` of the rendered conversation, the second
+  turn prefills only its new tokens (the kept cache holds turn 1's prompt, answer and end-of-turn
+  token), /reset starts over, /exit quits.
+"""
+
+import io
+import json
+import sys
+import urllib.request
+
+import numpy as np
+import pytest
+
+import tinyloop_jax as tl
+
+openai = pytest.importorskip("openai", reason="the test extra installs the openai client")
+pytest.importorskip("uvicorn", reason="the serve extra installs uvicorn")
+
+from test_server import Server  # noqa: E402
+
+MAX = 12  # tokens per answer: SmolLM2 answers these questions within it
+FRANCE = "What is the capital of France?"
+# a system message long enough (> 32 tokens) that the engine prefills the prompt into a pool slot
+# and stores it, so a later turn can read it
+SYSTEM = ("You are a helpful assistant. You answer questions about geography in one short sentence, "
+          "you never use lists, and you do not greet the user or sign off.")
+
+
+def user(text: str) -> dict:
+    return dict(role="user", content=text)
+
+
+def reference(model, tok, messages, max_tokens=MAX) -> tuple[list[int], list[int]]:
+    """(the rendered prompt's ids, greedy `generate`'s answer ids up to an end-of-turn token)."""
+    ids = tok.apply_chat_template(messages, tokenize=True).tolist()
+    return ids, model.generate(ids, max_tokens=max_tokens, stop_sequences=[[i] for i in tok.eos_token_ids])[len(ids):]
+
+
+def text_of(tok, answer: list[int]) -> str:
+    return tok.decode([t for t in answer if t not in tok.eos_token_ids])
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    model, tok = smollm2
+    s = Server(model, eos=tok.eos_token_ids, tok=tok, name="smollm2", max_batch=2, prefix_slots=2,
+               prefix_capacity=256)
+    yield s
+    s.close()
+
+
+def chat(server, messages, **kw):
+    extra = {k: kw.pop(k) for k in ("top_k", "repetition_penalty", "loops", "ignore_eos") if k in kw}
+    if "max_completion_tokens" not in kw:
+        kw.setdefault("max_tokens", MAX)
+    return server.client.chat.completions.create(model="smollm2", messages=messages,
+                                                 temperature=kw.pop("temperature", 0.0), extra_body=extra or None,
+                                                 **kw)
+
+
+@pytest.mark.slow
+def test_chat_completion_equals_generate_up_to_end_of_turn(smollm2, server):
+    model, tok = smollm2
+    ids, want = reference(model, tok, [user(FRANCE)])
+    assert want[-1] in tok.eos_token_ids  # the model ends its turn by itself
+    r = chat(server, [user(FRANCE)])
+    c = r.choices[0]
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == "smollm2"
+    assert c.message.role == "assistant" and c.finish_reason == "stop"
+    assert c.message.content == text_of(tok, want) and "Paris" in c.message.content
+    assert c.token_ids == want  # the emitted ids, the end-of-turn token last
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == \
+        (len(ids), len(want), len(ids) + len(want))
+    # max_completion_tokens cuts the answer short: "length"
+    r = chat(server, [user(FRANCE)], max_completion_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.content == tok.decode(want[:3])
+
+
+@pytest.mark.slow
+def test_streamed_deltas_concatenate_to_the_same_text(smollm2, server):
+    model, tok = smollm2
+    full = chat(server, [user(FRANCE)]).choices[0]
+    parts = list(chat(server, [user(FRANCE)], stream=True, stream_options={"include_usage": True}))
+    assert all(p.object == "chat.completion.chunk" for p in parts)
+    assert parts[0].choices[0].delta.role == "assistant"
+    chunks = [p.choices[0] for p in parts if p.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == full.message.content
+    assert chunks[-1].finish_reason == "stop" and all(c.finish_reason is None for c in chunks[:-1])
+    assert parts[-1].choices == [] and parts[-1].usage.completion_tokens == len(full.token_ids)
+    # on the wire: server-sent events ending with [DONE]
+    body = json.dumps(dict(model="smollm2", messages=[user(FRANCE)], max_tokens=2, temperature=0, stream=True))
+    req = urllib.request.Request(server.url + "/v1/chat/completions", data=body.encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req) as r:
+        lines = [line for line in r.read().decode().split("\n") if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+
+
+@pytest.mark.slow
+def test_second_turn_reads_the_first_from_the_prefix_cache(smollm2, server):
+    model, tok = smollm2
+    turn1 = [dict(role="system", content=SYSTEM), user("What is the capital of Italy?")]
+    ids1, want1 = reference(model, tok, turn1)
+    r1 = chat(server, turn1)
+    assert r1.choices[0].token_ids == want1
+    turn2 = turn1 + [dict(role="assistant", content=r1.choices[0].message.content), user("And of Spain?")]
+    ids2, want2 = reference(model, tok, turn2)
+    assert ids2[:len(ids1)] == ids1  # the second request starts with the first one's prompt
+    r2 = chat(server, turn2)
+    assert r2.choices[0].token_ids == want2 and "Madrid" in r2.choices[0].message.content
+    cached1, cached2 = r1.usage.prompt_tokens_details.cached_tokens, r2.usage.prompt_tokens_details.cached_tokens
+    assert cached2 >= len(ids1) > cached1  # all of turn 1's prompt was read, not prefilled again
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("messages, field", [
+    (None, "messages"),
+    ([], "messages"),
+    ("What is the capital of France?", "messages"),
+    ([{"role": "robot", "content": "hi"}], "messages[0].role"),
+    ([{"content": "hi"}], "messages[0].role"),
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "user", "content": 5}], "messages[0].content"),
+    ([{"role": "user", "content": "hi"}, "hi"], "messages[1]"),
+])
+def test_bad_messages_are_400_naming_the_field(server, messages, field):
+    body = dict(model="smollm2", max_tokens=2, temperature=0)
+    if messages is not None:
+        body["messages"] = messages
+    status, err = server.post_raw(json.dumps(body).encode(), "/v1/chat/completions")
+    assert status == 400 and err["error"]["type"] == "invalid_request_error"
+    assert err["error"]["param"] == field and field in err["error"]["message"]
+    with pytest.raises(openai.BadRequestError):
+        chat(server, [{"role": "robot", "content": "hi"}])
+    assert chat(server, [user("Hi")], max_tokens=1).choices[0].finish_reason == "length"  # still serving
+
+
+def test_model_without_chat_template_is_400():
+    from tinyloop_jax.cli import BUNDLED
+
+    s = Server(tl.Model.load(BUNDLED))  # the bundled byte model: no chat template
+    try:
+        status, err = s.post_raw(json.dumps(dict(model="tiny", messages=[user("hi")])).encode(),
+                                 "/v1/chat/completions")
+        assert status == 400 and "no chat template" in err["error"]["message"]
+        assert s.client.completions.create(model="tiny", prompt="The", max_tokens=1).choices[0].text is not None
+    finally:
+        s.close()
+
+
+def test_tinyloop_chat_needs_a_chat_template(capsys):
+    from tinyloop_jax import cli
+
+    assert cli.main(["chat"]) == 2
+    err = capsys.readouterr().err
+    assert "no chat template" in err and "--model smollm2" in err
+
+
+@pytest.mark.slow
+def test_tinyloop_chat_through_stdin(smollm2, monkeypatch, capsys):
+    from tinyloop_jax import cli
+    from tinyloop_jax.api import chat as chat_module
+
+    model, tok = smollm2
+    made = []
+
+    class Recording(chat_module.Conversation):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(chat_module, "Conversation", Recording)
+    # the session's model rather than a second load of the same file; the name still picks the tokenizer
+    monkeypatch.setattr(cli, "_load", lambda path, kv_mode: model)
+    italy = "And of Italy?"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{FRANCE}\n{italy}\n/reset\n{FRANCE}\n/exit\n{italy}\n"))
+    assert cli.main(["chat", "--model", "smollm2", "--max-tokens", str(MAX)]) == 0
+
+    ids1, a1 = reference(model, tok, [user(FRANCE)])
+    ids2, a2 = reference(model, tok, [user(FRANCE), dict(role="assistant", content=text_of(tok, a1)), user(italy)])
+    assert capsys.readouterr().out == f"{text_of(tok, a1)}\n{text_of(tok, a2)}\n{text_of(tok, a1)}\n"
+    conv, = made
+    turns = conv.turns
+    assert [list(t.answer) for t in turns] == [a1, a2, a1]  # /exit: the last line was never read
+    assert (turns[0].reused_tokens, turns[0].prefill_tokens) == (0, len(ids1))
+    # turn 2 continued from the kept cache: turn 1's prompt + answer (its end-of-turn token
+    # included) were read, only the tokens the template added after them were prefilled
+    assert ids2[:len(ids1) + len(a1)] == ids1 + a1
+    assert (turns[1].reused_tokens, turns[1].prefill_tokens) == (len(ids1) + len(a1), len(ids2) - len(ids1) - len(a1))
+    assert (turns[2].reused_tokens, turns[2].prefill_tokens) == (0, len(ids1))  # after /reset
+    # the kept cache after the last turn is that of prompt + answer, as a from-scratch prefill's
+    assert conv.prefix.prompt.tolist() == ids1 + a1
+    np.testing.assert_allclose(np.asarray(conv.prefix.logits), np.asarray(model.build_prefix_cache(ids1 + a1).logits),
+                               atol=1e-3, rtol=0)

@@ -1,0 +1,223 @@
+"""Chat: a `Conversation` whose KV cache is kept between turns, and text streamed as it becomes
+final (`Detokenizer`, shared with the HTTP server).
+
+A conversation's cache is one segment that grows turn by turn; each turn copies the kept part
+(no compute), prefills only the tokens the turn adds, and decodes the answer into the same
+segment, one token at a time (so the text can be shown as it comes):
+
+    turn 1   [ system, user 1, "assistant\\n" | answer 1, <|im_end|> ]
+    turn 2   [ kept: all of turn 1            | "\\n", user 2, "assistant\\n" | answer 2, <|im_end|> ]
+               copied                           prefilled                      decoded
+
+The chat template re-renders the whole conversation every turn, so the turn's new tokens are
+that rendering minus the kept tokens (prompt + answer ids, the end-of-turn token included), which
+must be a token prefix of it.
+
+    >>> conv = Conversation(model, tok, system="Be brief.", max_tokens=64)   # doctest: +SKIP
+    >>> "".join(conv.send("What is the capital of France?"))                 # doctest: +SKIP
+    'The capital of France is Paris.'
+    >>> conv.turns[-1].prefill_tokens                                        # doctest: +SKIP
+    37
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import functional as F
+from . import validation as check
+from .prefix import PrefixCache
+from ..decoding import programs
+from ..decoding.sampling import Request, select_tokens
+from ..model import cache as kvc
+
+
+class Detokenizer:
+    """Emitted ids -> text as it becomes final: held back while it ends in a partial character
+    (U+FFFD) or could be the start of a stop string; cut before the first stop string."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tok, self.stops = tokenizer, stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = ""
+        self.stopped = False
+
+    def _text(self, ids) -> str:
+        text = self.tok.decode(ids)
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            return text[:min(hits)]
+        return text
+
+    def _delta(self, text: str, final: bool) -> str:
+        if not (final or self.stopped):
+            text = text.rstrip("\ufffd")
+            text = text[:max(len(self.sent), len(text) - self.hold)]
+        if not text.startswith(self.sent) or len(text) <= len(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+    def add(self, ids: list[int]) -> str:
+        """More ids -> the text that is now final (possibly "")."""
+        if self.stopped:
+            return ""
+        self.ids += ids
+        return self._delta(self._text(self.ids), final=False)
+
+    def finish(self, drop: int = 0) -> str:
+        """The rest of the text once generation ended (the last `drop` ids, a stop token
+        sequence, are not text)."""
+        if self.stopped:
+            return ""
+        return self._delta(self._text(self.ids[:len(self.ids) - drop]), final=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """What one turn did."""
+
+    prompt_tokens: int  # the rendered conversation, up to the assistant's generation prompt
+    reused_tokens: int  # of those, read from the kept cache
+    prefill_tokens: int  # of those, prefilled this turn (prompt_tokens - reused_tokens)
+    answer: tuple[int, ...]  # the emitted ids, an end-of-turn token included
+    text: str  # the answer's text (no end-of-turn token)
+    finish_reason: str  # "stop" (an end-of-turn token) | "length" (max_tokens, or the context is full)
+    first_token_s: float  # from the call to the first token
+    seconds: float  # the whole turn, the kept cache's update included
+
+
+# A conversation's segment grows by doubling from this size: a long chat compiles a few programs
+# (one per capacity), not one per 128 tokens as prompt buckets would.
+MIN_CAPACITY = 256
+
+
+def capacity(n_tokens: int, context: int) -> int:
+    """Slots of a conversation segment that must hold `n_tokens` positions: a power of two >=
+    MIN_CAPACITY, at most the model's context (bucketed)."""
+    return max(kvc.bucket(n_tokens), min(max(MIN_CAPACITY, 1 << (n_tokens - 1).bit_length()), kvc.bucket(context)))
+
+
+@jax.jit
+def pick(logits: jax.Array, seen: jax.Array, req: Request, step: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The next token of a one-row request from logits [V] (seen [V]: the tokens so far; `step`:
+    the token's index, the sampling key's) -> (token [] int32, seen with the token marked): the
+    same choice as the generate loop's."""
+    tok = select_tokens(logits[None], seen[None], req, step)[0]
+    return tok, seen.at[tok].set(True)
+
+
+class Conversation:
+    """A chat with `model` through `tokenizer`'s chat template, its cache kept between turns.
+
+    `send(text)` streams the answer's text; afterwards `messages` holds the conversation, `prefix`
+    its cache (a `PrefixCache` of prompt + answers, each end-of-turn token included) and
+    `turns[-1]` what the turn did. Generation stops at `tokenizer.eos_token_ids` or after
+    `max_tokens`. `reset()` starts over (keeping `system`); `turns` is a log of every turn.
+    ValueError if the tokenizer has no chat template or an argument is bad.
+    """
+
+    def __init__(self, model, tokenizer, system: str | None = None, loops: int | None = None, max_tokens: int = 512,
+                 temperature: float = 0.0, top_k: int = 50, top_p: float = 1.0, repetition_penalty: float = 1.0,
+                 seed: int = 0):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template: chat needs an instruction-tuned model "
+                             "(e.g. --model smollm2)")
+        if system is not None and not isinstance(system, str):
+            raise ValueError(f"system must be a string or None, got {type(system).__name__}")
+        self.model, self.tokenizer, self.system = model, tokenizer, system
+        c = model.weights.config
+        self.loops = c.default_loops if loops is None else check.loops(loops)
+        self.eos = list(tokenizer.eos_token_ids)
+        self.params = check.sampling_params(c.vocab_size, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                                            top_p=top_p, repetition_penalty=repetition_penalty, seed=seed,
+                                            stop_sequences=[[i] for i in self.eos])
+        self._req = jax.tree.map(jnp.asarray, Request.from_params([self.params], stops=False))
+        self._exit = model.exit_for(self.loops)
+        self.turns: list[Turn] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation (its cache too); the system message stays."""
+        self.messages: list[dict] = [] if self.system is None else [dict(role="system", content=self.system)]
+        self.prefix: PrefixCache | None = None
+
+    def send(self, text: str) -> Iterator[str]:
+        """The answer to user message `text`, as pieces of text while it is generated (complete
+        characters only). The conversation moves on once the iterator is exhausted; a turn
+        abandoned midway leaves it as it was. RuntimeError when the conversation fills the
+        model's context."""
+        if not isinstance(text, str):
+            raise ValueError(f"the message must be a string, got {type(text).__name__}")
+        t0 = time.perf_counter()
+        w, c = self.model.weights, self.model.weights.config
+        messages = self.messages + [dict(role="user", content=text)]
+        ids = np.asarray(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True),
+                         np.int32)
+        max_new = min(self.params.max_tokens, c.max_seq_len - len(ids))
+        if max_new < 1:
+            raise RuntimeError(f"the conversation is {len(ids)} tokens and fills the model's context "
+                               f"(max_seq_len={c.max_seq_len}); /reset starts a new one")
+        kept = self.prefix
+        # the kept tokens must start the new rendering; if the template rewrote an earlier turn
+        # (or an answer's text tokenizes differently from the ids the model emitted) they do not,
+        # and the whole conversation is prefilled again from the start
+        reuse = kept is not None and len(kept) < len(ids) and np.array_equal(ids[:len(kept)], kept.prompt)
+        k = len(kept) if reuse else 0
+        cap = capacity(len(ids) + max_new, c.max_seq_len)
+        seg = (programs.copy_prefix(kept.cache, jnp.int32(k), capacity=cap, passes=self.loops) if k
+               else F.empty_cache(w, cap, self.loops))
+        fill = self._prefill(ids[k:], k, seg)
+        logits, seg, seen = fill.logits, fill.own, fill.seen if not k else fill.seen | kept.seen
+
+        answer: list[int] = []
+        text_so_far = Detokenizer(self.tokenizer, [])
+        first = None
+        tok, seen = pick(logits, seen, self._req, jnp.int32(0))
+        while True:
+            t = int(tok)
+            answer.append(t)
+            if first is None:
+                first = time.perf_counter()
+            if t in self.eos or len(answer) == max_new:
+                break
+            delta = text_so_far.add([t])
+            if delta:
+                yield delta
+            logits, seg = F.decode_step(w, t, seg, loops=self.loops, exit=self._exit)
+            tok, seen = pick(logits, seen, self._req, jnp.int32(len(answer)))
+        stopped = answer[-1] in self.eos
+        if not stopped:
+            text_so_far.add([answer[-1]])
+        rest = text_so_far.finish()
+        if rest:
+            yield rest
+
+        # the last emitted token was never fed: feed it, so the kept cache holds the whole turn
+        fill = self._prefill(np.array(answer[-1:], np.int32), len(ids) + len(answer) - 1, seg)
+        prompt = np.concatenate([ids, np.array(answer, np.int32)])
+        prompt.setflags(write=False)
+        self.prefix = PrefixCache(cache=fill.own, prompt=prompt, loops=self.loops, cache_window=0, logits=fill.logits,
+                                  seen=fill.seen | seen, depth_states=fill.depth_states, weights=w)
+        self.messages = messages + [dict(role="assistant", content=text_so_far.sent)]
+        self.turns.append(Turn(prompt_tokens=len(ids), reused_tokens=k, prefill_tokens=len(ids) - k,
+                               answer=tuple(answer), text=text_so_far.sent,
+                               finish_reason="stop" if stopped else "length", first_token_s=first - t0,
+                               seconds=time.perf_counter() - t0))
+
+    def _prefill(self, tokens: np.ndarray, start: int, seg) -> programs.PrefixFill:
+        """tokens [T] prefilled at positions start.. into segment `seg` (which holds the ones
+        before; donated): the next-token logits, the tokens' mask, the last token's depth states."""
+        w = self.model.weights
+        padded = jnp.asarray(F.pad(tokens))
+        return programs.prefill_prefix(w.params, w.config, padded, jnp.int32(len(tokens)), jnp.int32(start), padded,
+                                       jnp.int32(len(tokens)), seg, loops=self.loops, window=0, keep_state=False,
+                                       exit=self._exit)
