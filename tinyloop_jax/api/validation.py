@@ -60,7 +60,7 @@ def cache_window(value) -> int:
 
 
 def max_tokens(value) -> int:
-    return _bounded(value, "max_tokens", integer, lambda v: v >= 1, ">= 1")
+    return _bounded(value, "max_tokens", integer, lambda v: 1 <= v < 2**31, "in [1, 2**31)")  # int32 on device
 
 
 def temperature(value) -> float:
