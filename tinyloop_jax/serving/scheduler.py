@@ -13,6 +13,7 @@ them): the lane's rows fail and its buffers are made anew; other lanes go on.
 from __future__ import annotations
 
 import collections
+import weakref
 from typing import Callable
 
 import jax.numpy as jnp
@@ -31,9 +32,22 @@ from ..model.kv_modes import KVMode
 from ..model.cache import bucket
 
 
-def store_nbytes(store: PrefixStore) -> int:
-    """Bytes a store's entries hold (`PrefixCache.nbytes`: their K/V and kept states)."""
-    return sum(e.nbytes for e in store.entries())
+class StoreBytes:
+    """Bytes a store's entries hold (`PrefixCache.nbytes`: their K/V and kept states), each
+    entry's counted once (entries are immutable; the count is forgotten with the entry)."""
+
+    def __init__(self):
+        self._memo: dict[int, tuple[weakref.ref, int]] = {}
+
+    def __call__(self, store: PrefixStore) -> int:
+        total = 0
+        for e in store.entries():
+            hit = self._memo.get(id(e))
+            if hit is None or hit[0]() is not e:
+                ref = weakref.ref(e, lambda _, k=id(e): self._memo.pop(k, None))
+                hit = self._memo[id(e)] = (ref, e.nbytes)
+            total += hit[1]
+        return total
 
 
 class Scheduler:
@@ -54,6 +68,7 @@ class Scheduler:
         self.memory_budget = memory_budget
         self._on_first_token = on_first_token
         self._tick = 0
+        self._store_bytes = StoreBytes()
         self.finished: list = []  # (handle, reason, error) of the rows that left: the driver finishes them
 
     def take_finished(self) -> list:
@@ -112,7 +127,7 @@ class Scheduler:
         if self.default_store is not None:
             stores[id(self.default_store)] = self.default_store
         return (sum(r.pool_nbytes(lane.loops) + r.rows_nbytes(lane.loops, lane.size, lane.cap)
-                    for lane in self.lanes.values()) + sum(map(store_nbytes, stores.values())))
+                    for lane in self.lanes.values()) + sum(map(self._store_bytes, stores.values())))
 
     def least_bytes(self, loops: int, n_prompt: int, max_tokens: int) -> int:
         """The least a request needs to run in a lane of its own: the lane's pool and one row
