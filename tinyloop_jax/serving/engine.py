@@ -124,15 +124,18 @@ class Engine:
 
     def submit(self, prompt, max_tokens: int = 32, temperature: float = 0.0, top_k: int = 50, top_p: float = 1.0,
                repetition_penalty: float = 1.0, stop_sequences=(), seed: int = 0, loops: int | None = None,
-               timeout: float | None = None) -> Handle:
+               timeout: float | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+               logit_bias=None) -> Handle:
         """Queue a request (the arguments of `model.generate`); returns its `Handle` at once.
         Bad arguments raise here (ValueError / RuntimeError) and nothing is queued; a full
-        queue raises `QueueFull`."""
+        queue raises `QueueFull`; a depth whose lane cannot fit the memory budget even alone,
+        `MemoryBudgetError`."""
         c = self.model.weights.config
         prompt = check.tokens(prompt, c.vocab_size)
         params = check.sampling_params(c.vocab_size, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                        top_p=top_p, repetition_penalty=repetition_penalty,
-                                       stop_sequences=stop_sequences, seed=seed)
+                                       stop_sequences=stop_sequences, seed=seed, presence_penalty=presence_penalty,
+                                       frequency_penalty=frequency_penalty, logit_bias=logit_bias)
         loops = c.default_loops if loops is None else check.loops(loops)
         if loops > self.max_loops:
             raise ValueError(f"loops={loops} is above this engine's max_loops={self.max_loops}")

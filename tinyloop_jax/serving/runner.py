@@ -51,7 +51,8 @@ class Runner:
         """The row fields of a BatchState of `size` fresh rows of `cap` positions."""
         V = self.weights.config.vocab_size
         return dict(own=F.empty_cache(self.weights, cap, loops, kv_mode=self.work_mode, batch=size),
-                    seen=jnp.zeros((size, V), bool), last=jnp.zeros((size,), jnp.int32),
+                    seen=jnp.zeros((size, V), bool), counts=jnp.zeros((size, V), jnp.int32),
+                    last=jnp.zeros((size,), jnp.int32),
                     req=jax.tree.map(jnp.asarray, Request.make(size, 0.0, 0, 1.0, 1.0, max_tokens=1)))
 
     def reshape(self, lane: Lane, size: int, cap: int, order: list[int] | None = None) -> None:
@@ -70,7 +71,7 @@ class Runner:
 
     def release_rows(self, lane: Lane) -> None:
         """Free the lane's row buffers (it has no rows); the pool stays."""
-        lane.state = lane.state.replace(own=None, seen=None, last=None, req=None)
+        lane.state = lane.state.replace(own=None, seen=None, counts=None, last=None, req=None)
         lane.size = lane.cap = 0
 
     # ---- sizes -----------------------------------------------------------------------------------
