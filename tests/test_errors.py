@@ -26,6 +26,7 @@ BAD_KWARGS = [
     (dict(loops=0), "loops"),
     (dict(cache_window=-1), "cache_window"),
     (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=10**12), "max_tokens must be in .*1000000000000"),  # not an int32 overflow
     (dict(temperature=-0.1), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tinyloop_jax.serving.lane import (Lane, Limits, Row, batch_buckets, choose_prefix, decode_rows, entry_capacity,
-                                       place, prefill_turns, shrinks, slot_buckets)
+from tinyloop_jax.serving.lane import (Lane, Limits, Row, batch_buckets, choose_prefix, compaction, decode_rows,
+                                       entry_capacities, entry_capacity, fitted, place, prefill_turns, slot_buckets)
 from tinyloop_jax.serving.pool import PrefixPool
 
 
@@ -115,7 +115,8 @@ def test_limits_and_buckets():
     assert batch_buckets(16) == [1, 2, 4, 8, 16] and batch_buckets(6) == [1, 2, 4, 6] and batch_buckets(1) == [1]
     assert [slot_buckets(8, n) for n in (1, 2, 3, 8)] == [1, 2, 8, 8]
     assert slot_buckets(4, 2) == 4  # a copy of half the pool costs more than reading it in place
-    assert [entry_capacity(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
+    assert [entry_capacity(n) for n in (1, 16, 17, 100, 129, 300)] == [16, 16, 32, 128, 256, 384]  # cache.bucket
+    assert entry_capacities(512) == [16, 32, 64, 128, 256, 384, 512]
 
 
 def test_prefill_budget_is_one_chunk_of_padded_tokens_per_iteration():
@@ -191,12 +192,35 @@ def test_no_prefix_cache_prefills_whole_prompts():
     assert (p.group, p.owner, p.load, p.need, p.cap) == (-1, False, None, 105, 512)
 
 
-def test_shrinks_once_no_row_needs_the_context():
+def test_fitted_shrinks_once_no_row_needs_the_context():
     wide = lane([row(0, need=100), row(1, need=20)], size=2, cap=512)
-    assert not shrinks(LIMITS, wide)
+    assert fitted(LIMITS, wide) == (2, 512)
     del wide.rows[0]
-    assert shrinks(LIMITS, wide)
-    assert not shrinks(LIMITS, lane([row(1, need=20)], size=2, cap=64)) and not shrinks(LIMITS, lane(size=2, cap=512))
+    assert fitted(LIMITS, wide) == (1, 64)  # the context no more, and one row's bucket
+    assert fitted(LIMITS, lane([row(1, need=20)], size=2, cap=64)) == (1, 64)
+    assert fitted(LIMITS, lane(size=2, cap=512)) == (0, 0)  # no rows: released
+
+
+def test_fitted_shrinks_to_the_rows_bucket_and_compaction_moves_them_to_the_front():
+    rows = lane([row(i) for i in (0, 3, 4, 5, 7)], size=8, cap=64)
+    assert fitted(LIMITS, rows) == (6, 64)  # buckets of 8 rows max: 1, 2, 4, 6
+    for i in (0, 4, 7):
+        del rows.rows[i]
+    assert fitted(LIMITS, rows) == (2, 64)
+    assert compaction(rows.rows, 4) == [3, 5, -1, -1] and compaction(rows.rows, 2) == [3, 5]
+
+
+def test_a_store_hit_without_a_free_slot_counts_what_is_recomputed():
+    ln = lane([row(0, group=0), row(1, group=1)], size=2, cap=64)
+    ln.pool.acquire(0)
+    ln.pool.acquire(1)
+    entry = Entry(np.arange(50))
+    p = place(LIMITS, ln, n=60, max_tokens=5, group=-1, limit=50, source=entry)  # short rest, no slot
+    assert (p.group, p.limit, p.load, p.recomputed, p.need) == (-1, 0, None, 50, 65)
+    p = place(LIMITS, ln, n=100, max_tokens=5, group=-1, limit=50, source=entry)  # long rest fitting a row
+    assert (p.group, p.limit, p.owner, p.recomputed) == (-1, 0, False, 50)
+    ln.pool.release(1)
+    assert place(LIMITS, ln, n=60, max_tokens=5, group=-1, limit=50, source=entry).recomputed == 0
 
 
 def test_decode_rows_read_a_copy_of_few_slots_or_the_whole_pool():

@@ -214,8 +214,13 @@ class Model:
     def generate(self, prompt, max_tokens: int = 32, loops: int | None = None, temperature: float = 0.0,
                  top_k: int = 50, top_p: float = 1.0, cache_window: int = 0, repetition_penalty: float = 1.0,
                  stop_sequences=(), seed: int = 0, draft_loops: int | None = None, lookahead: int = 4,
-                 exit_at_step: int | None = None, exit_threshold: float | None = None) -> list[int]:
+                 exit_at_step: int | None = None, exit_threshold: float | None = None, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, logit_bias=None) -> list[int]:
         """Prompt + up to `max_tokens` emitted tokens (a list of ints).
+
+        presence_penalty / frequency_penalty (in [-2, 2]) and logit_bias ({token id: bias in
+        [-100, 100]}, at most 300) as in OpenAI's API: a token's logit is lowered by
+        frequency_penalty per time it was emitted so far and by presence_penalty once it was.
 
         draft_loops=d: self-speculative decoding — draft `lookahead` tokens at depth d from the
         same caches, verify them in one forward at depth `loops` (see `speculative`). Greedy
@@ -225,7 +230,9 @@ class Model:
         prompt = self._tokens(prompt)
         loops, window = self._loops(loops), check.cache_window(cache_window)
         params = self._sampling(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed)
+                                repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                logit_bias=logit_bias)
         spec = self._speculation(draft_loops, lookahead, loops)
         ex = self.exit_for(loops, exit_at_step, exit_threshold)
         self._check_length(len(prompt) + params.max_tokens, "prompt + max_tokens")
@@ -256,7 +263,8 @@ class Model:
                                    cache_window: int | None = None, repetition_penalty: float = 1.0,
                                    stop_sequences=(), suffix=None, seed: int = 0, draft_loops: int | None = None,
                                    lookahead: int = 4, exit_at_step: int | None = None,
-                                   exit_threshold: float | None = None) -> list[int]:
+                                   exit_threshold: float | None = None, presence_penalty: float = 0.0,
+                                   frequency_penalty: float = 0.0, logit_bias=None) -> list[int]:
         """prefix.prompt + suffix + up to `max_tokens` emitted tokens. The prefix is only read.
 
         `loops` / `cache_window` default to the prefix's own; any other value is a RuntimeError.
@@ -264,7 +272,9 @@ class Model:
         w = self.weights
         loops, window, suffix = self._prefix_call(prefix, loops, cache_window, suffix)
         params = self._sampling(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed)
+                                repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                logit_bias=logit_bias)
         req = Request.from_params([params])
         spec = self._speculation(draft_loops, lookahead, loops)
         ex = self.exit_for(loops, exit_at_step, exit_threshold)
@@ -277,8 +287,9 @@ class Model:
                                          loops: int | None = None, temperature: float = 0.0, top_k: int = 50,
                                          top_p: float = 1.0, cache_window: int | None = None,
                                          repetition_penalty: float = 1.0, stop_sequences=(), seeds=None,
-                                         exit_at_step: int | None = None,
-                                         exit_threshold: float | None = None) -> list[list[int]]:
+                                         exit_at_step: int | None = None, exit_threshold: float | None = None,
+                                         presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                                         logit_bias=None) -> list[list[int]]:
         """N requests off one prefix, decoded together: the i-th result equals
         `generate_from_prefix_cache(prefix, suffix=suffixes[i], seed=seeds[i], ...)`.
 
@@ -291,7 +302,8 @@ class Model:
         suffixes = check.token_lists(suffixes, self._config.vocab_size, "suffixes", allow_empty=True)
         params = self._batch_sampling(len(suffixes), seeds=seeds, stop_sequences=stop_sequences, max_tokens=max_tokens,
                                       temperature=temperature, top_k=top_k, top_p=top_p,
-                                      repetition_penalty=repetition_penalty)
+                                      repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                                      frequency_penalty=frequency_penalty, logit_bias=logit_bias)
         req = Request.from_params(params)
         ex = self.exit_for(loops, exit_at_step, exit_threshold)
         self._check_length(len(prefix) + max(len(x) for x in suffixes) + params[0].max_tokens,
@@ -304,7 +316,8 @@ class Model:
     def generate_batch(self, prompts, max_tokens: int = 32, loops: int | None = None, temperature: float = 0.0,
                        top_k: int = 50, top_p: float = 1.0, cache_window: int = 0, repetition_penalty: float = 1.0,
                        stop_sequences=(), seeds=None, exit_at_step: int | None = None,
-                       exit_threshold: float | None = None) -> list[list[int]]:
+                       exit_threshold: float | None = None, presence_penalty: float = 0.0,
+                       frequency_penalty: float = 0.0, logit_bias=None) -> list[list[int]]:
         """Unrelated prompts decoded together (ragged, padded and masked): the i-th result
         equals `generate(prompts[i], seed=seeds[i], ...)`."""
         w = self.weights
@@ -312,7 +325,8 @@ class Model:
         loops, window = self._loops(loops), check.cache_window(cache_window)
         params = self._batch_sampling(len(prompts), seeds=seeds, stop_sequences=stop_sequences, max_tokens=max_tokens,
                                       temperature=temperature, top_k=top_k, top_p=top_p,
-                                      repetition_penalty=repetition_penalty)
+                                      repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                                      frequency_penalty=frequency_penalty, logit_bias=logit_bias)
         ex = self.exit_for(loops, exit_at_step, exit_threshold)
         self._check_length(max(len(x) for x in prompts) + params[0].max_tokens, "longest prompt + max_tokens")
         state = F.generate(w, prompts, Request.from_params(params), loops, window, exit=ex)

@@ -7,7 +7,7 @@ import numbers
 
 import numpy as np
 
-from ..decoding.sampling import SamplingParams
+from ..decoding.sampling import MAX_LOGIT_BIAS, SamplingParams
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -60,7 +60,7 @@ def cache_window(value) -> int:
 
 
 def max_tokens(value) -> int:
-    return _bounded(value, "max_tokens", integer, lambda v: v >= 1, ">= 1")
+    return _bounded(value, "max_tokens", integer, lambda v: 1 <= v < 2**31, "in [1, 2**31)")  # int32 on device
 
 
 def temperature(value) -> float:
@@ -81,6 +81,38 @@ def top_p(value) -> float:
 
 def repetition_penalty(value) -> float:
     return _bounded(value, "repetition_penalty", _float, lambda v: v > 0, "> 0")
+
+
+def penalty(value, name: str) -> float:
+    """presence_penalty / frequency_penalty: OpenAI's range."""
+    return _bounded(value, name, _float, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]")
+
+
+def logit_bias(value, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (ids as ints or decimal strings, as JSON sends them) or (token, bias)
+    pairs -> sorted (token, bias) pairs: at most MAX_LOGIT_BIAS, ids in [0, vocab_size), biases
+    in [-100, 100]."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"logit_bias must be a mapping of token ids to biases, got {value!r}")
+    pairs = list(value.items()) if hasattr(value, "items") else list(value)
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(pairs)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if isinstance(pair, (str, bytes)) or not hasattr(pair, "__len__") or len(pair) != 2:
+            raise ValueError(f"logit_bias must map token ids to biases; got the entry {pair!r}")
+        t, b = pair
+        if isinstance(t, str) and t.strip().lstrip("-").isdigit():  # a JSON object's key
+            t = int(t)
+        t = integer(t, "a logit_bias token id")
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"logit_bias token id {t} is not a token id in [0, {vocab_size})")
+        if t in out:
+            raise ValueError(f"logit_bias names token id {t} twice")
+        out[t] = _bounded(b, f"logit_bias[{t}]", _float, lambda v: -100.0 <= v <= 100.0, "in [-100, 100]")
+    return tuple(sorted(out.items()))
 
 
 def seed(value) -> int:
@@ -153,7 +185,10 @@ def sampling_params(vocab_size: int, **fields) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens(p.max_tokens), temperature=temperature(p.temperature),
                           top_k=top_k(p.top_k), top_p=top_p(p.top_p),
                           repetition_penalty=repetition_penalty(p.repetition_penalty), seed=seed(p.seed),
-                          stop_sequences=tuple(tuple(s) for s in stop_sequences(stops, vocab_size)))
+                          stop_sequences=tuple(tuple(s) for s in stop_sequences(stops, vocab_size)),
+                          presence_penalty=penalty(p.presence_penalty, "presence_penalty"),
+                          frequency_penalty=penalty(p.frequency_penalty, "frequency_penalty"),
+                          logit_bias=logit_bias(p.logit_bias, vocab_size))
 
 
 def batch_sampling_params(vocab_size: int, n: int, seeds=None, stop_sequences=(), **fields) -> list[SamplingParams]:

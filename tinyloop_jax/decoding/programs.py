@@ -140,6 +140,7 @@ class DecodeState:
     n: Annotated[jax.Array, "int32[N]"]  # tokens emitted so far
     last: Annotated[jax.Array, "int32[N]"]  # the last emitted token (fed next)
     seen: Annotated[jax.Array, "bool[N, V]"]  # tokens fed so far, prompt included (repetition penalty)
+    counts: Annotated[jax.Array, "int32[N, V]"]  # emitted tokens fed so far, per token (frequency, presence)
     done: Annotated[jax.Array, "bool[N]"]  # the row hit a stop sequence or its max_tokens
     step: Annotated[jax.Array, "int32[]"]  # loop iterations so far (the sampling key index)
     own: KVCache  # the rows' own segments: leading N axis (one row: unbatched, see rows_in_loop)
@@ -174,14 +175,15 @@ def start(first_logits: jax.Array, seen: jax.Array, own: KVCache, req: Request, 
     N = first_logits.shape[0]
     tok = select_tokens(first_logits, seen, req, jnp.int32(0))
     state = DecodeState(tokens=jnp.full((N, out_len), -1, jnp.int32), n=jnp.zeros((N,), jnp.int32), last=tok,
-                        seen=seen, done=jnp.zeros((N,), bool), step=jnp.int32(0), own=own,
-                        accepted=jnp.zeros((N,), jnp.int32))
+                        seen=seen, counts=jnp.zeros(seen.shape, jnp.int32), done=jnp.zeros((N,), bool),
+                        step=jnp.int32(0), own=own, accepted=jnp.zeros((N,), jnp.int32))
     return emit(state, tok, req)
 
 
-def feed(state: DecodeState, tok: jax.Array) -> jax.Array:
-    """`seen` with tok [N] marked."""
-    return state.seen.at[jnp.arange(tok.shape[0]), tok].set(True)
+def feed(state: DecodeState, tok: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(`seen`, `counts`) with the emitted tokens tok [N] fed."""
+    rows = jnp.arange(tok.shape[0])
+    return state.seen.at[rows, tok].set(True), state.counts.at[rows, tok].add(1)
 
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len"), donate_argnames=("own",))
@@ -194,12 +196,12 @@ def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logi
     the batch keeps one shape; the loop ends when every row is done."""
 
     def step(state: DecodeState) -> DecodeState:
-        seen = feed(state, state.last)
+        seen, counts = feed(state, state.last)
         N = state.last.shape[0]
         x, own = forward_rows(params, cfg, state.last[:, None], jnp.ones((N,), jnp.int32), row_lengths(state.own), ro,
                               state.own, loops, window, exit)
-        tok = select_tokens(tf.lm_head(params, cfg, x[:, 0]), seen, req, state.step + 1)
-        return emit(state.replace(seen=seen, own=own, step=state.step + 1), tok, req)
+        tok = select_tokens(tf.lm_head(params, cfg, x[:, 0]), seen, req, state.step + 1, counts)
+        return emit(state.replace(seen=seen, counts=counts, own=own, step=state.step + 1), tok, req)
 
     state = jax.lax.while_loop(lambda s: ~is_done(s), step, start(first_logits, seen, rows_in_loop(own), req, out_len))
     return state.replace(own=rows_out_of_loop(state.own))

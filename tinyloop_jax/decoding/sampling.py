@@ -4,9 +4,14 @@ A request's knobs travel as one value from the API edge to the device: `Sampling
 request, on the host; checked at the edge by `validation.sampling_params`) -> `Request` (N
 requests' rows as arrays, `Request.from_params`) -> the jitted loops. Every knob is a traced
 array with one row per request (never static), so changing them never recompiles and requests
-with different knobs share a batch. The order is Hugging Face's:
+with different knobs share a batch. The order is vLLM's:
 
-    repetition penalty -> greedy (argmax)  |  temperature -> top-k -> top-p -> sample
+    logit bias -> repetition penalty (HF: prompt and output) -> frequency and presence penalties
+    (OpenAI: output counts) -> greedy (argmax)  |  temperature -> top-k -> top-p -> sample
+
+The frequency and presence penalties read how often each token was emitted so far (`counts`,
+[N, V] int32, kept by the decode loops beside `seen`); a logit bias is a fixed-size list of
+(token, bias) pairs per row (`MAX_LOGIT_BIAS`, padded), so every value runs the same program.
 
 `filtered_logits` is the one definition of the sampling distribution: sampling draws from it,
 and speculative decoding's acceptance rule compares its softmax (`distribution`).
@@ -21,6 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+
+MAX_LOGIT_BIAS = 300  # (token, bias) pairs per request, as OpenAI allows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +48,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 = off
     seed: int = 0  # in [0, 2**32): the request's keys are fold_in(key(seed), step)
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # token-id sequences that end the output
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from every token emitted so far
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per time a token was emitted so far
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias in [-100, 100]) pairs, at most MAX_LOGIT_BIAS
 
 
 @struct.dataclass
@@ -77,6 +88,10 @@ class Request:
     seed: Annotated[jax.Array, "uint32[N]"]  # the row's keys are fold_in(key(seed), step)
     max_tokens: Annotated[jax.Array, "int32[N]"]  # >= 1
     stop: StopSpec
+    presence_penalty: Annotated[jax.Array, "float32[N]"]  # 0 = off
+    frequency_penalty: Annotated[jax.Array, "float32[N]"]  # 0 = off
+    bias_ids: Annotated[jax.Array, "int32[N, MAX_LOGIT_BIAS]"]  # logit bias tokens, -1 = padding
+    bias_values: Annotated[jax.Array, "float32[N, MAX_LOGIT_BIAS]"]  # their biases (0 in the padding)
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], stops: bool = True) -> "Request":
@@ -84,21 +99,32 @@ class Request:
         spec, the same shape for every batch): for callers that check stops on the host."""
         col = lambda name, dt: np.array([getattr(p, name) for p in params], dt)  # noqa: E731
         stop = StopSpec.make([[list(s) for s in p.stop_sequences] if stops else [] for p in params])
+        bias_ids = np.full((len(params), MAX_LOGIT_BIAS), -1, np.int32)
+        bias_values = np.zeros((len(params), MAX_LOGIT_BIAS), np.float32)
+        for r, p in enumerate(params):
+            if p.logit_bias:
+                ids, values = zip(*p.logit_bias)
+                bias_ids[r, :len(ids)], bias_values[r, :len(ids)] = ids, values
         return cls(col("temperature", np.float32), col("top_k", np.int32), col("top_p", np.float32),
-                   col("repetition_penalty", np.float32), col("seed", np.uint32), col("max_tokens", np.int32), stop)
+                   col("repetition_penalty", np.float32), col("seed", np.uint32), col("max_tokens", np.int32), stop,
+                   col("presence_penalty", np.float32), col("frequency_penalty", np.float32), bias_ids, bias_values)
 
     @classmethod
     def make(cls, n: int, temperature=0.0, top_k=50, top_p=1.0, repetition_penalty=1.0, seeds=None, max_tokens=32,
-             stop_sequences=None) -> "Request":
+             stop_sequences=None, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=()) -> "Request":
         """N rows from keywords (unchecked; the functional API's shorthand for `from_params`):
         scalars apply to every row; `seeds` and `max_tokens` may be per row; stop_sequences
-        is one list of token-id lists per row (None: no stops)."""
+        is one list of token-id lists per row (None: no stops); logit_bias one {token: bias}
+        (or (token, bias) pairs) for every row."""
         seeds = np.broadcast_to(np.asarray(0 if seeds is None else seeds), (n,))
         max_tokens = np.broadcast_to(np.asarray(max_tokens), (n,))
         stops = stop_sequences or [[] for _ in range(n)]
+        bias = tuple(sorted((int(t), float(b)) for t, b in dict(logit_bias or ()).items()))
         return cls.from_params([SamplingParams(max_tokens=int(max_tokens[i]), temperature=temperature, top_k=top_k,
                                                top_p=top_p, repetition_penalty=repetition_penalty, seed=int(seeds[i]),
-                                               stop_sequences=tuple(tuple(s) for s in stops[i]))
+                                               stop_sequences=tuple(tuple(s) for s in stops[i]),
+                                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                               logit_bias=bias)
                                 for i in range(n)])
 
     @property
@@ -122,6 +148,29 @@ def penalize(logits: jax.Array, seen: jax.Array, penalty: jax.Array) -> jax.Arra
     positive logits divided, negative multiplied."""
     p = penalty[:, None]
     return jnp.where(seen, jnp.where(logits > 0, logits / p, logits * p), logits)
+
+
+def bias(logits: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:
+    """logits [N, V] + values [N, K] at tokens ids [N, K] (-1: padding, left alone)."""
+    ids = jnp.where(ids >= 0, ids, logits.shape[-1])  # out of range: dropped
+    return jax.vmap(lambda lg, i, b: lg.at[i].add(b, mode="drop"))(logits, ids, values)
+
+
+def penalize_counts(logits: jax.Array, counts: jax.Array, frequency: jax.Array, presence: jax.Array) -> jax.Array:
+    """OpenAI's penalties over the tokens emitted so far: logits - counts * frequency -
+    (counts > 0) * presence; logits, counts [N, V], frequency and presence [N]."""
+    return (logits - counts.astype(logits.dtype) * frequency[:, None]
+            - (counts > 0).astype(logits.dtype) * presence[:, None])
+
+
+def adjusted_logits(logits: jax.Array, seen: jax.Array, req: Request, counts: jax.Array | None = None) -> jax.Array:
+    """The logits [N, V] a token is chosen from: the logit bias, the repetition penalty over
+    `seen` [N, V] (prompt and output), then the frequency and presence penalties over `counts`
+    [N, V] (how often each token was emitted so far; None: nothing yet, the first token)."""
+    logits = penalize(bias(logits, req.bias_ids, req.bias_values), seen, req.repetition_penalty)
+    if counts is None:
+        return logits
+    return penalize_counts(logits, counts, req.frequency_penalty, req.presence_penalty)
 
 
 def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -150,18 +199,19 @@ def _choose(logits: jax.Array, req: Request, greedy, sample) -> jax.Array:
     return jax.lax.cond(jnp.all(req.temperature <= 0), lambda: g, mixed)
 
 
-def select_tokens(logits: jax.Array, seen: jax.Array, req: Request, step: jax.Array) -> jax.Array:
+def select_tokens(logits: jax.Array, seen: jax.Array, req: Request, step: jax.Array,
+                  counts: jax.Array | None = None) -> jax.Array:
     """logits, seen [N, V] -> token ids [N] int32 (row i draws with req.keys(step)[i]; step [] or
-    [N], one per row)."""
-    return _choose(penalize(logits, seen, req.repetition_penalty), req,
+    [N], one per row). counts [N, V]: tokens emitted so far (None: none, the first token)."""
+    return _choose(adjusted_logits(logits, seen, req, counts), req,
                    lambda lg: jnp.argmax(lg, axis=-1).astype(jnp.int32),
                    lambda filt: jax.vmap(jax.random.categorical)(req.keys(step), filt).astype(jnp.int32))
 
 
-def distribution(logits: jax.Array, seen: jax.Array, req: Request) -> jax.Array:
+def distribution(logits: jax.Array, seen: jax.Array, req: Request, counts: jax.Array | None = None) -> jax.Array:
     """The distribution each row's token is drawn from, [N, V]: a one-hot argmax for greedy
     rows, else the softmax of `filtered_logits` (the same steps as `select_tokens`)."""
-    return _choose(penalize(logits, seen, req.repetition_penalty), req,
+    return _choose(adjusted_logits(logits, seen, req, counts), req,
                    lambda lg: jax.nn.one_hot(jnp.argmax(lg, axis=-1), lg.shape[-1]),
                    lambda filt: jax.nn.softmax(filt, axis=-1))
 

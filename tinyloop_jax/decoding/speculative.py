@@ -41,6 +41,7 @@ class Drafting(NamedTuple):
     own: KVCache  # the rows' segments, the drafts written at depth d
     tok: Annotated[jax.Array, "int32[N]"]  # the token fed next (the last draft)
     seen: Annotated[jax.Array, "bool[N, V]"]  # tokens fed so far
+    counts: Annotated[jax.Array, "int32[N, V]"]  # emitted tokens fed so far, per token
     drafts: Annotated[jax.Array, "int32[N, k]"]  # the drafts so far
     qs: Annotated[jax.Array, "float32[N, k, V]"]  # the distribution each draft was drawn from
 
@@ -86,15 +87,15 @@ def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logi
         V = state.seen.shape[-1]
 
         def draft(j, c: Drafting) -> Drafting:  # one token at depth d: passes 0..d-1 of the same caches, in place
-            seen = c.seen.at[rows, c.tok].set(True)
+            seen, counts = c.seen.at[rows, c.tok].set(True), c.counts.at[rows, c.tok].add(1)
             x, own = forward_rows(params, cfg, c.tok[:, None], ones, row_lengths(c.own), ro, c.own, draft_loops,
                                   window)
-            q = distribution(tf.lm_head(params, cfg, x[:, 0]), seen, req)
+            q = distribution(tf.lm_head(params, cfg, x[:, 0]), seen, req, counts)
             tok = jax.vmap(draw)(fold_in(keys, j), q)
-            return Drafting(own, tok, seen, c.drafts.at[:, j].set(tok), c.qs.at[:, j].set(q))
+            return Drafting(own, tok, seen, counts, c.drafts.at[:, j].set(tok), c.qs.at[:, j].set(q))
 
-        d = jax.lax.fori_loop(0, k, draft, Drafting(state.own, state.last, state.seen, jnp.zeros((N, k), jnp.int32),
-                                                    jnp.zeros((N, k, V), jnp.float32)))
+        d = jax.lax.fori_loop(0, k, draft, Drafting(state.own, state.last, state.seen, state.counts,
+                                                    jnp.zeros((N, k), jnp.int32), jnp.zeros((N, k, V), jnp.float32)))
         drafts, qs = d.drafts, d.qs
         # Keep the buffers the draft wrote (no copy of the cache per round) but not its positions:
         # those slots are masked again and the verify rewrites them (a window's ring has room for
@@ -104,17 +105,20 @@ def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logi
         chunk = jnp.concatenate([state.last[:, None], drafts], axis=1)  # [N, k+1]
         at = row_lengths(own)
         x, own = forward_rows(params, cfg, chunk, ones * (k + 1), at, ro, own, loops, window, exit)
-        # the target distribution after each prefix of the chunk: seen grows by one chunk token a position
-        seen_v = state.seen[:, None] | (jnp.cumsum(jax.nn.one_hot(chunk, V, dtype=jnp.int32), axis=1) > 0)
+        # the target distribution after each prefix of the chunk: seen and counts grow by one chunk token a position
+        fed = jnp.cumsum(jax.nn.one_hot(chunk, V, dtype=jnp.int32), axis=1)  # [N, k+1, V]
+        seen_v, counts_v = state.seen[:, None] | (fed > 0), state.counts[:, None] + fed
         per_pos = jax.tree.map(lambda a: jnp.repeat(a, k + 1, axis=0), req)
         ps = distribution(tf.lm_head(params, cfg, x).reshape(N * (k + 1), V), seen_v.reshape(N * (k + 1), V),
-                          per_pos).reshape(N, k + 1, V)
+                          per_pos, counts_v.reshape(N * (k + 1), V)).reshape(N, k + 1, V)
         a, nxt = jax.vmap(accept)(fold_in(keys, k), ps, qs, drafts)
         own = rollback_rows(own, at + 1 + a)  # y and the kept drafts stay; the rest is dropped
-        # `seen` holds the tokens fed so far (as in plain decoding): y and the kept drafts, not nxt
-        seen = feed(state, state.last)
-        seen = seen.at[rows[:, None], jnp.where(jnp.arange(k) < a[:, None], drafts, state.last[:, None])].set(True)
-        state = state.replace(seen=seen, own=own, step=state.step + 1,
+        # `seen` and `counts` hold the tokens fed so far (as in plain decoding): y and the kept drafts, not nxt
+        kept = jnp.arange(k) < a[:, None]  # [N, k]
+        seen, counts = feed(state, state.last)
+        seen = seen.at[rows[:, None], jnp.where(kept, drafts, state.last[:, None])].set(True)
+        counts = counts.at[rows[:, None], drafts].add(kept.astype(jnp.int32))
+        state = state.replace(seen=seen, counts=counts, own=own, step=state.step + 1,
                               accepted=state.accepted + jnp.where(state.done, 0, a))
         # emit d_1 .. d_a, then nxt, one at a time so that stops and max_tokens cut exactly
         emitted = jnp.concatenate([drafts, jnp.zeros((N, 1), jnp.int32)], axis=1).at[rows, a].set(nxt)

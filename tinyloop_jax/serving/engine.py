@@ -35,13 +35,14 @@ import collections
 import threading
 import time
 
-from .handles import Cancelled, Handle, QueueFull, RequestTimeout
+from .handles import Cancelled, Handle, MemoryBudgetError, QueueFull, RequestTimeout
 from .lane import Limits
 from .scheduler import Scheduler
 from ..api import validation as check
 from ..api.store import PrefixStore
+from ..model.cache import free_bytes
 
-__all__ = ["Engine", "Handle", "QueueFull", "RequestTimeout", "Cancelled"]
+__all__ = ["Engine", "Handle", "MemoryBudgetError", "QueueFull", "RequestTimeout", "Cancelled"]
 
 
 class Engine:
@@ -59,20 +60,35 @@ class Engine:
     prefilled into a pool slot to the store. prefix_cache=False: no store
     and no pool (every prompt prefilled whole into its row; the baseline of
     scripts/bench_serve.py).
+
+    Bounds: max_loops, the deepest `loops` a request may ask (default 64, or 16 x the model's
+    default depth if more): each depth is a lane with its own programs, pool and store.
+    memory_budget: bytes for every lane's pool, rows and store together ("auto": half of what
+    the device has free when the engine starts, no bound where that is unknown; None: no bound); idle
+    lanes are evicted, least recently used first, to make room, a request waits while busy lanes
+    hold it, and one that cannot fit even alone is refused at `submit` (`MemoryBudgetError`).
     """
 
     def __init__(self, model, max_batch: int = 16, store: PrefixStore | None = None, *, max_queue: int = 256,
                  timeout: float | None = None, prefill_chunk: int = 64, prefix_slots: int = 8,
                  prefix_capacity: int | None = None, row_capacity: int | None = None, store_bytes: int = 512 << 20,
-                 insert_prompts: bool = True, prefix_cache: bool = True):
+                 insert_prompts: bool = True, prefix_cache: bool = True, max_loops: int | None = None,
+                 memory_budget: int | str | None = "auto"):
         self.model = model
         c = model.weights.config
         if c.mesh is not None:
             raise ValueError("Engine runs on one device; this model is placed on a mesh")
+        max_loops = max(64, 16 * c.default_loops) if max_loops is None else max_loops
         for name, v in dict(max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk,
-                            prefix_slots=prefix_slots).items():
+                            prefix_slots=prefix_slots, max_loops=max_loops).items():
             if check.integer(v, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+        if memory_budget == "auto":
+            free = free_bytes()
+            memory_budget = None if free is None else free // 2
+        elif memory_budget is not None and check.integer(memory_budget, "memory_budget") < 1:
+            raise ValueError(f"memory_budget must be >= 1 bytes or None, got {memory_budget}")
+        self.max_loops, self.memory_budget = max_loops, memory_budget
         if store is not None:
             if not isinstance(store, PrefixStore) or store.model is not model:
                 raise ValueError("store must be a PrefixStore of this model")
@@ -92,10 +108,14 @@ class Engine:
         self._cv = threading.Condition()
         self._closed = False
         self._jobs: list = []  # work for the loop thread (warmup)
-        self._stats = collections.Counter()
+        self._stats = collections.Counter()  # this side's counters (under _cv)
         self._ttft: collections.deque = collections.deque(maxlen=2048)
-        self._batch = Scheduler(model, self.limits, store, store_bytes, self.insert_prompts, self.work_mode,
-                                self._stats, self._first_token)
+        # the batch side, on the loop thread only (other threads read its published `_view`)
+        self.scheduler = Scheduler(model, self.limits, store, store_bytes, self.insert_prompts, self.work_mode,
+                                   collections.Counter(), self._first_token, memory_budget)
+        self._view: dict = {}
+        self._programs: frozenset = frozenset()
+        self._publish()
         self._started = time.perf_counter()
         self._thread = threading.Thread(target=self._loop, name="tinyloop-engine", daemon=True)
         self._thread.start()
@@ -104,19 +124,29 @@ class Engine:
 
     def submit(self, prompt, max_tokens: int = 32, temperature: float = 0.0, top_k: int = 50, top_p: float = 1.0,
                repetition_penalty: float = 1.0, stop_sequences=(), seed: int = 0, loops: int | None = None,
-               timeout: float | None = None) -> Handle:
+               timeout: float | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+               logit_bias=None) -> Handle:
         """Queue a request (the arguments of `model.generate`); returns its `Handle` at once.
         Bad arguments raise here (ValueError / RuntimeError) and nothing is queued; a full
-        queue raises `QueueFull`."""
+        queue raises `QueueFull`; a depth whose lane cannot fit the memory budget even alone,
+        `MemoryBudgetError`."""
         c = self.model.weights.config
         prompt = check.tokens(prompt, c.vocab_size)
         params = check.sampling_params(c.vocab_size, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                        top_p=top_p, repetition_penalty=repetition_penalty,
-                                       stop_sequences=stop_sequences, seed=seed)
+                                       stop_sequences=stop_sequences, seed=seed, presence_penalty=presence_penalty,
+                                       frequency_penalty=frequency_penalty, logit_bias=logit_bias)
         loops = c.default_loops if loops is None else check.loops(loops)
+        if loops > self.max_loops:
+            raise ValueError(f"loops={loops} is above this engine's max_loops={self.max_loops}")
         if len(prompt) + params.max_tokens > c.max_seq_len:
             raise RuntimeError(f"prompt + max_tokens is {len(prompt) + params.max_tokens} tokens, longer than "
                                f"max_seq_len={c.max_seq_len}")
+        least = self.scheduler.least_bytes(loops, len(prompt), params.max_tokens)
+        if self.memory_budget is not None and least > self.memory_budget:
+            raise MemoryBudgetError(f"a request at loops={loops} needs {least / 2**20:.2f} MiB (its lane's pool and "
+                                    f"one row), more than this engine's memory_budget={self.memory_budget} bytes; "
+                                    "lower loops or max_tokens")
         timeout = self.timeout if timeout is None else timeout
         if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -141,14 +171,17 @@ class Engine:
         """Compile the step programs of every batch bucket at `loops` (default depth) now, so
         serving compiles nothing for them later. Returns the number of programs compiled."""
         loops = self.model.weights.config.default_loops if loops is None else check.loops(loops)
+        if loops > self.max_loops:
+            raise ValueError(f"loops={loops} is above this engine's max_loops={self.max_loops}")
         done = threading.Event()
         box: dict = {}
 
         def job():
             try:
-                box["n"] = self._batch.warmup(loops)
+                box["n"] = self.scheduler.warmup(loops)
             except BaseException as e:  # noqa: BLE001 - reported to the caller
                 box["e"] = e
+            self._publish()
             done.set()
 
         with self._cv:
@@ -161,12 +194,16 @@ class Engine:
 
     def stats(self) -> dict:
         """Counters: requests (submitted, finished by reason, rejected, failed), tokens in/out,
-        prefix hits / tokens reused, queue depth, running rows, batch size per step, time to
-        first token (p50/p99 of recent requests), tokens per second, compiles after warmup."""
+        prefix hits / tokens reused / tokens recomputed for want of a pool slot, queue depth,
+        running rows, batch size per step, time to first token (p50/p99 of recent requests),
+        tokens per second, compiles after warmup, lanes (held, evicted) and the bytes they hold
+        against the memory budget. Any thread may call it: the batch side is a copy the loop
+        thread publishes after each iteration."""
         with self._cv:
-            s = dict(self._stats)
+            s = dict(self._view)
+            for k, v in self._stats.items():
+                s[k] = s.get(k, 0) + v
             s["queue_depth"] = len(self._queue)
-            s["running"] = self._batch.running()
             ttft = sorted(self._ttft)
         up = time.perf_counter() - self._started
         s["uptime_s"] = up
@@ -177,19 +214,19 @@ class Engine:
         s["prefix_hit_rate"] = s.get("requests_prefix_hit", 0) / n if n else 0.0
         s["ttft_p50_s"] = ttft[len(ttft) // 2] if ttft else 0.0
         s["ttft_p99_s"] = ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else 0.0
-        s["programs"] = len(self._batch.runner.programs)
-        s["compiles_after_warmup"] = self._batch.runner.compiles_after_warmup
+        s["memory_budget"] = self.memory_budget
         return s
 
     @property
     def programs(self) -> set:
         """The shape keys of the device programs run so far, e.g. ("decode", loops, B, Co, S)."""
-        return set(self._batch.runner.programs)
+        with self._cv:
+            return set(self._programs)
 
     @property
     def store(self) -> PrefixStore | None:
         """The store of the default depth (created with the first request if none was given)."""
-        return self._batch.default_store
+        return self.scheduler.default_store
 
     def close(self) -> None:
         """Stop the loop; queued and running requests fail with RuntimeError."""
@@ -218,12 +255,22 @@ class Engine:
         with self._cv:
             self._ttft.append(h.first_token_at - h.submitted)
 
+    def _publish(self) -> None:
+        """The loop thread's copy of the batch side, for `stats()` and `programs` (other threads
+        never read the lanes the loop mutates)."""
+        view = self.scheduler.snapshot()
+        programs = self._programs
+        if view["programs"] != len(programs):
+            programs = frozenset(self.scheduler.runner.programs)
+        with self._cv:
+            self._view, self._programs = view, programs
+
     # ---- the loop ----------------------------------------------------------------------------
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._closed or self._queue or self._jobs or self._batch.busy())
+                self._cv.wait_for(lambda: self._closed or self._queue or self._jobs or self.scheduler.busy())
                 if self._closed:
                     break
                 jobs, self._jobs = self._jobs, []
@@ -232,16 +279,24 @@ class Engine:
             try:
                 self._expire()
                 self._admit()
-                self._batch.step()
-            except Exception as e:  # noqa: BLE001 - a failed step fails its rows, never the loop
-                self._batch.fail_all(e)
-                self._stats["step_failures"] += 1
+                self.scheduler.step()  # a failed program fails its lane's rows there
+            except Exception as e:  # noqa: BLE001 - anything else fails every row, never the loop
+                self.scheduler.fail_all(e)
+            self._publish()
+            self._finish()
         err = RuntimeError("engine is closed")
         with self._cv:
             pending, self._queue = list(self._queue), collections.deque()
         for h in pending:
             h.finish("error", err)
-        self._batch.close(err)
+        self._finish()
+        self.scheduler.close(err)
+
+    def _finish(self) -> None:
+        """Requests that left the batch end now (after `_publish`: a caller woken by its result
+        reads stats that count it)."""
+        for h, reason, error in self.scheduler.take_finished():
+            h.finish(reason, error)
 
     def _expire(self) -> None:
         """Cancelled and timed-out requests leave (queued or running)."""
@@ -256,20 +311,21 @@ class Engine:
                 else:
                     keep.append(h)
             self._queue = keep
-        self._batch.expire(now)
+        self.scheduler.expire(now)
 
     def _admit(self) -> None:
         """Queued requests join the batch, oldest first, while it has room."""
-        while self._batch.running() < self.max_batch:
+        while self.scheduler.running() < self.max_batch:
             with self._cv:
                 if not self._queue:
                     return
                 h = self._queue.popleft()
             try:
-                if not self._batch.place(h):  # it waits for a pool slot, at the head of the queue
+                if not self.scheduler.place(h):  # it waits for a pool slot, at the head of the queue
                     with self._cv:
                         self._queue.appendleft(h)
                     return
             except Exception as e:  # noqa: BLE001 - this request fails alone
                 h.finish("error", e)
-                self._stats["requests_failed"] += 1
+                with self._cv:
+                    self._stats["requests_failed"] += 1

@@ -20,6 +20,11 @@ class QueueFull(RuntimeError):
     """`submit` when the engine's queue is full (the server's HTTP 429)."""
 
 
+class MemoryBudgetError(RuntimeError):
+    """A request whose depth's lane cannot fit the engine's `memory_budget`, even with every
+    other lane evicted (the server's HTTP 400: the request itself is too large)."""
+
+
 class RequestTimeout(RuntimeError):
     """A request that passed its deadline (`timeout`)."""
 

@@ -36,8 +36,14 @@ def slot_buckets(slots: int, n: int) -> int:
 
 
 def entry_capacity(n: int) -> int:
-    """Capacity of a store entry the engine makes for an n-token prompt: a power of two."""
-    return max(16, 1 << (n - 1).bit_length())
+    """Capacity of a store entry of an n-token prompt: `cache.bucket(n)`, the rule `PrefixStore`
+    entries follow too, so warmup covers the entries of any store (`entry_capacities`)."""
+    return bucket(n)
+
+
+def entry_capacities(context: int) -> list[int]:
+    """Every store-entry capacity up to `context` positions: 16, 32, 64, 128, 256, 384, ..."""
+    return sorted({bucket(n) for n in range(1, bucket(context) + 1)})
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,8 @@ class Row:
 
 @dataclass
 class Lane:
+    """One depth's rows and prefixes (its `state` is the device side; None while being rebuilt)."""
+
     loops: int
     store: object  # its PrefixStore
     exit: object  # its early exit (tf.Exit or None)
@@ -91,6 +99,7 @@ class Lane:
     cap: int = 0  # positions per row (Co)
     rows: dict = field(default_factory=dict)  # index -> Row
     order: collections.deque = field(default_factory=collections.deque)  # rows still prefilling, FIFO
+    used: int = 0  # tick of its last admission (the least recently used idle lane is evicted first)
 
 
 def choose_prefix(pool_hit: tuple[int, int], store_hit: tuple[object | None, int], cap: int,
@@ -119,6 +128,7 @@ class Placement:
     need: int  # positions its own segment must hold
     size: int  # the batch's rows, after it joins
     cap: int  # and their positions
+    recomputed: int = 0  # positions a store entry holds that are prefilled again: no pool slot was free
 
 
 def place(limits: Limits, lane: Lane, n: int, max_tokens: int, group: int, limit: int,
@@ -138,19 +148,31 @@ def place(limits: Limits, lane: Lane, n: int, max_tokens: int, group: int, limit
         slot = lane.pool.lru_free()
         if slot is not None:
             load, shares, group = (slot, source, len(source)), True, slot
+    recomputed = limit if group < 0 and source is not None else 0
     if group < 0:
         limit = 0
     need = max_tokens + (0 if owner else n - limit)
     free = any(i not in lane.rows for i in range(lane.size))
     size = lane.size if free else next(b for b in batch_buckets(limits.max_batch) if b > len(lane.rows))
     cap = max(lane.cap, limits.row_capacity if need <= limits.row_capacity else limits.max_capacity)
-    return Placement(group, limit, owner, load, shares, need, size, cap)
+    return Placement(group, limit, owner, load, shares, need, size, cap, recomputed)
 
 
-def shrinks(limits: Limits, lane: Lane) -> bool:
-    """The batch can move back to row_capacity: it is wider and no row needs more."""
-    return (bool(lane.rows) and lane.cap > limits.row_capacity
-            and max(r.need for r in lane.rows.values()) <= limits.row_capacity)
+def fitted(limits: Limits, lane: Lane) -> tuple[int, int]:
+    """(rows, positions) the batch should have now: the smallest batch bucket holding its rows,
+    and row_capacity unless a row needs more (then the positions it has). (0, 0): no rows."""
+    if not lane.rows:
+        return 0, 0
+    size = next(b for b in batch_buckets(limits.max_batch) if b >= len(lane.rows))
+    wide = max(r.need for r in lane.rows.values()) > limits.row_capacity
+    return size, lane.cap if wide else limits.row_capacity
+
+
+def compaction(rows: dict, size: int) -> list[int]:
+    """The rows' indices in order, as the first rows of a batch of `size` (size >= len(rows)):
+    new row j is old row out[j]; past the rows, -1 (a free row, reset before use)."""
+    keep = sorted(rows)
+    return keep + [-1] * (size - len(keep))
 
 
 def prefill_turns(order: collections.deque, chunk: int) -> Iterator[tuple[Row, int]]:

@@ -44,6 +44,7 @@ class BatchState:
     pool: KVCache  # [G * Cp] slots of shared prefixes, in the working mode
     own: KVCache | None = None  # [B, .., Co, ..] the rows' own segments (prompt rest + generated)
     seen: Annotated[jax.Array, "bool[B, V]"] | None = None  # tokens of each row's prompt and output
+    counts: Annotated[jax.Array, "int32[B, V]"] | None = None  # each row's output, per token (fed so far)
     last: Annotated[jax.Array, "int32[B]"] | None = None  # each row's last token (the next step's input)
     req: Request | None = None  # [B] each row's sampling knobs (stops are checked on the host)
 
@@ -129,8 +130,9 @@ def decode_step(params: Params, cfg: ModelConfig, state: BatchState, rows: Decod
     pool, last, own = state.pool, state.last, state.own
     if rows.slot_ids.shape[0] < pool.capacity // slot_len:  # a few slots: their copy is cheaper than the rest
         pool = pool_slots(pool, slot_len, rows.slot_ids)
-    active = rows.active
-    seen = jnp.where(active[:, None], state.seen.at[jnp.arange(last.shape[0]), last].set(True), state.seen)
+    active, b = rows.active, jnp.arange(last.shape[0])
+    seen = jnp.where(active[:, None], state.seen.at[b, last].set(True), state.seen)
+    counts = state.counts.at[b, last].add(active.astype(jnp.int32))
 
     def one(tok, g, k, o):
         ro = (visible_pool(pool, slot_len, g, k),)  # the K/V are shared by all rows: read once
@@ -145,16 +147,18 @@ def decode_step(params: Params, cfg: ModelConfig, state: BatchState, rows: Decod
         x, new = jax.vmap(one)(last, rows.group, rows.limit, own)
     new = new.replace(pos=jnp.where(active[:, None], new.pos, own.pos), length=jnp.where(active, new.length,
                                                                                           own.length))
-    tok = select_tokens(tf.lm_head(params, cfg, x), seen, state.req, rows.steps)
-    return tok, state.replace(own=new, seen=seen, last=jnp.where(active, tok, last))
+    tok = select_tokens(tf.lm_head(params, cfg, x), seen, state.req, rows.steps, counts)
+    return tok, state.replace(own=new, seen=seen, counts=counts, last=jnp.where(active, tok, last))
 
 
 def _first_token(state: BatchState, c: Chunk, tok: jax.Array) -> BatchState:
-    """Row c.row after a prompt chunk: its seen set to the prompt's tokens, its knobs and its
-    (first) token in place; the host uses the token after the prompt's last chunk only."""
+    """Row c.row after a prompt chunk: its seen set to the prompt's tokens, no output counted,
+    its knobs and its (first) token in place; the host uses the token after the prompt's last
+    chunk only."""
     i = c.row
     return state.replace(seen=jax.lax.dynamic_update_index_in_dim(state.seen, c.prompt_seen, i, axis=0),
-                         last=state.last.at[i].set(tok), req=set_row(state.req, i, row(c.req, 0)))
+                         counts=state.counts.at[i].set(0), last=state.last.at[i].set(tok),
+                         req=set_row(state.req, i, row(c.req, 0)))
 
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "slot_len"), donate_argnames=("state",))
@@ -255,5 +259,6 @@ def reshape_rows(state: BatchState, idx: jax.Array, capacity: int) -> BatchState
     """The batch as rows idx [B'] (a batch grown or compacted; an index past the end gives a
     row that is reset before use), each moved to `capacity` slots. The pool is left as it is
     (rows change shape, so nothing is donated)."""
-    own, seen, last, req = _take_rows((state.own, state.seen, state.last, state.req), idx, capacity=capacity)
-    return state.replace(own=own, seen=seen, last=last, req=req)
+    own, seen, counts, last, req = _take_rows((state.own, state.seen, state.counts, state.last, state.req), idx,
+                                              capacity=capacity)
+    return state.replace(own=own, seen=seen, counts=counts, last=last, req=req)

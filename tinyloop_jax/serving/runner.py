@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import programs as P
-from .lane import Lane, Limits, batch_buckets, slot_buckets
+from .lane import Lane, Limits, batch_buckets, entry_capacities, slot_buckets
 from ..api import functional as F
 from ..api.prefix import PrefixCache
 from ..decoding.sampling import Request
@@ -31,6 +31,7 @@ class Runner:
         self.programs: set = set()  # shape keys of the programs run: ("decode", loops, B, Co, S), ...
         self.warm = False
         self.compiles_after_warmup = 0
+        self._sizes: dict = {}  # shape key -> bytes (`_nbytes`)
 
     def _count(self, *key) -> None:
         if key not in self.programs:
@@ -46,37 +47,55 @@ class Runner:
         return P.BatchState(pool=F.empty_cache(self.weights, lim.prefix_capacity * lim.slots, loops,
                                                kv_mode=self.work_mode))
 
-    def reshape(self, lane: Lane, size: int, cap: int) -> None:
-        """The lane's rows as `size` rows (a batch bucket) of `cap` positions, keeping the rows in
-        use (at their indices); allocated if the lane has none."""
-        s, V = lane.state, self.weights.config.vocab_size
+    def empty_rows(self, loops: int, size: int, cap: int) -> dict:
+        """The row fields of a BatchState of `size` fresh rows of `cap` positions."""
+        V = self.weights.config.vocab_size
+        return dict(own=F.empty_cache(self.weights, cap, loops, kv_mode=self.work_mode, batch=size),
+                    seen=jnp.zeros((size, V), bool), counts=jnp.zeros((size, V), jnp.int32),
+                    last=jnp.zeros((size,), jnp.int32),
+                    req=jax.tree.map(jnp.asarray, Request.make(size, 0.0, 0, 1.0, 1.0, max_tokens=1)))
+
+    def reshape(self, lane: Lane, size: int, cap: int, order: list[int] | None = None) -> None:
+        """The lane's rows as `size` rows (a batch bucket) of `cap` positions; allocated if the
+        lane has none. order: new row j is old row order[j] (-1: a free row; see
+        `lane.compaction`); default: every row keeps its index."""
+        s = lane.state
         if s.own is None:
-            lane.state = s.replace(own=F.empty_cache(self.weights, cap, lane.loops, kv_mode=self.work_mode, batch=size),
-                                   seen=jnp.zeros((size, V), bool), last=jnp.zeros((size,), jnp.int32),
-                                   req=jax.tree.map(jnp.asarray, Request.make(size, 0.0, 0, 1.0, 1.0, max_tokens=1)))
-        elif (size, cap) != (lane.size, lane.cap):
+            lane.state = s.replace(**self.empty_rows(lane.loops, size, cap))
+        elif (size, cap) != (lane.size, lane.cap) or order is not None:
             self._count("reshape", lane.loops, lane.size, lane.cap, size, cap)
-            idx = jnp.asarray(np.minimum(np.arange(size), lane.size - 1), jnp.int32)
-            lane.state = P.reshape_rows(s, idx, capacity=cap)
+            idx = np.arange(size) if order is None else np.asarray(order)
+            idx = np.where((idx >= 0) & (idx < lane.size), idx, 0)  # a free row: any row, reset before use
+            lane.state = P.reshape_rows(s, jnp.asarray(idx, jnp.int32), capacity=cap)
         lane.size, lane.cap = size, cap
 
     def release_rows(self, lane: Lane) -> None:
         """Free the lane's row buffers (it has no rows); the pool stays."""
-        lane.state = lane.state.replace(own=None, seen=None, last=None, req=None)
+        lane.state = lane.state.replace(own=None, seen=None, counts=None, last=None, req=None)
         lane.size = lane.cap = 0
 
-    def lost(self, lane: Lane) -> bool:
-        """Whether a failed program took the lane's buffers with it (donated, then not returned)."""
-        return lane.state.own is None or any(a.is_deleted() for a in jax.tree.leaves(lane.state))
+    # ---- sizes -----------------------------------------------------------------------------------
 
-    def recover(self, lane: Lane) -> bool:
-        """After a failed step: the rows' buffers released, and a pool that was lost made anew
-        (returns True: the caller's record of the slots must be emptied too)."""
-        self.release_rows(lane)
-        if any(a.is_deleted() for a in jax.tree.leaves(lane.state.pool)):
-            lane.state = self.empty_state(lane.loops)
-            return True
-        return False
+    def pool_nbytes(self, loops: int) -> int:
+        """Bytes of a lane's pool at depth `loops`."""
+        return self._nbytes("pool", loops, lambda: self.empty_state(loops))
+
+    def rows_nbytes(self, loops: int, size: int, cap: int) -> int:
+        """Bytes of `size` rows of `cap` positions at depth `loops` (0 rows: 0)."""
+        return self._nbytes("rows", loops, size, cap, lambda: self.empty_rows(loops, size, cap)) if size else 0
+
+    def entry_nbytes(self, loops: int, capacity: int) -> int:
+        """Bytes of a store entry's K/V of `capacity` positions at depth `loops` (what
+        `PrefixCache.nbytes` counts)."""
+        return self._nbytes("entry", loops, capacity, lambda: F.empty_cache(self.weights, capacity, loops,
+                                                                             kv_mode=self.work_mode))
+
+    def _nbytes(self, *key_and_make) -> int:
+        *key, make = key_and_make
+        n = self._sizes.get(tuple(key))
+        if n is None:  # shapes only: nothing is allocated
+            n = self._sizes[tuple(key)] = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(jax.eval_shape(make)))
+        return n
 
     # ---- the pool --------------------------------------------------------------------------------
 
@@ -133,16 +152,17 @@ class Runner:
     # ---- warmup ----------------------------------------------------------------------------------
 
     def warmup(self, lane: Lane, insert_prompts: bool) -> None:
-        """Run every program a lane of no rows will need (each batch bucket, chunk size and slot
-        count, each store-entry capacity), so serving compiles nothing later."""
-        lim, V = self.limits, self.weights.config.vocab_size
-        cap = lim.row_capacity
+        """Run every program a lane of no rows will need (each batch bucket, grown and shrunk, each
+        chunk size and slot count; each store-entry capacity `cache.bucket` makes, loaded and, if
+        the engine inserts prompts, extracted), so serving compiles nothing later."""
+        lim, c = self.limits, self.weights.config
+        cap, sizes = lim.row_capacity, batch_buckets(lim.max_batch)
         self.release_rows(lane)
-        for size in batch_buckets(lim.max_batch):  # grown as serving grows it (the growth copies too)
+        for size in sizes:  # grown as serving grows it (the growth copies too)
             self.reshape(lane, size, cap)
             req = Request.make(1, 0.0, 0, 1.0, 1.0, max_tokens=1)
             for t in lim.chunk_sizes:
-                tokens, no_seen = np.zeros((t,), np.int32), np.zeros((V,), bool)
+                tokens, no_seen = np.zeros((t,), np.int32), np.zeros((c.vocab_size,), bool)
                 self.prefill(lane, P.Chunk.make(0, tokens, 1, 0, True, -1, 0, no_seen, req), into_slot=False)
                 self.prefill(lane, P.Chunk.make(0, tokens, 1, 0, False, 0, 0, no_seen, req), into_slot=True)
             zeros = np.zeros((size,), np.int32)
@@ -150,15 +170,19 @@ class Runner:
                 self.decode(lane, P.DecodeRows(np.zeros((n,), np.int32), zeros, zeros, np.zeros((size,), bool), zeros))
             self.reset_row(lane, 0, 0)
             jax.block_until_ready(lane.state)
+        for size in reversed(sizes[:-1]):  # and shrunk, a bucket at a time, as rows leave
+            self.reshape(lane, size, cap, order=[0] + [-1] * (size - 1))
         self.release_rows(lane)
         self.load(lane, 0, None, 0)  # (the slot warmup wrote into; also the slot-to-slot copy)
-        cap = 16
-        while cap <= lim.prefix_capacity:  # the store entries the engine makes, and their loads
-            seg = self.extract(lane, 0, 0, cap)
-            if insert_prompts:
-                self._count("load", lane.loops, cap, False)
-                pool = P.load_slot(self.weights.params, self.weights.config, lane.state.pool, jnp.int32(0), seg,
-                                   jnp.int32(0), passes=lane.loops, materialize=False, slot_len=lim.prefix_capacity)
-                lane.state = lane.state.replace(pool=pool)
-            cap *= 2
+        if lim.prefix_cache:
+            stored = self.work_mode != c.storage  # a store entry's K/V are rebuilt to the working mode
+            for n in entry_capacities(c.max_seq_len):  # the entries of any PrefixStore, and their loads
+                sources = [F.empty_cache(self.weights, n, lane.loops)]  # a store entry's form
+                if insert_prompts and n <= lim.prefix_capacity:
+                    sources.append(self.extract(lane, 0, 0, n))  # the engine's own entries
+                self._count("load", lane.loops, n, stored)
+                for src in sources:
+                    pool = P.load_slot(self.weights.params, c, lane.state.pool, jnp.int32(0), src, jnp.int32(0),
+                                       passes=lane.loops, materialize=stored, slot_len=lim.prefix_capacity)
+                    lane.state = lane.state.replace(pool=pool)
         self.warm = True
