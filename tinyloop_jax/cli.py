@@ -236,7 +236,11 @@ def cmd_serve(args) -> None:
 
     model, tok = _model_and_tokenizer(args)
     name = args.name or os.path.basename(os.path.normpath(args.model or BUNDLED))
-    engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue, timeout=args.timeout)
+    # shared prefixes up to --prefix-capacity positions per pool slot (a real model's whole context,
+    # e.g. SmolLM2's 8192, would make the pool alone gigabytes and its programs slow to build)
+    context = model.config()["max_seq_len"]
+    engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue, timeout=args.timeout,
+                    prefix_capacity=min(context, args.prefix_capacity))
     t = time.perf_counter()
     n = engine.warmup()
     print(f"tinyloop serve: {name} (loops={model.config()['default_loops']}, max_batch={args.max_batch}), "
@@ -307,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-batch", type=int, default=16)
     s.add_argument("--max-queue", type=int, default=256)
+    s.add_argument("--prefix-capacity", type=int, default=2048,
+                   help="positions of each shared-prefix pool slot (at most the model's context)")
     s.add_argument("--timeout", type=float, default=None, help="per-request deadline in seconds")
     s.add_argument("--name", default=None, help="the model name clients send (default: the folder's name)")
     s.add_argument("--log-level", default="info")
@@ -314,9 +320,21 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def persistent_compile_cache() -> None:
+    """Compiled programs kept across runs in $TINYLOOP_HOME/xla-cache (unless the caller chose a
+    cache already): a real model's first call compiles for seconds to minutes, later runs load."""
+    import jax
+
+    from .formats.hub import home
+
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.join(home(), "xla-cache"))
+
+
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)  # argparse itself exits 2 on malformed arguments
+    persistent_compile_cache()
     try:
         args.func(args)
     except (UsageError, ValueError, RuntimeError) as e:
