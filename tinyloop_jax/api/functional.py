@@ -64,37 +64,40 @@ def empty_cache(weights: Weights, n_tokens: int, loops: int | None = None, cache
 
 
 def prefill(weights: Weights, tokens, cache: KVCache, ro: tuple = (), start_pos: int | None = None,
-            loops: int | None = None, cache_window: int = 0, exit: Exit | None = None) -> tuple[jax.Array, KVCache]:
+            loops: int | None = None, cache_window: int = 0, exit: Exit | None = None,
+            seed: int = 0) -> tuple[jax.Array, KVCache]:
     """Append `tokens` [T] to `cache` at positions start_pos + i (default cache.length),
     attending also to the read-only segments `ro`. Returns (next-token logits [V], new cache).
-    `cache` is donated: do not use it afterwards."""
+    `cache` is donated: do not use it afterwards. `seed`: injection models' initial states."""
     c = weights.config
     start = cache.length if start_pos is None else jnp.int32(start_pos)
     if c.block == "gpt2":  # learned positions: the host needs the start (one read of cache.length)
         c.check_positions(int(start) + len(tokens), "the chunk")
     return programs.prefill(weights.params, c, jnp.asarray(pad(tokens)), jnp.int32(len(tokens)), start, tuple(ro),
-                            cache, loops=c.default_loops if loops is None else loops, window=cache_window, exit=exit)
+                            cache, loops=c.default_loops if loops is None else loops, window=cache_window, exit=exit,
+                            seed=jnp.uint32(seed))
 
 
 def decode_step(weights: Weights, token: int, cache: KVCache, ro: tuple = (), loops: int | None = None,
-                cache_window: int = 0, exit: Exit | None = None) -> tuple[jax.Array, KVCache]:
+                cache_window: int = 0, exit: Exit | None = None, seed: int = 0) -> tuple[jax.Array, KVCache]:
     """One token at position cache.length, by the decode path of the generate loops (see
     `programs.decode_token`). Returns (next-token logits [V], new cache); `cache` is donated."""
     c = weights.config
     if c.block == "gpt2":
         c.check_positions(int(cache.length) + 1, "the token")
     return programs.decode_token(weights.params, c, jnp.int32(token), tuple(ro), cache,
-                                 loops=c.default_loops if loops is None else loops, window=cache_window, exit=exit)
+                                 loops=c.default_loops if loops is None else loops, window=cache_window, exit=exit,
+                                 seed=jnp.uint32(seed))
 
 
 # ---- prefixes --------------------------------------------------------------------------------
 
 def _wrap(weights: Weights, own: KVCache, prompt: np.ndarray, loops: int, window: int, logits, seen, depth_states,
-          state=None) -> PrefixCache:
+          state=None, seed: int = 0) -> PrefixCache:
     prompt = np.array(prompt, np.int32)
     prompt.setflags(write=False)
     return PrefixCache(cache=own, prompt=prompt, loops=loops, cache_window=window, logits=logits, seen=seen,
-                       depth_states=depth_states, weights=weights, state=state)
+                       depth_states=depth_states, weights=weights, state=state, seed=seed)
 
 
 def prefix_nbytes(weights: Weights, n_tokens: int, loops: int, cache_window: int = 0) -> int:
@@ -104,18 +107,20 @@ def prefix_nbytes(weights: Weights, n_tokens: int, loops: int, cache_window: int
 
 
 def build_prefix(weights: Weights, prompt, loops: int | None = None, cache_window: int = 0,
-                 keep_state: bool = False, exit: Exit | None = None) -> PrefixCache:
+                 keep_state: bool = False, exit: Exit | None = None, seed: int = 0) -> PrefixCache:
     """Prefill `prompt` [P] once into a PrefixCache (no decode). keep_state=True also keeps every
     position's stream after the last pass (D floats per token) for `prefix_at_depth` deeper.
-    `exit`: which pass the stored next-token logits come from (gate models)."""
+    `exit`: which pass the stored next-token logits come from (gate models). `seed`: the
+    initial loop states of injection models (`PrefixCache.seed`)."""
     loops = weights.config.default_loops if loops is None else loops
     prompt = np.asarray(prompt, np.int32)
     weights.config.check_positions(len(prompt), "the prompt")
     own = empty_cache(weights, len(prompt), loops, cache_window)
     tokens, n = jnp.asarray(pad(prompt)), jnp.int32(len(prompt))
     out = programs.prefill_prefix(weights.params, weights.config, tokens, n, jnp.int32(0), tokens, n, own, loops=loops,
-                                  window=cache_window, keep_state=keep_state, exit=exit)
-    return _wrap(weights, out.own, prompt, loops, cache_window, out.logits, out.seen, out.depth_states, out.state)
+                                  window=cache_window, keep_state=keep_state, exit=exit, seed=jnp.uint32(seed))
+    return _wrap(weights, out.own, prompt, loops, cache_window, out.logits, out.seen, out.depth_states, out.state,
+                 seed)
 
 
 def extend_prefix(source: PrefixCache, k: int, prompt, exit: Exit | None = None) -> PrefixCache:
@@ -128,8 +133,8 @@ def extend_prefix(source: PrefixCache, k: int, prompt, exit: Exit | None = None)
                              passes=loops)
     out = programs.prefill_prefix(w.params, w.config, jnp.asarray(pad(prompt[k:])), jnp.int32(len(prompt) - k),
                                   jnp.int32(k), jnp.asarray(pad(prompt)), jnp.int32(len(prompt)), own, loops=loops,
-                                  window=window, keep_state=False, exit=exit)
-    return _wrap(w, out.own, prompt, loops, window, out.logits, out.seen, out.depth_states)
+                                  window=window, keep_state=False, exit=exit, seed=jnp.uint32(source.seed))
+    return _wrap(w, out.own, prompt, loops, window, out.logits, out.seen, out.depth_states, seed=source.seed)
 
 
 # ---- decoding --------------------------------------------------------------------------------
@@ -184,7 +189,7 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
         tokens = np.stack([pad(s, kvc.bucket(int(lens.max()))) for s in suffixes])
         logits, seen, own = programs.prefill_rows(weights.params, c, jnp.asarray(tokens), jnp.asarray(lens),
                                                 jnp.full((N,), P, jnp.int32), ro, own, prior_logits, prior_seen,
-                                                loops=loops, window=window, exit=exit)
+                                                loops=loops, window=window, exit=exit, seeds=request.seed)
     else:
         logits = jnp.broadcast_to(prior_logits, (N, c.vocab_size))
         seen = jnp.broadcast_to(prior_seen, (N, c.vocab_size))
@@ -202,7 +207,7 @@ def generate(weights: Weights, prompts: list, request: Request, loops: int | Non
     loops = weights.config.default_loops if loops is None else loops
     check_fits(weights, [len(p) for p in prompts], request, loops, cache_window, speculation)
     if len(prompts) == 1:
-        prefix = build_prefix(weights, prompts[0], loops, cache_window, exit=exit)
+        prefix = build_prefix(weights, prompts[0], loops, cache_window, exit=exit, seed=int(request.seed[0]))
         return decode(weights, prefix, [np.zeros((0,), np.int32)], request, loops, cache_window, speculation, exit)
     return decode(weights, None, prompts, request, loops, cache_window, speculation, exit)
 

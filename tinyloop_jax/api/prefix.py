@@ -44,6 +44,9 @@ class PrefixCache:
     # keep_state=True: every position's stream after the cache's last pass [T, D] (T = the
     # prompt's bucket), from which deeper passes continue without re-running what is done
     state: jax.Array | None = dataclasses.field(default=None, repr=False)
+    # injection models (Huginn): the seed the prompt positions' initial loop states were drawn
+    # from; a prefix extended from this one draws its new positions from it too
+    seed: int = 0
 
     def __len__(self) -> int:
         return int(self.prompt.shape[0])

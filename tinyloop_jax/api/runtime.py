@@ -240,10 +240,11 @@ class Model:
         return self._lists(state, [prompt.tolist()], spec)[0]
 
     def build_prefix_cache(self, prompt, loops: int | None = None, cache_window: int = 0,
-                           keep_state: bool = False) -> PrefixCache:
+                           keep_state: bool = False, seed: int = 0) -> PrefixCache:
         """Prefill `prompt` once (no decode) into a PrefixCache for many later requests.
         keep_state=True also keeps every position's loop state (D floats per token), so that
-        `prefix.at_depth(deeper)` runs only the extra passes."""
+        `prefix.at_depth(deeper)` runs only the extra passes. `seed`: the prompt's initial loop
+        states on a model with Huginn's recurrence (`generate(prompt, seed=s)` builds with s)."""
         w = self.weights
         prompt = self._tokens(prompt)
         loops, window = self._loops(loops), check.cache_window(cache_window)
@@ -251,7 +252,7 @@ class Model:
             raise ValueError(f"keep_state must be True or False, got {keep_state!r}")
         self._check_length(len(prompt), "prompt")
         kvc.check_fits(F.prefix_nbytes(w, len(prompt), loops, window), f"a prefix at loops={loops}")
-        return F.build_prefix(w, prompt, loops, window, keep_state, self.exit_for(loops))
+        return F.build_prefix(w, prompt, loops, window, keep_state, self.exit_for(loops), seed=check.seed(seed))
 
     def resume(self, prompt, loops: int | None = None, cache_window: int = 0) -> "ResumeHandle":
         """Prefill `prompt` at a (shallow) depth and return a handle to look at the result and

@@ -35,14 +35,16 @@ def token_mask(tokens: jax.Array, n_valid: jax.Array, vocab_size: int) -> jax.Ar
 
 
 def forward_rows(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
-                 ro: tuple, own: KVCache, loops: int, window: int, exit: tf.Exit | None = None):
+                 ro: tuple, own: KVCache, loops: int, window: int, exit: tf.Exit | None = None,
+                 seeds: jax.Array | None = None):
     """The forward pass for N rows: tokens [N, T], n_valid, start_pos [N]; ro shared; own the
-    rows' segments (see `rows_in_loop`). Returns (streams the logits come from [N, T, D], new own)."""
-    one = lambda t, n, s, o: tf.forward(params, cfg, t, n, s, ro, o, loops, window, exit)  # noqa: E731
+    rows' segments (see `rows_in_loop`); seeds [N] uint32 (injection models' initial states;
+    None: 0). Returns (streams the logits come from [N, T, D], new own)."""
+    one = lambda t, n, s, o, sd: tf.forward(params, cfg, t, n, s, ro, o, loops, window, exit, sd)  # noqa: E731
     if own.length.ndim == 0:  # the one row of N = 1, unbatched
-        x, own = one(tokens[0], n_valid[0], start_pos[0], own)
+        x, own = one(tokens[0], n_valid[0], start_pos[0], own, None if seeds is None else seeds[0])
         return x[None], own
-    return jax.vmap(one)(tokens, n_valid, start_pos, own)
+    return jax.vmap(one)(tokens, n_valid, start_pos, own, seeds)
 
 
 def rows_in_loop(own: KVCache) -> KVCache:
@@ -74,20 +76,21 @@ def rollback_rows(own: KVCache, lengths: jax.Array) -> KVCache:
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("own",))
 def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
-            ro: tuple, own: KVCache, loops: int, window: int, exit: tf.Exit | None = None):
+            ro: tuple, own: KVCache, loops: int, window: int, exit: tf.Exit | None = None,
+            seed: jax.Array | None = None):
     """Append tokens[:n_valid] (tokens [T] int32, bucket-padded) to one segment `own` at absolute
     positions start_pos + i. Returns (next-token logits [V] after the last real token, new own)."""
-    x, own = tf.forward(params, cfg, tokens, n_valid, start_pos, ro, own, loops, window, exit)
+    x, own = tf.forward(params, cfg, tokens, n_valid, start_pos, ro, own, loops, window, exit, seed)
     return tf.last_logits(params, cfg, x, n_valid), own
 
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("own",))
 def decode_token(params: Params, cfg: ModelConfig, token: jax.Array, ro: tuple, own: KVCache, loops: int, window: int,
-                 exit: tf.Exit | None = None):
+                 exit: tf.Exit | None = None, seed: jax.Array | None = None):
     """One token (token [] int32) at position own.length of one segment, by the decode path that
     every step of `decode` takes (a chunk of T = 1: written into the cache, then attended to).
     Returns (next-token logits [V], new own)."""
-    x, own = tf.forward(params, cfg, token[None], jnp.int32(1), own.length, ro, own, loops, window, exit)
+    x, own = tf.forward(params, cfg, token[None], jnp.int32(1), own.length, ro, own, loops, window, exit, seed)
     return tf.lm_head(params, cfg, x[0]), own
 
 
@@ -103,12 +106,13 @@ class PrefixFill(NamedTuple):
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "keep_state"), donate_argnames=("own",))
 def prefill_prefix(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
                    context: jax.Array, n_context: jax.Array, own: KVCache, loops: int, window: int, keep_state: bool,
-                   exit: tf.Exit | None = None) -> PrefixFill:
+                   exit: tf.Exit | None = None, seed: jax.Array | None = None) -> PrefixFill:
     """Prefill a prompt's segment (no read-only segments): tokens [T] at start_pos (own already
     holds the positions before it), context [Tc] the whole prompt. keep_state=False: `state` is
     None."""
     x0 = tf.embed(params, tokens, start_pos)
-    out = tf.run_layers(params, cfg, x0, n_valid, start_pos, (), own, loops, window, keep_states=True, exit=exit)
+    out = tf.run_layers(params, cfg, x0, n_valid, start_pos, (), own, loops, window, keep_states=True, exit=exit,
+                        seed=seed)
     return PrefixFill(logits=tf.last_logits(params, cfg, out.exit_x, n_valid),
                       seen=token_mask(context, n_context, cfg.vocab_size), own=out.own, depth_states=out.states,
                       state=out.x if keep_state else None)
@@ -117,11 +121,13 @@ def prefill_prefix(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid:
 @partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("own",))
 def prefill_rows(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
                  ro: tuple, own: KVCache, prior_logits: jax.Array, prior_seen: jax.Array, loops: int, window: int,
-                 exit: tf.Exit | None = None):
+                 exit: tf.Exit | None = None, seeds: jax.Array | None = None):
     """N requests' own tokens after shared segments: tokens [N, T] (row i real up to n_valid[i],
     possibly 0), start_pos [N]; prior_logits [V], prior_seen [V]: what the shared segments end
-    with. Returns (logits [N, V] (prior_logits for empty rows), seen [N, V], new own)."""
-    x, own = forward_rows(params, cfg, tokens, n_valid, start_pos, ro, rows_in_loop(own), loops, window, exit)
+    with; seeds [N] (see `forward_rows`). Returns (logits [N, V] (prior_logits for empty rows),
+    seen [N, V], new own)."""
+    x, own = forward_rows(params, cfg, tokens, n_valid, start_pos, ro, rows_in_loop(own), loops, window, exit,
+                          seeds)
     own = rows_out_of_loop(own)
     logits = jax.vmap(lambda x, n: tf.last_logits(params, cfg, x, n))(x, n_valid)
     logits = jnp.where((n_valid > 0)[:, None], logits, prior_logits)
@@ -199,7 +205,7 @@ def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logi
         seen, counts = feed(state, state.last)
         N = state.last.shape[0]
         x, own = forward_rows(params, cfg, state.last[:, None], jnp.ones((N,), jnp.int32), row_lengths(state.own), ro,
-                              state.own, loops, window, exit)
+                              state.own, loops, window, exit, req.seed)
         tok = select_tokens(tf.lm_head(params, cfg, x[:, 0]), seen, req, state.step + 1, counts)
         return emit(state.replace(seen=seen, counts=counts, own=own, step=state.step + 1), tok, req)
 

@@ -89,7 +89,7 @@ def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logi
         def draft(j, c: Drafting) -> Drafting:  # one token at depth d: passes 0..d-1 of the same caches, in place
             seen, counts = c.seen.at[rows, c.tok].set(True), c.counts.at[rows, c.tok].add(1)
             x, own = forward_rows(params, cfg, c.tok[:, None], ones, row_lengths(c.own), ro, c.own, draft_loops,
-                                  window)
+                                  window, seeds=req.seed)
             q = distribution(tf.lm_head(params, cfg, x[:, 0]), seen, req, counts)
             tok = jax.vmap(draw)(fold_in(keys, j), q)
             return Drafting(own, tok, seen, counts, c.drafts.at[:, j].set(tok), c.qs.at[:, j].set(q))
@@ -104,7 +104,7 @@ def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logi
         # verify all of them in one chunk at full depth
         chunk = jnp.concatenate([state.last[:, None], drafts], axis=1)  # [N, k+1]
         at = row_lengths(own)
-        x, own = forward_rows(params, cfg, chunk, ones * (k + 1), at, ro, own, loops, window, exit)
+        x, own = forward_rows(params, cfg, chunk, ones * (k + 1), at, ro, own, loops, window, exit, req.seed)
         # the target distribution after each prefix of the chunk: seen and counts grow by one chunk token a position
         fed = jnp.cumsum(jax.nn.one_hot(chunk, V, dtype=jnp.int32), axis=1)  # [N, k+1, V]
         seen_v, counts_v = state.seen[:, None] | (fed > 0), state.counts[:, None] + fed

@@ -1,5 +1,5 @@
 """`Model.from_pretrained`: a Hugging Face folder by its `model_type` — "gpt2" (see `hf_gpt2`),
-"llama" or "ouro" — as (Params, ModelConfig).
+"llama", "ouro" or "huginn_raven" (see `hf_huginn`) — as (Params, ModelConfig).
 
 A plain Llama of L layers is n_pre_blocks = L - 1 and one loop block run once. Ouro loops its
 whole stack: n_pre_blocks = 0, loop_blocks = num_hidden_layers, default_loops = total_ut_steps,
@@ -32,12 +32,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import hf_gpt2
+from . import hf_gpt2, hf_huginn
 from ..model.config import ModelConfig
 from ..model.params import LlamaBlock, Params, fuse_qkv
 from .safetensors_io import Tensors
 
-MODEL_TYPES = ("gpt2", "llama", "ouro")
+MODEL_TYPES = ("gpt2", "llama", "ouro", "huginn_raven")
 
 
 def read_hf_config(path: str) -> dict:
@@ -155,5 +155,8 @@ def load(path: str, kv_mode: str | None = None, dtype: str | None = None) -> tup
     if model_type == "gpt2":
         params, cfg = hf_gpt2.load(path, kv_mode)
         return params, cfg.replace(dtype=dtype)
+    if model_type == "huginn_raven":
+        cfg = hf_huginn.huginn_config(hf, kv_mode, dtype)
+        return hf_huginn.load_huginn(path, cfg, Tensors(path)), cfg
     cfg = llama_config(hf, kv_mode, dtype)
     return load_llama(path, cfg, Tensors(path)), cfg

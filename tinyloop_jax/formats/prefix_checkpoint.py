@@ -42,7 +42,7 @@ def save(path: str, prefix: "PrefixCache") -> None:
         tree["state"] = state
     meta = dict(model_fingerprint=prefix.model_fingerprint, loops=prefix.loops, cache_window=prefix.cache_window,
                 kv_mode=cache.kv_mode.name, n_pre=len(cache.pre), n_post=len(cache.post), prompt_len=len(prefix.prompt),
-                layout=LAYOUT)
+                layout=LAYOUT, seed=prefix.seed)
     checkpoint.save(path, KIND, checkpoint.flatten(tree), meta)
 
 
@@ -79,4 +79,4 @@ def load(path: str, fingerprint: str, mesh=None) -> dict:
     return dict(cache=cache, prompt=prompt, loops=int(meta["loops"]), cache_window=int(meta["cache_window"]),
                 logits=jnp.asarray(arrays["logits"]), seen=jnp.asarray(arrays["seen"]),
                 depth_states=jnp.asarray(arrays["depth_states"]),
-                state=jnp.asarray(arrays["state"]) if "state" in arrays else None)
+                state=jnp.asarray(arrays["state"]) if "state" in arrays else None, seed=int(meta.get("seed", 0)))

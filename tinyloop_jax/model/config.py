@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 from .kv_modes import KVMode, check_kv_mode, kv_mode as parse_kv_mode
@@ -13,7 +14,11 @@ INT4_ATTENTION = ("pallas", "interpret", "jnp")
 # checkpoints and not part of the model fingerprint.
 RUNTIME_FIELDS = ("int4_attention", "mesh")
 BLOCKS = ("gpt2", "llama")  # GPT-2 (LayerNorm, biases, GELU, learned positions) | Llama (RMSNorm, RoPE, SwiGLU, GQA)
-NORM_PLACEMENTS = ("pre", "sandwich")  # sandwich (Ouro): x += n2(attn(n1 x)); x += n4(mlp(n3 x))
+# sandwich (Ouro): x += n2(attn(n1 x)); x += n4(mlp(n3 x)) | normed_residual (Huginn): the sums normed,
+# x = n2(x + attn(n1 x)); x = n4(x + mlp(n3 x))
+NORM_PLACEMENTS = ("pre", "sandwich", "normed_residual")
+INJECTIONS = ("none", "concat_adapter")  # how a pass takes the pre blocks' output (see `recurrence`)
+ROPE_PAIRINGS = ("half", "adjacent")  # RoPE rotates channel i with i + hd/2 (Llama) or 2i with 2i + 1 (Huginn)
 DTYPES = ("float32", "bfloat16")
 
 
@@ -58,6 +63,13 @@ class ModelConfig:
     `early_exit_gate`: the model has Ouro's exit gate (Linear D -> 1 on each pass's output);
     `early_exit_step` / `early_exit_threshold` are the calls' defaults. `dtype`: weights and
     compute (norms, softmax and the KV codecs stay float32).
+
+    Huginn's recurrence (`injection="concat_adapter"`, see `recurrence`): every pass starts from
+    `adapter(concat(state, e))`, e the pre blocks' output, the state starting from a truncated
+    normal of std sqrt(2 / (5 d_model)) * `state_init_scale` * `embed_scale` drawn per position
+    from the request's seed (0: the zero state); `embed_scale` multiplies the token embeddings;
+    `norm_before_coda` applies the final norm to the loop's output before the coda (and again
+    before the head); `rope_pairing="adjacent"` rotates channel pairs (2i, 2i + 1).
     """
 
     vocab_size: int = 256
@@ -86,6 +98,11 @@ class ModelConfig:
     early_exit_step: int | None = None
     early_exit_threshold: float | None = None
     mesh: object = None  # a ('data', 'model') jax.sharding.Mesh, or None: one device (runtime field)
+    injection: str = "none"
+    state_init_scale: float = 1.0
+    embed_scale: float = 1.0
+    norm_before_coda: bool = False
+    rope_pairing: str = "half"
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_heads", "max_seq_len", "mlp_ratio"):
@@ -95,7 +112,8 @@ class ModelConfig:
             raise ValueError(f"n_pre_blocks must be >= 0, got {self.n_pre_blocks!r}")
         if self.default_loops < 1:
             raise ValueError(f"default_loops must be >= 1, got {self.default_loops!r}")
-        for name, allowed in (("block", BLOCKS), ("norm_placement", NORM_PLACEMENTS), ("dtype", DTYPES)):
+        for name, allowed in (("block", BLOCKS), ("norm_placement", NORM_PLACEMENTS), ("dtype", DTYPES),
+                              ("injection", INJECTIONS), ("rope_pairing", ROPE_PAIRINGS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}; supported: {', '.join(allowed)}")
         if self.loop_blocks < 1:
@@ -117,10 +135,12 @@ class ModelConfig:
             object.__setattr__(self, "intermediate_size", self.d_model * self.mlp_ratio)
         if self.block == "gpt2":
             for name, want in (("n_kv_heads", self.n_heads), ("head_dim", self.d_model // self.n_heads),
-                               ("norm_placement", "pre"), ("tie_embeddings", True), ("attention_bias", False)):
+                               ("norm_placement", "pre"), ("tie_embeddings", True), ("attention_bias", False),
+                               ("rope_pairing", "half")):
                 if getattr(self, name) != want:
                     raise ValueError(f"{name}={getattr(self, name)!r} is not supported with block='gpt2' "
                                      f"(needs {want!r})")
+        self._check_recurrence()
         if self.block == "llama" and self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim}: RoPE rotates pairs, it must be even")
         if self.early_exit_step is not None and self.early_exit_step < 0:
@@ -137,6 +157,28 @@ class ModelConfig:
             object.__setattr__(self, "int4_attention", int4_attention_from_env())
         if self.int4_attention not in INT4_ATTENTION:
             raise ValueError(f"int4_attention {self.int4_attention!r}; expected one of {', '.join(INT4_ATTENTION)}")
+
+    def _check_recurrence(self) -> None:
+        """ValueError naming the field for a Huginn-recurrence setting this runtime does not run."""
+        for name, low in (("state_init_scale", 0.0), ("embed_scale", math.ulp(0.0))):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < low:
+                raise ValueError(f"{name} must be a finite number {'>= 0' if low == 0 else '> 0'}, got {v!r}")
+        if self.injection == "none":
+            # Without the adapter's (state | injection) carry a continuing call's stream and a
+            # chunk's embeddings look alike, so only injection models scale embeddings.
+            for name, default in (("state_init_scale", 1.0), ("embed_scale", 1.0)):
+                if getattr(self, name) != default:
+                    raise ValueError(f"{name}={getattr(self, name)!r} needs injection='concat_adapter'")
+        elif self.pass_norm or self.early_exit_gate:
+            raise ValueError(f"injection={self.injection!r} with pass_norm / early_exit_gate is not supported")
+        if self.norm_before_coda and not self.n_post_blocks:
+            raise ValueError("norm_before_coda=True needs coda blocks (n_post_blocks >= 1)")
+
+    @property
+    def out_norms(self) -> bool:
+        """Blocks carry a norm on each sub-block's output (sandwich) or on each residual sum."""
+        return self.norm_placement in ("sandwich", "normed_residual")
 
     def n_cache_layers(self, loops: int) -> int:
         """One cache layer per pre block, per loop block per pass, and per coda block."""
@@ -198,4 +240,5 @@ class ModelConfig:
 ARCH_FIELDS = {f.name: f.default for f in dataclasses.fields(ModelConfig)
                if f.name in ("block", "norm_placement", "pass_norm", "loop_blocks", "n_post_blocks", "tie_embeddings",
                              "dtype", "n_kv_heads", "head_dim", "intermediate_size", "rope_theta", "attention_bias",
-                             "early_exit_gate", "early_exit_step", "early_exit_threshold")}
+                             "early_exit_gate", "early_exit_step", "early_exit_threshold", "injection",
+                             "state_init_scale", "embed_scale", "norm_before_coda", "rope_pairing")}

@@ -9,6 +9,7 @@ transposed on import):
     post[i]: BlockParams | LlamaBlock         i < n_post_blocks: the coda, each run once
     lnf_g, lnf_b [D] (b: LayerNorm only)     the final norm
     gate_w [D], gate_b []                     Ouro's early-exit gate (when the model has one)
+    adapter [2D, D]                           Huginn's pass input: concat(state, pre output) @ adapter
 
 The fused projections are head-shaped, so that a slice along a head axis holds whole heads
 (a mesh only places them, see `sharding`):
@@ -82,6 +83,7 @@ class Params:
     gate_w: jax.Array | None = None  # [D] early-exit gate
     gate_b: jax.Array | None = None  # [] early-exit gate
     post: tuple = ()  # tuple[block, ...], length n_post_blocks: the coda, run once after the loop
+    adapter: jax.Array | None = None  # [2D, D] injection="concat_adapter": rows [:D] read the state, [D:] e
 
 
 class FingerprintMemo:
@@ -218,7 +220,8 @@ def gpt2_init(config: ModelConfig, seed: int = 0) -> Params:
     tree = Params(wte=n(config.vocab_size, d), wpe=n(config.max_seq_len, d, s=0.01),
                   pre=tuple(blk() for _ in range(config.n_pre_blocks)),
                   loop=tuple(blk() for _ in range(config.loop_blocks)), lnf_g=o(d), lnf_b=z(d),
-                  post=tuple(blk() for _ in range(config.n_post_blocks)))
+                  post=tuple(blk() for _ in range(config.n_post_blocks)),
+                  adapter=n(2 * d, d) if config.injection != "none" else None)
     return jax.tree.map(jnp.asarray, _from_flat(tree, config))
 
 
@@ -227,7 +230,7 @@ def _random_llama_block(rng: np.random.Generator, c: ModelConfig) -> LlamaBlock:
     d, f = c.d_model, c.intermediate_size
     n = lambda shape, s: rng.normal(0.0, s, shape).astype(np.float32)  # noqa: E731
     qkv = c.q_dim + 2 * c.kv_dim
-    sandwich = c.norm_placement == "sandwich"
+    sandwich = c.out_norms
     return LlamaBlock(attn_norm=1.0 + n((d,), 0.1), w_qkv=n((d, qkv), 2.0 / np.sqrt(d)),
                       w_o=n((c.q_dim, d), 2.0 / np.sqrt(c.q_dim)), mlp_norm=1.0 + n((d,), 0.1),
                       w_gate_up=n((d, 2 * f), 2.0 / np.sqrt(d)), w_down=n((f, d), 2.0 / np.sqrt(f)),
@@ -253,7 +256,9 @@ def random_params(config: ModelConfig, seed: int = 0) -> Params:
         head=None if c.tie_embeddings else rng.normal(0.0, 1.0 / np.sqrt(d), (c.vocab_size, d)).astype(np.float32),
         gate_w=rng.normal(0.0, 1.0 / np.sqrt(d), (d,)).astype(np.float32) if c.early_exit_gate else None,
         gate_b=np.asarray(rng.normal(0.0, 0.5), np.float32) if c.early_exit_gate else None,
-        post=tuple(blk() for _ in range(c.n_post_blocks)),  # drawn last: models without a coda keep their weights
+        post=tuple(blk() for _ in range(c.n_post_blocks)),  # drawn late: models without a coda keep their weights
+        adapter=(rng.normal(0.0, 1.0 / np.sqrt(2 * d), (2 * d, d)).astype(np.float32)
+                 if c.injection != "none" else None),  # drawn last, only for injection models
     )
     return cast(jax.tree.map(jnp.asarray, _from_flat(tree, config)), config)
 
@@ -274,7 +279,7 @@ def param_shapes(config: ModelConfig) -> Params:
     """The shape of every tensor (`Shape` tuples in place of arrays; None where the model has none)."""
     c, S = config, (lambda *dims: Shape(dims))
     d, f, v = c.d_model, c.intermediate_size, c.vocab_size
-    llama, sw = c.block == "llama", c.norm_placement == "sandwich"
+    llama, sw = c.block == "llama", c.out_norms
     hd, kv = c.head_dim, c.n_kv_heads
 
     def blk():
@@ -291,7 +296,8 @@ def param_shapes(config: ModelConfig) -> Params:
                   pre=tuple(blk() for _ in range(c.n_pre_blocks)), loop=tuple(blk() for _ in range(c.loop_blocks)),
                   lnf_g=S(d), lnf_b=None if llama else S(d), head=None if c.tie_embeddings else S(v, d),
                   gate_w=S(d) if c.early_exit_gate else None, gate_b=S() if c.early_exit_gate else None,
-                  post=tuple(blk() for _ in range(c.n_post_blocks)))
+                  post=tuple(blk() for _ in range(c.n_post_blocks)),
+                  adapter=S(2 * d, d) if c.injection != "none" else None)
 
 
 class Shape(tuple):

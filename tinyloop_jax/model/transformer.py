@@ -1,6 +1,7 @@
 """The looped forward pass as pure functions over (params, cache segments): GPT-2 or Llama
 blocks (RMSNorm, RoPE, SwiGLU, grouped-query attention), a stack of k loop blocks, Ouro's
-sandwich norms, per-pass final norm and early-exit gate.
+sandwich norms, per-pass final norm and early-exit gate, Huginn's normed residuals, adjacent-pair
+RoPE and concat adapter (see `recurrence`).
 
 One function, `run_layers`, serves prefill (a chunk of T tokens), decode (T = 1) and the
 extra passes of a deeper prefix. A chunk attends to three kinds of keys, with one softmax over
@@ -26,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import cache as kvc
 from . import int4_attention as i4
+from . import recurrence as rec
 from .attention import attention, normalize
 from .cache import KVCache
 from .config import ModelConfig
@@ -80,6 +82,26 @@ def rope(x: jax.Array, pos: jax.Array, theta: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def rope_adjacent(x: jax.Array, pos: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, adjacent pairing (channel 2i with 2i + 1, Huginn's "complex" form): x
+    [.., T, hd] at positions pos [T]. Rotated in float32 and cast back, as the reference does."""
+    hd = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    freqs = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, hd/2]
+    cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], hd // 2, 2)
+    re, im = pairs[..., 0], pairs[..., 1]
+    out = jnp.stack([re * cos - im * sin, im * cos + re * sin], axis=-1)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def rotate(x: jax.Array, pos: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """q or k [.., T, hd] of a llama block rotated at pos [T] by the model's pairing."""
+    if cfg.rope_pairing == "adjacent":
+        return rope_adjacent(x, pos, cfg.rope_theta)
+    return rope(x, pos, cfg.rope_theta)
+
+
 def embed(params: Params, tokens: jax.Array, start_pos: jax.Array) -> jax.Array:
     """tokens [T] at positions start_pos + i -> the residual stream [T, D]."""
     if params.wpe is None:  # RoPE models: positions enter in attention
@@ -125,7 +147,7 @@ def qkv_heads(x: jax.Array, blk, cfg: ModelConfig, q_pos: jax.Array):
     g = cfg.n_heads // cfg.n_kv_heads
     q = qkv[:, :, :g].reshape(T, cfg.n_heads, cfg.head_dim).transpose(1, 0, 2)
     k, v = qkv[:, :, g].transpose(1, 0, 2), qkv[:, :, g + 1].transpose(1, 0, 2)
-    return h, rope(q, q_pos, cfg.rope_theta), rope(k, q_pos, cfg.rope_theta), v
+    return h, rotate(q, q_pos, cfg), rotate(k, q_pos, cfg), v
 
 
 def kv_from_h(cfg: ModelConfig, blk, key_pos: jax.Array):
@@ -142,7 +164,7 @@ def kv_from_h(cfg: ModelConfig, blk, key_pos: jax.Array):
     def f(h):
         kv = _project(h, w, b)  # [C, 2, KV, hd]
         k, v = kv[:, 0].transpose(1, 0, 2), kv[:, 1].transpose(1, 0, 2)
-        return (rope(k, key_pos, cfg.rope_theta) if cfg.block == "llama" else k), v
+        return (rotate(k, key_pos, cfg) if cfg.block == "llama" else k), v
     return f
 
 
@@ -160,9 +182,15 @@ def block_out(x: jax.Array, a: jax.Array, blk, cfg: ModelConfig) -> jax.Array:
         x = x + o + blk.b_o
         h2 = layer_norm(x, blk.ln2_g, blk.ln2_b, eps)
         return x + gelu(h2 @ blk.w_fc + blk.b_fc) @ blk.w_proj + blk.b_proj
-    x = x + (o if blk.attn_out_norm is None else rms_norm(o, blk.attn_out_norm, eps))
+    residual = cfg.norm_placement == "normed_residual"  # Huginn: the sums normed, not the branches
+    if residual:
+        x = rms_norm(x + o, blk.attn_out_norm, eps)
+    else:
+        x = x + (o if blk.attn_out_norm is None else rms_norm(o, blk.attn_out_norm, eps))
     gu = _project(rms_norm(x, blk.mlp_norm, eps), blk.w_gate_up, None)  # [T, 2, F]
     m = (jax.nn.silu(gu[:, 0]) * gu[:, 1]) @ blk.w_down
+    if residual:
+        return rms_norm(x + m, blk.mlp_out_norm, eps)
     return x + (m if blk.mlp_out_norm is None else rms_norm(m, blk.mlp_out_norm, eps))
 
 
@@ -291,7 +319,7 @@ def attention_int4_decode(q: jax.Array, q_pos: jax.Array, segs: list, window: in
 
 class Run(NamedTuple):
     """What `run_layers` returns."""
-    x: jax.Array  # [T, D] the streams after the last pass (before the coda)
+    x: jax.Array  # [T, D] the streams after the last pass (before the coda); injection: (state | e) [T, 2D]
     own: KVCache  # own with the chunk appended
     states: jax.Array | None  # [n_pre + loops, D] the last real token's stream after each pre block and pass
     exit_x: jax.Array  # [T, D] the streams the logits come from (after the coda; or the early exit's pick)
@@ -300,7 +328,7 @@ class Run(NamedTuple):
 @exact
 def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
                ro: tuple, own: KVCache, loops: int, window: int, keep_states: bool = False,
-               exit: Exit | None = None) -> Run:
+               exit: Exit | None = None, seed: jax.Array | None = None) -> Run:
     """Run a chunk's stream x [T, D] through own's layers and append the chunk to `own`.
 
     Only the first n_valid of the T tokens are real (the rest is bucket padding); they sit at
@@ -310,27 +338,44 @@ def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Arra
     blocks in order, then the final norm with `pass_norm`); deeper ones are not touched. Then the
     coda blocks, whose layers every segment holds (at this depth). With a gate model and `exit`,
     `exit_x` is the exit's pick among the passes' outputs.
+
+    Injection models (`recurrence`): x is the chunk's embeddings [T, D] (scaled here by
+    embed_scale; the initial states drawn from `seed`, uint32 [], None: 0), or, when own holds
+    no pre layers, the (state | e) carry [T, 2D] an earlier call returned as `Run.x`.
     """
     T, n_pre = x.shape[0], len(own.pre)
+    inject = rec.injected(cfg)
+    continuing = inject and x.shape[-1] == 2 * cfg.d_model
     if (n_pre not in (0, cfg.n_pre_blocks) or own.passes < loops or any(s.passes < loops for s in ro)
-            or any(len(s.post) != cfg.n_post_blocks for s in (own, *ro))):
+            or any(len(s.post) != cfg.n_post_blocks for s in (own, *ro))
+            or (inject and n_pre != (0 if continuing else cfg.n_pre_blocks))):
         raise ValueError(f"segments do not fit loops={loops}: own has {n_pre} pre layers, {own.passes} passes and "
-                         f"{len(own.post)} coda layers, read-only segments have {[s.passes for s in ro]} passes")
+                         f"{len(own.post)} coda layers, read-only segments have {[s.passes for s in ro]} passes"
+                         + (f"; an injection model takes embeddings [T, D] with every pre layer or its (state | e) "
+                            f"carry [T, 2D] with none, got x {tuple(x.shape)}" if inject else ""))
     q_pos = start_pos + jnp.arange(T, dtype=jnp.int32)
     chunk = Chunk(q_pos, jnp.where(jnp.arange(T) < n_valid, q_pos, -1), kvc.write_slots(q_pos, n_valid, own.capacity))
     last = jnp.maximum(n_valid - 1, 0)
     at_last = lambda x: jax.lax.dynamic_index_in_dim(x, last, axis=0, keepdims=False)  # noqa: E731
     gated = exit is not None and cfg.early_exit_gate
 
+    if continuing:
+        x, e = rec.split_carry(x)
+    elif inject and cfg.embed_scale != 1.0:
+        x = x * cfg.embed_scale
     pre, states = [], []
     for j, store in enumerate(own.pre):
         layers = [Layer(s.pre[j], s.pos, s.kv_mode) for s in ro]
         x, store = block(x, params.pre[j], cfg, chunk, layers, own, store, None, window)
         pre.append(store)
         states.append(at_last(x))
+    if inject and not continuing:
+        e, x = x, rec.initial_state(cfg, seed, q_pos)
 
     def one_pass(i, carry):
         x, stack, passes, sel = carry
+        if inject:
+            x = rec.pass_input(params, x, e)
         for j, blk in enumerate(params.loop):
             layers = [Layer(kvc.read(s.loop, (i, j)), s.pos, s.kv_mode) for s in ro]
             x, stack = block(x, blk, cfg, chunk, layers, own, stack, (i, j), window)
@@ -345,7 +390,7 @@ def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Arra
     passes = jnp.zeros((loops, x.shape[1]), x.dtype) if keep_states else None
     sel = ExitCarry.start(x) if gated else None
     x, loop, passes, sel = jax.lax.fori_loop(0, loops, one_pass, (x, own.loop, passes, sel))
-    y, post = x, []
+    y, post = (final_norm(params, cfg, x) if cfg.norm_before_coda else x), []
     for j, store in enumerate(own.post):
         layers = [Layer(s.post[j], s.pos, s.kv_mode) for s in ro]
         y, store = block(y, params.post[j], cfg, chunk, layers, own, store, None, window)
@@ -356,15 +401,17 @@ def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Arra
     if keep_states:
         states = jnp.concatenate([jnp.stack(states), passes]) if states else passes
     exit_x = sel.pick(x) if gated else y
-    return Run(x, new_own, states if keep_states else None, exit_x)
+    return Run(rec.carry(x, e) if inject else x, new_own, states if keep_states else None, exit_x)
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
-            ro: tuple, own: KVCache, loops: int, window: int, exit: Exit | None = None):
+            ro: tuple, own: KVCache, loops: int, window: int, exit: Exit | None = None,
+            seed: jax.Array | None = None):
     """Embed tokens [T] (positions start_pos + i) and run them through every layer, appending
-    them to `own`. Returns (the streams the logits come from [T, D], new own)."""
+    them to `own`. `seed` (uint32 []): injection models' initial states. Returns (the streams
+    the logits come from [T, D], new own)."""
     out = run_layers(params, cfg, embed(params, tokens, start_pos), n_valid, start_pos, ro, own, loops, window,
-                     exit=exit)
+                     exit=exit, seed=seed)
     return out.exit_x, out.own
 
 
@@ -399,10 +446,12 @@ def materialize(params: Params, cfg: ModelConfig, seg: KVCache, passes: int) -> 
 
 
 @exact
-def forward_seq(params: Params, cfg: ModelConfig, tokens: jax.Array, loops: int, window: int = 0) -> jax.Array:
+def forward_seq(params: Params, cfg: ModelConfig, tokens: jax.Array, loops: int, window: int = 0,
+                seed: jax.Array | None = None) -> jax.Array:
     """Cache-free forward over a whole sequence (training and evaluation): tokens [T] -> logits
     [T, V]. K/V pass through the kv_mode round trip, as the cached path sees them. The passes
-    run under `lax.scan` (differentiable, one copy of the loop stack in the program)."""
+    run under `lax.scan` (differentiable, one copy of the loop stack in the program). `seed`:
+    injection models' initial states (as `run_layers`)."""
     pos = jnp.arange(tokens.shape[0], dtype=jnp.int32)
 
     def layer(x, blk):
@@ -410,15 +459,25 @@ def forward_seq(params: Params, cfg: ModelConfig, tokens: jax.Array, loops: int,
         k, v = read_kv(cfg, cfg.storage.pack(h, k, v), blk, cfg.storage, pos)  # as a cache would hold them
         return block_out(x, attention(q.astype(jnp.float32), pos, [(k, v, pos)], window), blk, cfg)
 
+    inject = rec.injected(cfg)
+
     def one_pass(x, _):
+        if inject:
+            x = rec.pass_input(params, x, e)
         for blk in params.loop:
             x = layer(x, blk)
         return (final_norm(params, cfg, x) if cfg.pass_norm else x), None
 
     x = embed(params, tokens, jnp.int32(0))
+    if inject and cfg.embed_scale != 1.0:
+        x = x * cfg.embed_scale
     for blk in params.pre:
         x = layer(x, blk)
+    if inject:
+        e, x = x, rec.initial_state(cfg, seed, pos)
     x, _ = jax.lax.scan(one_pass, x, None, length=loops)
+    if cfg.norm_before_coda:
+        x = final_norm(params, cfg, x)
     for blk in params.post:
         x = layer(x, blk)
     return lm_head(params, cfg, x)
