@@ -248,3 +248,30 @@ def test_a_store_hit_without_a_free_slot_is_counted(model):
         assert not long.done and h.prefix_tokens == 0
         assert s["requests_prefix_no_slot"] == 1 and s["prefix_tokens_recomputed"] == 40
         long.cancel()
+
+
+# ---- counters ----------------------------------------------------------------------------------
+
+def test_prefix_cache_and_pass_counters_per_depth(model):
+    """In tokens, per depth, as vLLM counts them: every prompt token is a prefix-cache query, each
+    one served from a cached prefix a hit; every position run is a token computed, at `loops`
+    passes each (a request's first token comes from its prompt's last position)."""
+    rng = np.random.default_rng(8)
+    system = rng.integers(0, 128, 40)
+    a, b = np.concatenate([system, [1, 2]]), np.concatenate([system, [3, 4, 5]])
+    with tl.Engine(model, **ENGINE) as eng:
+        ha = eng.submit(a, max_tokens=4)
+        ha.result()
+        hb = eng.submit(b, max_tokens=3)
+        hb.result()
+        hc = eng.submit(b[:10], max_tokens=2, loops=2)
+        hc.result()
+        s = eng.stats()
+    assert hb.prefix_tokens == 40 and ha.prefix_tokens == hc.prefix_tokens == 0  # b reads a's pooled system prompt
+    d3, d2 = s["depths"][3], s["depths"][2]
+    assert (d3["prefix_cache_queries"], d3["prefix_cache_hits"]) == (42 + 43, 40)
+    assert d3["tokens_computed"] == (42 + 3) + (43 - 40 + 2) and d3["passes"] == 3 * d3["tokens_computed"]
+    assert (d2["prefix_cache_queries"], d2["prefix_cache_hits"], d2["tokens_computed"]) == (10, 0, 10 + 1)
+    assert s["prefix_cache_queries"] == 95 and s["prefix_cache_hits"] == 40
+    assert s["passes_per_token"] == (3 * d3["tokens_computed"] + 2 * d2["tokens_computed"]) / (
+        d3["tokens_computed"] + d2["tokens_computed"])

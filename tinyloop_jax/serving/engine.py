@@ -197,8 +197,10 @@ class Engine:
         prefix hits / tokens reused / tokens recomputed for want of a pool slot, queue depth,
         running rows, batch size per step, time to first token (p50/p99 of recent requests),
         tokens per second, compiles after warmup, lanes (held, evicted) and the bytes they hold
-        against the memory budget. Any thread may call it: the batch side is a copy the loop
-        thread publishes after each iteration."""
+        against the memory budget; per depth (`depths`: loops -> counters, in tokens, as vLLM
+        counts them) prefix-cache queries and hits, positions computed and the loop passes they
+        took, and their sums over depths (with `passes_per_token`). Any thread may call it: the
+        batch side is a copy the loop thread publishes after each iteration."""
         with self._cv:
             s = dict(self._view)
             for k, v in self._stats.items():
@@ -215,6 +217,10 @@ class Engine:
         s["ttft_p50_s"] = ttft[len(ttft) // 2] if ttft else 0.0
         s["ttft_p99_s"] = ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else 0.0
         s["memory_budget"] = self.memory_budget
+        s["depths"] = depths = {loops: dict(d) for loops, d in s.get("depths", {}).items()}
+        for name in ("prefix_cache_queries", "prefix_cache_hits", "tokens_computed", "passes"):
+            s[name] = sum(d.get(name, 0) for d in depths.values())
+        s["passes_per_token"] = s["passes"] / s["tokens_computed"] if s["tokens_computed"] else 0.0
         return s
 
     @property

@@ -69,6 +69,9 @@ class Scheduler:
         self._on_first_token = on_first_token
         self._tick = 0
         self._store_bytes = StoreBytes()
+        # per depth, in tokens (vLLM's counts): prompt tokens looked up in the prefix cache and
+        # those it served; positions run through the model, and the loop passes they took
+        self.depths: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
         self.finished: list = []  # (handle, reason, error) of the rows that left: the driver finishes them
 
     def take_finished(self) -> list:
@@ -87,7 +90,8 @@ class Scheduler:
     def snapshot(self) -> dict:
         """What the driver's `stats()` reports of this side: a copy, made on the loop thread."""
         return dict(self.stats, running=self.running(), lanes=len(self.lanes), memory_bytes=self.memory_bytes(),
-                    programs=len(self.runner.programs), compiles_after_warmup=self.runner.compiles_after_warmup)
+                    programs=len(self.runner.programs), compiles_after_warmup=self.runner.compiles_after_warmup,
+                    depths={loops: dict(c) for loops, c in self.depths.items()})
 
     # ---- lanes -------------------------------------------------------------------------------
 
@@ -195,6 +199,9 @@ class Scheduler:
             raise
         i = next(i for i in range(lane.size) if i not in lane.rows)
         h.prefix_tokens = p.limit
+        depth = self.depths[lane.loops]
+        depth["prefix_cache_queries"] += len(h.prompt)
+        depth["prefix_cache_hits"] += p.limit
         self.stats["requests_prefix_hit" if p.limit else "requests_prefix_miss"] += 1
         self.stats["prefix_tokens_reused"] += p.limit
         if p.recomputed:  # the store held it, but no pool slot was free to read it from
@@ -270,6 +277,7 @@ class Scheduler:
                            Request.from_params([h.params], stops=False))
         tok, logits, states = self.runner.prefill(lane, chunk, into_slot=r.owner)
         self.stats["prefill_chunks"] += 1
+        self._computed(lane, n)
         r.fed += n
         if not final:
             return
@@ -304,7 +312,14 @@ class Scheduler:
         tok = self.runner.decode(lane, rows)
         self.stats["decode_steps"] += 1
         self.stats["batch_rows"] += int(rows.active.sum())
+        self._computed(lane, int(rows.active.sum()))
         self._tokens(lane, {i: int(tok[i]) for i in np.flatnonzero(rows.active)})
+
+    def _computed(self, lane: Lane, n: int) -> None:
+        """n positions ran through the model at the lane's depth (padding not counted)."""
+        depth = self.depths[lane.loops]
+        depth["tokens_computed"] += n
+        depth["passes"] += n * lane.loops
 
     def _tokens(self, lane: Lane, new: dict) -> None:
         """Emit each row's new token; rows that are done leave (the rows left may move: rows are
