@@ -189,7 +189,10 @@ def start(first_logits: jax.Array, seen: jax.Array, own: KVCache, req: Request, 
 def feed(state: DecodeState, tok: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(`seen`, `counts`) with the emitted tokens tok [N] fed."""
     rows = jnp.arange(tok.shape[0])
-    return state.seen.at[rows, tok].set(True), state.counts.at[rows, tok].add(1)
+    # counts grow by a one-hot (elementwise), not a scatter: on a mesh whose vocabulary axis is
+    # split, a scatter-add would cost an all-reduce per step
+    V = state.counts.shape[-1]
+    return state.seen.at[rows, tok].set(True), state.counts + jax.nn.one_hot(tok, V, dtype=jnp.int32)
 
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len"), donate_argnames=("own",))

@@ -87,7 +87,7 @@ def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logi
         V = state.seen.shape[-1]
 
         def draft(j, c: Drafting) -> Drafting:  # one token at depth d: passes 0..d-1 of the same caches, in place
-            seen, counts = c.seen.at[rows, c.tok].set(True), c.counts.at[rows, c.tok].add(1)
+            seen, counts = c.seen.at[rows, c.tok].set(True), c.counts + jax.nn.one_hot(c.tok, V, dtype=jnp.int32)
             x, own = forward_rows(params, cfg, c.tok[:, None], ones, row_lengths(c.own), ro, c.own, draft_loops,
                                   window, seeds=req.seed)
             q = distribution(tf.lm_head(params, cfg, x[:, 0]), seen, req, counts)
@@ -117,7 +117,7 @@ def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logi
         kept = jnp.arange(k) < a[:, None]  # [N, k]
         seen, counts = feed(state, state.last)
         seen = seen.at[rows[:, None], jnp.where(kept, drafts, state.last[:, None])].set(True)
-        counts = counts.at[rows[:, None], drafts].add(kept.astype(jnp.int32))
+        counts = counts + jnp.sum(jax.nn.one_hot(drafts, V, dtype=jnp.int32) * kept[..., None], axis=1)
         state = state.replace(seen=seen, counts=counts, own=own, step=state.step + 1,
                               accepted=state.accepted + jnp.where(state.done, 0, a))
         # emit d_1 .. d_a, then nxt, one at a time so that stops and max_tokens cut exactly
