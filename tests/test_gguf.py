@@ -262,6 +262,90 @@ def test_a_folder_holding_a_gguf_and_a_tied_head_load(tmp_path):
     assert m.weights.config.tie_embeddings and m.weights.params.head is None
 
 
+# ---- a tiny random GPT-2: GGUF (architecture "gpt2") vs Hugging Face folder ---------------------
+
+GPT2_TYPES = {"attn_qkv": ["Q8_0", "F16"], "attn_output": ["Q4_1", "Q6_K"], "ffn_up": ["Q5_0", "Q4_0"],
+              "ffn_down": ["Q4_K", "Q5_1"]}
+GPT2_HF = {"attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj",
+           "attn_norm": "ln_1", "ffn_norm": "ln_2"}
+
+
+def write_tiny_gpt2(path: str, head: str = "untied", seed: int = 0) -> dict:
+    """A random GPT-2 as llama.cpp's converter writes one (matrices as [out, in] rows, `output.weight`
+    always present: a copy of the embedding when `head` is "copy"); returns {HF name: float32
+    weights} of the same model (Conv1D matrices [in, out])."""
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(path, arch="gpt2")
+    writer.add_block_count(LAYERS), writer.add_context_length(64), writer.add_embedding_length(D)
+    writer.add_feed_forward_length(4 * D), writer.add_head_count(H), writer.add_layer_norm_eps(1e-5)
+    tokens, merges, types = tiny_vocab()
+    writer.add_tokenizer_model("gpt2"), writer.add_tokenizer_pre("gpt-2"), writer.add_token_list(tokens)
+    writer.add_token_merges(merges), writer.add_token_types(types), writer.add_eos_token_id(0)
+    hf = {}
+
+    def put(name: str, hf_name: str, w: np.ndarray, kind: str, conv1d: bool):
+        q = encode(kind, w, rng)
+        writer.add_tensor(name, q, raw_dtype=T[kind])
+        stored = ref_dequantize(kind, raw_bytes(q), w.shape)
+        hf[hf_name] = stored.T.copy() if conv1d else stored
+        return q
+
+    wte = put("token_embd.weight", "wte.weight", rng.standard_normal((VOCAB, D), np.float32), "Q8_0", False)
+    put("position_embd.weight", "wpe.weight", 0.1 * rng.standard_normal((64, D), np.float32), "F32", False)
+    vec = lambda n: (0.1 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731
+    for i in range(LAYERS):
+        shapes = {"attn_qkv": (3 * D, D), "attn_output": (D, D), "ffn_up": (4 * D, D), "ffn_down": (D, 4 * D)}
+        for short, shape in shapes.items():
+            w = rng.standard_normal(shape, np.float32) / np.sqrt(shape[1])
+            put(f"blk.{i}.{short}.weight", f"h.{i}.{GPT2_HF[short]}.weight", w, GPT2_TYPES[short][i], True)
+            hf[f"h.{i}.{GPT2_HF[short]}.bias"] = b = vec(shape[0])
+            writer.add_tensor(f"blk.{i}.{short}.bias", b)
+        for short in ("attn_norm", "ffn_norm"):
+            hf[f"h.{i}.{GPT2_HF[short]}.weight"] = w = 1 + vec(D)
+            writer.add_tensor(f"blk.{i}.{short}.weight", w)
+            hf[f"h.{i}.{GPT2_HF[short]}.bias"] = b = vec(D)
+            writer.add_tensor(f"blk.{i}.{short}.bias", b)
+    hf["ln_f.weight"], hf["ln_f.bias"] = 1 + vec(D), vec(D)
+    writer.add_tensor("output_norm.weight", hf["ln_f.weight"]), writer.add_tensor("output_norm.bias", hf["ln_f.bias"])
+    if head == "copy":
+        writer.add_tensor("output.weight", wte, raw_dtype=T["Q8_0"])
+    else:
+        put("output.weight", "lm_head.weight", rng.standard_normal((VOCAB, D), np.float32) / 16, "Q6_K", False)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    return hf
+
+
+def write_gpt2_folder(folder, weights: dict, tied: bool) -> str:
+    from safetensors.numpy import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    config = {"model_type": "gpt2", "n_embd": D, "n_layer": LAYERS, "n_head": H, "n_positions": 64,
+              "n_inner": 4 * D, "vocab_size": VOCAB, "layer_norm_epsilon": 1e-5, "tie_word_embeddings": tied}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, os.path.join(folder, "model.safetensors"))
+    return str(folder)
+
+
+@pytest.mark.parametrize("head", ["untied", "copy"])
+def test_gpt2_gguf_and_hf_folder_give_same_logits_and_tokens(tmp_path, head):
+    weights = write_tiny_gpt2(str(tmp_path / "gpt2.gguf"), head=head)
+    a = tl.Model.from_pretrained(str(tmp_path / "gpt2.gguf"), kv_mode="fp32", dtype="float32")
+    b = tl.Model.from_pretrained(write_gpt2_folder(tmp_path / "hf", weights, tied=head == "copy"), kv_mode="fp32",
+                                 dtype="float32")
+    assert a.config() == b.config()
+    assert a.weights.config.block == "gpt2" and a.weights.config.n_pre_blocks == LAYERS - 1
+    assert a.weights.config.tie_embeddings == (head == "copy") == (a.weights.params.head is None)
+    prompt = np.random.default_rng(1).integers(0, VOCAB, 11).astype(np.int32)
+    la, lb = a.next_token_logits(prompt), b.next_token_logits(prompt)
+    np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)
+    assert np.abs(la).max() > 1e-2
+    assert a.generate(prompt, max_tokens=8) == b.generate(prompt, max_tokens=8)
+    assert tl.load_tokenizer(str(tmp_path / "gpt2.gguf")).decode(tl.load_tokenizer(
+        str(tmp_path / "gpt2.gguf")).encode("the cat")) == "the cat"
+
+
 def test_tiny_gguf_tokenizer(tiny_pair):
     tok = tl.load_tokenizer(tiny_pair[0])
     ids = tok.encode("the cat is here")

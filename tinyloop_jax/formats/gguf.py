@@ -1,10 +1,11 @@
-"""GGUF files (llama.cpp, ollama) as a Hugging Face Llama: `Model.from_pretrained("x.gguf")`.
+"""GGUF files (llama.cpp, ollama) as a Hugging Face model: `Model.from_pretrained("x.gguf")`.
 
 A GGUF file holds the hyperparameters as metadata (`llama.block_count`, ...), the tokenizer
 (`tokenizer.ggml.*`, see `gguf_vocab`) and the tensors under llama.cpp's names. This module reads
-it (`gguf_reader`) and presents it to `hf_import` the way a Hugging Face folder looks:
-an HF-style config dict (`hf_config`) and a tensor source with HF Llama names (`GGUFTensors`, the
-same interface as `safetensors_io.Tensors`), so the one Llama import path builds the model.
+it (`gguf_reader`) and presents it to the Hugging Face import the way a folder looks: an HF-style
+config dict (`hf_config`) and a tensor source with HF names (`GGUFTensors`, the same interface as
+`safetensors_io.Tensors`), so the one Llama path (`hf_import`) or GPT-2 path (`hf_gpt2`) builds
+the model. `general.architecture` "llama":
 
     token_embd.weight            -> model.embed_tokens.weight
     blk.{i}.attn_norm.weight     -> model.layers.{i}.input_layernorm.weight
@@ -13,6 +14,14 @@ same interface as `safetensors_io.Tensors`), so the one Llama import path builds
     blk.{i}.ffn_norm.weight      -> model.layers.{i}.post_attention_layernorm.weight
     blk.{i}.ffn_{gate,up,down}.weight -> model.layers.{i}.mlp.{gate,up,down}_proj.weight
     output_norm.weight -> model.norm.weight      output.weight -> lm_head.weight (absent: tied)
+
+"gpt2" (llama.cpp's converter transposes GPT-2's [in, out] Conv1D matrices to [out, in] rows;
+they are transposed back; `output.weight` is written even when tied: equal to the embedding, tied):
+
+    token_embd.weight -> wte.weight   position_embd.weight -> wpe.weight   output.weight -> lm_head.weight
+    output_norm.{weight,bias} -> ln_f.*       blk.{i}.attn_norm.* -> h.{i}.ln_1.*
+    blk.{i}.attn_qkv.* -> h.{i}.attn.c_attn.*   blk.{i}.attn_output.* -> h.{i}.attn.c_proj.*
+    blk.{i}.ffn_norm.* -> h.{i}.ln_2.*   blk.{i}.ffn_up.* -> h.{i}.mlp.c_fc.*   blk.{i}.ffn_down.* -> h.{i}.mlp.c_proj.*
 
 GGUF lists a tensor's dims fastest first ([in, out]); its rows are Hugging Face's [out, in]
 rows. Tensors are dequantized one at a time to float32 numpy (the `gguf` package's
@@ -34,24 +43,34 @@ import numpy as np
 
 from .gguf_reader import MAGIC, GGUFFile
 
-ARCHITECTURES = ("llama",)
+ARCHITECTURES = ("llama", "gpt2")
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
-_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
-_LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+# per architecture: whole-model names, per-block names, the HF prefix of block i
+_NAMES = {
+    "llama": ({"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+               "output.weight": "lm_head.weight"},
+              {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"},
+              "model.layers.{}."),
+    "gpt2": ({"token_embd.weight": "wte.weight", "position_embd.weight": "wpe.weight", "output.weight": "lm_head.weight",
+              "output_norm.weight": "ln_f.weight", "output_norm.bias": "ln_f.bias"},
+             {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",
+              "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
+             "h.{}."),
+}
 
 
-def hf_name(name: str) -> str:
-    """llama.cpp's tensor name -> Hugging Face Llama's ('blk.3.attn_q.weight' ->
+def hf_name(name: str, arch: str = "llama") -> str:
+    """llama.cpp's tensor name -> Hugging Face's ('blk.3.attn_q.weight' ->
     'model.layers.3.self_attn.q_proj.weight'); a name with no HF twin is returned as 'gguf:<name>'."""
-    if name in _TOP:
-        return _TOP[name]
+    top, layer, prefix = _NAMES[arch]
+    if name in top:
+        return top[name]
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER:
-        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer:
+        return f"{prefix.format(parts[1])}{layer[parts[2]]}.{parts[3]}"
     return "gguf:" + name
 
 
@@ -90,7 +109,8 @@ def architecture(reader: GGUFFile) -> str:
 
 
 def hf_config(reader: GGUFFile) -> dict:
-    """The metadata of a llama GGUF as a Hugging Face LlamaConfig dict (for `hf_import.llama_config`)."""
+    """The metadata of a GGUF file as a Hugging Face config dict: a LlamaConfig's (for
+    `hf_import.llama_config`) or a GPT2Config's (for `hf_gpt2.gpt2_config`)."""
     arch, path = architecture(reader), reader.path
 
     def need(key: str, default=None, kind=int):
@@ -101,6 +121,18 @@ def hf_config(reader: GGUFFile) -> dict:
             raise ValueError(f"{path}: GGUF metadata {arch}.{key}={v!r} is not supported (one {kind.__name__})")
         return kind(v)
 
+    names = set(reader.tensors)
+    if "token_embd.weight" not in names:
+        raise ValueError(f"{path}: tensor 'token_embd.weight' is missing")
+    vocab = int(reader.tensors["token_embd.weight"].shape[0])
+    if need("vocab_size", vocab) != vocab:
+        raise ValueError(f"{path}: {arch}.vocab_size={need('vocab_size')} but token_embd.weight has {vocab} rows")
+    if arch == "gpt2":
+        return {"model_type": "gpt2", "n_embd": need("embedding_length"), "n_layer": need("block_count"),
+                "n_head": need("attention.head_count"), "n_positions": need("context_length"),
+                "n_inner": need("feed_forward_length"), "vocab_size": vocab,
+                "layer_norm_epsilon": decimal(need("attention.layer_norm_epsilon", kind=float)),
+                "tie_word_embeddings": "output.weight" not in names}
     D, H = need("embedding_length"), need("attention.head_count")
     head_dim = need("attention.key_length", D // H)
     if need("attention.value_length", head_dim) != head_dim:
@@ -115,14 +147,8 @@ def hf_config(reader: GGUFFile) -> dict:
     if need("expert_count", 0) > 0:
         raise ValueError(f"{path}: {arch}.expert_count={need('expert_count')}: mixture-of-experts models are not "
                          "supported")
-    names = set(reader.tensors)
     if "rope_freqs.weight" in names:  # llama 3.1's frequency scaling, as per-dimension factors
         raise ValueError(f"{path}: tensor 'rope_freqs.weight' (scaled RoPE) is not supported (only plain RoPE)")
-    if "token_embd.weight" not in names:
-        raise ValueError(f"{path}: tensor 'token_embd.weight' is missing")
-    vocab = int(reader.tensors["token_embd.weight"].shape[0])
-    if need("vocab_size", vocab) != vocab:
-        raise ValueError(f"{path}: {arch}.vocab_size={need('vocab_size')} but token_embd.weight has {vocab} rows")
     return {"model_type": "llama", "hidden_act": "silu", "hidden_size": D, "num_attention_heads": H,
             "num_hidden_layers": need("block_count"), "intermediate_size": need("feed_forward_length"),
             "num_key_value_heads": need("attention.head_count_kv", H), "head_dim": head_dim,
@@ -161,25 +187,34 @@ def dequantize(reader: GGUFFile, name: str) -> np.ndarray:
 
 
 class GGUFTensors:
-    """A GGUF file's tensors under Hugging Face Llama names, read and dequantized one at a time
-    (the interface of `safetensors_io.Tensors`: `where`, `shape`, `read`, `take`, `unused`, `done`)."""
+    """A GGUF file's tensors under Hugging Face names, read and dequantized one at a time (the
+    interface of `safetensors_io.Tensors`: `where`, `shape`, `read`, `take`, `unused`, `done`).
+    Llama: q/k rows back in Hugging Face's order (`heads` = {"q_proj": H, "k_proj": KV});
+    GPT-2: the block matrices back to Conv1D's [in, out]."""
 
-    def __init__(self, reader: GGUFFile, n_heads: int, n_kv_heads: int, progress: bool | None = None):
+    def __init__(self, reader: GGUFFile, heads: dict | None = None, progress: bool | None = None):
         self.reader, self.path, self.used = reader, reader.path, set()
-        self.where = {hf_name(name): name for name in reader.tensors}
-        self._heads = {"q_proj": n_heads, "k_proj": n_kv_heads}
+        self.arch = architecture(reader)
+        self.where = {hf_name(name, self.arch): name for name in reader.tensors}
+        self._heads = heads or {}
         self.progress = os.path.getsize(self.path) > 256 * 2**20 if progress is None else progress
 
-    def shape(self, name: str) -> tuple:
+    def _transposed(self, name: str) -> bool:
+        return self.arch == "gpt2" and name.startswith("h.") and name.endswith(".weight") and len(self._raw(name)) == 2
+
+    def _raw(self, name: str) -> tuple:
         return self.reader.tensors[self.where[name]].shape
 
+    def shape(self, name: str) -> tuple:
+        return self._raw(name)[::-1] if self._transposed(name) else self._raw(name)
+
     def read(self, name: str, dtype):
-        """Tensor `name` dequantized (q/k rows in Hugging Face's order), cast; not marked used."""
+        """Tensor `name` dequantized, in Hugging Face's order and shape, cast; not marked used."""
         a = dequantize(self.reader, self.where[name])
         proj = name.rsplit(".", 2)[-2]
         if proj in self._heads:
             a = unpermute(a, self._heads[proj])
-        return jnp.asarray(a, dtype)
+        return jnp.asarray(a.T if self._transposed(name) else a, dtype)
 
     def take(self, name: str, shape: tuple, dtype, transpose: bool = False):
         """Tensor `name`, checked against `shape` (Hugging Face's), cast, transposed if asked."""
@@ -203,8 +238,9 @@ class GGUFTensors:
 
 
 def load(path, kv_mode: str | None = None, dtype: str | None = None):
-    """A GGUF file (or a folder holding one) -> (Params, ModelConfig) through `hf_import`'s Llama path."""
-    from . import hf_import
+    """A GGUF file (or a folder holding one) -> (Params, ModelConfig) through the Hugging Face
+    import of its architecture (`hf_import`'s Llama path, `hf_gpt2`)."""
+    from . import hf_gpt2, hf_import
 
     file = find_file(path)
     if file is None:
@@ -215,6 +251,10 @@ def load(path, kv_mode: str | None = None, dtype: str | None = None):
         if reader.type_name(info) not in TENSOR_TYPES:
             raise ValueError(f"{file}: tensor {name!r} has type {reader.type_name(info)}; supported: "
                              f"{', '.join(TENSOR_TYPES)}")
-    cfg = hf_import.llama_config(hf, kv_mode, hf_import.default_dtype() if dtype is None else dtype)
-    tensors = GGUFTensors(reader, hf["num_attention_heads"], hf["num_key_value_heads"])
-    return hf_import.load_llama(file, cfg, tensors), cfg
+    dtype = hf_import.default_dtype() if dtype is None else dtype
+    if hf["model_type"] == "gpt2":
+        params, cfg = hf_gpt2.load_gpt2(file, hf_gpt2.gpt2_config(hf, kv_mode, file), GGUFTensors(reader))
+        return params, cfg.replace(dtype=dtype)
+    cfg = hf_import.llama_config(hf, kv_mode, dtype)
+    heads = {"q_proj": hf["num_attention_heads"], "k_proj": hf["num_key_value_heads"]}
+    return hf_import.load_llama(file, cfg, GGUFTensors(reader, heads)), cfg

@@ -48,8 +48,13 @@ def read_config(path: str, kv_mode: str | None = None) -> ModelConfig:
             hf = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_file} is not valid JSON: {e}") from e
+    return gpt2_config(hf, kv_mode, cfg_file)
+
+
+def gpt2_config(hf: dict, kv_mode: str | None = None, source: str = "config.json") -> ModelConfig:
+    """A GPT2Config dict (a folder's config.json, or a GGUF file's metadata as one) -> ModelConfig."""
     if hf.get("model_type", "gpt2") != "gpt2":
-        raise ValueError(f"model_type {hf['model_type']!r} in {cfg_file}; only 'gpt2' can be imported")
+        raise ValueError(f"model_type {hf['model_type']!r} in {source}; only 'gpt2' can be imported")
     act = hf.get("activation_function", "gelu_new")
     if act not in _GELU_TANH:
         raise ValueError(f"activation_function {act!r}; supported: {', '.join(_GELU_TANH)} (GPT-2's tanh GELU)")
@@ -60,7 +65,7 @@ def read_config(path: str, kv_mode: str | None = None) -> ModelConfig:
         D, n_layer = int(hf["n_embd"]), int(hf["n_layer"])
         n_head, n_pos, vocab = int(hf["n_head"]), int(hf["n_positions"]), int(hf["vocab_size"])
     except KeyError as e:
-        raise ValueError(f"{cfg_file} lacks {e.args[0]!r}") from e
+        raise ValueError(f"{source} lacks {e.args[0]!r}") from e
     if n_layer < 1:
         raise ValueError(f"n_layer={n_layer}: need at least one layer")
     inner = hf.get("n_inner") or 4 * D
@@ -68,7 +73,8 @@ def read_config(path: str, kv_mode: str | None = None) -> ModelConfig:
         raise ValueError(f"n_inner={inner} is not a multiple of n_embd={D}")
     return ModelConfig(vocab_size=vocab, d_model=D, n_heads=n_head, n_pre_blocks=n_layer - 1, default_loops=1,
                        max_seq_len=n_pos, kv_mode=kv_mode, mlp_ratio=inner // D,
-                       layer_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
+                       layer_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+                       tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
 
 
 def load(path: str, kv_mode: str | None = None) -> tuple[Params, ModelConfig]:
@@ -76,24 +82,31 @@ def load(path: str, kv_mode: str | None = None) -> tuple[Params, ModelConfig]:
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"{path!r} is not a folder")
-    cfg = read_config(path, kv_mode)
     # GPT2LMHeadModel saves "transformer."-prefixed names; the bare GPT2Model does not.
-    tensors = Tensors(path, strip="transformer.")
+    return load_gpt2(path, read_config(path, kv_mode), Tensors(path, strip="transformer."))
+
+
+def load_gpt2(path: str, cfg: ModelConfig, tensors) -> tuple[Params, ModelConfig]:
+    """GPT-2 weights under Hugging Face's names from `tensors` (a folder's `Tensors`, a GGUF file's
+    `GGUFTensors`) -> (float32 Params, cfg). An untied config reads `lm_head.weight` as the head,
+    unless it is a copy of `wte` (then the model is tied)."""
     D, F = cfg.d_model, cfg.intermediate_size
     take = lambda name, shape: np.asarray(tensors.take(name, shape, np.float32))  # noqa: E731
 
     blocks = [BlockParams(**{f: from_flat_layout(f, take(f"h.{i}.{hf}", shape(D, F)), cfg)
                              for f, (hf, shape) in _BLOCK.items()}) for i in range(cfg.n_pre_blocks + 1)]
-    wte = take("wte.weight", (cfg.vocab_size, D))
+    wte, head = take("wte.weight", (cfg.vocab_size, D)), None
+    if not cfg.tie_embeddings:
+        head = take("lm_head.weight", wte.shape)
+        if np.array_equal(head, wte):  # a copy of the embedding: tied after all
+            head = None
+    elif "lm_head.weight" in tensors.where and not np.array_equal(take("lm_head.weight", wte.shape), wte):
+        raise ValueError("tensor 'lm_head.weight' differs from 'wte.weight' but tie_word_embeddings is true "
+                         "(an untied head needs it false)")
     params = Params(wte=wte, wpe=take("wpe.weight", (cfg.max_seq_len, D)), pre=tuple(blocks[:-1]),
-                    loop=(blocks[-1],), lnf_g=take("ln_f.weight", (D,)), lnf_b=take("ln_f.bias", (D,)))
-    if "lm_head.weight" in tensors.where:  # only a tied head (a copy of wte) is supported
-        head = np.asarray(tensors.read("lm_head.weight", np.float32))
-        if head.shape != wte.shape or not np.array_equal(head, wte):
-            raise ValueError("tensor 'lm_head.weight' differs from 'wte.weight': untied LM heads are not supported")
-        tensors.used.add("lm_head.weight")
+                    loop=(blocks[-1],), lnf_g=take("ln_f.weight", (D,)), lnf_b=take("ln_f.bias", (D,)), head=head)
     tensors.done()
     extra = tensors.unused(ignore=_BUFFERS)
     if extra:
         raise ValueError(f"unexpected tensors in {path} (not GPT-2?): {', '.join(extra[:5])}")
-    return params, cfg
+    return params, cfg.replace(tie_embeddings=head is None)

@@ -135,7 +135,7 @@ class ModelConfig:
             object.__setattr__(self, "intermediate_size", self.d_model * self.mlp_ratio)
         if self.block == "gpt2":
             for name, want in (("n_kv_heads", self.n_heads), ("head_dim", self.d_model // self.n_heads),
-                               ("norm_placement", "pre"), ("tie_embeddings", True), ("attention_bias", False),
+                               ("norm_placement", "pre"), ("attention_bias", False),
                                ("rope_pairing", "half")):
                 if getattr(self, name) != want:
                     raise ValueError(f"{name}={getattr(self, name)!r} is not supported with block='gpt2' "
