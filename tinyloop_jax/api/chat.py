@@ -98,6 +98,10 @@ class Turn:
 # A conversation's segment grows by doubling from this size: a long chat compiles a few programs
 # (one per capacity), not one per 128 tokens as prompt buckets would.
 MIN_CAPACITY = 256
+# A turn's new tokens (and the answer's last token, fed at the turn's end) are prefilled padded to
+# at least this many: most turns add fewer, so a chat compiles about one prefill program per
+# capacity (a compile of a 30-block model costs seconds; 31 padding tokens, milliseconds).
+MIN_CHUNK = 32
 
 
 def capacity(n_tokens: int, context: int) -> int:
@@ -217,7 +221,7 @@ class Conversation:
         """tokens [T] prefilled at positions start.. into segment `seg` (which holds the ones
         before; donated): the next-token logits, the tokens' mask, the last token's depth states."""
         w = self.model.weights
-        padded = jnp.asarray(F.pad(tokens))
+        padded = jnp.asarray(F.pad(tokens, max(MIN_CHUNK, kvc.bucket(len(tokens)))))
         return programs.prefill_prefix(w.params, w.config, padded, jnp.int32(len(tokens)), jnp.int32(start), padded,
                                        jnp.int32(len(tokens)), seg, loops=self.loops, window=0, keep_state=False,
                                        exit=self._exit)

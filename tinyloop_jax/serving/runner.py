@@ -153,8 +153,9 @@ class Runner:
 
     def warmup(self, lane: Lane, insert_prompts: bool) -> None:
         """Run every program a lane of no rows will need (each batch bucket, grown and shrunk, each
-        chunk size and slot count; each store-entry capacity `cache.bucket` makes, loaded and, if
-        the engine inserts prompts, extracted), so serving compiles nothing later."""
+        chunk size and slot count; each store-entry capacity `cache.bucket` makes up to the pool
+        slots' (or the store's largest entry), loaded and, if the engine inserts prompts,
+        extracted), so serving compiles nothing later."""
         lim, c = self.limits, self.weights.config
         cap, sizes = lim.row_capacity, batch_buckets(lim.max_batch)
         self.release_rows(lane)
@@ -176,7 +177,11 @@ class Runner:
         self.load(lane, 0, None, 0)  # (the slot warmup wrote into; also the slot-to-slot copy)
         if lim.prefix_cache:
             stored = self.work_mode != c.storage  # a store entry's K/V are rebuilt to the working mode
-            for n in entry_capacities(c.max_seq_len):  # the entries of any PrefixStore, and their loads
+            # the entries a store can hold, and their loads: those of prompts the pool holds (the
+            # engine's own), and any larger one the store holds now; a larger one put in later
+            # compiles its load when first used (the context's every capacity is ~70 programs)
+            largest = max((e.cache.capacity for e in lane.store.entries()), default=0)
+            for n in entry_capacities(min(c.max_seq_len, max(lim.prefix_capacity, largest))):
                 sources = [F.empty_cache(self.weights, n, lane.loops)]  # a store entry's form
                 if insert_prompts and n <= lim.prefix_capacity:
                     sources.append(self.extract(lane, 0, 0, n))  # the engine's own entries
