@@ -211,6 +211,28 @@ class Model:
                               cache_window=window, exit=ex)
         return sharding.to_host(logits, np.float32)
 
+    def score(self, tokens, loops: int | None = None, top_logprobs: int = 0, seed: int = 0) -> programs.Scores:
+        """How likely the model finds `tokens` [n], by one from-scratch forward: numpy
+        `Scores(logprobs [n], top_ids [n, top_logprobs], top_logprobs [n, top_logprobs])`, row i
+        about token i given tokens[:i] (row 0 is zeros: nothing predicts the first token).
+        Log-probabilities are the raw logits' log-softmax (the sampling knobs do not enter), at
+        depth `loops` with the model's default exit; `seed`: injection models' initial states,
+        as in `build_prefix_cache`. Summing logprobs[k:] gives the log-likelihood of a
+        continuation tokens[k:] after the context tokens[:k]."""
+        w = self.weights
+        tokens = self._tokens(tokens)
+        loops = self._loops(loops)
+        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, (int, np.integer)) \
+                or not 0 <= top_logprobs <= w.config.vocab_size:
+            raise ValueError(f"top_logprobs must be an int in [0, vocab_size={w.config.vocab_size}], "
+                             f"got {top_logprobs!r}")
+        self._check_length(len(tokens), "tokens")
+        out = programs.score(w.params, w.config, jnp.asarray(F.pad(tokens)), jnp.int32(len(tokens)),
+                             F.empty_cache(w, len(tokens), loops), loops=loops, top=int(top_logprobs),
+                             exit=self.exit_for(loops), seed=jnp.uint32(check.seed(seed)))
+        n = len(tokens)
+        return programs.Scores(*(sharding.to_host(a)[:n] for a in out))
+
     def generate(self, prompt, max_tokens: int = 32, loops: int | None = None, temperature: float = 0.0,
                  top_k: int = 50, top_p: float = 1.0, cache_window: int = 0, repetition_penalty: float = 1.0,
                  stop_sequences=(), seed: int = 0, draft_loops: int | None = None, lookahead: int = 4,

@@ -94,6 +94,45 @@ def decode_token(params: Params, cfg: ModelConfig, token: jax.Array, ro: tuple, 
     return tf.lm_head(params, cfg, x[0]), own
 
 
+class Scores(NamedTuple):
+    """What `score` returns: row i is about token i, predicted from the tokens before it (row 0,
+    which nothing predicts, holds zeros)."""
+    logprobs: Annotated[jax.Array, "float32[T]"]  # log p(tokens[i] | tokens[:i])
+    top_ids: Annotated[jax.Array, "int32[T, K]"]  # the K likeliest tokens at position i, likeliest first
+    top_logprobs: Annotated[jax.Array, "float32[T, K]"]
+
+
+# positions whose [V] log-probabilities exist at once while scoring (a long prompt of a large
+# vocabulary would otherwise hold T x V floats)
+SCORE_BLOCK = 128
+
+
+@partial(jax.jit, static_argnames=("cfg", "loops", "top"))
+def score(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, own: KVCache, loops: int, top: int,
+          exit: tf.Exit | None = None, seed: jax.Array | None = None) -> Scores:
+    """Each real token's log-probability under the model (the log-softmax of the raw logits, no
+    sampling knobs) and the `top` likeliest tokens at its position, by one forward of tokens[:n_valid]
+    (tokens [T] bucket-padded) into the empty segment `own`."""
+    x, _ = tf.forward(params, cfg, tokens, n_valid, jnp.int32(0), (), own, loops, 0, exit, seed)
+    T = x.shape[0]
+    blocks = max(1, T // SCORE_BLOCK)
+    nxt = jnp.roll(tokens, -1).reshape(blocks, -1)  # position j predicts token j + 1
+
+    def block(args):
+        xb, tb = args
+        lp = jax.nn.log_softmax(tf.lm_head(params, cfg, xb), axis=-1)  # [t, V]
+        chosen = jnp.take_along_axis(lp, tb[:, None], axis=-1)[:, 0]
+        top_lp, top_ids = jax.lax.top_k(lp, top) if top else (lp[:, :0], jnp.zeros((lp.shape[0], 0), jnp.int32))
+        return chosen, top_ids.astype(jnp.int32), top_lp
+
+    chosen, top_ids, top_lp = jax.lax.map(block, (x.reshape(blocks, -1, x.shape[-1]), nxt))
+    def shift(a):  # [blocks, t, ...] -> [T, ...], row i about token i
+        a = a.reshape(T, *a.shape[2:])
+        return jnp.concatenate([jnp.zeros_like(a[:1]), a[:-1]])
+
+    return Scores(shift(chosen), shift(top_ids), shift(top_lp))
+
+
 class PrefixFill(NamedTuple):
     """What `prefill_prefix` returns."""
     logits: Annotated[jax.Array, "float32[V]"]  # next-token logits after the prompt's last token
