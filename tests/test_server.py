@@ -143,7 +143,13 @@ def test_concurrent_clients_equal_sequential(server):
     (dict(prompt="hi", top_p=0), "top_p"),
     (dict(prompt=5), "prompt"),
     (dict(prompt="hi", stream="yes"), "stream"),
-    (dict(prompt="hi", n=2), "n = 1"),
+    (dict(prompt="hi", n=0), "n must be"),
+    (dict(prompt="hi", n=3, best_of=2), "best_of"),
+    (dict(prompt="hi", n=2, best_of=3, stream=True), "best_of"),
+    (dict(prompt="hi", logprobs=21), "logprobs"),
+    (dict(prompt="hi", logprobs=2, stream=True), "logprobs"),
+    (dict(prompt=["hi", 5]), "prompt[1]"),
+    (dict(prompt=["hi"] * 65, n=2), "choices"),
     (dict(prompt="hi", stop=[""]), "stop"),
     (dict(prompt="hi", loops=0), "loops"),
     (dict(prompt="hi", model="gpt-4"), "gpt-4"),
@@ -229,3 +235,98 @@ def test_tinyloop_serve_command(model, tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+# ---- several prompts, n / best_of, echo and logprobs --------------------------------------------
+
+def test_a_list_of_prompts_equals_single_requests(model, server):
+    prompts = [TOK.encode(p).tolist() for p in PROMPTS[:3]]
+    r = complete(server, prompts, max_tokens=5, ignore_eos=True)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for p, c in zip(prompts, r.choices):
+        assert c.token_ids == complete(server, p, max_tokens=5, ignore_eos=True).choices[0].token_ids
+        assert c.token_ids == model.generate(p, max_tokens=5)[len(p):]
+    assert r.usage.prompt_tokens == sum(map(len, prompts)) and r.usage.completion_tokens == 15
+    texts = complete(server, PROMPTS[:2], max_tokens=4, ignore_eos=True)  # strings too
+    assert [c.text for c in texts.choices] == [complete(server, p, max_tokens=4, ignore_eos=True).choices[0].text
+                                               for p in PROMPTS[:2]]
+
+
+def test_n_choices_share_the_prompt(model, server):
+    long = PROMPTS[1] * 2  # longer than a pool's short rest: the other choices read it from the pool
+    greedy = complete(server, long, max_tokens=6, n=4, ignore_eos=True)
+    assert [c.index for c in greedy.choices] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in greedy.choices}) == 1
+    assert max(greedy.usage.prompt_tokens_details.cached_tokens, 0) > 0
+    kw = dict(max_tokens=8, n=4, temperature=1.0, seed=5, ignore_eos=True)
+    a, b = complete(server, long, **kw), complete(server, long, **kw)
+    assert [c.token_ids for c in a.choices] == [c.token_ids for c in b.choices]  # reproducible per seed
+    assert len({tuple(c.token_ids) for c in a.choices}) > 1  # each choice its own seed stream
+    one = complete(server, long, max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+    assert a.choices[0].token_ids == one.choices[0].token_ids  # choice 0 samples as n = 1 does
+    # best_of: the n likeliest per token of best_of candidates
+    best = complete(server, long, max_tokens=8, n=2, best_of=4, temperature=1.0, seed=5, ignore_eos=True,
+                    logprobs=0)
+    scored = complete(server, long, logprobs=0, **kw)
+    assert [c.token_ids for c in scored.choices] == [c.token_ids for c in a.choices]
+    means = sorted((np.mean(c.logprobs.token_logprobs) for c in scored.choices), reverse=True)[:2]
+    np.testing.assert_allclose([np.mean(c.logprobs.token_logprobs) for c in best.choices], means, atol=1e-5)
+
+
+def log_softmax(x):
+    x = np.asarray(x, np.float64)
+    return x - x.max() - np.log(np.exp(x - x.max()).sum())
+
+
+def test_echo_and_logprobs_as_lm_eval_asks(model, server):
+    """lm-evaluation-harness's loglikelihood request: context + continuation ids, max_tokens 1,
+    echo, logprobs 1, temperature 0 -> prompt length + 1 entries, the generated token last."""
+    ids = TOK.encode(PROMPTS[2]).tolist()
+    r = server.client.completions.create(model="tiny", prompt=[ids], max_tokens=1, echo=True, logprobs=1,
+                                         temperature=0, extra_body=dict(ignore_eos=True))
+    c = r.choices[0]
+    lp = c.logprobs
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert c.text == PROMPTS[2] + TOK.decode(c.token_ids) and "".join(lp.tokens) == c.text
+    assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
+    full = ids + c.token_ids
+    for i in range(1, len(full)):  # the model's own log-probabilities: log-softmax of the raw logits
+        want = log_softmax(model.next_token_logits(full[:i]))
+        np.testing.assert_allclose(lp.token_logprobs[i], want[full[i]], atol=1e-4)
+        assert lp.top_logprobs[i] and max(lp.top_logprobs[i].values()) == pytest.approx(want.max(), abs=1e-4)
+    # greedy: the generated token is the top one
+    assert lp.token_logprobs[-1] == max(lp.top_logprobs[-1].values())
+    # sampling knobs do not change them; a cached prefix does not either
+    again = server.client.completions.create(model="tiny", prompt=[ids], max_tokens=1, echo=True, logprobs=1,
+                                             temperature=0, extra_body=dict(ignore_eos=True, top_k=3))
+    assert again.choices[0].logprobs.token_logprobs == lp.token_logprobs
+    # max_tokens 0 with echo: the prompt's log-probabilities alone
+    zero = server.client.completions.create(model="tiny", prompt=[ids], max_tokens=0, echo=True, logprobs=2)
+    assert zero.choices[0].text == PROMPTS[2] and zero.usage.completion_tokens == 0
+    assert zero.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
+    assert all(len(d) >= 2 for d in zero.choices[0].logprobs.top_logprobs[1:])
+
+
+def test_logprobs_without_echo_cover_the_completion(model, server):
+    r = complete(server, PROMPTS[0], max_tokens=5, logprobs=3, ignore_eos=True)
+    c, ids = r.choices[0], TOK.encode(PROMPTS[0]).tolist()
+    assert len(c.logprobs.token_logprobs) == 5 and c.logprobs.text_offset[0] == 0
+    s = model.score(ids + c.token_ids, top_logprobs=3)
+    np.testing.assert_allclose(c.logprobs.token_logprobs, s.logprobs[len(ids):], atol=1e-5)
+    # the top 3 and the token itself, keyed by text (bytes >= 128 all read U+FFFD, so keys may merge)
+    assert all(1 <= len(d) <= 4 for d in c.logprobs.top_logprobs)
+    assert all(t in d for t, d in zip(c.logprobs.tokens, c.logprobs.top_logprobs))
+
+
+def test_streamed_choices_interleave_by_index(server):
+    kw = dict(max_tokens=6, n=2, temperature=1.0, seed=9, ignore_eos=True)
+    whole = complete(server, PROMPTS[:2], **kw)
+    texts, finish = {}, {}
+    for chunk in complete(server, PROMPTS[:2], stream=True, echo=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert sorted(texts) == [0, 1, 2, 3] and finish == {i: "length" for i in range(4)}
+    assert [texts[i] for i in range(4)] == [PROMPTS[i // 2] + c.text for i, c in enumerate(whole.choices)]

@@ -32,6 +32,10 @@ class ByteTokenizer:
         data = bytes(int(i) for i in np.asarray(ids, np.int64).ravel() if 0 <= int(i) < 256)
         return data.decode("utf-8", errors="replace")
 
+    def token_text(self, i: int) -> str:
+        """One token as text, special tokens by name (a logprobs entry's `token`)."""
+        return {self.BOS: "<bos>", self.EOS: "<eos>", self.PAD: "<pad>"}.get(int(i)) or self.decode([i])
+
 
 class HFTokenizer:
     """A `tokenizers` tokenizer with its model's metadata: a folder's tokenizer.json (+
@@ -92,6 +96,10 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in np.asarray(ids, np.int64).ravel()], skip_special_tokens=True)
+
+    def token_text(self, i: int) -> str:
+        """One token as text, special tokens included ("<|im_end|>"; a logprobs entry's `token`)."""
+        return self._tok.decode([int(i)], skip_special_tokens=False)
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False, **kwargs):
         """`messages` ([{"role": "user", "content": "..."}, ...]) rendered by the model's chat

@@ -23,6 +23,7 @@ otherwise, and anything wider belongs behind a reverse proxy that authenticates.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -31,7 +32,8 @@ from contextlib import aclosing
 
 from .engine import Engine
 from .handles import QueueFull, RequestTimeout
-from .protocol import BadRequest, ChatShape, TextShape, error_body, parse, parse_chat
+from .protocol import (BadRequest, ChatShape, TextShape, chat_logprobs, choice_seed, completion_logprobs, error_body,
+                       parse, parse_chat)
 from ..api.chat import Detokenizer
 
 
@@ -50,23 +52,65 @@ def make_app(engine: Engine, tokenizer, model_name: str = "tinyloop", eos: list[
     def fail(status: int, message: str, kind: str, param=None) -> JSONResponse:
         return JSONResponse(error_body(message, kind, param), status_code=status)
 
+    async def submit_all(req) -> list[list]:
+        """Every prompt's best_of candidates as engine requests (None for each when max_tokens is
+        0: echo only). A prompt's other candidates are submitted once the first one's prompt is
+        prefilled: a long prompt is then in a pool slot, and they read it there (one prefill)."""
+        if req.submit["max_tokens"] == 0:
+            return [[None] * req.best_of for _ in req.prompts]
+        groups = []
+        try:
+            for p in req.prompts:
+                groups.append([engine.submit(prompt=p, seed=choice_seed(req.seed, 0), **req.submit)])
+            if req.best_of > 1:
+                await asyncio.gather(*(g[0].aprefilled() for g in groups if len(g[0].prompt) > engine.limits.long_rest))
+                for g, p in zip(groups, req.prompts):
+                    g += [engine.submit(prompt=p, seed=choice_seed(req.seed, j), **req.submit)
+                          for j in range(1, req.best_of)]
+        except BaseException:
+            for h in (h for g in groups for h in g):
+                h.cancel()
+            raise
+        return groups
+
+    async def collect(h, stops: list[str]) -> tuple[Detokenizer, str]:
+        """A candidate's whole answer: (its text so far, finish reason)."""
+        text = Detokenizer(tokenizer, stops)
+        if h is None:
+            return text, "length"
+        async with aclosing(h.astream()) as tokens:
+            async for t in tokens:
+                text.add([t])
+                if text.stopped:
+                    h.cancel()
+                    break
+        text.finish(len(h.stop_matched or ()))
+        return text, "stop" if text.stopped or h.finish_reason == "stop" else "length"
+
+    async def score_choice(prompt: list[int], ids: list[int], top: int, loops: int | None):
+        """`Model.score` of prompt + completion (recomputed from scratch, so a prompt read from a
+        cached prefix scores as one that was not), off the event loop."""
+        return await asyncio.to_thread(engine.model.score, prompt + ids, loops=loops, top_logprobs=top)
+
     async def serve(request, parse_body, shape):
-        """One request: parse, submit, then the whole answer or a stream of chunks."""
+        """One request: parse, submit every choice, then the whole answer or a stream of chunks."""
         try:
             body = json.loads(await request.body())
         except ValueError as e:
             return fail(400, f"the request body is not valid JSON: {e}", "invalid_request_error")
         try:
             req = parse_body(body)
-            handle = engine.submit(**req.submit)
+            groups = await submit_all(req)
         except QueueFull as e:
             return fail(429, str(e), "rate_limit_error")
         except BadRequest as e:
             return fail(400, str(e), "invalid_request_error", e.param)
         except (ValueError, RuntimeError) as e:
             return fail(400, str(e), "invalid_request_error")
-        rid = f"{shape.id_prefix}-{handle.id}-{secrets.token_hex(6)}"
-        text = Detokenizer(tokenizer, req.stops)
+        handles = [h for g in groups for h in g if h is not None]
+        first = handles[0].id if handles else 0
+        rid = f"{shape.id_prefix}-{first}-{secrets.token_hex(6)}"
+        echoed = [tokenizer.decode(p) if req.echo else "" for p in req.prompts]
 
         def wrap(obj: str, choices: list, usage=None) -> dict:
             out = dict(id=rid, object=obj, created=int(time.time()), model=model_name, choices=choices)
@@ -74,53 +118,92 @@ def make_app(engine: Engine, tokenizer, model_name: str = "tinyloop", eos: list[
                 out["usage"] = usage
             return out
 
-        def chunk(delta: str, ids: list[int], finish=None) -> dict:
-            return wrap(shape.chunk_object, [shape.choice(delta, ids, finish, streaming=True)])
-
-        def usage() -> dict:  # the tokens up to a stop string (the engine may have run one step on)
-            n, p = len(text.ids), len(handle.prompt)
-            return dict(prompt_tokens=p, completion_tokens=n, total_tokens=p + n,
-                        prompt_tokens_details=dict(cached_tokens=handle.prefix_tokens))
-
-        def reason() -> str:
-            return "stop" if text.stopped or handle.finish_reason == "stop" else "length"
-
-        def tail() -> str:
-            return text.finish(len(handle.stop_matched or ()))
+        def usage(completion_tokens: int) -> dict:
+            p = sum(map(len, req.prompts))
+            cached = sum(max((h.prefix_tokens for h in g if h is not None), default=0) for g in groups)
+            return dict(prompt_tokens=p, completion_tokens=completion_tokens, total_tokens=p + completion_tokens,
+                        prompt_tokens_details=dict(cached_tokens=cached))
 
         if not req.stream:
             try:
-                async with aclosing(handle.astream()) as tokens:
-                    async for t in tokens:
-                        text.add([t])
-                        if text.stopped:
-                            handle.cancel()
-                            break
+                done = await asyncio.gather(*(asyncio.gather(*(collect(h, req.stops) for h in g)) for g in groups))
             except RequestTimeout as e:
                 return fail(504, str(e), "timeout")
             except RuntimeError as e:
                 return fail(500, str(e), "server_error")
-            choice = shape.choice(text.sent + tail(), list(text.ids), reason(), streaming=False)
-            return JSONResponse(wrap(shape.full_object, [choice], usage()))
+            finally:
+                for h in handles:
+                    h.cancel()
+            choices = []
+            for pi, (prompt, g, answers) in enumerate(zip(req.prompts, groups, done)):
+                picked = [(j, None) for j in range(req.n)]
+                if req.logprobs is not None or req.best_of > req.n:
+                    top = req.logprobs or 0
+                    loops = req.submit.get("loops")
+                    scores = await asyncio.gather(*(score_choice(prompt, list(t.ids), top, loops)
+                                                    for t, _ in answers))
+                    picked = [(j, scores[j]) for j in range(len(answers))]
+                    if req.best_of > req.n:  # the likeliest per token (OpenAI's best_of)
+                        picked = sorted(picked, key=lambda js: -mean_logprob(js[1], len(prompt)))[:req.n]
+                for k, (j, sc) in enumerate(picked):
+                    text, reason = answers[j]
+                    ids = list(text.ids)
+                    lp = None
+                    if req.logprobs is not None:
+                        lp = (chat_logprobs(tokenizer, prompt + ids[:len(ids) - len(g[j].stop_matched or ())],
+                                            sc, len(prompt)) if shape is ChatShape
+                              else completion_logprobs(tokenizer, prompt + ids, sc, 0 if req.echo else len(prompt)))
+                    choices.append(shape.choice(pi * req.n + k, echoed[pi] + text.sent, ids, reason, False, lp))
+            total = sum(len(t.ids) for answers in done for t, _ in answers)
+            return JSONResponse(wrap(shape.full_object, choices, usage(total)))
 
         async def events():
+            queue: asyncio.Queue = asyncio.Queue()
+            counts = [0] * (len(req.prompts) * req.n)
+
+            async def pump(index: int, h, prefix_text: str):
+                text = Detokenizer(tokenizer, req.stops)
+                try:
+                    if shape.opening(index) is not None:
+                        await queue.put(wrap(shape.chunk_object, [shape.opening(index)]))
+                    if prefix_text:
+                        await queue.put(wrap(shape.chunk_object, [shape.choice(index, prefix_text, [], None, True)]))
+                    async with aclosing(h.astream() if h is not None else _nothing()) as tokens:
+                        async for t in tokens:
+                            counts[index] += 1
+                            delta = text.add([t])
+                            await queue.put(wrap(shape.chunk_object, [shape.choice(index, delta, [t], None, True)]))
+                            if text.stopped:
+                                h.cancel()
+                                break
+                    stopped = h is not None and h.finish_reason == "stop"
+                    reason = "stop" if text.stopped or stopped else "length"
+                    tail = text.finish(len(h.stop_matched or ()) if h is not None else 0)
+                    await queue.put(wrap(shape.chunk_object, [shape.choice(index, tail, [], reason, True)]))
+                except RuntimeError as e:  # a deadline or a failed step, after the headers went out
+                    await queue.put(error_body(str(e), "server_error"))
+                finally:
+                    if h is not None:
+                        h.cancel()  # a client that went away frees its row (no effect once done)
+                    await queue.put(None)
+
+            tasks = [asyncio.create_task(pump(pi * req.n + j, h, echoed[pi]))
+                     for pi, g in enumerate(groups) for j, h in enumerate(g)]
             try:
-                if shape.opening() is not None:
-                    yield f"data: {json.dumps(wrap(shape.chunk_object, [shape.opening()]))}\n\n"
-                async with aclosing(handle.astream()) as tokens:
-                    async for t in tokens:
-                        delta = text.add([t])
-                        yield f"data: {json.dumps(chunk(delta, [t]))}\n\n"
-                        if text.stopped:
-                            handle.cancel()
-                            break
-                yield f"data: {json.dumps(chunk(tail(), [], reason()))}\n\n"
+                left = len(tasks)
+                while left:
+                    item = await queue.get()
+                    if item is None:
+                        left -= 1
+                    else:
+                        yield f"data: {json.dumps(item)}\n\n"
                 if req.include_usage:
-                    yield f"data: {json.dumps(wrap(shape.chunk_object, [], usage()))}\n\n"
-            except RuntimeError as e:  # a deadline or a failed step, after the headers went out
-                yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
+                    yield f"data: {json.dumps(wrap(shape.chunk_object, [], usage(sum(counts))))}\n\n"
             finally:
-                handle.cancel()  # a client that went away frees its row (no effect once done)
+                for t in tasks:
+                    t.cancel()
+                for h in handles:
+                    h.cancel()
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -154,6 +237,17 @@ def make_app(engine: Engine, tokenizer, model_name: str = "tinyloop", eos: list[
                              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
                              Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics)],
                      exception_handlers={404: not_found, 405: not_found})
+
+
+async def _nothing():
+    return
+    yield
+
+
+def mean_logprob(scores, start: int) -> float:
+    """Mean log-probability of the tokens from `start` on (0 if there are none)."""
+    lp = scores.logprobs[start:]
+    return float(lp.mean()) if len(lp) else 0.0
 
 
 class _Collector:

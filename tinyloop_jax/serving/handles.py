@@ -157,6 +157,27 @@ class Handle:
             with self._cv:
                 self._wakers.remove(wake)
 
+    async def aprefilled(self) -> None:
+        """Wait (asyncio) until the prompt is prefilled: the first token is out, or the request
+        ended."""
+        loop, event = asyncio.get_running_loop(), asyncio.Event()
+
+        def wake():
+            loop.call_soon_threadsafe(event.set)
+
+        with self._cv:
+            self._wakers.append(wake)
+        try:
+            while True:
+                with self._cv:
+                    event.clear()
+                    if self.tokens or self.done:
+                        return
+                await event.wait()
+        finally:
+            with self._cv:
+                self._wakers.remove(wake)
+
     async def aresult(self) -> list[int]:
         async for _ in self.astream():
             pass

@@ -47,17 +47,22 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     return v
 
 
-def parse_prompt(prompt, tokenizer) -> list[int]:
-    """A string (the model's tokenizer), a list of token ids, or a list holding one of those."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt).tolist()
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise BadRequest("one prompt per request: n = 1 and a single prompt are supported", "prompt")
-    raise BadRequest(f"prompt must be a string or a list of token ids, got {json.dumps(prompt)[:80]}", "prompt")
+def parse_prompts(prompt, tokenizer) -> list[list[int]]:
+    """OpenAI's completions `prompt`: a string, a list of token ids, or a list of several of
+    those (each its own choices) -> one id list per prompt."""
+    def one(p, where: str) -> list[int]:
+        if isinstance(p, str):
+            return tokenizer.encode(p).tolist()
+        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return p
+        raise BadRequest(f"{where} must be a string or a non-empty list of token ids, got {json.dumps(p)[:80]}",
+                         "prompt")
+
+    if isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_CHOICES:
+            raise BadRequest(f"prompt holds {len(prompt)} prompts; at most {MAX_CHOICES} per request", "prompt")
+        return [one(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [one(prompt, "prompt")]
 
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -104,39 +109,74 @@ def parse_stop(stop) -> list[str]:
     return stop
 
 
+# choices one request may ask for (prompts x best_of): each is a row of the engine's batch
+MAX_CHOICES = 128
+# log-probabilities of the top tokens a request may ask for per position (OpenAI's limit)
+MAX_LOGPROBS = 20
+
+
 @dataclasses.dataclass(frozen=True)
 class Parsed:
-    """A request body, checked: the `engine.submit` arguments and what the response needs."""
+    """A request body, checked: the `engine.submit` arguments (but the prompt and seed, which
+    each choice has its own) and what the response needs."""
     submit: dict
+    prompts: list[list[int]]  # one or more prompts, each with n choices
+    seed: int  # choice j of a prompt samples with `choice_seed(seed, j)`
     stops: list[str]  # stop strings (checked on the text)
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    n: int = 1  # choices returned per prompt
+    best_of: int = 1  # candidates generated per prompt; the n likeliest (per token) are returned
+    logprobs: int | None = None  # top log-probabilities per token (None: no logprobs object)
+    echo: bool = False  # the prompt's text (and logprobs) start each choice
 
 
-def parse_common(body, model_name: str, eos: list[int], prompt: list[int], max_tokens: int) -> Parsed:
-    """What completions and chat completions share: model, n, unsupported penalties, sampling
-    knobs and the extras (top_k, repetition_penalty, loops, ignore_eos), stop, stream."""
+def choice_seed(seed: int, j: int) -> int:
+    """Choice j's sampling seed: choice 0 samples as a request with n = 1 and the same seed."""
+    if j == 0:
+        return seed
+    import numpy as np
+    return int(np.random.SeedSequence([seed, j]).generate_state(1)[0])
+
+
+def parse_common(body, model_name: str, eos: list[int], prompts: list[list[int]], max_tokens: int,
+                 logprobs: int | None = None, echo: bool = False) -> Parsed:
+    """What completions and chat completions share: model, n / best_of, unsupported penalties,
+    sampling knobs and the extras (top_k, repetition_penalty, loops, ignore_eos), stop, stream."""
     model = body.get("model", model_name)
     if model is not None and model != model_name:
         raise BadRequest(f"model {model!r} is not served here; this server serves {model_name!r}", "model")
-    if _int(body, "n", 1) != 1 or _int(body, "best_of", 1) != 1:
-        raise BadRequest("only n = 1 (and best_of = 1) is supported", "n")
+    n = _int(body, "n", 1)
+    best_of = _int(body, "best_of", n)
+    if not 1 <= n <= MAX_CHOICES:
+        raise BadRequest(f"n must be in [1, {MAX_CHOICES}], got {n}", "n")
+    if not n <= best_of <= MAX_CHOICES:
+        raise BadRequest(f"best_of must be in [n={n}, {MAX_CHOICES}], got {best_of}", "best_of")
+    if len(prompts) * best_of > MAX_CHOICES:
+        raise BadRequest(f"{len(prompts)} prompts x best_of {best_of} is more than {MAX_CHOICES} choices", "best_of")
     for name in ("presence_penalty", "frequency_penalty"):
         if _num(body, name, 0.0) != 0.0:
             raise BadRequest(f"{name} is not supported (use repetition_penalty)", name)
-    if body.get("logprobs") is not None and body.get("logprobs") is not False or body.get("logit_bias"):
-        raise BadRequest("logprobs and logit_bias are not supported", "logprobs")
+    if body.get("logit_bias"):
+        raise BadRequest("logit_bias is not supported", "logit_bias")
+    stream = _bool(body, "stream", False)
+    if stream and logprobs is not None:
+        raise BadRequest("logprobs are computed once a choice is complete: not with stream", "logprobs")
+    if stream and best_of > n:
+        raise BadRequest("best_of > n picks among complete choices: not with stream", "best_of")
+    if max_tokens == 0 and not echo:
+        raise BadRequest("max_tokens must be at least 1 (0 only with echo)", "max_tokens")
     seed = _int(body, "seed", None)
-    kw = dict(prompt=prompt, max_tokens=max_tokens, temperature=_num(body, "temperature", 1.0),
+    kw = dict(max_tokens=max_tokens, temperature=_num(body, "temperature", 1.0),
               top_p=_num(body, "top_p", 1.0), top_k=_int(body, "top_k", 0),
-              repetition_penalty=_num(body, "repetition_penalty", 1.0),
-              seed=secrets.randbits(32) if seed is None else seed, loops=_int(body, "loops", None))
+              repetition_penalty=_num(body, "repetition_penalty", 1.0), loops=_int(body, "loops", None))
     if not _bool(body, "ignore_eos", False):
         kw["stop_sequences"] = [[e] for e in eos]
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise BadRequest("stream_options must be an object", "stream_options")
-    return Parsed(kw, parse_stop(body.get("stop")), _bool(body, "stream", False), bool(opts.get("include_usage")))
+    return Parsed(kw, prompts, secrets.randbits(32) if seed is None else seed, parse_stop(body.get("stop")), stream,
+                  bool(opts.get("include_usage")), n, best_of, logprobs, echo)
 
 
 def _object(body) -> dict:
@@ -145,14 +185,21 @@ def _object(body) -> dict:
     return body
 
 
+def _logprobs(body: dict, name: str) -> int | None:
+    k = _int(body, name, None)
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise BadRequest(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}", name)
+    return k
+
+
 def parse(body, tokenizer, model_name: str, eos: list[int]) -> Parsed:
     """A /v1/completions request body (default max_tokens 16, as OpenAI's)."""
     body = _object(body)
     if "prompt" not in body:
         raise BadRequest("prompt is required", "prompt")
-    if _bool(body, "echo", False):
-        raise BadRequest("echo is not supported", "echo")
-    return parse_common(body, model_name, eos, parse_prompt(body["prompt"], tokenizer), _int(body, "max_tokens", 16))
+    logprobs = None if body.get("logprobs") is False else _logprobs(body, "logprobs")
+    return parse_common(body, model_name, eos, parse_prompts(body["prompt"], tokenizer), _int(body, "max_tokens", 16),
+                        logprobs, _bool(body, "echo", False))
 
 
 # A chat request without max_tokens may answer up to this many tokens (or to the end of the
@@ -171,7 +218,11 @@ def parse_chat(body, tokenizer, model_name: str, eos: list[int], context: int) -
     max_tokens = _int(body, name, None)
     if max_tokens is None:
         max_tokens = max(1, min(CHAT_MAX_TOKENS, context - len(prompt)))
-    return parse_common(body, model_name, eos, prompt, max_tokens)
+    top = _logprobs(body, "top_logprobs")
+    if top is not None and not _bool(body, "logprobs", False):
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    logprobs = (top or 0) if _bool(body, "logprobs", False) else None
+    return parse_common(body, model_name, eos, [prompt], max_tokens, logprobs)
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code=None) -> dict:
@@ -180,16 +231,49 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 
 # ---- response shapes ---------------------------------------------------------------------------
 
+def completion_logprobs(tokenizer, ids: list[int], scores, start: int, offset: int = 0) -> dict:
+    """OpenAI's legacy `logprobs` object for tokens ids[start:] (ids: prompt + completion,
+    `scores`: `Model.score` of them): tokens, token_logprobs, top_logprobs ({token: logprob}: the
+    top ones and the token itself, as vLLM), text_offset (from `offset`). Entry 0 of a sequence
+    (nothing predicts it) is None."""
+    tokens = [tokenizer.token_text(t) for t in ids[start:]]
+    chosen, top = [], []
+    for i in range(start, len(ids)):
+        if i == 0:
+            chosen.append(None), top.append(None)
+            continue
+        entry = {tokenizer.token_text(t): float(v) for t, v in zip(scores.top_ids[i], scores.top_logprobs[i])}
+        entry.setdefault(tokens[i - start], float(scores.logprobs[i]))
+        chosen.append(float(scores.logprobs[i])), top.append(entry)
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return dict(tokens=tokens, token_logprobs=chosen, top_logprobs=top, text_offset=offsets)
+
+
+def chat_logprobs(tokenizer, ids: list[int], scores, start: int) -> dict:
+    """OpenAI's chat `logprobs` object ({"content": [...]}) for tokens ids[start:]."""
+    def entry(t: int, v: float) -> dict:
+        text = tokenizer.token_text(t)
+        return dict(token=text, logprob=float(v), bytes=list(text.encode("utf-8")))
+
+    return dict(content=[dict(**entry(ids[i], scores.logprobs[i]),
+                              top_logprobs=[entry(t, v) for t, v in zip(scores.top_ids[i], scores.top_logprobs[i])])
+                         for i in range(max(start, 1), len(ids))])
+
+
 class TextShape:
     """OpenAI's completion objects: each choice (and each streamed chunk's) carries `text`."""
     id_prefix, full_object, chunk_object = "cmpl", "text_completion", "text_completion"
 
     @staticmethod
-    def choice(text: str, ids: list[int], finish: str | None, streaming: bool) -> dict:
-        return dict(index=0, text=text, logprobs=None, finish_reason=finish, token_ids=ids)
+    def choice(index: int, text: str, ids: list[int], finish: str | None, streaming: bool,
+               logprobs: dict | None = None) -> dict:
+        return dict(index=index, text=text, logprobs=logprobs, finish_reason=finish, token_ids=ids)
 
     @staticmethod
-    def opening() -> dict | None:
+    def opening(index: int) -> dict | None:
         return None
 
 
@@ -199,13 +283,14 @@ class ChatShape:
     id_prefix, full_object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     @staticmethod
-    def choice(text: str, ids: list[int], finish: str | None, streaming: bool) -> dict:
+    def choice(index: int, text: str, ids: list[int], finish: str | None, streaming: bool,
+               logprobs: dict | None = None) -> dict:
         if streaming:
             delta = dict(content=text) if text or finish is None else {}
-            return dict(index=0, delta=delta, logprobs=None, finish_reason=finish, token_ids=ids)
-        return dict(index=0, message=dict(role="assistant", content=text), logprobs=None, finish_reason=finish,
-                    token_ids=ids)
+            return dict(index=index, delta=delta, logprobs=logprobs, finish_reason=finish, token_ids=ids)
+        return dict(index=index, message=dict(role="assistant", content=text), logprobs=logprobs,
+                    finish_reason=finish, token_ids=ids)
 
     @staticmethod
-    def opening() -> dict | None:
-        return dict(index=0, delta=dict(role="assistant", content=""), logprobs=None, finish_reason=None)
+    def opening(index: int) -> dict | None:
+        return dict(index=index, delta=dict(role="assistant", content=""), logprobs=None, finish_reason=None)
