@@ -4,6 +4,7 @@
 
 import http.client
 import json
+import os
 import threading
 import time
 import urllib.request
@@ -215,23 +216,40 @@ def test_tinyloop_serve_command(model, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"))  # a cold compilation cache
     proc = subprocess.Popen([sys.executable, "-m", "tinyloop_jax.cli", "serve", "--model", str(tmp_path / "tiny"),
-                             "--port", str(port), "--max-batch", "1", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                             "--port", str(port), "--max-batch", "2", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+
+    def get(path):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.read().decode()
+
     try:
-        deadline = time.time() + 240
+        t0, deadline = time.time(), time.time() + 240
         while True:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                    assert json.load(r)["status"] == "ok"
+                health = json.loads(get("/health"))
                 break
             except (urllib.error.URLError, ConnectionError):
                 assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()[-2000:]
-                time.sleep(0.5)
+                time.sleep(0.2)
+        t_health = time.time() - t0
+        assert health["status"] == "ok" and "warming" in health
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         r = client.completions.create(model="tiny", prompt="abc", max_tokens=4, temperature=0,
-                                      extra_body={"ignore_eos": True})
+                                      extra_body={"ignore_eos": True})  # served while the warmup may still run
+        t_first = time.time() - t0
         assert r.choices[0].token_ids == model.generate(TOK.encode("abc"), max_tokens=4)[3:]
+        while json.loads(get("/health"))["warming"]:  # the background warmup ends ...
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.2)
+        r = client.completions.create(model="tiny", prompt="a longer prompt than before", max_tokens=3,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        assert len(r.choices[0].token_ids) == 3
+        # ... and covered what that request ran
+        assert "tinyloop_compiles_after_warmup_total 0.0" in get("/metrics")
+        print(f"cold start: /health after {t_health:.1f} s, first completion after {t_first:.1f} s")
     finally:
         proc.terminate()
         proc.wait(30)

@@ -241,11 +241,11 @@ def cmd_serve(args) -> None:
     context = model.config()["max_seq_len"]
     engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue, timeout=args.timeout,
                     prefix_capacity=min(context, args.prefix_capacity))
-    t = time.perf_counter()
-    n = engine.warmup()
-    print(f"tinyloop serve: {name} (loops={model.config()['default_loops']}, max_batch={args.max_batch}), "
-          f"{n} programs compiled in {time.perf_counter() - t:.1f} s; http://{args.host}:{args.port}/v1",
-          file=sys.stderr)
+    # programs compile in the background (a real model's take minutes) while requests are served,
+    # each compiling what it needs first; /health says `warming` until they are all built
+    engine.warmup(background=True)
+    print(f"tinyloop serve: {name} (loops={model.config()['default_loops']}, max_batch={args.max_batch}) on "
+          f"http://{args.host}:{args.port}/v1; compiling its programs in the background", file=sys.stderr)
     try:
         uvicorn.run(make_app(engine, tok, name, eos_ids(args.model, tok, model.config()["vocab_size"])),
                     host=args.host, port=args.port, log_level=args.log_level)

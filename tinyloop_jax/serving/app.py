@@ -221,7 +221,7 @@ def make_app(engine: Engine, tokenizer, model_name: str = "tinyloop", eos: list[
                                                            loops=cfg.default_loops)]))
 
     async def health(request):
-        return JSONResponse(dict(status="ok"))
+        return JSONResponse(dict(status="ok", warming=engine.warming))
 
     async def metrics(request):
         from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest

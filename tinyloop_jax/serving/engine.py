@@ -108,6 +108,7 @@ class Engine:
         self._cv = threading.Condition()
         self._closed = False
         self._jobs: list = []  # work for the loop thread (warmup)
+        self.warming = False  # a background warmup is running
         self._stats = collections.Counter()  # this side's counters (under _cv)
         self._ttft: collections.deque = collections.deque(maxlen=2048)
         # the batch side, on the loop thread only (other threads read its published `_view`)
@@ -167,12 +168,27 @@ class Engine:
         """submit(...).result(): blocking, like `model.generate`."""
         return self.submit(prompt, **kw).result()
 
-    def warmup(self, loops: int | None = None) -> int:
+    def warmup(self, loops: int | None = None, background: bool = False) -> int:
         """Compile the step programs of every batch bucket at `loops` (default depth) now, so
-        serving compiles nothing for them later. Returns the number of programs compiled."""
+        serving compiles nothing for them later. Returns the number of programs compiled.
+
+        background=True returns at once (0) and compiles on a thread of its own, running the
+        programs on a scratch lane of the same shapes (its buffers, the size of one lane, are
+        held until it ends and are outside the memory budget): requests are served meanwhile,
+        a program one needs first being compiled for it. `warming` says whether it still runs."""
         loops = self.model.weights.config.default_loops if loops is None else check.loops(loops)
         if loops > self.max_loops:
             raise ValueError(f"loops={loops} is above this engine's max_loops={self.max_loops}")
+        if background:
+            def run():
+                try:
+                    self.scheduler.warmup_scratch(loops)
+                finally:
+                    self.warming = False
+
+            self.warming = True
+            threading.Thread(target=run, name="tinyloop-warmup", daemon=True).start()
+            return 0
         done = threading.Event()
         box: dict = {}
 

@@ -122,6 +122,17 @@ class Scheduler:
         lane.pool.clear(0)  # warmup wrote into slot 0 (then emptied it)
         return len(self.runner.programs) - before
 
+    def warmup_scratch(self, loops: int) -> int:
+        """`warmup` on a lane of its own (same shapes, never served, dropped after): the programs
+        land in the process's compile caches while the real lanes serve. Any thread."""
+        store = self.default_store if self.default_store is not None and self.default_store.loops == loops else \
+            PrefixStore(self.model, max_bytes=self.store_bytes, loops=loops)
+        lane = Lane(loops, store, self.model.exit_for(loops), PrefixPool(self.limits.slots),
+                    self.runner.empty_state(loops))
+        before = len(self.runner.programs)
+        self.runner.warmup(lane, self.insert_prompts)
+        return len(self.runner.programs) - before
+
     # ---- memory ------------------------------------------------------------------------------
 
     def memory_bytes(self) -> int:
