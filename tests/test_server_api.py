@@ -330,10 +330,12 @@ def test_penalties_equal_generate_and_reduce_repetition(model, server, knob):
     plain = complete(server, ids, max_tokens=24, ignore_eos=True).choices[0].token_ids
     r = complete(server, ids, max_tokens=24, ignore_eos=True, **{knob: 2.0}).choices[0].token_ids
     assert r == model.generate(ids, max_tokens=24, **{knob: 2.0})[len(ids):]
-    assert most_repeated(r) < most_repeated(plain)  # penalized: fewer repeats of the favourite token
+    # penalized: fewer repeats of the favourite token, more distinct tokens
+    assert most_repeated(r) < most_repeated(plain) and len(set(r)) > len(set(plain))
     r = complete(server, ids, max_tokens=24, ignore_eos=True, **{knob: -2.0}).choices[0].token_ids
     assert r == model.generate(ids, max_tokens=24, **{knob: -2.0})[len(ids):]
-    assert len(set(r)) <= len(set(plain))  # rewarded: no more distinct tokens than greedy
+    # rewarded (a negative penalty): the other way
+    assert most_repeated(r) > most_repeated(plain) and len(set(r)) < len(set(plain))
 
 
 def test_chat_takes_penalties_and_logit_bias(model, server):
