@@ -153,12 +153,12 @@ def test_tokenizer_info(server):
     assert (info["bos_token_id"], info["eos_token_id"], info["pad_token_id"]) == (256, 257, 258)
 
 
-def test_tokenizer_info_of_a_hugging_face_tokenizer(tmp_path):
+def test_tokenizer_routes_of_a_hugging_face_tokenizer(tmp_path):
     """A Hugging Face folder's tokenizer_config.json: class, special tokens (text and id), chat
-    template and model_max_length as it states them."""
+    template and model_max_length as it states them; add_special_tokens adds its BOS or not."""
     from test_tokenizer import train_tokenizer
 
-    from tinyloop_jax.serving.tokenizer_api import tokenizer_info
+    from tinyloop_jax.serving.tokenizer_api import detokenize, tokenize, tokenizer_info
 
     train_tokenizer(90).save(str(tmp_path / "tokenizer.json"))
     config = dict(tokenizer_class="LlamaTokenizerFast", bos_token="<s>", eos_token="<s>", unk_token="[UNK]",
@@ -172,6 +172,11 @@ def test_tokenizer_info_of_a_hugging_face_tokenizer(tmp_path):
     assert info["bos_token_id"] == 1 and info["pad_token_id"] == 0 and info["chat_template"] == config["chat_template"]
     assert info["max_model_len"] == CONTEXT and info["vocab_size"] == tok.vocab_size
     json.dumps(info)  # all of it JSON
+    text = "the for statement repeats"
+    with_bos = tokenize(dict(prompt=text), tok, "tiny", CONTEXT)["tokens"]
+    assert with_bos == tok.encode(text).tolist() and with_bos[0] == 1
+    assert tokenize(dict(prompt=text, add_special_tokens=False), tok, "tiny", CONTEXT)["tokens"] == with_bos[1:]
+    assert detokenize(dict(tokens=with_bos), tok, "tiny", 260) == {"prompt": text}
 
 
 @pytest.mark.parametrize("path, body, param", [

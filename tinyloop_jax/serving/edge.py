@@ -8,7 +8,8 @@ first (`middleware`):
               default: a route added later is guarded too); else 401, type authentication_error.
     BodyLimit a request body over `max_body` bytes: 413, by its Content-Length before anything is
               read, or, chunked, as soon as the bytes read pass the limit; the connection is then
-              closed, so the rest is never read.
+              closed, so the rest is never read (beyond what uvicorn had already buffered, at
+              most its 64 KiB flow-control window).
 """
 
 from __future__ import annotations
