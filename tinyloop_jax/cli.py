@@ -234,6 +234,7 @@ def cmd_serve(args) -> None:
         raise UsageError(f"tinyloop serve needs the serve extra (pip install 'tinyloop-jax[serve]'): {e}") from None
     from .serving.engine import Engine
 
+    edge = edge_options(args)  # (checked before the model loads)
     model, tok = _model_and_tokenizer(args)
     name = args.name or os.path.basename(os.path.normpath(args.model or BUNDLED))
     # shared prefixes up to --prefix-capacity positions per pool slot (a real model's whole context,
@@ -247,10 +248,18 @@ def cmd_serve(args) -> None:
     print(f"tinyloop serve: {name} (loops={model.config()['default_loops']}, max_batch={args.max_batch}) on "
           f"http://{args.host}:{args.port}/v1; compiling its programs in the background", file=sys.stderr)
     try:
-        uvicorn.run(make_app(engine, tok, name, eos_ids(args.model, tok, model.config()["vocab_size"])),
+        uvicorn.run(make_app(engine, tok, name, eos_ids(args.model, tok, model.config()["vocab_size"]), **edge),
                     host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.close()
+
+
+def edge_options(args) -> dict:
+    """`tinyloop serve`'s --api-key, --cors-origins and --max-body as make_app's keywords."""
+    if args.max_body < 1:
+        raise UsageError(f"--max-body must be a positive number of bytes, got {args.max_body}")
+    origins = tuple(o.strip() for o in args.cors_origins.split(",") if o.strip())
+    return dict(api_key=args.api_key or None, cors_origins=origins, max_body=args.max_body)
 
 
 def _bar(i, total, k, n):
@@ -307,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-bytes", type=int, default=None, help="evaluate only the first N held-out bytes")
     e.set_defaults(func=cmd_eval)
     s = sub.add_parser("serve", parents=[common], help="an OpenAI-compatible HTTP server (continuous batching)")
-    s.add_argument("--host", default="127.0.0.1", help="no authentication: keep 127.0.0.1 unless behind a proxy")
+    s.add_argument("--host", default="127.0.0.1", help="no TLS: keep 127.0.0.1 unless behind a proxy")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-batch", type=int, default=16)
     s.add_argument("--max-queue", type=int, default=256)
@@ -316,6 +325,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=None, help="per-request deadline in seconds")
     s.add_argument("--name", default=None, help="the model name clients send (default: the folder's name)")
     s.add_argument("--log-level", default="info")
+    s.add_argument("--api-key", default=os.environ.get("TINYLOOP_API_KEY"),
+                   help="require Authorization: Bearer KEY on /v1/* and the tokenizer routes (default: "
+                        "$TINYLOOP_API_KEY; none: open)")
+    s.add_argument("--cors-origins", default="", help="comma-separated browser origins allowed (default: none)")
+    s.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes (default 4 MiB)")
     s.set_defaults(func=cmd_serve)
     return ap
 

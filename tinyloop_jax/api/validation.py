@@ -71,8 +71,8 @@ def unit_interval(value, name: str) -> float:
     return _bounded(value, name, _float, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
 
 
-def top_k(value) -> int:
-    return _bounded(value, "top_k", integer, lambda v: v >= 0, ">= 0 (0 = off)")
+def top_k(value) -> int:  # int32 on device; any k >= the vocabulary keeps every token
+    return _bounded(value, "top_k", integer, lambda v: 0 <= v < 2**31, "in [0, 2**31) (0 = off)")
 
 
 def top_p(value) -> float:

@@ -36,13 +36,21 @@ class ByteTokenizer:
         """One token as text, special tokens by name (a logprobs entry's `token`)."""
         return {self.BOS: "<bos>", self.EOS: "<eos>", self.PAD: "<pad>"}.get(int(i)) or self.decode([i])
 
+    def info(self) -> dict:
+        """What the tokenizer is, for `GET /tokenizer_info`: its class, vocabulary size and chat
+        template, and the special tokens' ids (they have no text: they decode to nothing)."""
+        return dict(tokenizer_class=type(self).__name__, vocab_size=self.vocab_size,
+                    chat_template=getattr(self, "chat_template", None),
+                    **{f"{k}_token": None for k in ("bos", "eos", "pad", "unk")},
+                    bos_token_id=self.BOS, eos_token_id=self.EOS, pad_token_id=self.PAD, unk_token_id=None)
+
 
 class HFTokenizer:
     """A `tokenizers` tokenizer with its model's metadata: a folder's tokenizer.json (+
     tokenizer_config.json, chat_template.jinja, generation_config.json), or a GGUF file's
     `tokenizer.ggml.*` metadata (`from_gguf`). Same interface as ByteTokenizer: encode(str) ->
     int32 ids, decode(ids) -> str (special tokens dropped); plus `eos_token_ids` (every id that ends
-    a turn), `special_tokens` and `apply_chat_template`."""
+    a turn), `special_tokens`, `apply_chat_template` and `info`."""
 
     def __init__(self, path: str):
         from tokenizers import Tokenizer
@@ -70,6 +78,8 @@ class HFTokenizer:
             value = _read_json(os.path.join(folder, name)).get("eos_token_id")
             eos += value if isinstance(value, list) else [value]
         self._setup(tok, specials, template, eos)
+        # what tokenizer_config.json says of itself, reported as is by `info`
+        self.config = {k: config[k] for k in ("tokenizer_class", "model_max_length") if k in config}
 
     @classmethod
     def from_gguf(cls, path: str) -> "HFTokenizer":
@@ -84,6 +94,7 @@ class HFTokenizer:
 
     def _setup(self, tok, specials: dict, chat_template: str | None, eos_ids: list) -> None:
         self._tok, self.special_tokens, self.chat_template = tok, dict(specials), chat_template
+        self.config: dict = {}
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_ids = [int(i) for i in dict.fromkeys(eos_ids) if i is not None and 0 <= int(i) < self.vocab_size]
 
@@ -100,6 +111,19 @@ class HFTokenizer:
     def token_text(self, i: int) -> str:
         """One token as text, special tokens included ("<|im_end|>"; a logprobs entry's `token`)."""
         return self._tok.decode([int(i)], skip_special_tokens=False)
+
+    def info(self) -> dict:
+        """What the tokenizer is, for `GET /tokenizer_info`: its class (tokenizer_config.json's
+        tokenizer_class, else this one's), vocabulary size, chat template, the special tokens'
+        text and id, and tokenizer_config.json's model_max_length if it states one."""
+        out = dict(tokenizer_class=self.config.get("tokenizer_class", type(self).__name__), vocab_size=self.vocab_size,
+                   chat_template=self.chat_template)
+        for k in ("bos", "eos", "pad", "unk"):
+            text = self.special_tokens.get(f"{k}_token")
+            out[f"{k}_token"], out[f"{k}_token_id"] = text, None if text is None else self._tok.token_to_id(text)
+        if "model_max_length" in self.config:
+            out["model_max_length"] = self.config["model_max_length"]
+        return out
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False, **kwargs):
         """`messages` ([{"role": "user", "content": "..."}, ...]) rendered by the model's chat

@@ -10,15 +10,22 @@
                             rest as above. The answer stops at the template's end-of-turn ids,
                             which are not part of message.content; streamed chunks carry deltas,
                             the first one the role. A model with no chat template: HTTP 400.
-    GET  /v1/models   /health   /metrics (Prometheus text)
+    GET  /v1/models   /health   /metrics (Prometheus text; per-depth counters labelled `loops`)
+    POST /tokenize  POST /detokenize  GET /tokenizer_info   vLLM's tokenizer routes (`tokenizer_api`)
 
+OpenAI's presence_penalty, frequency_penalty and logit_bias are taken by both completion routes.
 Request bodies and response objects: `protocol`. `usage.prompt_tokens_details.cached_tokens` says
 how many prompt tokens were read from cached prefixes (a chat's earlier turns, a shared system
 prompt) instead of being prefilled.
 
-Bad requests get HTTP 400 with an OpenAI-style error body; a full queue 429; a request past its
-deadline 504. The server has no authentication of its own: it binds to 127.0.0.1 unless told
-otherwise, and anything wider belongs behind a reverse proxy that authenticates.
+Bad requests get HTTP 400 with an OpenAI-style error body naming the field (every value is
+checked before it reaches the engine: `protocol.check_submit`; a request too large for the memory
+budget is a 400 too); a full queue 429; a request past its deadline 504.
+
+At the edge (`edge`, make_app's keywords): `api_key` (401 without `Authorization: Bearer KEY` on
+every route but /health and /metrics), `cors_origins` (none by default), `max_body` (413 past it,
+default 4 MiB). The server has no TLS: it binds to 127.0.0.1 unless told otherwise, and anything
+wider belongs behind a reverse proxy that terminates TLS.
 """
 
 from __future__ import annotations
@@ -30,17 +37,21 @@ import secrets
 import time
 from contextlib import aclosing
 
+from . import edge, tokenizer_api
 from .engine import Engine
-from .handles import QueueFull, RequestTimeout
-from .protocol import (BadRequest, ChatShape, TextShape, chat_logprobs, choice_seed, completion_logprobs, error_body,
-                       parse, parse_chat)
+from .handles import MemoryBudgetError, QueueFull, RequestTimeout
+from .protocol import (BadRequest, ChatShape, TextShape, chat_logprobs, check_submit, choice_seed, completion_logprobs,
+                       error_body, parse, parse_chat)
 from ..api.chat import Detokenizer
 
 
 # ---- the app -----------------------------------------------------------------------------------
 
-def make_app(engine: Engine, tokenizer, model_name: str = "tinyloop", eos: list[int] = ()):
-    """The ASGI app over a running engine."""
+def make_app(engine: Engine, tokenizer, model_name: str = "tinyloop", eos: list[int] = (), *,
+             api_key: str | None = None, cors_origins=(), max_body: int = 4 << 20):
+    """The ASGI app over a running engine. api_key: the Bearer key every route but /health and
+    /metrics needs (None: open); cors_origins: the browser origins allowed (none by default);
+    max_body: the largest request body in bytes."""
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.routing import Route
@@ -103,6 +114,8 @@ def make_app(engine: Engine, tokenizer, model_name: str = "tinyloop", eos: list[
             groups = await submit_all(req)
         except QueueFull as e:
             return fail(429, str(e), "rate_limit_error")
+        except MemoryBudgetError as e:  # (a RuntimeError) this request can never fit, whatever waits
+            return fail(400, str(e), "invalid_request_error")
         except BadRequest as e:
             return fail(400, str(e), "invalid_request_error", e.param)
         except (ValueError, RuntimeError) as e:
@@ -208,12 +221,38 @@ def make_app(engine: Engine, tokenizer, model_name: str = "tinyloop", eos: list[
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    def checked(req, prompt_param: str):
+        return check_submit(req, cfg.vocab_size, engine.max_loops, cfg.max_seq_len, prompt_param)
+
     async def completions(request):
-        return await serve(request, lambda body: parse(body, tokenizer, model_name, eos), TextShape)
+        return await serve(request, lambda body: checked(parse(body, tokenizer, model_name, eos), "prompt"),
+                           TextShape)
 
     async def chat_completions(request):
-        return await serve(request, lambda body: parse_chat(body, tokenizer, model_name, eos, cfg.max_seq_len),
-                           ChatShape)
+        return await serve(request, lambda body: checked(parse_chat(body, tokenizer, model_name, eos,
+                                                                    cfg.max_seq_len), "messages"), ChatShape)
+
+    async def answer(request, respond) -> JSONResponse:
+        """A JSON body -> respond(body) -> 200, or 400 naming the field."""
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            return fail(400, f"the request body is not valid JSON: {e}", "invalid_request_error")
+        try:
+            return JSONResponse(respond(body))
+        except BadRequest as e:
+            return fail(400, str(e), "invalid_request_error", e.param)
+
+    async def tokenize(request):
+        return await answer(request, lambda body: tokenizer_api.tokenize(body, tokenizer, model_name,
+                                                                         cfg.max_seq_len))
+
+    async def detokenize(request):
+        return await answer(request, lambda body: tokenizer_api.detokenize(body, tokenizer, model_name,
+                                                                           cfg.vocab_size))
+
+    async def tokenizer_info(request):
+        return JSONResponse(tokenizer_api.tokenizer_info(tokenizer, cfg.max_seq_len))
 
     async def models(request):
         return JSONResponse(dict(object="list", data=[dict(id=model_name, object="model", created=created,
@@ -235,8 +274,12 @@ def make_app(engine: Engine, tokenizer, model_name: str = "tinyloop", eos: list[
 
     return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
                              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-                             Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics)],
-                     exception_handlers={404: not_found, 405: not_found})
+                             Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics),
+                             Route("/tokenize", tokenize, methods=["POST"]),
+                             Route("/detokenize", detokenize, methods=["POST"]),
+                             Route("/tokenizer_info", tokenizer_info)],
+                     exception_handlers={404: not_found, 405: not_found},
+                     middleware=edge.middleware(api_key, cors_origins, max_body))
 
 
 async def _nothing():
@@ -266,6 +309,12 @@ class _Collector:
                   ttft_p99_s="time to first token, p99 of recent requests (s)",
                   tokens_per_second="tokens emitted per second since start")
 
+    # per depth (label `loops`), in tokens, as vLLM names its prefix-cache counters
+    DEPTH_COUNTERS = dict(prefix_cache_queries="prompt tokens looked up in cached prefixes",
+                          prefix_cache_hits="prompt tokens found in cached prefixes (read, not computed)",
+                          tokens_computed="positions run through the model (prompt and decode)",
+                          passes="loop passes run (positions x loops): passes / tokens = passes per token")
+
     def __init__(self, engine: Engine):
         self.engine = engine
 
@@ -282,6 +331,11 @@ class _Collector:
         yield finished
         for name, doc in self.GAUGES.items():
             yield GaugeMetricFamily(f"tinyloop_{name}", doc, value=s.get(name, 0))
+        for name, doc in self.DEPTH_COUNTERS.items():
+            family = CounterMetricFamily(f"tinyloop_{name}", doc, labels=["loops"])
+            for loops, counts in sorted(s.get("depths", {}).items()):
+                family.add_metric([str(loops)], counts.get(name, 0))
+            yield family
 
 
 def eos_ids(path: str | None, tokenizer, vocab_size: int) -> list[int]:

@@ -1,7 +1,9 @@
 """The OpenAI protocol of `tinyloop serve`: request bodies checked into `Engine.submit` arguments
-(`parse` for /v1/completions, `parse_chat` for /v1/chat/completions, sharing `parse_common`),
-and the shapes of the response objects (`TextShape`, `ChatShape`). Bad input raises
-`BadRequest` naming the field (the server's HTTP 400).
+(`parse` for /v1/completions, `parse_chat` for /v1/chat/completions, sharing `parse_common`;
+`parse_penalties` for OpenAI's presence_penalty, frequency_penalty and logit_bias; then
+`check_submit`, the engine's own checks run at the edge), and the shapes of the response objects
+(`TextShape`, `ChatShape`). Bad input raises `BadRequest` naming the field (the server's HTTP 400),
+so no value a client sends gets as far as a 500.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ import dataclasses
 import json
 import numbers
 import secrets
+
+from ..api import validation as check
+from ..decoding.sampling import MAX_LOGIT_BIAS
 
 
 class BadRequest(ValueError):
@@ -20,12 +25,15 @@ class BadRequest(ValueError):
 
 # ---- request parsing ---------------------------------------------------------------------------
 
-def _int(body: dict, name: str, default):
+def _int(body: dict, name: str, default, lo: int | None = None, hi: int | None = None):
+    """body[name] as an int (default if absent), in [lo, hi) when given."""
     v = body.get(name, default)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
         raise BadRequest(f"{name} must be an integer, got {v!r}", name)
+    if lo is not None and v < lo or hi is not None and v >= hi:
+        raise BadRequest(f"{name} must be in [{lo}, {hi}), got {v}", name)
     return int(v)
 
 
@@ -68,7 +76,7 @@ def parse_prompts(prompt, tokenizer) -> list[list[int]]:
 CHAT_ROLES = ("system", "user", "assistant")
 
 
-def parse_messages(messages, tokenizer) -> list[int]:
+def parse_messages(messages, tokenizer, add_generation_prompt: bool = True) -> list[int]:
     """A chat's `messages` (system / user / assistant, string content; OpenAI's "developer" is
     "system") -> the prompt ids: the model's chat template with the assistant's generation prompt,
     encoded as transformers does (the template writes the special tokens; none are added)."""
@@ -94,7 +102,7 @@ def parse_messages(messages, tokenizer) -> list[int]:
             raise BadRequest(f"messages[{i}].content must be a string, got {got}", f"messages[{i}].content")
         out.append(dict(role=role, content=m["content"]))  # only role and content reach the template
     try:
-        return tokenizer.apply_chat_template(out, add_generation_prompt=True, tokenize=True).tolist()
+        return tokenizer.apply_chat_template(out, add_generation_prompt=add_generation_prompt, tokenize=True).tolist()
     except ValueError as e:  # the template itself refused the conversation (raise_exception)
         raise BadRequest(str(e), "messages") from None
 
@@ -141,8 +149,9 @@ def choice_seed(seed: int, j: int) -> int:
 
 def parse_common(body, model_name: str, eos: list[int], prompts: list[list[int]], max_tokens: int,
                  logprobs: int | None = None, echo: bool = False) -> Parsed:
-    """What completions and chat completions share: model, n / best_of, unsupported penalties,
-    sampling knobs and the extras (top_k, repetition_penalty, loops, ignore_eos), stop, stream."""
+    """What completions and chat completions share: model, n / best_of, sampling knobs, OpenAI's
+    penalties and logit_bias, the extras (top_k, repetition_penalty, loops, ignore_eos), stop,
+    stream."""
     model = body.get("model", model_name)
     if model is not None and model != model_name:
         raise BadRequest(f"model {model!r} is not served here; this server serves {model_name!r}", "model")
@@ -154,11 +163,6 @@ def parse_common(body, model_name: str, eos: list[int], prompts: list[list[int]]
         raise BadRequest(f"best_of must be in [n={n}, {MAX_CHOICES}], got {best_of}", "best_of")
     if len(prompts) * best_of > MAX_CHOICES:
         raise BadRequest(f"{len(prompts)} prompts x best_of {best_of} is more than {MAX_CHOICES} choices", "best_of")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _num(body, name, 0.0) != 0.0:
-            raise BadRequest(f"{name} is not supported (use repetition_penalty)", name)
-    if body.get("logit_bias"):
-        raise BadRequest("logit_bias is not supported", "logit_bias")
     stream = _bool(body, "stream", False)
     if stream and logprobs is not None:
         raise BadRequest("logprobs are computed once a choice is complete: not with stream", "logprobs")
@@ -169,14 +173,15 @@ def parse_common(body, model_name: str, eos: list[int], prompts: list[list[int]]
     seed = _int(body, "seed", None)
     kw = dict(max_tokens=max_tokens, temperature=_num(body, "temperature", 1.0),
               top_p=_num(body, "top_p", 1.0), top_k=_int(body, "top_k", 0),
-              repetition_penalty=_num(body, "repetition_penalty", 1.0), loops=_int(body, "loops", None))
+              repetition_penalty=_num(body, "repetition_penalty", 1.0), loops=_int(body, "loops", None),
+              **parse_penalties(body))
     if not _bool(body, "ignore_eos", False):
         kw["stop_sequences"] = [[e] for e in eos]
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise BadRequest("stream_options must be an object", "stream_options")
     return Parsed(kw, prompts, secrets.randbits(32) if seed is None else seed, parse_stop(body.get("stop")), stream,
-                  bool(opts.get("include_usage")), n, best_of, logprobs, echo)
+                  _bool(opts, "include_usage", False), n, best_of, logprobs, echo)
 
 
 def _object(body) -> dict:
@@ -215,7 +220,7 @@ def parse_chat(body, tokenizer, model_name: str, eos: list[int], context: int) -
             raise BadRequest(f"{name} is not supported", name)
     prompt = parse_messages(body.get("messages"), tokenizer)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _int(body, name, None)
+    max_tokens = _int(body, name, None, 1, 2**31)  # checked here: the engine knows it as max_tokens
     if max_tokens is None:
         max_tokens = max(1, min(CHAT_MAX_TOKENS, context - len(prompt)))
     top = _logprobs(body, "top_logprobs")
@@ -223,6 +228,77 @@ def parse_chat(body, tokenizer, model_name: str, eos: list[int], context: int) -
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (top or 0) if _bool(body, "logprobs", False) else None
     return parse_common(body, model_name, eos, [prompt], max_tokens, logprobs)
+
+
+def parse_penalties(body: dict) -> dict:
+    """OpenAI's presence_penalty and frequency_penalty (numbers in [-2, 2], default 0) and
+    logit_bias (a JSON object of token-id strings -> numbers in [-100, 100], at most 300 entries)
+    -> `Engine.submit` keywords. Whether each id is in the vocabulary is `check_submit`'s."""
+    out = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = _num(body, name, 0.0)
+        if not -2.0 <= v <= 2.0:  # (NaN fails this too)
+            raise BadRequest(f"{name} must be in [-2, 2], got {v}", name)
+        out[name] = v
+    bias = body.get("logit_bias")
+    if bias is None:
+        return out
+    if not isinstance(bias, dict):
+        raise BadRequest(f"logit_bias must be an object of token ids to biases, got {json.dumps(bias)[:80]}",
+                         "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed", "logit_bias")
+    out["logit_bias"] = {}
+    for key, v in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise BadRequest(f"logit_bias keys must be token ids (decimal integers), got {key!r}", "logit_bias")
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not -100.0 <= v <= 100.0:
+            raise BadRequest(f"logit_bias[{key!r}] must be a number in [-100, 100], got {v!r}", "logit_bias")
+        out["logit_bias"][int(key)] = float(v)
+    return out
+
+
+def _named(param: str, check_value, *args):
+    """check_value(*args), its ValueError a BadRequest naming `param`."""
+    try:
+        return check_value(*args)
+    except ValueError as e:
+        raise BadRequest(str(e), param) from None
+
+
+# Engine.submit's keyword -> the engine's own check of it (api/validation)
+_SUBMIT_CHECKS = dict(max_tokens=check.max_tokens, temperature=check.temperature, top_k=check.top_k,
+                      top_p=check.top_p, repetition_penalty=check.repetition_penalty, seed=check.seed,
+                      presence_penalty=lambda v: check.penalty(v, "presence_penalty"),
+                      frequency_penalty=lambda v: check.penalty(v, "frequency_penalty"))
+
+
+def check_submit(req: Parsed, vocab_size: int, max_loops: int, context: int, prompt_param: str = "prompt") -> Parsed:
+    """`Engine.submit`'s checks of a parsed request, run at the edge, where the request's field
+    names are known (the engine runs them again): each value in its range (NaN and infinities
+    refused), prompt and logit_bias ids in the vocabulary, loops up to the engine's max_loops,
+    each prompt + max_tokens within the context. A failure is a BadRequest naming the field
+    (`prompt_param`: "messages" for a chat, whose prompt the template wrote)."""
+    kw = req.submit
+    for name, check_value in _SUBMIT_CHECKS.items():
+        if name in kw and not (name == "max_tokens" and kw[name] == 0 and req.echo):  # 0: echo only
+            _named(name, check_value, kw[name])
+    _named("seed", check.seed, req.seed)
+    _named("logit_bias", check.logit_bias, kw.get("logit_bias"), vocab_size)
+    if kw.get("loops") is not None:
+        if _named("loops", check.loops, kw["loops"]) > max_loops:
+            raise BadRequest(f"loops={kw['loops']} is above this server's max_loops={max_loops}", "loops")
+    for i, p in enumerate(req.prompts):
+        name = prompt_param if len(req.prompts) == 1 else f"{prompt_param}[{i}]"
+        prompt = _named(prompt_param, check.tokens, p, vocab_size)
+        if len(prompt) >= context and not (req.echo and kw["max_tokens"] == 0):  # no max_tokens would help
+            raise BadRequest(f"the prompt ({name}) is {len(prompt)} tokens; the model's context is {context} "
+                             "(max_seq_len), with room for at least one token to generate", prompt_param)
+        n = len(prompt) + kw["max_tokens"]
+        if n > context:
+            raise BadRequest(f"prompt + max_tokens is {n} tokens ({name}), longer than the model's context of "
+                             f"{context} (max_seq_len)", "max_tokens")
+    return req
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code=None) -> dict:
