@@ -1,10 +1,11 @@
 """`tinyloop serve`: an OpenAI-compatible HTTP API over the `Engine` (Starlette + uvicorn, the
 `serve` extra).
 
-    POST /v1/completions    prompt (text or token ids), max_tokens, temperature, top_p, stop,
-                            seed, stream (server-sent events), n = 1; extras top_k,
-                            repetition_penalty, loops, ignore_eos. Each choice also carries
-                            token_ids (the emitted ids) and finish_reason "stop" | "length".
+    POST /v1/completions    prompt (text or token ids, or a list of several), max_tokens,
+                            temperature, top_p, stop, seed, stream (server-sent events), n,
+                            best_of, logprobs, echo; extras top_k, repetition_penalty, loops,
+                            ignore_eos. Each choice also carries token_ids (the emitted ids) and
+                            finish_reason "stop" | "length"; index = prompt number * n + j.
     POST /v1/chat/completions  messages (system / user / assistant, string content) through the
                             model's chat template; max_completion_tokens (or max_tokens) and the
                             rest as above. The answer stops at the template's end-of-turn ids,
@@ -14,6 +15,12 @@
     POST /tokenize  POST /detokenize  GET /tokenizer_info   vLLM's tokenizer routes (`tokenizer_api`)
 
 OpenAI's presence_penalty, frequency_penalty and logit_bias are taken by both completion routes.
+A prompt's n (best_of) choices are engine requests of their own with seeds `protocol.choice_seed`;
+the others are submitted once the first one's prompt is prefilled, so a long prompt, pooled by
+then, is read from its pool slot rather than prefilled again. Log-probabilities (`logprobs`,
+`echo`; chat's `logprobs` / `top_logprobs`) come from `Model.score` of prompt + completion once a
+choice is complete, on a worker thread: the raw logits' log-softmax, recomputed, so a cached
+prefix changes nothing; they are not available with `stream`.
 Request bodies and response objects: `protocol`. `usage.prompt_tokens_details.cached_tokens` says
 how many prompt tokens were read from cached prefixes (a chat's earlier turns, a shared system
 prompt) instead of being prefilled.
