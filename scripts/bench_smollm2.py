@@ -90,7 +90,7 @@ def serve_ready(model: str) -> tuple[float, float, float]:
         while health() is None and time.perf_counter() - t0 < 600:
             time.sleep(0.2)
         t_health = time.perf_counter() - t0
-        body = json.dumps(dict(model="x", prompt="The capital of France is", max_tokens=8, temperature=0)).encode()
+        body = json.dumps(dict(prompt="The capital of France is", max_tokens=8, temperature=0)).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=900) as r:
@@ -104,38 +104,20 @@ def serve_ready(model: str) -> tuple[float, float, float]:
         proc.wait(30)
 
 
-def chat_ttft(model, tok, kept: bool, answer_tokens: int) -> list[float]:
-    """Time to first token of each of 10 turns. kept: the conversation's prefix cache is kept and
-    extended by each turn's new tokens; else the whole rendered conversation is prefilled each turn."""
-    import numpy as np
+def chat_ttft(model, tok, kept: bool, answer_tokens: int) -> tuple[list[float], list[int]]:
+    """Time to first token of each of 10 turns of a `Conversation` (the chat of `tinyloop chat`),
+    and the tokens each turn prefilled. kept: the conversation's cache is kept between turns, as
+    chat does; else it is dropped before each turn, so the whole conversation is prefilled."""
+    from tinyloop_jax.api.chat import Conversation
 
-    from tinyloop_jax.api import functional as F
-
-    msgs = [{"role": "system", "content": "You are a helpful travel assistant. " + PARAGRAPH}]
-    prefix, held = None, np.zeros((0,), np.int32)
-    eot = tok.eos_token_ids
-    out = []
+    conv = Conversation(model, tok, system="You are a helpful travel assistant. " + PARAGRAPH,
+                        max_tokens=answer_tokens)
     for q in QUESTIONS:
-        msgs.append({"role": "user", "content": q})
-        ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True), special=True)
-        t = time.perf_counter()
-        if kept and prefix is not None:
-            assert np.array_equal(ids[:len(held)], held), "the rendered conversation grew a different prefix"
-            first = model.generate_from_prefix_cache(prefix, max_tokens=1, suffix=ids[len(held):])
-        else:
-            first = model.generate(ids, max_tokens=1)
-        out.append(time.perf_counter() - t)
-        full = model.generate(ids, max_tokens=answer_tokens, stop_sequences=[[e] for e in eot])
-        if full[len(ids)] != first[len(ids)]:
-            print(f"note: turn {len(out)}: first token {first[len(ids)]} (kept cache) vs {full[len(ids)]} (recomputed)")
-        answer = full[len(ids):]
-        if answer and answer[-1] in eot:
-            answer = answer[:-1]
-        msgs.append({"role": "assistant", "content": tok.decode(answer)})
-        if kept:  # the conversation so far, as the next turn's template renders it (without a new prompt)
-            held = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=False), special=True)
-            prefix = model.build_prefix_cache(held) if prefix is None else F.extend_prefix(prefix, len(prefix), held)
-    return out
+        if not kept:
+            conv.prefix = None
+        for _ in conv.send(q):
+            pass
+    return [t.first_token_s for t in conv.turns], [t.prefill_tokens for t in conv.turns]
 
 
 def main() -> None:
@@ -210,10 +192,14 @@ def main() -> None:
         print(f"transformers: decode {1 / hf['step']:.1f} tok/s, prefill {args.prompt / hf['prefill']:.0f} tok/s, "
               f"load {hf['load']:.1f} s; greedy tokens {'identical' if same is None else f'differ at {same}'}")
 
-    kept = chat_ttft(model, tok, True, args.answer_tokens)
-    full = chat_ttft(model, tok, False, args.answer_tokens)
-    print("TTFT per turn kept:", " ".join(f"{x * 1e3:.0f}" for x in kept))
-    print("TTFT per turn full:", " ".join(f"{x * 1e3:.0f}" for x in full))
+    # each arm twice: the first conversation compiles the programs it meets (the cold numbers),
+    # the second runs compiled ones (the table)
+    kept_cold, _ = chat_ttft(model, tok, True, args.answer_tokens)
+    full_cold, _ = chat_ttft(model, tok, False, args.answer_tokens)
+    kept, kept_fill = chat_ttft(model, tok, True, args.answer_tokens)
+    full, full_fill = chat_ttft(model, tok, False, args.answer_tokens)
+    for name, xs in (("kept, cold", kept_cold), ("re-prefill, cold", full_cold), ("kept", kept), ("re-prefill", full)):
+        print(f"TTFT per turn {name}:", " ".join(f"{x * 1e3:.0f}" for x in xs))
 
     serve = None if args.no_serve else serve_ready("smollm2")
     if serve:
@@ -248,13 +234,21 @@ def main() -> None:
         f"{t_first:.1f} s (compiling the prefill and decode programs: the 30 distinct blocks are unrolled), "
         f"then {t_second:.2f} s.",
         "",
-        f"Time to first token per turn over a 10-turn chat (system prompt + one question a turn, answers of up to "
-        f"{args.answer_tokens} greedy tokens; ms):",
+        f"Time to first token per turn over a 10-turn `tinyloop chat` conversation (`Conversation`: a system "
+        f"prompt, one question a turn, answers of up to {args.answer_tokens} greedy tokens; ms). Each arm ran two "
+        "conversations: the first (cold) compiles the programs it meets, the table's second runs compiled ones. "
+        "Re-prefill drops the kept cache before each turn, so the whole conversation is prefilled.",
         "",
         "| turn | " + " | ".join(str(i + 1) for i in range(len(kept))) + " | median |",
         "|---|" + "---|" * (len(kept) + 1),
         "| kept cache | " + " | ".join(f"{x * 1e3:.0f}" for x in kept) + f" | {statistics.median(kept) * 1e3:.0f} |",
         "| re-prefill | " + " | ".join(f"{x * 1e3:.0f}" for x in full) + f" | {statistics.median(full) * 1e3:.0f} |",
+        "| tokens prefilled, kept | " + " | ".join(map(str, kept_fill)) + " | |",
+        "| tokens prefilled, re-prefill | " + " | ".join(map(str, full_fill)) + " | |",
+        "| cold: kept cache | " + " | ".join(f"{x * 1e3:.0f}" for x in kept_cold)
+        + f" | {statistics.median(kept_cold) * 1e3:.0f} |",
+        "| cold: re-prefill | " + " | ".join(f"{x * 1e3:.0f}" for x in full_cold)
+        + f" | {statistics.median(full_cold) * 1e3:.0f} |",
         "",
         f"Turn 10: {full[-1] / kept[-1]:.1f}x faster with the kept cache (turn 1 builds it; later turns prefill only "
         f"their new tokens, while re-prefilling grows with the conversation).",

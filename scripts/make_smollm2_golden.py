@@ -8,11 +8,15 @@ transformers and torch are not this project's dependencies, so the script makes 
 (default /tmp/tinyloop-golden-venv: torch==2.13.0 CPU, transformers, accelerate, gguf) and reruns itself in
 it. What it stores (float32 model, `from_pretrained(dir, gguf_file=...)`):
 - `logits_{i}_pos`, `logits_{i}_ids`, `logits_{i}_top`: for each prompt i, the top-32 token ids and
-  logits at a few positions (the first, middle and last); `prompt_{i}`: the prompt's ids;
+  logits at every position; `prompt_{i}`: the prompt's ids;
 - `corpus_ids_{j}` and `corpus_text`: tokenizer ids of each corpus string (code, whitespace runs,
   digits, non-ASCII) and the decoded text (special tokens skipped);
 - `chat_{k}`: the rendered chat template of conversations of 1-4 turns, with/without a system
-  message, with a generation prompt (`chats` holds the conversations as JSON).
+  message, with a generation prompt (`chats` holds the conversations as JSON);
+- `mc30`: JSON list, per question of tests/data/mc30.jsonl and choice, [ids, context length,
+  loglikelihood]: the continuation " <choice>" after "Question: <q>\nAnswer:", tokenized as
+  lm-evaluation-harness does (the whole string, and the context alone, no special tokens), and
+  the sum of its tokens' log-softmax — what tests/test_lm_eval.py's harness computes.
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ def write(path: str) -> None:
         ids = tok(prompt, add_special_tokens=True)["input_ids"]
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0].numpy()
-        pos = np.array(sorted({0, len(ids) // 2, len(ids) - 1}))
+        pos = np.arange(len(ids))  # every position
         top = np.argsort(-logits[pos], axis=-1)[:, :32]
         out[f"prompt_{i}"] = np.array(ids, np.int32)
         out[f"logits_{i}_pos"], out[f"logits_{i}_ids"] = pos, top.astype(np.int32)
@@ -85,6 +89,17 @@ def write(path: str) -> None:
     out["chats"] = np.array(json.dumps(chats))
     for k, msgs in enumerate(chats):
         out[f"chat_{k}"] = np.array(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))
+    mc = []
+    with open(os.path.join(HERE, "..", "tests", "data", "mc30.jsonl")) as f:
+        for doc in map(json.loads, f):
+            context = f"Question: {doc['question']}\nAnswer:"
+            for choice in doc["choices"]:
+                whole = tok(context + " " + choice, add_special_tokens=False)["input_ids"]
+                n_ctx = len(tok(context, add_special_tokens=False)["input_ids"])
+                with torch.no_grad():
+                    logp = torch.log_softmax(model(torch.tensor([whole])).logits[0].double(), -1).numpy()
+                mc.append([whole, n_ctx, float(sum(logp[i - 1, whole[i]] for i in range(n_ctx, len(whole))))])
+    out["mc30"] = np.array(json.dumps(mc))
     out["versions"] = np.array(f"transformers {transformers.__version__}, torch {torch.__version__}")
     np.savez_compressed(path, **out)
     print(f"wrote {path} ({os.path.getsize(path)} bytes) with {out['versions']}")

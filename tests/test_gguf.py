@@ -478,8 +478,8 @@ def test_smollm2_chat_answers_paris(smollm2):
 
 @pytest.mark.slow
 def test_smollm2_matches_transformers_golden(smollm2):
-    """Logits (top-32 at 3 positions of 3 prompts) <= 1e-4 relative; ids, decoded text and chat
-    templates identical to transformers' on the same GGUF."""
+    """Logits (the top 32 at every position of 3 prompts) <= 1e-4 relative; ids, decoded text and
+    chat templates identical to transformers' on the same GGUF."""
     model, tok = smollm2
     g = np.load(GOLDEN)
     for i in range(3):
@@ -496,6 +496,20 @@ def test_smollm2_matches_transformers_golden(smollm2):
         assert tok.decode(ids) == texts[j]
     for k, chat in enumerate(json.loads(str(g["chats"]))):
         assert tok.apply_chat_template(chat, add_generation_prompt=True) == str(g[f"chat_{k}"])
+
+
+@pytest.mark.slow
+def test_smollm2_multiple_choice_loglikelihoods_match_transformers(smollm2):
+    """`Model.score` on the 120 (question, choice) token sequences of tests/data/mc30.jsonl, as
+    lm-evaluation-harness tokenizes them: each continuation's loglikelihood within 1e-3 of
+    transformers' (golden), and so the same answers."""
+    model, _ = smollm2
+    mc = json.loads(str(np.load(GOLDEN)["mc30"]))
+    assert len(mc) == 120
+    ours = np.array([model.score(ids).logprobs[n_ctx:].sum() for ids, n_ctx, _ in mc])
+    want = np.array([ll for _, _, ll in mc])
+    np.testing.assert_allclose(ours, want, atol=1e-3, rtol=0)
+    assert (ours.reshape(30, 4).argmax(1) == want.reshape(30, 4).argmax(1)).all()
 
 
 # How far reused logits may be from recomputed ones, per mode: fp32 within 1e-3; fp16 and the

@@ -2,7 +2,8 @@
 `echo` + `logprobs`, `tokenizer_backend=remote`: our /tokenizer_info, /tokenize, /detokenize)
 against the server on SmolLM2-135M-Instruct, on a 30-question multiple-choice task shipped with
 the tests (tests/data/mc30.jsonl). Every loglikelihood equals `Model.score` of the same tokens
-(<= 1e-4), so the accuracy does too.
+(<= 1e-4), so the accuracy does too, and transformers' on the same file (<= 1e-3, the golden
+file of scripts/make_smollm2_golden.py).
 
 lm-eval pulls torch, transformers and datasets, so it lives in a side venv
 (`python scripts/lm_eval_venv.py` makes it once per machine, ~2 min); without it the test is
@@ -65,6 +66,7 @@ def test_lm_eval_local_completions_equals_our_scores(smollm2, tmp_path):
     samples = [json.loads(line) for f in sorted((tmp_path / "out").rglob("samples_*.jsonl")) for line in open(f)]
     results = json.load(open(next((tmp_path / "out").rglob("results_*.json"))))
     assert len(samples) == 30
+    golden = json.loads(str(np.load(os.path.join(HERE, "data", "smollm2-golden.npz"))["mc30"]))
     correct = 0
     for s in samples:
         ours = []
@@ -76,6 +78,9 @@ def test_lm_eval_local_completions_equals_our_scores(smollm2, tmp_path):
             score = model.score(whole)
             ours.append(float(score.logprobs[len(ctx):].sum()))
             np.testing.assert_allclose(ll, ours[-1], atol=1e-4, rtol=0)
+            ids, _, theirs = golden[4 * int(s["doc_id"]) + len(ours) - 1]  # transformers on the same tokens
+            assert ids == whole.tolist()
+            np.testing.assert_allclose(ll, theirs, atol=1e-3, rtol=0)
         correct += int(np.argmax(ours) == int(s["target"]))
     acc = results["results"]["tinyloop_mc30"]["acc,none"]
     assert acc == pytest.approx(correct / 30)
