@@ -535,4 +535,9 @@ def test_smollm2_prefix_reuse_matches_recompute(smollm2, mode):
     recomputed = model.build_prefix_cache(full).logits  # from scratch, the same program as the prefix's
     reused = model.next_token_logits_from_prefix(prefix, suffix)
     np.testing.assert_allclose(reused, recomputed, **REUSE_TOLERANCE.get(mode, dict(atol=1e-3, rtol=1e-2)))
-    assert model.generate_from_prefix_cache(prefix, max_tokens=3, suffix=suffix) == model.generate(full, max_tokens=3)
+    # greedy tokens: the prefix's decode path against a from-scratch forward of every sequence so far
+    # (the 14-16-token sequences share the prefix's program: the real model's compiles are seconds)
+    seq = list(full)
+    for _ in range(3):
+        seq.append(int(np.argmax(model.build_prefix_cache(seq).logits)))
+    assert model.generate_from_prefix_cache(prefix, max_tokens=3, suffix=suffix) == seq
