@@ -31,9 +31,9 @@ def model():
 
 
 class Server:
-    def __init__(self, model, eos=(EOS,), tok=TOK, name="tiny", **engine_kw):
+    def __init__(self, model, eos=(EOS,), tok=TOK, name="tiny", app_kw=None, api_key="unused", **engine_kw):
         self.engine = tl.Engine(model, **engine_kw)  # (no warmup: the tests compile what they use)
-        app = make_app(self.engine, tok, name, eos=list(eos))
+        app = make_app(self.engine, tok, name, eos=list(eos), **(app_kw or {}))
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -41,7 +41,7 @@ class Server:
             time.sleep(0.02)
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
 
     def close(self):
         self.server.should_exit = True

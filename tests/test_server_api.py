@@ -16,8 +16,6 @@ module over a tiny byte-vocabulary model, driven by the official `openai` client
 
 import json
 import socket
-import threading
-import time
 import urllib.request
 from collections import Counter
 
@@ -29,7 +27,8 @@ import tinyloop_jax as tl
 openai = pytest.importorskip("openai", reason="the test extra installs the openai client")
 uvicorn = pytest.importorskip("uvicorn", reason="the serve extra installs uvicorn")
 
-from tinyloop_jax.serving.app import make_app  # noqa: E402
+import test_server  # noqa: E402
+from test_server import complete  # noqa: E402
 
 KEY = "sk-edge-test-key"
 ORIGIN = "http://app.example"
@@ -54,25 +53,11 @@ class ChatBytes(tl.ByteTokenizer):
 TOK = ChatBytes()
 
 
-class Server:
-    """`make_app` under uvicorn on a free localhost port, in this process."""
+class Server(test_server.Server):
+    """test_server's in-process server on the byte tokenizer, its client holding the API key."""
 
     def __init__(self, model, app_kw=None, **engine_kw):
-        self.engine = tl.Engine(model, **engine_kw)
-        app = make_app(self.engine, TOK, "tiny", eos=[EOS], **(app_kw or {}))
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join()
-        self.engine.close()
+        super().__init__(model, eos=(EOS,), tok=TOK, name="tiny", app_kw=app_kw, api_key=KEY, **engine_kw)
 
     def call(self, path: str, body=None, key: str | None = KEY, method=None, headers=None):
         """(status, headers, JSON or text). `body`: a dict (sent as JSON, NaN and Infinity as
@@ -102,12 +87,6 @@ def server(model):
     s = Server(model, dict(api_key=KEY, cors_origins=(ORIGIN,), max_body=LIMIT), max_batch=2)
     yield s
     s.close()
-
-
-def complete(server, prompt, **kw):
-    extra = {k: kw.pop(k) for k in ("top_k", "repetition_penalty", "loops", "ignore_eos") if k in kw}
-    return server.client.completions.create(model="tiny", prompt=prompt, temperature=kw.pop("temperature", 0.0),
-                                            extra_body=extra or None, **kw)
 
 
 def still_serving(server):

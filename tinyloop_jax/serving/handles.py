@@ -6,6 +6,7 @@ handle (`emit`, `finish`); any thread reads it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -129,8 +130,9 @@ class Handle:
                     self._raise()
                 return
 
-    async def astream(self):
-        """`stream()` for asyncio: never blocks the event loop."""
+    @contextlib.contextmanager
+    def _woken(self):
+        """An asyncio.Event the engine sets whenever it emits or finishes (for the loop's readers)."""
         loop, event = asyncio.get_running_loop(), asyncio.Event()
 
         def wake():
@@ -139,6 +141,14 @@ class Handle:
         with self._cv:
             self._wakers.append(wake)
         try:
+            yield event
+        finally:
+            with self._cv:
+                self._wakers.remove(wake)
+
+    async def astream(self):
+        """`stream()` for asyncio: never blocks the event loop."""
+        with self._woken() as event:
             i = 0
             while True:
                 with self._cv:
@@ -153,30 +163,17 @@ class Handle:
                     return
                 if not new:
                     await event.wait()
-        finally:
-            with self._cv:
-                self._wakers.remove(wake)
 
     async def aprefilled(self) -> None:
         """Wait (asyncio) until the prompt is prefilled: the first token is out, or the request
         ended."""
-        loop, event = asyncio.get_running_loop(), asyncio.Event()
-
-        def wake():
-            loop.call_soon_threadsafe(event.set)
-
-        with self._cv:
-            self._wakers.append(wake)
-        try:
+        with self._woken() as event:
             while True:
                 with self._cv:
                     event.clear()
                     if self.tokens or self.done:
                         return
                 await event.wait()
-        finally:
-            with self._cv:
-                self._wakers.remove(wake)
 
     async def aresult(self) -> list[int]:
         async for _ in self.astream():
