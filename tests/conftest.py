@@ -101,9 +101,3 @@ def _release_compiled_programs():
     cache above, a program needed again is loaded from disk rather than recompiled."""
     yield
     jax.clear_caches()
-
-
-def pytest_collection_modifyitems(items):
-    """The heaviest tests (marked slow) first: the workers that take tests from each other
-    (`--dist worksteal`) then end together instead of one finishing a long test alone."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -22,7 +22,6 @@ def run(args, env=None, timeout=600):
                           env={**os.environ, **(env or {})})
 
 
-@pytest.mark.slow
 def test_mesh_checks_on_8_fake_devices():
     r = run(["mesh_checks.py"], env={"JAX_NUM_CPU_DEVICES": "8"})
     print(r.stdout[-4000:])
@@ -39,7 +38,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
 def test_two_processes_give_the_single_process_tokens():
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "multiprocess_worker.py", str(i), "2", port], cwd=HERE,

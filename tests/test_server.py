@@ -202,7 +202,6 @@ def test_models_health_metrics(server):
     assert value("tinyloop_requests") >= 1 and value("tinyloop_tokens_out") >= 1
 
 
-@pytest.mark.slow
 def test_tinyloop_serve_command(model, tmp_path):
     """`tinyloop serve` as a user starts it: a saved model folder, 127.0.0.1 by default."""
     import socket

@@ -56,7 +56,6 @@ def with_stops(model, work):
     return out
 
 
-@pytest.mark.slow
 def test_many_threads_equal_generate(model, engine):
     work = with_stops(model, workload())
     results = [None] * len(work)

@@ -75,7 +75,6 @@ def sweep(eng, model, depths, results, errors):
             errors.append(e)
 
 
-@pytest.mark.slow
 def test_a_depth_sweep_stays_within_the_memory_budget(model):
     """Lanes are made per depth and evicted (least recently used, idle) to stay within one budget
     shared by every lane's pool, rows and store; the engine's count agrees with the live arrays."""
