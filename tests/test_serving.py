@@ -92,10 +92,10 @@ def test_join_mid_run(model, engine):
     [next(stream) for _ in range(3)]
     late = [(rng.integers(0, 128, 20 + 9 * i), dict(max_tokens=4)) for i in range(3)]
     handles = [engine.submit(p, **kw) for p, kw in late]
+    assert long.result() == model.generate(long_prompt, max_tokens=60)
     for (p, kw), h in zip(late, handles):
         assert h.result() == model.generate(p, **kw)
-    assert not long.done  # the late ones did not wait for it
-    assert long.result() == model.generate(long_prompt, max_tokens=60)
+        assert h.finished_at < long.finished_at  # joined its batch: did not wait for it
 
 
 def test_cancel_and_timeout(model, engine):
