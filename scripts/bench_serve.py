@@ -151,8 +151,37 @@ def pct(xs, q) -> float:
     return float(np.percentile(np.array(xs), q)) if xs else float("nan")
 
 
-ARMS = dict(engine=dict(max_batch=16), batch1=dict(max_batch=1), nostore=dict(max_batch=16, prefix_cache=False),
-            unchunked=dict(max_batch=16, prefill_chunk=None))
+ARMS = dict(engine=dict(max_batch=16), sync=dict(max_batch=16, overlap=False), batch1=dict(max_batch=1),
+            nostore=dict(max_batch=16, prefix_cache=False), unchunked=dict(max_batch=16, prefill_chunk=None))
+
+
+def step_floor(model, kw, rows: int = 16, n: int = 48) -> tuple[float, float]:
+    """The engine's decode program alone on a batch of `rows` active rows (reading every pool
+    slot, as a busy step does): ms per step dispatched back to back (the device's time: no host
+    work between steps), and ms per step when each step's tokens are read before the next."""
+    from tinyloop_jax.serving import programs as P
+    from tinyloop_jax.serving.lane import Lane
+    from tinyloop_jax.serving.pool import PrefixPool
+    from tinyloop_jax.serving.runner import Runner
+
+    eng = tl.Engine(model, **kw)
+    runner, lim, loops = Runner(model.weights, eng.limits, eng.work_mode), eng.limits, model.weights.config.default_loops
+    eng.close()
+    zeros = np.zeros((rows,), np.int32)
+    batch = P.DecodeRows(np.arange(lim.slots, dtype=np.int32), zeros, zeros, np.ones((rows,), bool), zeros)
+    out = []
+    for sync in (False, True):
+        lane = Lane(loops, None, model.exit_for(loops), PrefixPool(lim.slots), runner.empty_state(loops))
+        runner.reshape(lane, rows, lim.row_capacity)
+        np.asarray(runner.decode(lane, batch))  # compiled, warm
+        t = time.perf_counter()
+        for _ in range(n):
+            tok = runner.decode(lane, batch)
+            if sync:
+                np.asarray(tok)
+        np.asarray(tok)
+        out.append((time.perf_counter() - t) / n * 1e3)
+    return out[0], out[1]
 
 
 def run_model(name: str, args) -> str:
@@ -200,25 +229,32 @@ def run_model(name: str, args) -> str:
                          itl99=pct(sum((r["itl"] for r in results), []), 99),
                          batch=stats["batch_rows"] / max(stats["decode_steps"], 1),
                          hit=stats["requests_prefix_hit"] / max(stats["requests"], 1), same=same,
-                         compiles=after.get("compiles_after_warmup", 0), warmup=srv.warmup_s))
+                         compiles=after.get("compiles_after_warmup", 0), warmup=srv.warmup_s,
+                         step=wall / max(stats["decode_steps"], 1) * 1e3))
         r = rows[-1]
         print(f"  {r['tps']:.1f} tok/s, ttft p50 {r['ttft50']:.3f} p99 {r['ttft99']:.3f} s, "
-              f"itl p99 {r['itl99'] * 1e3:.0f} ms, batch {r['batch']:.1f}, "
+              f"itl p99 {r['itl99'] * 1e3:.0f} ms, batch {r['batch']:.1f}, {r['step']:.1f} ms/step, "
               f"same {same}", file=sys.stderr, flush=True)
+    floor, synced = step_floor(model, dict(ARMS["engine"], prefix_slots=args.prefix_slots, **extra))
     base = next((r for r in rows if r["arm"] == "batch1"), None)
     lines = [f"**{name}** (loops={c.default_loops}, context {c.max_seq_len}, {n} requests, "
              f"{args.clients} clients, max_tokens {args.max_tokens}, prefix slots {args.prefix_slots}"
              + (f", {extra}" if extra else "") + ")", "",
              "| arm | tok/s | vs batch1 | TTFT p50 / p99 (s), system-prompt requests | TTFT p50 / p99 (s), "
              "long prompts | inter-token p50 / p99 (ms) | latency p50 / p99 (s) | mean batch | prefix hits | "
-             "greedy == engine | compiles after warmup (warmup s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "greedy == engine | compiles after warmup (warmup s) | wall ms per decode step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['tps'] / base['tps']:.2f}x" if base else "-"
         lines.append(f"| {r['arm']} | {r['tps']:.1f} | {ratio} | {r['ttft50']:.3f} / {r['ttft99']:.3f} | "
                      f"{r['lttft50']:.3f} / {r['lttft99']:.3f} | {r['itl50'] * 1e3:.0f} / {r['itl99'] * 1e3:.0f} | "
                      f"{r['lat50']:.2f} / {r['lat99']:.2f} | "
-                     f"{r['batch']:.1f} | {r['hit']:.0%} | {r['same']} | {r['compiles']} ({r['warmup']:.0f}) |")
+                     f"{r['batch']:.1f} | {r['hit']:.0%} | {r['same']} | {r['compiles']} ({r['warmup']:.0f}) | "
+                     f"{r['step']:.1f} |")
+    lines += ["", f"The engine's 16-row decode program alone (every pool slot read): {floor:.1f} ms a step dispatched "
+              f"back to back (the device's time), {synced:.1f} ms when each step's tokens are read before the next "
+              "is dispatched. 'wall ms per decode step' is the arm's wall time over its decode steps (prompt "
+              "chunks run between them)."]
     return "\n".join(lines)
 
 

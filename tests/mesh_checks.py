@@ -130,7 +130,8 @@ def save_load(single: tl.Model, m: tl.Model) -> None:
 
 
 def main() -> None:
-    shapes = [tuple(int(x) for x in s.split("x")) for s in sys.argv[1:]] or [(1, 4), (2, 4), (4, 2), (8, 1)]
+    # (4x2 is 2x4 with the axes' sizes swapped: `python mesh_checks.py 4x2` runs it)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in sys.argv[1:]] or [(1, 4), (2, 4), (8, 1)]
     assert jax.device_count() == 8, jax.devices()
     gpt2 = tl.Model.random(GPT2, seed=0)
     for i, (d, mm) in enumerate(shapes):

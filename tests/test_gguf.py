@@ -527,6 +527,10 @@ REUSE_TOLERANCE = {"fp32": dict(atol=1e-3, rtol=0), "int8": dict(atol=5e-2, rtol
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", KV_MODES)
 def test_smollm2_prefix_reuse_matches_recompute(smollm2, mode):
+    """Logits and greedy tokens read over a prefix cache equal a from-scratch forward's. Every
+    step of the reused side extends the suffix over the same prefix (one program per mode: the
+    real model's compiles take seconds); fp32 also runs the decode loop over the prefix (the
+    other modes' decode loops are checked on the tiny models, tests/test_kv_modes.py)."""
     base, tok = smollm2
     model = base if mode == "fp32" else tl.Model(base.weights.params, base.weights.config.replace(kv_mode=mode))
     prefix_ids, suffix = tok.encode("The capital of France is Paris. The capital of Italy is"), tok.encode(" Rome")
@@ -534,10 +538,17 @@ def test_smollm2_prefix_reuse_matches_recompute(smollm2, mode):
     prefix = model.build_prefix_cache(prefix_ids)
     recomputed = model.build_prefix_cache(full).logits  # from scratch, the same program as the prefix's
     reused = model.next_token_logits_from_prefix(prefix, suffix)
-    np.testing.assert_allclose(reused, recomputed, **REUSE_TOLERANCE.get(mode, dict(atol=1e-3, rtol=1e-2)))
-    # greedy tokens: the prefix's decode path against a from-scratch forward of every sequence so far
-    # (the 14-16-token sequences share the prefix's program: the real model's compiles are seconds)
-    seq = list(full)
+    tol = REUSE_TOLERANCE.get(mode, dict(atol=1e-3, rtol=1e-2))
+    np.testing.assert_allclose(reused, recomputed, **tol)
+    # greedy tokens, each from the prefix + the suffix so far, against a from-scratch forward of
+    # the sequence so far (the 14-16-token sequences share the prefix's program)
+    seq, gen = list(full), []
     for _ in range(3):
-        seq.append(int(np.argmax(model.build_prefix_cache(seq).logits)))
-    assert model.generate_from_prefix_cache(prefix, max_tokens=3, suffix=suffix) == seq
+        want = model.build_prefix_cache(seq).logits
+        got = model.next_token_logits_from_prefix(prefix, np.concatenate([suffix, gen]).astype(np.int32))
+        np.testing.assert_allclose(got, want, **tol)
+        assert int(np.argmax(got)) == int(np.argmax(want))
+        seq.append(int(np.argmax(want)))
+        gen.append(seq[-1])
+    if mode == "fp32":
+        assert model.generate_from_prefix_cache(prefix, max_tokens=3, suffix=suffix) == seq

@@ -103,9 +103,10 @@ def lane(rows=(), size=0, cap=0, slots=2):
                 rows={r.index: r for r in rows})
 
 
-def row(i, prompt_len=10, fed=0, need=10, group=-1, limit=0, decoding=False, tokens=0):
-    h = SimpleNamespace(prompt=np.zeros(prompt_len, np.int32), tokens=[0] * tokens)
-    return Row(h, i, group, limit, fed, need, decoding=decoding)
+def row(i, prompt_len=10, fed=0, need=10, group=-1, limit=0, decoding=False, tokens=0, max_tokens=64, ahead=0):
+    h = SimpleNamespace(prompt=np.zeros(prompt_len, np.int32), tokens=[0] * tokens,
+                        params=SimpleNamespace(max_tokens=max_tokens))
+    return Row(h, i, group, limit, fed, need, decoding=decoding, ahead=ahead)
 
 
 def test_limits_and_buckets():
@@ -235,3 +236,12 @@ def test_decode_rows_read_a_copy_of_few_slots_or_the_whole_pool():
     assert d.slot_ids.tolist() == list(range(8)) and d.group.tolist()[:5] == [5, 2, -1, 0, 7]  # all, in place
     idle = decode_rows({}, size=2, slots=8)
     assert idle.slot_ids.tolist() == [0] and not idle.active.any()
+
+
+def test_decode_rows_count_the_tokens_still_in_flight():
+    """A step dispatched before the last one was read: a row's unread token counts (its key
+    index moves on), and a row that token takes to max_tokens sits the step out."""
+    rows = [row(0, decoding=True, tokens=3, ahead=1), row(1, decoding=True, tokens=4, max_tokens=5, ahead=1),
+            row(2, decoding=True, tokens=4, max_tokens=5)]
+    d = decode_rows({r.index: r for r in rows}, size=4, slots=8)
+    assert d.active.tolist() == [True, False, True, False] and d.steps.tolist()[:3] == [4, 0, 4]

@@ -202,38 +202,48 @@ def test_models_health_metrics(server):
     assert value("tinyloop_requests") >= 1 and value("tinyloop_tokens_out") >= 1
 
 
-def test_tinyloop_serve_command(model, tmp_path):
-    """`tinyloop serve` as a user starts it: a saved model folder, 127.0.0.1 by default."""
+def start_serve(folder, *flags, env=None):
+    """`tinyloop serve --model folder` in a subprocess on a free port: (process, port, get(path))."""
     import socket
     import subprocess
     import sys
 
-    from tinyloop_jax.cli import build_parser
-
-    args = build_parser().parse_args(["serve"])
-    assert (args.host, args.port, args.max_batch) == ("127.0.0.1", 8000, 16)
-    model.save(str(tmp_path / "tiny"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"))  # a cold compilation cache
-    proc = subprocess.Popen([sys.executable, "-m", "tinyloop_jax.cli", "serve", "--model", str(tmp_path / "tiny"),
-                             "--port", str(port), "--max-batch", "2", "--log-level", "warning"],
+    proc = subprocess.Popen([sys.executable, "-m", "tinyloop_jax.cli", "serve", "--model", str(folder),
+                             "--port", str(port), "--log-level", "warning", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
 
     def get(path):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
             return r.read().decode()
 
+    return proc, port, get
+
+
+def wait_health(proc, get, deadline: float) -> dict:
+    while True:
+        try:
+            return json.loads(get("/health"))
+        except (urllib.error.URLError, ConnectionError):
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()[-2000:]
+            time.sleep(0.2)
+
+
+def test_tinyloop_serve_command(model, tmp_path):
+    """`tinyloop serve` as a user starts it: a saved model folder, 127.0.0.1 by default."""
+    from tinyloop_jax.cli import build_parser
+
+    args = build_parser().parse_args(["serve"])
+    assert (args.host, args.port, args.max_batch) == ("127.0.0.1", 8000, 16)
+    model.save(str(tmp_path / "tiny"))
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"))  # a cold compilation cache
+    t0 = time.time()
+    proc, port, get = start_serve(tmp_path / "tiny", "--max-batch", "2", env=env)
     try:
-        t0, deadline = time.time(), time.time() + 240
-        while True:
-            try:
-                health = json.loads(get("/health"))
-                break
-            except (urllib.error.URLError, ConnectionError):
-                assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()[-2000:]
-                time.sleep(0.2)
+        deadline = time.time() + 240
+        health = wait_health(proc, get, deadline)
         t_health = time.time() - t0
         assert health["status"] == "ok" and "warming" in health
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
@@ -250,6 +260,58 @@ def test_tinyloop_serve_command(model, tmp_path):
         # ... and covered what that request ran
         assert "tinyloop_compiles_after_warmup_total 0.0" in get("/metrics")
         print(f"cold start: /health after {t_health:.1f} s, first completion after {t_first:.1f} s")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the server's RSS from /proc")
+def test_a_loops_sweep_over_http_stays_within_the_memory_budget(model, tmp_path):
+    """A client sweeping `loops` from 1 to 64 against `tinyloop serve --max-lanes 3 --memory-budget
+    16M`: every depth is a lane (pool, rows, store, and its compiled programs, ~37 MiB a depth
+    here); every request is answered, the lanes' bytes stay within the budget, idle lanes are
+    evicted with their programs, so the server's RSS stops growing once 3 lanes are held (it
+    grew by every depth's programs before), and it keeps serving. 12 depths spread over 1..64,
+    the deepest included (each depth compiles its programs: a few seconds)."""
+    model.save(str(tmp_path / "tiny"))
+    budget = 16 << 20
+    proc, port, get = start_serve(tmp_path / "tiny", "--max-batch", "1", "--prefix-capacity", "64",
+                                  "--memory-budget", "16M", "--max-loops", "64", "--max-lanes", "3")
+
+    def metric(name: str) -> float:
+        return float(next(line.split()[-1] for line in get("/metrics").splitlines() if line.startswith(name)))
+
+    try:
+        deadline = time.time() + 240
+        wait_health(proc, get, deadline)
+        while json.loads(get("/health"))["warming"]:  # (its compiles would blur the RSS)
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        depths = [1, 2, 3, 5, 8, 12, 17, 23, 30, 40, 52, 64]
+        rss, held = [], []
+        for loops in depths:
+            r = client.completions.create(model="tiny", prompt=f"depth {loops}: ", max_tokens=3, temperature=0,
+                                          extra_body={"ignore_eos": True, "loops": loops})
+            assert len(r.choices[0].token_ids) == 3
+            rss.append(rss_bytes(proc.pid))
+            held.append(metric("tinyloop_memory_bytes"))
+            assert metric("tinyloop_lanes ") <= 3
+        evicted = metric("tinyloop_lanes_evicted")
+        mib = [x >> 20 for x in rss]
+        print(f"RSS (MiB) after each depth: {mib}; lanes held <= {max(held) / 2**20:.1f} MiB of the "
+              f"{budget >> 20} MiB budget; {evicted:.0f} lanes evicted")
+        assert max(held) <= budget and evicted >= len(depths) - 3
+        assert max(rss[4:]) - rss[3] <= 64 << 20, mib  # flat once 3 lanes are held (8 more depths)
+        r = client.completions.create(model="tiny", prompt="abc", max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].token_ids == model.generate(TOK.encode("abc"), max_tokens=4)[3:]
     finally:
         proc.terminate()
         proc.wait(30)

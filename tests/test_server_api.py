@@ -283,6 +283,15 @@ def test_cli_flags(monkeypatch):
     assert edge_options(args) == dict(api_key="from-env", cors_origins=("http://a.example", "http://b.example"),
                                       max_body=1024)
     assert edge_options(build_parser().parse_args(["serve", "--api-key", "k"]))["api_key"] == "k"
+    parse = lambda *a: build_parser().parse_args(["serve", *a])  # noqa: E731
+    assert (args.memory_budget, args.max_loops) == ("auto", None)
+    assert parse("--memory-budget", "512M").memory_budget == 512 << 20
+    assert parse("--memory-budget", "1.5g").memory_budget == 3 << 29
+    assert parse("--memory-budget", "4096").memory_budget == 4096
+    assert parse("--memory-budget", "none", "--max-loops", "8").memory_budget is None
+    for bad in ("lots", "0", "-1M"):
+        with pytest.raises(SystemExit):
+            parse("--memory-budget", bad)
 
 
 # ---- penalties and logit_bias -------------------------------------------------------------------

@@ -70,6 +70,21 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _bytes(text: str) -> int | str | None:
+    """A byte count ("512M", "2G", "1048576"), "auto" or "none"."""
+    t = text.strip().lower()
+    if t in ("auto", "none"):
+        return None if t == "none" else "auto"
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(t[-1:], 1)
+    try:
+        n = int(float(t[:-1] if scale > 1 else t) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes (e.g. 512M, 2G), auto or none, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of bytes, got {text!r}")
+    return n
+
+
 def _str_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
@@ -241,7 +256,8 @@ def cmd_serve(args) -> None:
     # e.g. SmolLM2's 8192, would make the pool alone gigabytes and its programs slow to build)
     context = model.config()["max_seq_len"]
     engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue, timeout=args.timeout,
-                    prefix_capacity=min(context, args.prefix_capacity))
+                    prefix_capacity=min(context, args.prefix_capacity), max_loops=args.max_loops,
+                    memory_budget=args.memory_budget, max_lanes=args.max_lanes)
     # programs compile in the background (a real model's take minutes) while requests are served,
     # each compiling what it needs first; /health says `warming` until they are all built
     engine.warmup(background=True)
@@ -323,6 +339,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefix-capacity", type=int, default=2048,
                    help="positions of each shared-prefix pool slot (at most the model's context)")
     s.add_argument("--timeout", type=float, default=None, help="per-request deadline in seconds")
+    s.add_argument("--max-loops", type=int, default=None,
+                   help="the deepest `loops` a request may ask (default 64, or 16 x the model's depth)")
+    s.add_argument("--max-lanes", type=int, default=8,
+                   help="depths served at once (each holds its compiled programs); a new depth evicts the least "
+                        "recently used idle one (default 8)")
+    s.add_argument("--memory-budget", type=_bytes, default="auto",
+                   help="bytes for every depth's pool, rows and prefix store together, e.g. 2G (default auto: "
+                        "half the free memory at start; none: no bound); idle depths are evicted to make room")
     s.add_argument("--name", default=None, help="the model name clients send (default: the folder's name)")
     s.add_argument("--log-level", default="info")
     s.add_argument("--api-key", default=os.environ.get("TINYLOOP_API_KEY"),

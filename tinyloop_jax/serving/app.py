@@ -309,12 +309,15 @@ class _Collector:
                     requests_prefix_hit="requests that reused a cached prefix",
                     requests_prefix_miss="requests with no cached prefix", prefill_chunks="prompt chunks run",
                     decode_steps="batched decode steps", batch_rows="rows decoded, summed over steps",
-                    compiles_after_warmup="programs compiled after warmup")
+                    compiles_after_warmup="programs compiled after warmup",
+                    lanes_evicted="idle depths evicted to stay within the memory budget")
     GAUGES = dict(queue_depth="requests waiting", running="requests in the batch",
                   mean_batch_size="rows per decode step (mean)", prefix_hit_rate="share of requests with a prefix hit",
                   ttft_p50_s="time to first token, median of recent requests (s)",
                   ttft_p99_s="time to first token, p99 of recent requests (s)",
-                  tokens_per_second="tokens emitted per second since start")
+                  tokens_per_second="tokens emitted per second since start",
+                  lanes="depths with a lane (pool, rows, store) now",
+                  memory_bytes="bytes the lanes' pools, rows and stores hold (within the memory budget)")
 
     # per depth (label `loops`), in tokens, as vLLM names its prefix-cache counters
     DEPTH_COUNTERS = dict(prefix_cache_queries="prompt tokens looked up in cached prefixes",

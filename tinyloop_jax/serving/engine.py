@@ -63,24 +63,29 @@ class Engine:
 
     Bounds: max_loops, the deepest `loops` a request may ask (default 64, or 16 x the model's
     default depth if more): each depth is a lane with its own programs, pool and store.
+    max_lanes: depths held at once (default 8): a new depth evicts the least recently used idle
+    lane, its programs with it (a depth's programs hold megabytes outside the memory budget).
     memory_budget: bytes for every lane's pool, rows and store together ("auto": half of what
     the device has free when the engine starts, no bound where that is unknown; None: no bound); idle
     lanes are evicted, least recently used first, to make room, a request waits while busy lanes
     hold it, and one that cannot fit even alone is refused at `submit` (`MemoryBudgetError`).
+    overlap: the loop dispatches decode step t + 1 before it reads step t's tokens, so stop
+    checks, streaming and HTTP run while the device computes (False: the device waits for the
+    host every step; the baseline of scripts/bench_serve.py).
     """
 
     def __init__(self, model, max_batch: int = 16, store: PrefixStore | None = None, *, max_queue: int = 256,
                  timeout: float | None = None, prefill_chunk: int = 64, prefix_slots: int = 8,
                  prefix_capacity: int | None = None, row_capacity: int | None = None, store_bytes: int = 512 << 20,
                  insert_prompts: bool = True, prefix_cache: bool = True, max_loops: int | None = None,
-                 memory_budget: int | str | None = "auto"):
+                 memory_budget: int | str | None = "auto", max_lanes: int = 8, overlap: bool = True):
         self.model = model
         c = model.weights.config
         if c.mesh is not None:
             raise ValueError("Engine runs on one device; this model is placed on a mesh")
         max_loops = max(64, 16 * c.default_loops) if max_loops is None else max_loops
         for name, v in dict(max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk,
-                            prefix_slots=prefix_slots, max_loops=max_loops).items():
+                            prefix_slots=prefix_slots, max_loops=max_loops, max_lanes=max_lanes).items():
             if check.integer(v, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
         if memory_budget == "auto":
@@ -113,7 +118,7 @@ class Engine:
         self._ttft: collections.deque = collections.deque(maxlen=2048)
         # the batch side, on the loop thread only (other threads read its published `_view`)
         self.scheduler = Scheduler(model, self.limits, store, store_bytes, self.insert_prompts, self.work_mode,
-                                   collections.Counter(), self._first_token, memory_budget)
+                                   collections.Counter(), self._first_token, memory_budget, overlap, max_lanes)
         self._view: dict = {}
         self._programs: frozenset = frozenset()
         self._publish()

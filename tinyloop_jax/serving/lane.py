@@ -84,6 +84,8 @@ class Row:
     need: int  # positions its own segment must hold
     owner: bool = False  # its prompt is prefilled into its pool slot (a long prompt)
     decoding: bool = False
+    ahead: int = 0  # tokens a dispatched step chose for it that the host has not read yet
+    left: bool = False  # it left the batch (a step still in flight chose a token for it: discarded)
 
 
 @dataclass
@@ -100,6 +102,7 @@ class Lane:
     rows: dict = field(default_factory=dict)  # index -> Row
     order: collections.deque = field(default_factory=collections.deque)  # rows still prefilling, FIFO
     used: int = 0  # tick of its last admission (the least recently used idle lane is evicted first)
+    inflight: tuple | None = None  # (tokens [B] on the device, [(row, index)] it ran): the step not yet read
 
 
 def choose_prefix(pool_hit: tuple[int, int], store_hit: tuple[object | None, int], cap: int,
@@ -190,15 +193,18 @@ def prefill_turns(order: collections.deque, chunk: int) -> Iterator[tuple[Row, i
 
 def decode_rows(rows: dict, size: int, slots: int) -> DecodeRows:
     """The decode step's inputs for the rows past their prompt: the pool slots they read (a
-    bucket of `slot_buckets`), and per row its slot among them, prefix length and token index."""
+    bucket of `slot_buckets`), and per row its slot among them, prefix length and token index.
+    A row's tokens still in flight (`Row.ahead`) count as emitted: a row they take to max_tokens
+    sits the step out."""
     active = np.zeros((size,), bool)
     group, limit, steps = (np.zeros(size, np.int32) for _ in range(3))
-    decoding = [r for r in rows.values() if r.decoding]
+    decoding = [r for r in rows.values()
+                if r.decoding and len(r.handle.tokens) + r.ahead < r.handle.params.max_tokens]
     read = sorted({r.group for r in decoding if r.group >= 0}) or [0]
     if slot_buckets(slots, len(read)) == slots:
         read = list(range(slots))
     for r in decoding:  # a row reads only its slot of the step's slots (masked by position)
         i = r.index
-        active[i], steps[i] = True, len(r.handle.tokens)
+        active[i], steps[i] = True, len(r.handle.tokens) + r.ahead
         group[i], limit[i] = (read.index(r.group), r.limit) if r.group >= 0 else (-1, 0)
     return DecodeRows(np.array(read, np.int32), group, limit, active, steps)

@@ -17,7 +17,8 @@ not change (the pool, the request rows) pass through in place, never copied.
 
 from __future__ import annotations
 
-from functools import partial
+import functools
+
 from typing import Annotated
 
 import jax
@@ -83,6 +84,31 @@ class DecodeRows:
     steps: Annotated[jax.Array, "int32[B]"]  # each row's token index (its sampling key)
 
 
+def program(static_argnames=(), donate_argnames=()):
+    """`jax.jit` with these options, kept on the function so `copy_of` can make another."""
+    def deco(fn):
+        f = jax.jit(fn, static_argnames=static_argnames, donate_argnames=donate_argnames)
+        f.jit_options = dict(static_argnames=static_argnames, donate_argnames=donate_argnames)
+        return f
+    return deco
+
+
+def copy_of(f):
+    """A new jit of program f over a new function object: JAX keeps a program's trace, lowering
+    and executable in caches keyed (weakly) by the function, so the programs a copy compiled are
+    freed with the copy (megabytes each) — a serving lane holds its own. Anything else (a test's
+    stand-in) is returned as it is."""
+    opts = getattr(f, "jit_options", None)
+    if opts is None:
+        return f
+    fn = f.__wrapped__
+
+    @functools.wraps(fn)
+    def fresh(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return jax.jit(fresh, **opts)
+
+
 def row(tree, i):
     """Row i of a stacked pytree (dynamic i)."""
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, axis=0, keepdims=False), tree)
@@ -109,6 +135,12 @@ def pool_slot(pool: KVCache, slot_len: int, group: jax.Array) -> KVCache:
                    kv_mode=pool.kv_mode, post=tuple({n: take(a) for n, a in e.items()} for e in pool.post))
 
 
+@program(static_argnames=("slot_len",))
+def slot_of(pool: KVCache, group: jax.Array, slot_len: int) -> KVCache:
+    """`pool_slot` as a program of its own (a copy of the slot)."""
+    return pool_slot(pool, slot_len, group)
+
+
 def pool_slots(pool: KVCache, slot_len: int, ids: jax.Array) -> KVCache:
     """The pool's slots ids [S] side by side, as one segment of S * slot_len positions."""
     parts = [pool_slot(pool, slot_len, ids[j]) for j in range(ids.shape[0])]
@@ -119,7 +151,7 @@ def pool_slots(pool: KVCache, slot_len: int, ids: jax.Array) -> KVCache:
     return out.replace(pos=out.pos[:, 0], length=parts[0].length)
 
 
-@partial(jax.jit, static_argnames=("cfg", "loops", "slot_len"), donate_argnames=("state",))
+@program(static_argnames=("cfg", "loops", "slot_len"), donate_argnames=("state",))
 def decode_step(params: Params, cfg: ModelConfig, state: BatchState, rows: DecodeRows, loops: int, slot_len: int,
                 exit: tf.Exit | None = None) -> tuple[jax.Array, BatchState]:
     """One token for every active row: feed state.last [B] at each row's next position, choose
@@ -161,7 +193,7 @@ def _first_token(state: BatchState, c: Chunk, tok: jax.Array) -> BatchState:
                          req=set_row(state.req, i, row(c.req, 0)))
 
 
-@partial(jax.jit, static_argnames=("cfg", "loops", "slot_len"), donate_argnames=("state",))
+@program(static_argnames=("cfg", "loops", "slot_len"), donate_argnames=("state",))
 def prefill_chunk(params: Params, cfg: ModelConfig, state: BatchState, c: Chunk, loops: int, slot_len: int,
                   exit: tf.Exit | None = None):
     """Append c.tokens[:c.n_valid] ([T]) of row c.row's prompt at positions c.start + j into its
@@ -193,7 +225,7 @@ def put_slot(pool: KVCache, g: jax.Array, seg: KVCache, slot_len: int) -> KVCach
                    post=tuple({k: put(a[k], b[k]) for k in a} for a, b in zip(pool.post, seg.post)))
 
 
-@partial(jax.jit, static_argnames=("cfg", "passes", "materialize", "slot_len"), donate_argnames=("pool",))
+@program(static_argnames=("cfg", "passes", "materialize", "slot_len"), donate_argnames=("pool",))
 def load_slot(params: Params, cfg: ModelConfig, pool: KVCache, g: jax.Array, src: KVCache, n: jax.Array, passes: int,
               materialize: bool, slot_len: int) -> KVCache:
     """Pool slot g <- the first n positions of segment src (n <= slot_len; n = 0 empties it), its
@@ -204,7 +236,7 @@ def load_slot(params: Params, cfg: ModelConfig, pool: KVCache, g: jax.Array, src
     return put_slot(pool, g, seg, slot_len)
 
 
-@partial(jax.jit, static_argnames=("cfg", "loops", "slot_len"), donate_argnames=("state",))
+@program(static_argnames=("cfg", "loops", "slot_len"), donate_argnames=("state",))
 def prefill_slot(params: Params, cfg: ModelConfig, state: BatchState, c: Chunk, loops: int, slot_len: int,
                  exit: tf.Exit | None = None):
     """A chunk of row c.row's prompt written into pool slot c.group (which holds positions <
@@ -220,14 +252,14 @@ def prefill_slot(params: Params, cfg: ModelConfig, state: BatchState, c: Chunk, 
     return tok, logits, run.states, state
 
 
-@partial(jax.jit, static_argnames=("capacity", "slot_len"))
+@program(static_argnames=("capacity", "slot_len"))
 def slot_prefix(pool: KVCache, g: jax.Array, n: jax.Array, capacity: int, slot_len: int) -> KVCache:
     """Pool slot g's first n positions as a segment of its own, `capacity` slots (a copy, for
     the prefix store)."""
     return copy_prefix(pool_slot(pool, slot_len, g), n, capacity=capacity, passes=pool.passes)
 
 
-@partial(jax.jit, donate_argnames=("state",))
+@program(donate_argnames=("state",))
 def reset_row(state: BatchState, i: jax.Array, start: jax.Array) -> BatchState:
     """Row i's own segment emptied, its next position `start`."""
     own = state.own
@@ -249,16 +281,16 @@ def reslot(o: KVCache, capacity: int) -> KVCache:
                    kv_mode=o.kv_mode, post=tuple({k: move(a) for k, a in e.items()} for e in o.post))
 
 
-@partial(jax.jit, static_argnames=("capacity",))
-def _take_rows(rows: tuple, idx: jax.Array, capacity: int) -> tuple:
+@program(static_argnames=("capacity",))
+def take_rows(rows: tuple, idx: jax.Array, capacity: int) -> tuple:
     own, *rest = jax.tree.map(lambda a: jnp.take(a, idx, axis=0, mode="clip"), rows)
     return (jax.vmap(lambda o: reslot(o, capacity))(own), *rest)
 
 
-def reshape_rows(state: BatchState, idx: jax.Array, capacity: int) -> BatchState:
+def reshape_rows(state: BatchState, idx: jax.Array, capacity: int, take=take_rows) -> BatchState:
     """The batch as rows idx [B'] (a batch grown or compacted; an index past the end gives a
-    row that is reset before use), each moved to `capacity` slots. The pool is left as it is
-    (rows change shape, so nothing is donated)."""
-    own, seen, counts, last, req = _take_rows((state.own, state.seen, state.counts, state.last, state.req), idx,
-                                              capacity=capacity)
+    row that is reset before use), each moved to `capacity` slots (by `take`: `take_rows` or a
+    copy of it). The pool is left as it is (rows change shape, so nothing is donated)."""
+    own, seen, counts, last, req = take((state.own, state.seen, state.counts, state.last, state.req), idx,
+                                        capacity=capacity)
     return state.replace(own=own, seen=seen, counts=counts, last=last, req=req)

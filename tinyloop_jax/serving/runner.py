@@ -7,6 +7,8 @@ what it compiled later.
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +34,8 @@ class Runner:
         self.warm = False
         self.compiles_after_warmup = 0
         self._sizes: dict = {}  # shape key -> bytes (`_nbytes`)
+        self._copies: dict[int, dict] = {}  # depth -> program name -> (programs.py's function, the depth's copy)
+        self._lock = threading.Lock()  # (a background warmup takes copies too)
 
     def _count(self, *key) -> None:
         if key not in self.programs:
@@ -39,21 +43,49 @@ class Runner:
             if self.warm:
                 self.compiles_after_warmup += 1
 
+    def _program(self, loops: int, name: str):
+        """Program `name` of programs.py for the lanes of depth `loops`: the depth's own copy
+        (`programs.copy_of`), so the programs it compiles go with `forget`."""
+        f = getattr(P, name)
+        with self._lock:
+            mine = self._copies.setdefault(loops, {})
+            if name not in mine or mine[name][0] is not f:
+                mine[name] = (f, P.copy_of(f))
+            return mine[name][1]
+
+    def _built(self, loops: int, key: tuple, make):
+        """make()'s arrays, built by a program the depth owns (`forget` drops it): eager
+        `jnp.zeros` would compile a program per shape that JAX keeps for the whole process."""
+        with self._lock:
+            mine = self._copies.setdefault(loops, {})
+            if key not in mine:
+                mine[key] = (None, jax.jit(make))
+            build = mine[key][1]
+        return build()
+
+    def forget(self, loops: int) -> None:
+        """Drop the programs compiled for depth `loops` (its lane is gone): a process serving a
+        sweep of depths holds those of the lanes it keeps, not of every depth it ever served.
+        A depth that returns loads them from the persistent compilation cache (or compiles)."""
+        with self._lock:
+            self._copies.pop(loops, None)
+
     # ---- buffers ---------------------------------------------------------------------------------
 
     def empty_state(self, loops: int) -> P.BatchState:
         """A lane's state with an empty pool and no rows."""
         lim = self.limits
-        return P.BatchState(pool=F.empty_cache(self.weights, lim.prefix_capacity * lim.slots, loops,
-                                               kv_mode=self.work_mode))
+        return P.BatchState(pool=self._built(loops, ("pool",), lambda: F.empty_cache(
+            self.weights, lim.prefix_capacity * lim.slots, loops, kv_mode=self.work_mode)))
 
     def empty_rows(self, loops: int, size: int, cap: int) -> dict:
         """The row fields of a BatchState of `size` fresh rows of `cap` positions."""
         V = self.weights.config.vocab_size
-        return dict(own=F.empty_cache(self.weights, cap, loops, kv_mode=self.work_mode, batch=size),
-                    seen=jnp.zeros((size, V), bool), counts=jnp.zeros((size, V), jnp.int32),
-                    last=jnp.zeros((size,), jnp.int32),
-                    req=jax.tree.map(jnp.asarray, Request.make(size, 0.0, 0, 1.0, 1.0, max_tokens=1)))
+        req = Request.make(size, 0.0, 0, 1.0, 1.0, max_tokens=1)
+        return self._built(loops, ("rows", size, cap), lambda: dict(
+            own=F.empty_cache(self.weights, cap, loops, kv_mode=self.work_mode, batch=size),
+            seen=jnp.zeros((size, V), bool), counts=jnp.zeros((size, V), jnp.int32), last=jnp.zeros((size,), jnp.int32),
+            req=jax.tree.map(jnp.asarray, req)))
 
     def reshape(self, lane: Lane, size: int, cap: int, order: list[int] | None = None) -> None:
         """The lane's rows as `size` rows (a batch bucket) of `cap` positions; allocated if the
@@ -66,7 +98,8 @@ class Runner:
             self._count("reshape", lane.loops, lane.size, lane.cap, size, cap)
             idx = np.arange(size) if order is None else np.asarray(order)
             idx = np.where((idx >= 0) & (idx < lane.size), idx, 0)  # a free row: any row, reset before use
-            lane.state = P.reshape_rows(s, jnp.asarray(idx, jnp.int32), capacity=cap)
+            lane.state = P.reshape_rows(s, jnp.asarray(idx, jnp.int32), capacity=cap,
+                                        take=self._program(lane.loops, "take_rows"))
         lane.size, lane.cap = size, cap
 
     def release_rows(self, lane: Lane) -> None:
@@ -108,17 +141,20 @@ class Runner:
             src, mat = source.cache, self.work_mode != w.config.storage
         else:  # empty the slot, or copy from a slot that holds a prefix already in working form
             slot = max(source if isinstance(source, int) else g, 0)
-            src, mat, n = P.pool_slot(pool, cp, jnp.int32(slot)), False, n if isinstance(source, int) else 0
+            src = self._program(lane.loops, "slot_of")(pool, jnp.int32(slot), slot_len=cp)
+            mat, n = False, n if isinstance(source, int) else 0
         self._count("load", lane.loops, src.capacity, mat)
-        pool = P.load_slot(w.params, w.config, pool, jnp.int32(g), src, jnp.int32(min(n, cp)), passes=lane.loops,
-                           materialize=mat, slot_len=cp)
+        load = self._program(lane.loops, "load_slot")
+        pool = load(w.params, w.config, pool, jnp.int32(g), src, jnp.int32(min(n, cp)), passes=lane.loops,
+                    materialize=mat, slot_len=cp)
         lane.state = lane.state.replace(pool=pool)
 
     def extract(self, lane: Lane, g: int, n: int, capacity: int) -> KVCache:
         """Pool slot g's first n positions as a segment of `capacity` slots (a copy, for the store)."""
         self._count("extract", lane.loops, capacity)
-        return P.slot_prefix(lane.state.pool, jnp.int32(g), jnp.int32(n), capacity=capacity,
-                             slot_len=self.limits.prefix_capacity)
+        extract = self._program(lane.loops, "slot_prefix")
+        return extract(lane.state.pool, jnp.int32(g), jnp.int32(n), capacity=capacity,
+                       slot_len=self.limits.prefix_capacity)
 
     # ---- steps -----------------------------------------------------------------------------------
 
@@ -128,26 +164,28 @@ class Runner:
         w, t = self.weights, chunk.tokens.shape[0]
         if into_slot:
             self._count("prefill_slot", lane.loops, lane.size, t)
-            program = P.prefill_slot
+            program = self._program(lane.loops, "prefill_slot")
         else:
             self._count("prefill", lane.loops, lane.size, lane.cap, t)
-            program = P.prefill_chunk
+            program = self._program(lane.loops, "prefill_chunk")
         tok, logits, states, lane.state = program(w.params, w.config, lane.state, chunk, loops=lane.loops,
                                                   slot_len=self.limits.prefix_capacity, exit=lane.exit)
         return tok, logits, states
 
     def reset_row(self, lane: Lane, i: int, start: int) -> None:
         """Row i's own segment emptied, its next position `start`."""
-        self._count("reset", lane.size, lane.cap)
-        lane.state = P.reset_row(lane.state, jnp.int32(i), jnp.int32(start))
+        self._count("reset", lane.loops, lane.size, lane.cap)
+        lane.state = self._program(lane.loops, "reset_row")(lane.state, jnp.int32(i), jnp.int32(start))
 
-    def decode(self, lane: Lane, rows: P.DecodeRows) -> np.ndarray:
-        """One decode step of the lane's batch: the next token of every row [B] (active rows')."""
+    def decode(self, lane: Lane, rows: P.DecodeRows) -> jax.Array:
+        """One decode step of the lane's batch, dispatched: the next token of every row [B]
+        (active rows'), on the device — reading it waits for the step."""
         w = self.weights
         self._count("decode", lane.loops, lane.size, lane.cap, len(rows.slot_ids))
-        tok, lane.state = P.decode_step(w.params, w.config, lane.state, rows, loops=lane.loops,
-                                        slot_len=self.limits.prefix_capacity, exit=lane.exit)
-        return np.asarray(tok)
+        step = self._program(lane.loops, "decode_step")
+        tok, lane.state = step(w.params, w.config, lane.state, rows, loops=lane.loops,
+                               slot_len=self.limits.prefix_capacity, exit=lane.exit)
+        return tok
 
     # ---- warmup ----------------------------------------------------------------------------------
 
@@ -181,13 +219,15 @@ class Runner:
             # engine's own), and any larger one the store holds now; a larger one put in later
             # compiles its load when first used (the context's every capacity is ~70 programs)
             largest = max((e.cache.capacity for e in lane.store.entries()), default=0)
+            load = self._program(lane.loops, "load_slot")
             for n in entry_capacities(min(c.max_seq_len, max(lim.prefix_capacity, largest))):
-                sources = [F.empty_cache(self.weights, n, lane.loops)]  # a store entry's form
+                sources = [self._built(lane.loops, ("entry", n), lambda n=n: F.empty_cache(self.weights, n, lane.loops))]
+                # (a store entry's form)
                 if insert_prompts and n <= lim.prefix_capacity:
                     sources.append(self.extract(lane, 0, 0, n))  # the engine's own entries
                 self._count("load", lane.loops, n, stored)
                 for src in sources:
-                    pool = P.load_slot(self.weights.params, c, lane.state.pool, jnp.int32(0), src, jnp.int32(0),
+                    pool = load(self.weights.params, c, lane.state.pool, jnp.int32(0), src, jnp.int32(0),
                                        passes=lane.loops, materialize=stored, slot_len=lim.prefix_capacity)
                     lane.state = lane.state.replace(pool=pool)
         self.warm = True

@@ -54,12 +54,16 @@ class Scheduler:
     """The rows of every depth over one model. `stats`: its counters (prefix hits, chunks, steps,
     tokens out, finished requests, lanes evicted; the loop thread's own: the driver copies
     them); `on_first_token(handle)`: told when a request emits its first token.
-    memory_budget: bytes for every lane's pool, rows and store together (None: no bound)."""
+    memory_budget: bytes for every lane's pool, rows and store together (None: no bound).
+    max_lanes: depths held at once (their programs are outside the budget; see `_make_room`).
+    overlap: a decode step's tokens are read after the next step is dispatched (False: at once,
+    the device idle while the host works — the baseline of scripts/bench_serve.py)."""
 
     def __init__(self, model, limits: Limits, store: PrefixStore | None, store_bytes: int, insert_prompts: bool,
                  work_mode: KVMode, stats: collections.Counter, on_first_token: Callable[[Handle], None],
-                 memory_budget: int | None = None):
+                 memory_budget: int | None = None, overlap: bool = True, max_lanes: int = 8):
         self.model, self.limits = model, limits
+        self.overlap, self.max_lanes = overlap, max_lanes
         self.default_store, self.store_bytes = store, store_bytes
         self.insert_prompts = insert_prompts
         self.runner = Runner(model.weights, limits, work_mode)
@@ -112,7 +116,7 @@ class Scheduler:
 
     def warmup(self, loops: int) -> int:
         """Run every program of the lane at `loops` once; returns how many were new."""
-        if loops not in self.lanes and not self._room(self.runner.pool_nbytes(loops), None):
+        if loops not in self.lanes and not self._room(self.runner.pool_nbytes(loops), None, lanes=1):
             raise MemoryBudgetError(f"warmup at loops={loops}: busy lanes hold the memory budget")
         lane = self.lane(loops)
         if lane.rows:
@@ -154,23 +158,27 @@ class Scheduler:
         cap = lim.row_capacity if need <= lim.row_capacity else lim.max_capacity
         return self.runner.pool_nbytes(loops) + self.runner.rows_nbytes(loops, 1, cap)
 
-    def _make_room(self, extra: int, keep: Lane | None) -> bool:
+    def _make_room(self, extra: int, keep: Lane | None, lanes: int = 0) -> bool:
         """Evict idle lanes (no rows; never `keep`), least recently used first, until `extra`
-        more bytes fit the budget. False: they do not, with every idle lane gone."""
-        if self.memory_budget is None:
-            return True
-        while self.memory_bytes() + extra > self.memory_budget:
+        more bytes fit the budget and `lanes` more lanes fit max_lanes. False: they do not,
+        with every idle lane gone."""
+        def full():
+            over = len(self.lanes) + lanes > self.max_lanes
+            return over or (self.memory_budget is not None and self.memory_bytes() + extra > self.memory_budget)
+        while full():
             idle = [lane for lane in self.lanes.values() if not lane.rows and lane is not keep]
             if not idle:
                 return False
-            del self.lanes[min(idle, key=lambda lane: lane.used).loops]  # its pool, and its store unless default
+            gone = min(idle, key=lambda lane: lane.used).loops
+            del self.lanes[gone]  # its pool, and its store unless default
+            self.runner.forget(gone)  # and its programs
             self.stats["lanes_evicted"] += 1
         return True
 
-    def _room(self, extra: int, keep: Lane | None) -> bool:
+    def _room(self, extra: int, keep: Lane | None, lanes: int = 0) -> bool:
         """`_make_room`; when it fails and no lane has rows (nothing will free the room), the
         request cannot run: MemoryBudgetError. False: it waits for rows to leave."""
-        if self._make_room(extra, keep):
+        if self._make_room(extra, keep, lanes):
             return True
         if not self.busy():
             raise MemoryBudgetError(f"{extra / 2**20:.2f} MiB more does not fit memory_budget="
@@ -186,7 +194,7 @@ class Scheduler:
         rows to leave and free memory). MemoryBudgetError: it can never fit."""
         r = self.runner
         if h.loops not in self.lanes:
-            if not self._room(self.least_bytes(h.loops, len(h.prompt), h.params.max_tokens), None):
+            if not self._room(self.least_bytes(h.loops, len(h.prompt), h.params.max_tokens), None, lanes=1):
                 return False
         lane = self.lane(h.loops)
         p = place(self.limits, lane, len(h.prompt), h.params.max_tokens, *self._prefix(lane, h.prompt))
@@ -269,7 +277,7 @@ class Scheduler:
             try:
                 for r, n in prefill_turns(lane.order, self.limits.chunk):
                     self._prefill(lane, r, n)
-                if any(r.decoding for r in lane.rows.values()):
+                if lane.inflight is not None or any(r.decoding for r in lane.rows.values()):
                     self._decode(lane)
             except Exception as e:  # noqa: BLE001 - the lane's device state is gone, not the loop
                 self.fail_lane(lane, e)
@@ -300,7 +308,7 @@ class Scheduler:
             if self.insert_prompts:
                 lane.pool[r.group].entry = self._insert(lane, r, logits, states, prompt_seen)
         r.decoding = True
-        self._tokens(lane, {r.index: int(tok)})
+        self._tokens(lane, [(r, int(tok))])
 
     def _insert(self, lane: Lane, r: Row, logits, states, prompt_seen) -> PrefixCache | None:
         """A prompt prefilled into its pool slot, as a store entry (a copy of the slot's positions,
@@ -319,12 +327,34 @@ class Scheduler:
         return entry
 
     def _decode(self, lane: Lane) -> None:
+        """Dispatch the lane's next decode step, then read the one before it: the host's work on
+        step t's tokens (stops, streams, rows leaving) runs while the device computes step t + 1.
+        A row that stops at step t has a token chosen at t + 1 too: it is discarded (its row is
+        emptied before reuse); max_tokens is known ahead, so length stops waste nothing."""
+        prev, lane.inflight = lane.inflight, None
         rows = decode_rows(lane.rows, lane.size, self.limits.slots)
-        tok = self.runner.decode(lane, rows)
-        self.stats["decode_steps"] += 1
-        self.stats["batch_rows"] += int(rows.active.sum())
-        self._computed(lane, int(rows.active.sum()))
-        self._tokens(lane, {i: int(tok[i]) for i in np.flatnonzero(rows.active)})
+        if rows.active.any():
+            tok = self.runner.decode(lane, rows)
+            ran = [(lane.rows[i], int(i)) for i in np.flatnonzero(rows.active)]
+            for r, _ in ran:
+                r.ahead += 1
+            self.stats["decode_steps"] += 1
+            self.stats["batch_rows"] += len(ran)
+            self._computed(lane, len(ran))
+            if self.overlap:
+                lane.inflight = (tok, ran)
+            else:
+                self._read(lane, (tok, ran))
+        if prev is not None:
+            self._read(lane, prev)
+
+    def _read(self, lane: Lane, step: tuple) -> None:
+        """The tokens of a dispatched decode step (waits for it), emitted for the rows still in."""
+        tok, ran = step
+        tok = np.asarray(tok)
+        for r, _ in ran:
+            r.ahead -= 1
+        self._tokens(lane, [(r, int(tok[i])) for r, i in ran if not r.left])
 
     def _computed(self, lane: Lane, n: int) -> None:
         """n positions ran through the model at the lane's depth (padding not counted)."""
@@ -332,10 +362,11 @@ class Scheduler:
         depth["tokens_computed"] += n
         depth["passes"] += n * lane.loops
 
-    def _tokens(self, lane: Lane, new: dict) -> None:
-        """Emit each row's new token; rows that are done leave (the rows left may move: rows are
-        looked up before any leaves)."""
-        for r, t in [(lane.rows[i], t) for i, t in new.items()]:
+    def _tokens(self, lane: Lane, new: list) -> None:
+        """Emit each row's new token ([(row, token)]); rows that are done leave."""
+        for r, t in new:
+            if r.left:  # a stop earlier in this list
+                continue
             h, s = r.handle, r.handle.params
             h.emit(t)
             self.stats["tokens_out"] += 1
@@ -353,6 +384,7 @@ class Scheduler:
 
     def release(self, lane: Lane, r: Row, reason: str, error: BaseException | None = None, fit: bool = True) -> None:
         """Row r leaves (its request finishes with `reason`); its row and slot are free."""
+        r.left = True
         if lane.rows.get(r.index) is r:
             del lane.rows[r.index]
             if r.group >= 0:
@@ -380,6 +412,7 @@ class Scheduler:
         for r in list(lane.rows.values()):
             self.release(lane, r, "error", err, fit=False)
         lane.order.clear()
+        lane.inflight = None
         lane.pool.reset()
         lane.size = lane.cap = 0
         lane.state = None
@@ -388,6 +421,7 @@ class Scheduler:
             lane.state = self.runner.empty_state(lane.loops)
         except Exception:  # noqa: BLE001 - out of memory, say: the lane goes
             self.lanes.pop(lane.loops, None)
+            self.runner.forget(lane.loops)
 
     def fail_all(self, e: Exception) -> None:
         """Something outside a lane's programs failed: every lane fails (`fail_lane`)."""
