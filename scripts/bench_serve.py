@@ -165,7 +165,8 @@ def step_floor(model, kw, rows: int = 16, n: int = 48) -> tuple[float, float]:
     from tinyloop_jax.serving.runner import Runner
 
     eng = tl.Engine(model, **kw)
-    runner, lim, loops = Runner(model.weights, eng.limits, eng.work_mode), eng.limits, model.weights.config.default_loops
+    runner, lim = Runner(model.weights, eng.limits, eng.work_mode), eng.limits
+    loops = model.weights.config.default_loops
     eng.close()
     zeros = np.zeros((rows,), np.int32)
     batch = P.DecodeRows(np.arange(lim.slots, dtype=np.int32), zeros, zeros, np.ones((rows,), bool), zeros)

@@ -221,8 +221,8 @@ class Runner:
             largest = max((e.cache.capacity for e in lane.store.entries()), default=0)
             load = self._program(lane.loops, "load_slot")
             for n in entry_capacities(min(c.max_seq_len, max(lim.prefix_capacity, largest))):
-                sources = [self._built(lane.loops, ("entry", n), lambda n=n: F.empty_cache(self.weights, n, lane.loops))]
-                # (a store entry's form)
+                entry = lambda n=n: F.empty_cache(self.weights, n, lane.loops)  # noqa: E731 - a store entry's form
+                sources = [self._built(lane.loops, ("entry", n), entry)]
                 if insert_prompts and n <= lim.prefix_capacity:
                     sources.append(self.extract(lane, 0, 0, n))  # the engine's own entries
                 self._count("load", lane.loops, n, stored)
