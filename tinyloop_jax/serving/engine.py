@@ -261,6 +261,7 @@ class Engine:
             self._closed = True
             self._cv.notify_all()
         self._thread.join()
+        self.scheduler.runner.close()  # its depths' programs, unless another engine holds them
 
     def __enter__(self):
         return self

@@ -22,6 +22,32 @@ from ..model.kv_modes import KVMode
 from ..model.cache import KVCache
 
 
+class _DepthPrograms:
+    """The serving programs per depth, shared by every engine of the process: a depth's copies
+    (`programs.copy_of`) live while some runner holds that depth, and are freed with the last
+    (a depth's compiled programs hold megabytes; JAX keeps them for as long as their function)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.depths: dict[int, tuple[set, dict]] = {}  # loops -> (ids of the runners holding it, programs)
+
+    def of(self, holder: int, loops: int) -> dict:
+        """The depth's programs (key -> (source, program)), held by `holder`. Under `lock`."""
+        holders, programs = self.depths.setdefault(loops, (set(), {}))
+        holders.add(holder)
+        return programs
+
+    def release(self, holder: int, loops: int) -> None:
+        with self.lock:
+            holders, _ = self.depths.get(loops, (set(), None))
+            holders.discard(holder)
+            if not holders:
+                self.depths.pop(loops, None)
+
+
+DEPTH_PROGRAMS = _DepthPrograms()
+
+
 class Runner:
     """Device programs for the lanes of one engine (one model, one set of `Limits`).
 
@@ -34,8 +60,7 @@ class Runner:
         self.warm = False
         self.compiles_after_warmup = 0
         self._sizes: dict = {}  # shape key -> bytes (`_nbytes`)
-        self._copies: dict[int, dict] = {}  # depth -> program name -> (programs.py's function, the depth's copy)
-        self._lock = threading.Lock()  # (a background warmup takes copies too)
+        self._held: set[int] = set()  # depths whose programs it holds (`DEPTH_PROGRAMS`)
 
     def _count(self, *key) -> None:
         if key not in self.programs:
@@ -44,48 +69,59 @@ class Runner:
                 self.compiles_after_warmup += 1
 
     def _program(self, loops: int, name: str):
-        """Program `name` of programs.py for the lanes of depth `loops`: the depth's own copy
-        (`programs.copy_of`), so the programs it compiles go with `forget`."""
+        """Program `name` of programs.py at depth `loops`: the depth's copy, held until `forget`."""
         f = getattr(P, name)
-        with self._lock:
-            mine = self._copies.setdefault(loops, {})
+        with DEPTH_PROGRAMS.lock:
+            self._held.add(loops)
+            mine = DEPTH_PROGRAMS.of(id(self), loops)
             if name not in mine or mine[name][0] is not f:
                 mine[name] = (f, P.copy_of(f))
             return mine[name][1]
 
     def _built(self, loops: int, key: tuple, make):
-        """make()'s arrays, built by a program the depth owns (`forget` drops it): eager
+        """make()'s arrays, built by a program of the depth's (`forget` drops it): eager
         `jnp.zeros` would compile a program per shape that JAX keeps for the whole process."""
-        with self._lock:
-            mine = self._copies.setdefault(loops, {})
+        key = (key, self.weights.config, self.work_mode)
+        with DEPTH_PROGRAMS.lock:
+            self._held.add(loops)
+            mine = DEPTH_PROGRAMS.of(id(self), loops)
             if key not in mine:
                 mine[key] = (None, jax.jit(make))
             build = mine[key][1]
         return build()
 
     def forget(self, loops: int) -> None:
-        """Drop the programs compiled for depth `loops` (its lane is gone): a process serving a
-        sweep of depths holds those of the lanes it keeps, not of every depth it ever served.
-        A depth that returns loads them from the persistent compilation cache (or compiles)."""
-        with self._lock:
-            self._copies.pop(loops, None)
+        """Let go of depth `loops`'s programs (its lane is gone): a process serving a sweep of
+        depths holds those of the lanes its engines keep, not of every depth it ever served. A
+        depth that returns loads them from the persistent compilation cache (or compiles)."""
+        self._held.discard(loops)
+        DEPTH_PROGRAMS.release(id(self), loops)
+
+    def close(self) -> None:
+        """Let go of every depth's programs (the engine stops)."""
+        for loops in list(self._held):
+            self.forget(loops)
 
     # ---- buffers ---------------------------------------------------------------------------------
 
+    def _pool_maker(self, loops: int):
+        lim = self.limits
+        return lambda: F.empty_cache(self.weights, lim.prefix_capacity * lim.slots, loops, kv_mode=self.work_mode)
+
+    def _rows_maker(self, loops: int, size: int, cap: int):
+        V = self.weights.config.vocab_size
+        req = Request.make(size, 0.0, 0, 1.0, 1.0, max_tokens=1)
+        return lambda: dict(own=F.empty_cache(self.weights, cap, loops, kv_mode=self.work_mode, batch=size),
+                            seen=jnp.zeros((size, V), bool), counts=jnp.zeros((size, V), jnp.int32),
+                            last=jnp.zeros((size,), jnp.int32), req=jax.tree.map(jnp.asarray, req))
+
     def empty_state(self, loops: int) -> P.BatchState:
         """A lane's state with an empty pool and no rows."""
-        lim = self.limits
-        return P.BatchState(pool=self._built(loops, ("pool",), lambda: F.empty_cache(
-            self.weights, lim.prefix_capacity * lim.slots, loops, kv_mode=self.work_mode)))
+        return P.BatchState(pool=self._built(loops, ("pool",), self._pool_maker(loops)))
 
     def empty_rows(self, loops: int, size: int, cap: int) -> dict:
         """The row fields of a BatchState of `size` fresh rows of `cap` positions."""
-        V = self.weights.config.vocab_size
-        req = Request.make(size, 0.0, 0, 1.0, 1.0, max_tokens=1)
-        return self._built(loops, ("rows", size, cap), lambda: dict(
-            own=F.empty_cache(self.weights, cap, loops, kv_mode=self.work_mode, batch=size),
-            seen=jnp.zeros((size, V), bool), counts=jnp.zeros((size, V), jnp.int32), last=jnp.zeros((size,), jnp.int32),
-            req=jax.tree.map(jnp.asarray, req)))
+        return self._built(loops, ("rows", size, cap), self._rows_maker(loops, size, cap))
 
     def reshape(self, lane: Lane, size: int, cap: int, order: list[int] | None = None) -> None:
         """The lane's rows as `size` rows (a batch bucket) of `cap` positions; allocated if the
@@ -111,11 +147,11 @@ class Runner:
 
     def pool_nbytes(self, loops: int) -> int:
         """Bytes of a lane's pool at depth `loops`."""
-        return self._nbytes("pool", loops, lambda: self.empty_state(loops))
+        return self._nbytes("pool", loops, self._pool_maker(loops))
 
     def rows_nbytes(self, loops: int, size: int, cap: int) -> int:
         """Bytes of `size` rows of `cap` positions at depth `loops` (0 rows: 0)."""
-        return self._nbytes("rows", loops, size, cap, lambda: self.empty_rows(loops, size, cap)) if size else 0
+        return self._nbytes("rows", loops, size, cap, self._rows_maker(loops, size, cap)) if size else 0
 
     def entry_nbytes(self, loops: int, capacity: int) -> int:
         """Bytes of a store entry's K/V of `capacity` positions at depth `loops` (what
