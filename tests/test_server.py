@@ -277,7 +277,7 @@ def test_a_loops_sweep_over_http_stays_within_the_memory_budget(model, tmp_path)
     16M`: every depth is a lane (pool, rows, store, and its compiled programs, ~37 MiB a depth
     here); every request is answered, the lanes' bytes stay within the budget, idle lanes are
     evicted with their programs, so the server's RSS stops growing once 3 lanes are held (it
-    grew by every depth's programs before), and it keeps serving. 12 depths spread over 1..64,
+    grew by every depth's programs before), and it keeps serving. 8 depths spread over 1..64,
     the deepest included (each depth compiles its programs: a few seconds)."""
     model.save(str(tmp_path / "tiny"))
     budget = 16 << 20
@@ -294,7 +294,7 @@ def test_a_loops_sweep_over_http_stays_within_the_memory_budget(model, tmp_path)
             assert proc.poll() is None and time.time() < deadline
             time.sleep(0.2)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        depths = [1, 2, 3, 5, 8, 12, 17, 23, 30, 40, 52, 64]
+        depths = [1, 2, 4, 8, 16, 32, 48, 64]
         rss, held = [], []
         for loops in depths:
             r = client.completions.create(model="tiny", prompt=f"depth {loops}: ", max_tokens=3, temperature=0,
@@ -308,7 +308,7 @@ def test_a_loops_sweep_over_http_stays_within_the_memory_budget(model, tmp_path)
         print(f"RSS (MiB) after each depth: {mib}; lanes held <= {max(held) / 2**20:.1f} MiB of the "
               f"{budget >> 20} MiB budget; {evicted:.0f} lanes evicted")
         assert max(held) <= budget and evicted >= len(depths) - 3
-        assert max(rss[4:]) - rss[3] <= 64 << 20, mib  # flat once 3 lanes are held (8 more depths)
+        assert max(rss[4:]) - rss[3] <= 64 << 20, mib  # flat once 3 lanes are held (4 more depths)
         r = client.completions.create(model="tiny", prompt="abc", max_tokens=4, temperature=0,
                                       extra_body={"ignore_eos": True})
         assert r.choices[0].token_ids == model.generate(TOK.encode("abc"), max_tokens=4)[3:]

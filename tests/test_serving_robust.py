@@ -90,14 +90,14 @@ def test_a_depth_sweep_stays_within_the_memory_budget(model):
 
         t = threading.Thread(target=watch)
         t.start()
-        sweep(eng, model, range(1, 7), results, errors)
+        sweep(eng, model, [3, 4, 5, 6], results, errors)
         done.set()
         t.join()
         assert not errors, errors
         for got, want in results.values():
             assert got == want
         s = eng.stats()
-        assert s["lanes_evicted"] >= 1 and s["lanes"] < 6
+        assert s["lanes_evicted"] >= 1 and s["lanes"] < 4
         assert max(peak) <= budget and s["memory_budget"] == budget
         assert live_bytes() - base <= budget  # the arrays really were freed
 
