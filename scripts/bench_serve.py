@@ -3,6 +3,8 @@ prompts + unique questions, and now and then a long prompt with no cached prefix
 
 Arms (the same requests, in the same process, one after another):
   engine     Engine(max_batch=16) with the prefix store (the server as shipped)
+  sync       the same engine reading each decode step's tokens before dispatching the next
+             (overlap=False: the loop before issue 22)
   batch1     the same server with max_batch=1 (one request at a time, still prefix-cached)
   nostore    max_batch=16, no prefix store (every prompt prefilled whole)
   unchunked  max_batch=16 with the store, whole prompts in one prefill program (no chunking)
@@ -10,7 +12,8 @@ Arms (the same requests, in the same process, one after another):
 Reported per arm: throughput (emitted tokens / wall time), time to first token (TTFT) p50/p99
 for the short (system-prompt) requests and for the long ones, the gaps between a stream's
 tokens (inter-token latency) p50/p99, request latency p50/p99, and
-whether every greedy output equals the engine arm's. Each arm first serves one request per
+whether every greedy output equals the engine arm's, and wall ms per decode step against the
+decode program's own time (`step_floor`). Each arm first serves one request per
 system prompt (untimed: compiles, and the store holds the hot prompts, as in steady state).
 
     python scripts/bench_serve.py                       # bundled model and a GPT-2-small shape
