@@ -32,7 +32,7 @@ class _DepthPrograms:
         self.depths: dict[int, tuple[set, dict]] = {}  # loops -> (ids of the runners holding it, programs)
 
     def of(self, holder: int, loops: int) -> dict:
-        """The depth's programs (key -> (source, program)), held by `holder`. Under `lock`."""
+        """The depth's programs (key -> program), held by `holder`. Under `lock`."""
         holders, programs = self.depths.setdefault(loops, (set(), {}))
         holders.add(holder)
         return programs
@@ -68,27 +68,24 @@ class Runner:
             if self.warm:
                 self.compiles_after_warmup += 1
 
-    def _program(self, loops: int, name: str):
-        """Program `name` of programs.py at depth `loops`: the depth's copy, held until `forget`."""
-        f = getattr(P, name)
-        with DEPTH_PROGRAMS.lock:
-            self._held.add(loops)
-            mine = DEPTH_PROGRAMS.of(id(self), loops)
-            if name not in mine or mine[name][0] is not f:
-                mine[name] = (f, P.copy_of(f))
-            return mine[name][1]
-
-    def _built(self, loops: int, key: tuple, make):
-        """make()'s arrays, built by a program of the depth's (`forget` drops it): eager
-        `jnp.zeros` would compile a program per shape that JAX keeps for the whole process."""
-        key = (key, self.weights.config, self.work_mode)
+    def _held_program(self, loops: int, key: tuple, make):
+        """The depth's program under `key` (make() on first use), held until `forget`."""
         with DEPTH_PROGRAMS.lock:
             self._held.add(loops)
             mine = DEPTH_PROGRAMS.of(id(self), loops)
             if key not in mine:
-                mine[key] = (None, jax.jit(make))
-            build = mine[key][1]
-        return build()
+                mine[key] = make()
+            return mine[key]
+
+    def _program(self, loops: int, name: str):
+        """Program `name` of programs.py at depth `loops`: the depth's copy (`programs.copy_of`)."""
+        f = getattr(P, name)  # (keyed by the function too: a test may stand another in)
+        return self._held_program(loops, (name, f), lambda: P.copy_of(f))
+
+    def _built(self, loops: int, key: tuple, make):
+        """make()'s arrays, built by a program of the depth's (`forget` drops it): eager
+        `jnp.zeros` would compile a program per shape that JAX keeps for the whole process."""
+        return self._held_program(loops, (key, self.weights.config, self.work_mode), lambda: jax.jit(make))()
 
     def forget(self, loops: int) -> None:
         """Let go of depth `loops`'s programs (its lane is gone): a process serving a sweep of
