@@ -174,8 +174,11 @@ def tiny_vocab() -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, [3, 3, 3] + [1] * (len(tokens) - 3)
 
 
-def write_tiny(path: str, tied: bool = False, arch: str = "llama", extra_type: str | None = None, seed: int = 0):
-    """A random Llama as a GGUF file; returns {HF name: float32 weights} of the same model."""
+def write_tiny(path: str, tied: bool = False, arch: str = "llama", extra_type: str | None = None, seed: int = 0,
+               matrix_types: dict | None = None):
+    """A random Llama as a GGUF file (matrix types per layer: `matrix_types`, default
+    MATRIX_TYPES); returns {HF name: float32 weights} of the same model."""
+    matrix_types = MATRIX_TYPES if matrix_types is None else matrix_types
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, arch=arch)
     writer.add_block_count(LAYERS), writer.add_context_length(256), writer.add_embedding_length(D)
@@ -202,7 +205,7 @@ def write_tiny(path: str, tied: bool = False, arch: str = "llama", extra_type: s
         for short, shape in shapes.items():
             w = rng.standard_normal(shape, np.float32) / np.sqrt(shape[1])
             heads = {"attn_q": H, "attn_k": KV}.get(short)
-            put(f"blk.{i}.{short}.weight", f"model.layers.{i}.{HF_NAMES[short]}.weight", w, MATRIX_TYPES[short][i],
+            put(f"blk.{i}.{short}.weight", f"model.layers.{i}.{HF_NAMES[short]}.weight", w, matrix_types[short][i],
                 heads)
         for short in ("attn_norm", "ffn_norm"):  # vectors: F32, as llama.cpp keeps them
             hf[f"model.layers.{i}.{HF_NAMES[short]}.weight"] = w = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)

@@ -17,13 +17,13 @@ from ..formats import checkpoint
 from ..decoding import programs
 from ..formats import hf_gpt2
 from ..formats import gguf, hf_import, hub
-from ..model import sharding
+from ..model import qarray, sharding
 from . import functional as F
 from . import validation as check
 from ..model.config import ModelConfig, check_kv_mode
 from ..decoding.programs import DecodeState
 from ..decoding.sampling import Request, SamplingParams
-from ..model.params import Params, Weights, check_shapes, random_params
+from ..model.params import Params, Weights, check_shapes, check_weight_mode, nbytes, quantize_params, random_params
 from .prefix import PrefixCache
 from ..model.transformer import Exit
 
@@ -44,7 +44,7 @@ class Model:
         `sharding`) they are placed on it and every call runs on it."""
         check_shapes(params, config)
         dt = config.compute_dtype
-        params = jax.tree.map(lambda a: jnp.asarray(a, dt), params)
+        params = jax.tree.map(lambda a: a if qarray.is_quant(a) else jnp.asarray(a, dt), params, is_leaf=qarray.is_quant)
         if mesh is not None:
             sharding.check(mesh, config)
             config = config.replace(mesh=mesh)
@@ -56,8 +56,9 @@ class Model:
     # ---- construction, persistence, lifetime -------------------------------------------------
 
     @classmethod
-    def random(cls, config: ModelConfig, seed: int = 0, mesh=None) -> "Model":
-        return cls(random_params(config, seed), config, mesh)
+    def random(cls, config: ModelConfig, seed: int = 0, mesh=None, quantize_weights: str | None = None) -> "Model":
+        """Seeded random weights (`quantize_weights`: see `from_pretrained`)."""
+        return cls(quantize_params(random_params(config, seed), config, quantize_weights), config, mesh)
 
     @classmethod
     def from_hf_gpt2(cls, path: str, kv_mode: str | None = None) -> "Model":
@@ -67,27 +68,36 @@ class Model:
 
     @classmethod
     def from_pretrained(cls, path: str, kv_mode: str | None = None, dtype: str | None = None,
-                        mesh=None) -> "Model":
+                        mesh=None, quantize_weights: str | None = None) -> "Model":
         """A Hugging Face folder (config.json + model.safetensors, or shards with
         model.safetensors.index.json) by its `model_type`: "gpt2", "llama" (n_pre = L - 1, one
         loop block run once) or "ouro" (the whole stack looped `total_ut_steps` times, early-exit
         gate). `dtype` (float32 | bfloat16) defaults to float32 on CPU and bfloat16 on GPU.
         Tensors are read one at a time (no second full copy in host memory). See `hf_import`.
         Also a GGUF file (or a folder holding one; dequantized, see `formats.gguf`) and a known
-        model name (`tl.model_path`: "smollm2")."""
+        model name (`tl.model_path`: "smollm2").
+
+        `quantize_weights`: None keeps weights as stored (a GGUF's Q8_0 / Q4_0 / Q4_1 matrices
+        packed, bit for bit, see `qarray`; other GGUF types dequantized; a folder's floats
+        float), "float" dequantizes everything to `dtype`, "int8" / "int4" quantize the matmul
+        weights and the embedding / head (q8_0 / q4_0 blocks of 32; norms never)."""
         path = hub.resolve(path)  # a known name ("smollm2") -> its local file
         if gguf.find_file(path) is not None:
-            return cls(*gguf.load(path, kv_mode, dtype), mesh=mesh)
-        return cls(*hf_import.load(path, kv_mode, dtype), mesh=mesh)
+            keep = check_weight_mode(quantize_weights) is None
+            params, config = gguf.load(path, kv_mode, dtype, keep_packed=keep)
+        else:
+            params, config = hf_import.load(path, kv_mode, dtype)
+        return cls(quantize_params(params, config, quantize_weights), config, mesh=mesh)
 
     @classmethod
-    def load(cls, path: str, kv_mode: str | None = None, mesh=None) -> "Model":
-        """Load weights + config saved by `save`; `kv_mode` overrides the saved mode; `mesh`
-        places them on a ('data', 'model') mesh."""
+    def load(cls, path: str, kv_mode: str | None = None, mesh=None, quantize_weights: str | None = None) -> "Model":
+        """Load weights + config saved by `save` (packed weights stay packed); `kv_mode`
+        overrides the saved mode; `mesh` places them on a ('data', 'model') mesh;
+        `quantize_weights`: see `from_pretrained`."""
         params, config = checkpoint.load_model(path)
         if kv_mode is not None:
             config = config.replace(kv_mode=check_kv_mode(kv_mode))
-        return cls(params, config, mesh)
+        return cls(quantize_params(params, config, quantize_weights), config, mesh)
 
     def save(self, path: str) -> None:
         """Write weights (keyed by tree path) and config to a new folder (orbax), atomically."""
@@ -107,6 +117,11 @@ class Model:
         if self._weights is None:
             raise RuntimeError("model was closed; construct or load a new Model")
         return self._weights
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weights as held (packed weights at their packed size)."""
+        return nbytes(self.weights.params)
 
     @property
     def fingerprint(self) -> str:

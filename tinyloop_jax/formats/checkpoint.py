@@ -25,7 +25,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from ..model.config import ModelConfig
-from ..model.params import LAYOUT, Params, from_flat_layout, host_leaves, named_leaves, unflatten
+from ..model.params import (LAYOUT, Params, from_flat_layout, host_leaves, named_leaves, pack_arrays, quant_formats,
+                            unflatten)
 
 FORMAT = 1
 META_FILE = "tinyloop.json"
@@ -105,7 +106,11 @@ def flatten(tree) -> dict[str, np.ndarray]:
 def save_model(path: str, params: Params, config: ModelConfig) -> None:
     """A model's weights (keyed by tree path; on the host, without a mesh's padding, see
     `params.host_leaves`), config and weight layout, as a "model" checkpoint."""
-    save(path, "model", dict(host_leaves(params, config)), {"config": config.to_dict(), "layout": LAYOUT})
+    meta = {"config": config.to_dict(), "layout": LAYOUT}
+    formats = quant_formats(params)
+    if formats:  # packed weights (see `qarray`): each stored as its fields
+        meta["quantized"] = formats
+    save(path, "model", dict(host_leaves(params, config)), meta)
 
 
 def load_model(path: str) -> tuple[Params, ModelConfig]:
@@ -118,4 +123,4 @@ def load_model(path: str) -> tuple[Params, ModelConfig]:
         raise ValueError(f"{path} has weight layout {layout!r}; this version reads layouts 1 and {LAYOUT}")
     if layout == 1:
         arrays = {name: from_flat_layout(name, a, config) for name, a in arrays.items()}
-    return unflatten(arrays, config), config
+    return unflatten(pack_arrays(arrays, meta.get("quantized", {})), config), config

@@ -41,6 +41,8 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 
+from ..model import qarray
+
 from .gguf_reader import MAGIC, GGUFFile
 
 ARCHITECTURES = ("llama", "gpt2")
@@ -190,10 +192,13 @@ class GGUFTensors:
     """A GGUF file's tensors under Hugging Face names, read and dequantized one at a time (the
     interface of `safetensors_io.Tensors`: `where`, `shape`, `read`, `take`, `unused`, `done`).
     Llama: q/k rows back in Hugging Face's order (`heads` = {"q_proj": H, "k_proj": KV});
-    GPT-2: the block matrices back to Conv1D's [in, out]."""
+    GPT-2: the block matrices back to Conv1D's [in, out]. With `keep_packed` (llama), Q8_0 /
+    Q4_0 / Q4_1 matrices are read as `qarray.QuantArray`s of their bytes, not dequantized."""
 
-    def __init__(self, reader: GGUFFile, heads: dict | None = None, progress: bool | None = None):
+    def __init__(self, reader: GGUFFile, heads: dict | None = None, progress: bool | None = None,
+                 keep_packed: bool = False):
         self.reader, self.path, self.used = reader, reader.path, set()
+        self.keep_packed = keep_packed
         self.arch = architecture(reader)
         self.where = {hf_name(name, self.arch): name for name in reader.tensors}
         self._heads = heads or {}
@@ -209,9 +214,16 @@ class GGUFTensors:
         return self._raw(name)[::-1] if self._transposed(name) else self._raw(name)
 
     def read(self, name: str, dtype):
-        """Tensor `name` dequantized, in Hugging Face's order and shape, cast; not marked used."""
-        a = dequantize(self.reader, self.where[name])
+        """Tensor `name` dequantized (or kept packed), in Hugging Face's order and shape, cast;
+        not marked used."""
+        info = self.reader.tensors[self.where[name]]
         proj = name.rsplit(".", 2)[-2]
+        fmt = self.reader.type_name(info).lower()
+        if self.keep_packed and fmt in qarray.FORMATS and len(info.shape) == 2 and self.arch == "llama":
+            raw = self.reader.data(info)  # [rows, bytes]: GGUF's rows are HF's rows
+            raw = unpermute(raw, self._heads[proj]) if proj in self._heads else raw
+            return qarray.from_blocks(raw, fmt, info.shape[1], transposed=True)  # logical [out, in]
+        a = dequantize(self.reader, self.where[name])
         if proj in self._heads:
             a = unpermute(a, self._heads[proj])
         return jnp.asarray(a.T if self._transposed(name) else a, dtype)
@@ -237,9 +249,10 @@ class GGUFTensors:
             print(file=sys.stderr)
 
 
-def load(path, kv_mode: str | None = None, dtype: str | None = None):
+def load(path, kv_mode: str | None = None, dtype: str | None = None, keep_packed: bool = False):
     """A GGUF file (or a folder holding one) -> (Params, ModelConfig) through the Hugging Face
-    import of its architecture (`hf_import`'s Llama path, `hf_gpt2`)."""
+    import of its architecture (`hf_import`'s Llama path, `hf_gpt2`). `keep_packed`: Q8_0 / Q4_0 /
+    Q4_1 matrices of a llama file stay packed (`qarray`); GPT-2 files are always dequantized."""
     from . import hf_gpt2, hf_import
 
     file = find_file(path)
@@ -257,4 +270,4 @@ def load(path, kv_mode: str | None = None, dtype: str | None = None):
         return params, cfg.replace(dtype=dtype)
     cfg = hf_import.llama_config(hf, kv_mode, dtype)
     heads = {"q_proj": hf["num_attention_heads"], "k_proj": hf["num_key_value_heads"]}
-    return hf_import.load_llama(file, cfg, GGUFTensors(reader, heads)), cfg
+    return hf_import.load_llama(file, cfg, GGUFTensors(reader, heads, keep_packed=keep_packed)), cfg

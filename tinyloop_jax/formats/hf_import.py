@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import hf_gpt2, hf_huginn
+from ..model import qarray
 from ..model.config import ModelConfig
 from ..model.params import LlamaBlock, Params, fuse_qkv
 from .safetensors_io import Tensors
@@ -109,14 +110,15 @@ def load_llama(path: str, cfg: ModelConfig, tensors: Tensors) -> Params:
         p = f"model.layers.{i}."
         lin = lambda n, o, inn: tensors.take(p + n + ".weight", (o, inn), dt, transpose=True)  # noqa: E731
         vec = lambda n, k: tensors.take(p + n, (k,), dt)  # noqa: E731
-        qkv = fuse_qkv(lin("self_attn.q_proj", qd, D), lin("self_attn.k_proj", kd, D), lin("self_attn.v_proj", kd, D),
-                       cfg)
+        qkv = qarray.apply(lambda q, k, v: fuse_qkv(q, k, v, cfg), lin("self_attn.q_proj", qd, D),
+                           lin("self_attn.k_proj", kd, D), lin("self_attn.v_proj", kd, D))
         bias = None
         if cfg.attention_bias:
             bias = fuse_qkv(*(vec(f"self_attn.{n}_proj.bias", k) for n, k in (("q", qd), ("k", kd), ("v", kd))), cfg)
         return LlamaBlock(attn_norm=vec("input_layernorm.weight", D), w_qkv=qkv, w_o=lin("self_attn.o_proj", D, qd),
                           mlp_norm=vec("post_attention_layernorm.weight", D),
-                          w_gate_up=jnp.stack([lin("mlp.gate_proj", F, D), lin("mlp.up_proj", F, D)], axis=1),
+                          w_gate_up=qarray.apply(lambda g, u: jnp.stack([g, u], axis=-2), lin("mlp.gate_proj", F, D),
+                                                 lin("mlp.up_proj", F, D)),
                           w_down=lin("mlp.down_proj", D, F), b_qkv=bias,
                           attn_out_norm=vec("input_layernorm_2.weight", D) if ouro else None,
                           mlp_out_norm=vec("post_attention_layernorm_2.weight", D) if ouro else None)
@@ -127,7 +129,9 @@ def load_llama(path: str, cfg: ModelConfig, tensors: Tensors) -> Params:
     if not cfg.tie_embeddings:
         head = tensors.take("lm_head.weight", (cfg.vocab_size, D), dt)
     elif "lm_head.weight" in tensors.where:  # a saved copy of the tied embedding
-        if not np.array_equal(np.asarray(tensors.take("lm_head.weight", (cfg.vocab_size, D), dt)), np.asarray(wte)):
+        same = np.array_equal(np.asarray(qarray.dense(tensors.take("lm_head.weight", (cfg.vocab_size, D), dt))),
+                              np.asarray(qarray.dense(wte)))
+        if not same:
             raise ValueError("tensor 'lm_head.weight' differs from 'model.embed_tokens.weight' but "
                              "tie_word_embeddings is true")
     gate_w = gate_b = None

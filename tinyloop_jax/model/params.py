@@ -35,6 +35,8 @@ import numpy as np
 from flax import struct
 
 from .config import ModelConfig
+from . import qarray
+from .qarray import QuantArray, is_quant
 
 LAYOUT = 2  # the weight layout checkpoints record (1: flat fused projections, converted on load)
 
@@ -270,9 +272,49 @@ def _from_flat(params: Params, config: ModelConfig) -> Params:
 
 
 def cast(params: Params, config: ModelConfig) -> Params:
-    """Weights in the config's dtype."""
+    """Weights in the config's dtype (packed weights stay packed)."""
     dt = config.compute_dtype
-    return jax.tree.map(lambda a: a if a.dtype == dt else a.astype(dt), params)
+    return jax.tree.map(lambda a: a if is_quant(a) or a.dtype == dt else a.astype(dt), params, is_leaf=is_quant)
+
+
+MATRICES = ("w_qkv", "w_o", "w_gate_up", "w_down", "w_fc", "w_proj")  # the blocks' matmul weights
+WEIGHT_MODES = (None, "float", "int8", "int4")
+
+
+def check_weight_mode(mode):
+    if mode not in WEIGHT_MODES:
+        raise ValueError(f"unknown quantize_weights {mode!r}; valid: None, 'float', 'int8', 'int4'")
+    return mode
+
+
+def quantize_params(params: Params, config: ModelConfig, mode: str | None) -> Params:
+    """`quantize_weights=`: None keeps every weight as it is (packed or float); "float"
+    dequantizes packed weights to the model's dtype; "int8" / "int4" (re)quantize the blocks'
+    matmul weights and the embedding / head to q8_0 / q4_0 (`qarray.quantize`, from float32).
+    Norms, biases, position embeddings, gates and Huginn's adapter stay float."""
+    if check_weight_mode(mode) is None:
+        return params
+    dt = config.compute_dtype
+
+    def one(path, a):
+        name = ".".join(_key(k) for k in path)
+        if mode == "float":
+            return qarray.dense(a, dt) if is_quant(a) else a
+        if name.rsplit(".", 1)[-1] not in MATRICES and name not in ("wte", "head"):
+            return a
+        w, fmt = np.asarray(qarray.dense(a, jnp.float32)), qarray.QUANTIZE[mode]
+        try:
+            if name in ("wte", "head"):  # [V, D], contracted over D
+                return qarray.quantize(w, fmt, transposed=True)
+            return qarray.reshape_out(qarray.quantize(w.reshape(w.shape[0], -1), fmt), *w.shape[1:])
+        except ValueError as e:
+            raise ValueError(f"quantize_weights={mode!r}: tensor {name} {tuple(w.shape)}: {e}") from None
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_quant)
+
+
+def nbytes(params: Params) -> int:
+    """Bytes of every weight as held (packed weights at their packed size)."""
+    return sum(int(a.nbytes) for a in jax.tree.leaves(params, is_leaf=is_quant))
 
 
 def param_shapes(config: ModelConfig) -> Params:
@@ -306,7 +348,7 @@ class Shape(tuple):
 
 
 def _is_shape(x) -> bool:
-    return isinstance(x, Shape)
+    return isinstance(x, (Shape, QuantArray))
 
 
 def named_leaves(tree, is_leaf=None) -> dict:
@@ -320,7 +362,8 @@ def _key(k) -> str:
 
 
 def flatten(params: Params) -> dict:
-    """{tree path: array} of a model's parameters (or of `param_shapes`' tuples)."""
+    """{tree path: array} of a model's parameters (or of `param_shapes`' tuples); a packed
+    weight is one entry (a `QuantArray`)."""
     return named_leaves(params, is_leaf=_is_shape)
 
 
@@ -359,8 +402,32 @@ def host_leaves(params: Params, config: ModelConfig):
     a second full copy on the host), without a mesh's padding of the embedding and head rows
     past `vocab_size` (see `sharding.place_params`): the weights as checkpoints hold them."""
     for name, leaf in flatten(params).items():
+        if is_quant(leaf):  # its packed fields, as name.q / name.scale / name.min
+            for field in ("q", "scale", "min"):
+                a = getattr(leaf, field)
+                if a is not None:
+                    a = np.asarray(a)
+                    yield f"{name}.{field}", a[..., :config.vocab_size] if name in ("wte", "head") else a
+            continue
         a = np.asarray(leaf)
         yield name, a[:config.vocab_size] if name in ("wte", "head") else a
+
+
+def quant_formats(params: Params) -> dict:
+    """{tree path: [format, transposed]} of the packed weights (what a checkpoint records)."""
+    return {n: [a.fmt, a.transposed] for n, a in flatten(params).items() if is_quant(a)}
+
+
+def pack_arrays(arrays: dict, formats: dict) -> dict:
+    """Inverse of `host_leaves`' split: name.q / name.scale / name.min -> one QuantArray."""
+    arrays = dict(arrays)
+    for name, (fmt, transposed) in formats.items():
+        q, scale, mn = (arrays.pop(f"{name}.{f}", None) for f in ("q", "scale", "min"))
+        if q is None or scale is None or (fmt == "q4_1") != (mn is not None):
+            raise ValueError(f"checkpoint lacks the packed fields of tensor {name} ({fmt})")
+        arrays[name] = QuantArray(q=jnp.asarray(q), scale=jnp.asarray(scale),
+                                  min=None if mn is None else jnp.asarray(mn), fmt=fmt, transposed=bool(transposed))
+    return arrays
 
 
 def params_digest(params: Params, config: ModelConfig) -> str:

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import cache as kvc
 from . import int4_attention as i4
+from . import qarray
 from . import recurrence as rec
 from .attention import attention, normalize
 from .cache import KVCache
@@ -105,11 +106,11 @@ def rotate(x: jax.Array, pos: jax.Array, cfg: ModelConfig) -> jax.Array:
 def embed(params: Params, tokens: jax.Array, start_pos: jax.Array) -> jax.Array:
     """tokens [T] at positions start_pos + i -> the residual stream [T, D]."""
     if params.wpe is None:  # RoPE models: positions enter in attention
-        return params.wte[tokens]
+        return qarray.take(params.wte, tokens)
     q_pos = start_pos + jnp.arange(tokens.shape[0], dtype=jnp.int32)
     # clamped only for tokens whose outputs are discarded (bucket padding, speculative drafts past
     # max_tokens): real positions past the table are refused on the host (`ModelConfig.check_positions`)
-    return params.wte[tokens] + params.wpe[jnp.minimum(q_pos, params.wpe.shape[0] - 1)]
+    return qarray.take(params.wte, tokens) + params.wpe[jnp.minimum(q_pos, params.wpe.shape[0] - 1)]
 
 
 @exact
@@ -119,7 +120,7 @@ def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     if not cfg.pass_norm:
         x = final_norm(params, cfg, x)
     w = params.wte if params.head is None else params.head
-    logits = jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
+    logits = qarray.head(x, w, tiled=cfg.mesh is None)
     if cfg.mesh is not None:  # computed where the vocabulary-split head is, then gathered once: no
         # collectives in sampling, and the head's weights never move
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(cfg.mesh, P(*[None] * (logits.ndim - 1),
@@ -128,9 +129,9 @@ def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return logits if w.shape[0] == cfg.vocab_size else logits[..., :cfg.vocab_size]  # a mesh's vocabulary padding
 
 
-def _project(h: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
+def _project(h: jax.Array, w, b: jax.Array | None, cfg: ModelConfig) -> jax.Array:
     """h [T, D] @ w [D, ...] (+ b [...]): a fused, head-shaped projection -> [T, ...]."""
-    y = jnp.einsum("td,d...->t...", h, w)
+    y = qarray.matmul(h, w, tiled=cfg.mesh is None)
     return y if b is None else y + b
 
 
@@ -140,10 +141,10 @@ def qkv_heads(x: jax.Array, blk, cfg: ModelConfig, q_pos: jax.Array):
     T = x.shape[0]
     if cfg.block == "gpt2":
         h = layer_norm(x, blk.ln1_g, blk.ln1_b, cfg.layer_norm_eps)
-        qkv = _project(h, blk.w_qkv, blk.b_qkv).transpose(1, 2, 0, 3)  # [3, H, T, hd]
+        qkv = _project(h, blk.w_qkv, blk.b_qkv, cfg).transpose(1, 2, 0, 3)  # [3, H, T, hd]
         return h, qkv[0], qkv[1], qkv[2]
     h = rms_norm(x, blk.attn_norm, cfg.layer_norm_eps)
-    qkv = _project(h, blk.w_qkv, blk.b_qkv)  # [T, KV, G + 2, hd]: each KV head's G query heads, then its k and v
+    qkv = _project(h, blk.w_qkv, blk.b_qkv, cfg)  # [T, KV, G + 2, hd]: each KV head's G query heads, then its k and v
     g = cfg.n_heads // cfg.n_kv_heads
     q = qkv[:, :, :g].reshape(T, cfg.n_heads, cfg.head_dim).transpose(1, 0, 2)
     k, v = qkv[:, :, g].transpose(1, 0, 2), qkv[:, :, g + 1].transpose(1, 0, 2)
@@ -154,15 +155,16 @@ def kv_from_h(cfg: ModelConfig, blk, key_pos: jax.Array):
     """The K/V half of a block's projection as a function h [C, D] -> float32 K, V [KV, C, hd]
     (for h modes; K rotated at key_pos [C] for llama blocks)."""
     f32 = lambda a: None if a is None else a.astype(jnp.float32)  # noqa: E731
+    w_qkv = qarray.dense(blk.w_qkv)  # packed: the whole matrix dequantized (h modes only)
     if cfg.block == "gpt2":  # [D, 3, H, hd] -> k, v [D, 2, H, hd]
-        w, b = f32(blk.w_qkv[:, 1:]), f32(blk.b_qkv[1:])
+        w, b = f32(w_qkv[:, 1:]), f32(blk.b_qkv[1:])
     else:  # [D, KV, G + 2, hd] -> [D, 2, KV, hd]
         g = cfg.n_heads // cfg.n_kv_heads
-        w = f32(blk.w_qkv[:, :, g:].transpose(0, 2, 1, 3))
+        w = f32(w_qkv[:, :, g:].transpose(0, 2, 1, 3))
         b = f32(None if blk.b_qkv is None else blk.b_qkv[:, g:].transpose(1, 0, 2))
 
     def f(h):
-        kv = _project(h, w, b)  # [C, 2, KV, hd]
+        kv = _project(h, w, b, cfg)  # [C, 2, KV, hd]
         k, v = kv[:, 0].transpose(1, 0, 2), kv[:, 1].transpose(1, 0, 2)
         return (rotate(k, key_pos, cfg) if cfg.block == "llama" else k), v
     return f
@@ -177,18 +179,19 @@ def read_kv(cfg: ModelConfig, stored: dict, blk, kv_mode: KVMode, key_pos: jax.A
 def block_out(x: jax.Array, a: jax.Array, blk, cfg: ModelConfig) -> jax.Array:
     """Residual update from the attention output a [H, T, hd], then the MLP."""
     T, eps = x.shape[0], cfg.layer_norm_eps
-    o = a.transpose(1, 0, 2).reshape(T, cfg.q_dim).astype(x.dtype) @ blk.w_o
+    mm = lambda v, w: qarray.matmul(v, w, tiled=cfg.mesh is None)  # noqa: E731
+    o = mm(a.transpose(1, 0, 2).reshape(T, cfg.q_dim).astype(x.dtype), blk.w_o)
     if cfg.block == "gpt2":
         x = x + o + blk.b_o
         h2 = layer_norm(x, blk.ln2_g, blk.ln2_b, eps)
-        return x + gelu(h2 @ blk.w_fc + blk.b_fc) @ blk.w_proj + blk.b_proj
+        return x + mm(gelu(mm(h2, blk.w_fc) + blk.b_fc), blk.w_proj) + blk.b_proj
     residual = cfg.norm_placement == "normed_residual"  # Huginn: the sums normed, not the branches
     if residual:
         x = rms_norm(x + o, blk.attn_out_norm, eps)
     else:
         x = x + (o if blk.attn_out_norm is None else rms_norm(o, blk.attn_out_norm, eps))
-    gu = _project(rms_norm(x, blk.mlp_norm, eps), blk.w_gate_up, None)  # [T, 2, F]
-    m = (jax.nn.silu(gu[:, 0]) * gu[:, 1]) @ blk.w_down
+    gu = _project(rms_norm(x, blk.mlp_norm, eps), blk.w_gate_up, None, cfg)  # [T, 2, F]
+    m = mm(jax.nn.silu(gu[:, 0]) * gu[:, 1], blk.w_down)
     if residual:
         return rms_norm(x + m, blk.mlp_out_norm, eps)
     return x + (m if blk.mlp_out_norm is None else rms_norm(m, blk.mlp_out_norm, eps))
