@@ -27,6 +27,8 @@ GPT2 = tl.ModelConfig(vocab_size=128, d_model=32, n_heads=4, n_pre_blocks=2, def
 OURO = tl.ModelConfig(vocab_size=128, d_model=32, n_heads=8, n_kv_heads=4, n_pre_blocks=0, loop_blocks=2,
                       default_loops=3, max_seq_len=128, block="llama", norm_placement="sandwich", pass_norm=True,
                       early_exit_gate=True, tie_embeddings=False, intermediate_size=48, kv_mode="int8")
+PACKED = tl.ModelConfig(vocab_size=126, d_model=128, n_heads=4, n_kv_heads=4, n_pre_blocks=1, default_loops=2,
+                        max_seq_len=128, block="llama", intermediate_size=256, kv_mode="fp32")
 PROMPT = (np.arange(20) * 7 % 128).astype(np.int32)
 SUFFIXES = [PROMPT[12:], PROMPT[12:15], []]  # 3 requests: not a multiple of 'data' = 2 or 4
 
@@ -162,6 +164,14 @@ def main() -> None:
     pk, pr = kern.build_prefix_cache(PROMPT[:12]), ref.build_prefix_cache(PROMPT[:12])
     ok("int4 kernel under shard_map", kern.generate_batch_from_prefix_cache(pk, SUFFIXES, max_tokens=5)
        == ref.generate_batch_from_prefix_cache(pr, SUFFIXES, max_tokens=5))
+    # packed int4 weights (qarray): placed by their fields' specs, dequantized whole on the mesh
+    q_one = tl.Model.random(PACKED, seed=0, quantize_weights="int4")
+    q_many = tl.Model.random(PACKED, seed=0, quantize_weights="int4", mesh=sharding.make_mesh(2, 4))
+    pm, ps = q_many.build_prefix_cache(PROMPT[:12]), q_one.build_prefix_cache(PROMPT[:12])
+    ok("int4 weights 2x4", q_many.fingerprint == q_one.fingerprint
+       and q_many.generate(PROMPT, max_tokens=8) == q_one.generate(PROMPT, max_tokens=8)
+       and q_many.generate_batch_from_prefix_cache(pm, SUFFIXES, max_tokens=5)
+       == q_one.generate_batch_from_prefix_cache(ps, SUFFIXES, max_tokens=5))
     try:
         tl.Model.random(OURO.replace(n_heads=6, n_kv_heads=3), mesh=sharding.make_mesh(2, 4))
         ok("indivisible heads", False)

@@ -27,7 +27,7 @@ def test_mesh_checks_on_8_fake_devices():
     print(r.stdout[-4000:])
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     lines = r.stdout.split("\n")
-    for want in ("ok gpt2 8x1 own K shard", "ok ouro 2x4 collectives", "ok indivisible heads",
+    for want in ("ok gpt2 8x1 own K shard", "ok ouro 2x4 collectives", "ok indivisible heads", "ok int4 weights 2x4",
                  "ok prefix saved on the mesh, loaded on one device"):
         assert any(ln.startswith(want) for ln in lines), want
 

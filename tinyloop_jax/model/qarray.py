@@ -15,12 +15,14 @@ bit for bit, only rearranged so that the output axes are the minor ones. The log
 [K, *out] (a projection weight, `x @ W`), or [*out, K] with `transposed` (the embedding and
 the head, [V, D]).
 
-Why tiles: XLA:CPU materializes a dequantized operand before its dot. A whole matrix's float32
-copy costs more than the packed bytes save (written, then read again from memory), so `matmul`
-dequantizes `TILE` floats of output columns at a time, each tile tied to the input
-(`_after`) so that XLA schedules it next to its dot while it is still in cache. Measured on
-this CPU, 16 chained 576x3072 matrix-vector products: float32 5.6 ms, q4_1 in tiles 2.4 ms,
-q4_1 dequantized whole 58 ms (scripts/bench_quant.py).
+What XLA:CPU does with it (measured, scripts/bench_quant.py and docs/benchmarks.md): a dequantize
+feeding a dot is a fusion that writes the float32 matrix, then the dot reads it. In a decode loop
+XLA hoists that loop-invariant work out of the loop, so a generate call holds a float32 copy of
+each weight while it runs and decodes at nearly float32 speed (SmolLM2 27.3 vs 30.9 tok/s); the
+packed form is what the model holds at rest (92 vs 513 MiB). Forcing the dequantize into every
+step, in cache-sized tiles tied to the step's input (`matmul(..., tile=n)`), keeps the float
+copy away but runs at XLA:CPU's ~1.3 G weights/s dequantize speed: 3-4x slower than float32
+(9.8 tok/s at 512 KiB tiles). So `tile=None` (the whole matrix, hoistable) is the default.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from flax import struct
 BLOCK = 32
 FORMATS = ("q8_0", "q4_0", "q4_1")
 QUANTIZE = {"int8": "q8_0", "int4": "q4_0"}  # quantize_weights= -> the format it writes
-TILE = 1 << 17  # floats of dequantized weights per tile (512 KiB: stays in L2 beside its dot)
 _BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # GGUF's bytes per block
 
 
@@ -151,14 +152,19 @@ def pad_out(w: QuantArray, pad: int) -> QuantArray:
     return w.replace(q=p(w.q), scale=p(w.scale), min=p(w.min))
 
 
-def specs(w: QuantArray, spec):
+def specs(w: QuantArray, spec, sizes: dict):
     """The PartitionSpecs of a packed weight's fields from its logical spec: the contraction
-    axis's entry goes to the block axis, the output axes keep theirs."""
+    axis's entry goes to the block axis, the output axes keep theirs; an axis that the mesh axis
+    (`sizes`: name -> devices) does not divide is replicated."""
     from jax.sharding import PartitionSpec as P
 
     s = list(spec) + [None] * (w.ndim - len(spec))
     k, out = (s[-1], s[:-1]) if w.transposed else (s[0], s[1:])
-    return w.replace(q=P(k, None, *out), scale=P(k, *out), min=None if w.min is None else P(k, *out))
+
+    def fit(a, names):
+        return P(*(n if n is None or a.shape[i] % sizes[n] == 0 else None for i, n in enumerate(names)))
+    return w.replace(q=fit(w.q, [k, None, *out]), scale=fit(w.scale, [k, *out]),
+                     min=None if w.min is None else fit(w.min, [k, *out]))
 
 
 # ---- use: inside jitted programs ------------------------------------------------------------
@@ -169,44 +175,37 @@ def _after(x: jax.Array, a: jax.Array) -> jax.Array:
     return jax.lax.optimization_barrier((x, a))[1]
 
 
-def _columns(w: QuantArray, x: jax.Array, tiled: bool):
-    """Yield (first column, float32 [K, t] dequantized tile) over the flattened output axes."""
+def _columns(w: QuantArray, x: jax.Array, tile: int | None):
+    """Yield float32 [K, t] dequantized column tiles over the flattened output axes: the whole
+    matrix (tile None), or about `tile` floats at a time, each tied to x."""
     n = int(np.prod(w.out_shape, dtype=np.int64))
     flat = lambda a: None if a is None else a.reshape(*a.shape[:a.ndim - len(w.out_shape)], n)  # noqa: E731
     q, s, m = flat(w.q), flat(w.scale), flat(w.min)
-    t = _tile(n, w.k) if tiled else n
+    if tile is None:
+        yield _dequantize(q, s, m, w.fmt)
+        return
+    t = max([c for c in range(1, n + 1) if n % c == 0 and c * w.k <= tile] + [min(n, 8)])
     for c in range(0, n, t):
         cut = lambda a: None if a is None else a[..., c:c + t]  # noqa: E731
-        s_t = _after(x, cut(s)) if t < n else s
-        yield c, _dequantize(cut(q), s_t, cut(m), w.fmt)
+        yield _dequantize(cut(q), _after(x, cut(s)), cut(m), w.fmt)
 
 
-def _tile(n: int, k: int) -> int:
-    """The widest column count dividing n whose float32 tile holds at most TILE values."""
-    best = 1
-    for t in range(1, n + 1):
-        if n % t == 0 and t * k <= TILE:
-            best = t
-    return max(best, min(n, 8))
-
-
-def matmul(x: jax.Array, w, tiled: bool = True) -> jax.Array:
-    """x [..., K] @ w [K, *out] -> [..., *out] in x's dtype (float weights: one einsum).
-    `tiled=False` dequantizes the whole matrix (on a mesh, where tiles would cut shards)."""
+def matmul(x: jax.Array, w, tile: int | None = None) -> jax.Array:
+    """x [..., K] @ w [K, *out] -> [..., *out] in x's dtype (float weights: one tensordot).
+    `tile`: dequantize about that many floats at a time inside the step (see the module doc)."""
     if not is_quant(w):
         return jnp.tensordot(x, w, axes=1)
-    parts = [jnp.einsum("...k,kn->...n", x, tile.astype(x.dtype)) for _, tile in _columns(w, x, tiled)]
+    parts = [jnp.einsum("...k,kn->...n", x, t.astype(x.dtype)) for t in _columns(w, x, tile)]
     y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
     return y.reshape(*x.shape[:-1], *w.out_shape)
 
 
-def head(x: jax.Array, w, tiled: bool = True) -> jax.Array:
+def head(x: jax.Array, w) -> jax.Array:
     """x [..., D] against w [V, D] (the embedding or the head) -> float32 [..., V]."""
     if not is_quant(w):
         return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
-    parts = [jnp.einsum("...d,dv->...v", x, tile.astype(x.dtype), preferred_element_type=jnp.float32)
-             for _, tile in _columns(w, x, tiled)]
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+    (t,) = _columns(w, x, None)
+    return jnp.einsum("...d,dv->...v", x, t.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
 def take(w, rows: jax.Array) -> jax.Array:

@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from . import qarray
 from .config import ModelConfig
 from .params import BlockParams, Params
 
@@ -58,7 +59,11 @@ def pad_vocab(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
     vocabulary (the logits of the padding ids are cut off in `transformer.lm_head`; checkpoints
     and fingerprints leave the padding out, see `params.host_leaves`)."""
     pad = -cfg.vocab_size % size(mesh, MODEL)
-    rows = lambda a: a if a is None or pad == 0 else jnp.pad(a, ((0, pad), (0, 0)))  # noqa: E731
+
+    def rows(a):
+        if a is None or pad == 0:
+            return a
+        return qarray.pad_out(a, pad) if qarray.is_quant(a) else jnp.pad(a, ((0, pad), (0, 0)))
     return params.replace(wte=rows(params.wte), head=rows(params.head))
 
 
@@ -76,8 +81,11 @@ def param_specs(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
                            w_gate_up=P(None, None, width), w_down=P(width))
 
     specs = jax.tree.map(lambda a: P(), params).replace(wte=P(MODEL), head=None if params.head is None else P(MODEL))
-    return specs.replace(pre=tuple(map(blk, params.pre)), loop=tuple(map(blk, params.loop)),
-                         post=tuple(map(blk, params.post)))
+    specs = specs.replace(pre=tuple(map(blk, params.pre)), loop=tuple(map(blk, params.loop)),
+                          post=tuple(map(blk, params.post)))
+    sizes = dict(mesh.shape)  # packed weights: their fields' specs from the logical one (`qarray.specs`)
+    return jax.tree.map(lambda w, s: qarray.specs(w, s, sizes) if qarray.is_quant(w) and isinstance(s, P) else s,
+                        params, specs, is_leaf=qarray.is_quant)
 
 
 def place_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:

@@ -120,7 +120,7 @@ def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     if not cfg.pass_norm:
         x = final_norm(params, cfg, x)
     w = params.wte if params.head is None else params.head
-    logits = qarray.head(x, w, tiled=cfg.mesh is None)
+    logits = qarray.head(x, w)
     if cfg.mesh is not None:  # computed where the vocabulary-split head is, then gathered once: no
         # collectives in sampling, and the head's weights never move
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(cfg.mesh, P(*[None] * (logits.ndim - 1),
@@ -129,9 +129,9 @@ def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return logits if w.shape[0] == cfg.vocab_size else logits[..., :cfg.vocab_size]  # a mesh's vocabulary padding
 
 
-def _project(h: jax.Array, w, b: jax.Array | None, cfg: ModelConfig) -> jax.Array:
+def _project(h: jax.Array, w, b: jax.Array | None) -> jax.Array:
     """h [T, D] @ w [D, ...] (+ b [...]): a fused, head-shaped projection -> [T, ...]."""
-    y = qarray.matmul(h, w, tiled=cfg.mesh is None)
+    y = qarray.matmul(h, w)
     return y if b is None else y + b
 
 
@@ -141,10 +141,10 @@ def qkv_heads(x: jax.Array, blk, cfg: ModelConfig, q_pos: jax.Array):
     T = x.shape[0]
     if cfg.block == "gpt2":
         h = layer_norm(x, blk.ln1_g, blk.ln1_b, cfg.layer_norm_eps)
-        qkv = _project(h, blk.w_qkv, blk.b_qkv, cfg).transpose(1, 2, 0, 3)  # [3, H, T, hd]
+        qkv = _project(h, blk.w_qkv, blk.b_qkv).transpose(1, 2, 0, 3)  # [3, H, T, hd]
         return h, qkv[0], qkv[1], qkv[2]
     h = rms_norm(x, blk.attn_norm, cfg.layer_norm_eps)
-    qkv = _project(h, blk.w_qkv, blk.b_qkv, cfg)  # [T, KV, G + 2, hd]: each KV head's G query heads, then its k and v
+    qkv = _project(h, blk.w_qkv, blk.b_qkv)  # [T, KV, G + 2, hd]: each KV head's G query heads, then its k and v
     g = cfg.n_heads // cfg.n_kv_heads
     q = qkv[:, :, :g].reshape(T, cfg.n_heads, cfg.head_dim).transpose(1, 0, 2)
     k, v = qkv[:, :, g].transpose(1, 0, 2), qkv[:, :, g + 1].transpose(1, 0, 2)
@@ -164,7 +164,7 @@ def kv_from_h(cfg: ModelConfig, blk, key_pos: jax.Array):
         b = f32(None if blk.b_qkv is None else blk.b_qkv[:, g:].transpose(1, 0, 2))
 
     def f(h):
-        kv = _project(h, w, b, cfg)  # [C, 2, KV, hd]
+        kv = _project(h, w, b)  # [C, 2, KV, hd]
         k, v = kv[:, 0].transpose(1, 0, 2), kv[:, 1].transpose(1, 0, 2)
         return (rotate(k, key_pos, cfg) if cfg.block == "llama" else k), v
     return f
@@ -179,7 +179,7 @@ def read_kv(cfg: ModelConfig, stored: dict, blk, kv_mode: KVMode, key_pos: jax.A
 def block_out(x: jax.Array, a: jax.Array, blk, cfg: ModelConfig) -> jax.Array:
     """Residual update from the attention output a [H, T, hd], then the MLP."""
     T, eps = x.shape[0], cfg.layer_norm_eps
-    mm = lambda v, w: qarray.matmul(v, w, tiled=cfg.mesh is None)  # noqa: E731
+    mm = qarray.matmul
     o = mm(a.transpose(1, 0, 2).reshape(T, cfg.q_dim).astype(x.dtype), blk.w_o)
     if cfg.block == "gpt2":
         x = x + o + blk.b_o
@@ -190,7 +190,7 @@ def block_out(x: jax.Array, a: jax.Array, blk, cfg: ModelConfig) -> jax.Array:
         x = rms_norm(x + o, blk.attn_out_norm, eps)
     else:
         x = x + (o if blk.attn_out_norm is None else rms_norm(o, blk.attn_out_norm, eps))
-    gu = _project(rms_norm(x, blk.mlp_norm, eps), blk.w_gate_up, None, cfg)  # [T, 2, F]
+    gu = _project(rms_norm(x, blk.mlp_norm, eps), blk.w_gate_up, None)  # [T, 2, F]
     m = mm(jax.nn.silu(gu[:, 0]) * gu[:, 1], blk.w_down)
     if residual:
         return rms_norm(x + m, blk.mlp_out_norm, eps)
