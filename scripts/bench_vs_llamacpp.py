@@ -182,7 +182,6 @@ def main() -> None:
         rows[name]["bound"] = (model.nbytes + kv) / bw
         del model
         jax.clear_caches()
-    cpp["load"] = cpp["load"]
 
     def decode(d):
         return args.new / (d["long"] - d["short"])
@@ -220,7 +219,8 @@ def main() -> None:
     body = "\n".join(lines)
     print(body)
     if not args.no_write:
-        print("wrote", _report.write_section("vs-llamacpp", "## llama.cpp side by side, same GGUF (issue 23)\n\n" + body))
+        title = "## llama.cpp side by side, same GGUF (issue 23)\n\n"
+        print("wrote", _report.write_section("vs-llamacpp", title + body))
 
 
 if __name__ == "__main__":

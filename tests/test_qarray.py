@@ -139,3 +139,17 @@ def test_smollm2_kept_packed_equals_dequantized(smollm2):
     assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()
     assert model.generate(prompt, max_tokens=8) == floats.generate(prompt, max_tokens=8)
     assert model.nbytes < floats.nbytes / 5
+
+
+def test_cli_weights_flag(packed_file, capsys):
+    from test_bundled_and_cli import tinyloop
+
+    outs = {}
+    for form in ("as-stored", "float", "int4"):
+        r = tinyloop(capsys, "generate", "--model", packed_file, "--kv-mode", "fp32", "--weights", form,
+                     "--max-tokens", "6", "the cat")
+        assert r.returncode == 0, r.stderr
+        outs[form] = r.stdout
+    assert outs["as-stored"] == outs["float"]  # packed == dequantized, greedy
+    assert outs["int4"].startswith("the cat")
+    assert tinyloop(capsys, "generate", "--model", packed_file, "--weights", "int3", "x").returncode == 2

@@ -37,27 +37,28 @@ class UsageError(Exception):
     """A user mistake: printed as one line, exit code 2."""
 
 
-def _load(path: str | None, kv_mode: str | None):
+def _load(path: str | None, kv_mode: str | None, weights: str = "as-stored"):
     """A tinyloop checkpoint (tinyloop.json), a Hugging Face folder (config.json), a GGUF file or
-    folder, or a known model name ("smollm2")."""
+    folder, or a known model name ("smollm2"); `weights`: --weights (`quantize_weights`)."""
     import tinyloop_jax as tl
 
     from .formats import gguf, hub
 
     path = path or BUNDLED
+    q = None if weights == "as-stored" else weights
     if hub.is_name(path) or gguf.find_file(path) is not None:  # "smollm2", a GGUF file or a folder holding one
-        return tl.Model.from_pretrained(path, kv_mode=kv_mode)
+        return tl.Model.from_pretrained(path, kv_mode=kv_mode, quantize_weights=q)
     if not os.path.isdir(path):
         raise UsageError(f"no model at {path}" + ("" if path != BUNDLED else " (the bundled checkpoint is missing)"))
     if os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(os.path.join(path, "tinyloop.json")):
-        return tl.Model.from_pretrained(path, kv_mode=kv_mode)
-    return tl.Model.load(path, kv_mode=kv_mode)
+        return tl.Model.from_pretrained(path, kv_mode=kv_mode, quantize_weights=q)
+    return tl.Model.load(path, kv_mode=kv_mode, quantize_weights=q)
 
 
 def _model_and_tokenizer(args, tok=None):
     from .formats.tokenizer import tokenizer_for
 
-    model, tok = _load(args.model, args.kv_mode), tok or tokenizer_for(args.model)
+    model, tok = _load(args.model, args.kv_mode, args.weights), tok or tokenizer_for(args.model)
     if tok.vocab_size > model.config()["vocab_size"]:
         raise UsageError(f"the tokenizer has {tok.vocab_size} ids but the model only {model.config()['vocab_size']}")
     return model, tok
@@ -223,7 +224,7 @@ def cmd_eval(args) -> None:
     rows = []
     grid = [(m, L, w) for m in args.kv_modes for w in args.windows for L in args.loops]
     for mode in args.kv_modes:
-        model = _load(args.model, mode)
+        model = _load(args.model, mode, args.weights)
         w_ = model.weights
         for window in args.windows:
             for loops in args.loops:
@@ -290,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     model_arg = argparse.ArgumentParser(add_help=False)
     model_arg.add_argument("--model", help="a tinyloop checkpoint, a Hugging Face GPT-2 / Llama / Ouro folder, a "
                            "GGUF file or a known name (smollm2) (default: the bundled model)")
+    model_arg.add_argument("--weights", default="as-stored", choices=["as-stored", "float", "int8", "int4"],
+                           help="weights as stored (a GGUF's Q8_0/Q4_0/Q4_1 packed), all float, or quantized to "
+                                "int8 / int4 blocks (default: as-stored)")
     common = argparse.ArgumentParser(add_help=False, parents=[model_arg])
     common.add_argument("--kv-mode", default=None, help="KV cache storage mode: " + ", ".join(KV_MODES))
 

@@ -44,7 +44,8 @@ class Model:
         `sharding`) they are placed on it and every call runs on it."""
         check_shapes(params, config)
         dt = config.compute_dtype
-        params = jax.tree.map(lambda a: a if qarray.is_quant(a) else jnp.asarray(a, dt), params, is_leaf=qarray.is_quant)
+        params = jax.tree.map(lambda a: a if qarray.is_quant(a) else jnp.asarray(a, dt), params,
+                              is_leaf=qarray.is_quant)  # packed weights stay packed
         if mesh is not None:
             sharding.check(mesh, config)
             config = config.replace(mesh=mesh)
