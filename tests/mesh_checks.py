@@ -27,7 +27,7 @@ GPT2 = tl.ModelConfig(vocab_size=128, d_model=32, n_heads=4, n_pre_blocks=2, def
 OURO = tl.ModelConfig(vocab_size=128, d_model=32, n_heads=8, n_kv_heads=4, n_pre_blocks=0, loop_blocks=2,
                       default_loops=3, max_seq_len=128, block="llama", norm_placement="sandwich", pass_norm=True,
                       early_exit_gate=True, tie_embeddings=False, intermediate_size=48, kv_mode="int8")
-PACKED = tl.ModelConfig(vocab_size=126, d_model=128, n_heads=4, n_kv_heads=4, n_pre_blocks=1, default_loops=2,
+PACKED = tl.ModelConfig(vocab_size=130, d_model=128, n_heads=4, n_kv_heads=4, n_pre_blocks=1, default_loops=2,
                         max_seq_len=128, block="llama", intermediate_size=256, kv_mode="fp32")
 PROMPT = (np.arange(20) * 7 % 128).astype(np.int32)
 SUFFIXES = [PROMPT[12:], PROMPT[12:15], []]  # 3 requests: not a multiple of 'data' = 2 or 4
