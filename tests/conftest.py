@@ -53,8 +53,10 @@ def ouro_model(kv_mode: str, seed: int = 0) -> tl.Model:
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (model, tokenizer): fetched once per machine, loaded once
-    per session (tests/test_gguf.py, tests/test_chat.py), float32, fp32 KV."""
-    return (tl.Model.from_pretrained("smollm2", kv_mode="fp32", dtype="float32"), tl.load_tokenizer("smollm2"))
+    per session (tests/test_gguf.py, tests/test_chat.py), dequantized to float32, fp32 KV. (The
+    file kept packed gives the same logits, tests/test_qarray.py; its programs compile slower.)"""
+    return (tl.Model.from_pretrained("smollm2", kv_mode="fp32", dtype="float32", quantize_weights="float"),
+            tl.load_tokenizer("smollm2"))
 
 
 class _Models(dict):
