@@ -75,7 +75,7 @@ class Model:
         loop block run once) or "ouro" (the whole stack looped `total_ut_steps` times, early-exit
         gate). `dtype` (float32 | bfloat16) defaults to float32 on CPU and bfloat16 on GPU.
         Tensors are read one at a time (no second full copy in host memory). See `hf_import`.
-        Also a GGUF file (or a folder holding one; dequantized, see `formats.gguf`) and a known
+        Also a GGUF file (or a folder holding one, see `formats.gguf`) and a known
         model name (`tl.model_path`: "smollm2").
 
         `quantize_weights`: None keeps weights as stored (a GGUF's Q8_0 / Q4_0 / Q4_1 matrices

@@ -140,16 +140,20 @@ def dense(w, dtype=None):
     return w if dtype is None else w.astype(dtype)
 
 
+def _fields(w: QuantArray, f) -> QuantArray:
+    """f over q, scale and min (those present): an operation on the output axes, which every
+    field ends with."""
+    return w.replace(q=f(w.q), scale=f(w.scale), min=None if w.min is None else f(w.min))
+
+
 def reshape_out(w: QuantArray, *out) -> QuantArray:
     """The output axes reshaped (row-major, so every column keeps its blocks)."""
-    r = lambda a: None if a is None else a.reshape(*a.shape[:a.ndim - len(w.out_shape)], *out)  # noqa: E731
-    return w.replace(q=r(w.q), scale=r(w.scale), min=r(w.min))
+    return _fields(w, lambda a: a.reshape(*a.shape[:a.ndim - len(w.out_shape)], *out))
 
 
 def pad_out(w: QuantArray, pad: int) -> QuantArray:
     """`pad` zero output columns (a mesh's vocabulary padding; zero scale: zero weights)."""
-    p = lambda a: None if a is None else jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)])  # noqa: E731
-    return w.replace(q=p(w.q), scale=p(w.scale), min=p(w.min))
+    return _fields(w, lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)]))
 
 
 def specs(w: QuantArray, spec, sizes: dict):
@@ -179,15 +183,14 @@ def _columns(w: QuantArray, x: jax.Array, tile: int | None):
     """Yield float32 [K, t] dequantized column tiles over the flattened output axes: the whole
     matrix (tile None), or about `tile` floats at a time, each tied to x."""
     n = int(np.prod(w.out_shape, dtype=np.int64))
-    flat = lambda a: None if a is None else a.reshape(*a.shape[:a.ndim - len(w.out_shape)], n)  # noqa: E731
-    q, s, m = flat(w.q), flat(w.scale), flat(w.min)
+    flat = reshape_out(w, n)
     if tile is None:
-        yield _dequantize(q, s, m, w.fmt)
+        yield _dequantize(flat.q, flat.scale, flat.min, w.fmt)
         return
     t = max([c for c in range(1, n + 1) if n % c == 0 and c * w.k <= tile] + [min(n, 8)])
     for c in range(0, n, t):
-        cut = lambda a: None if a is None else a[..., c:c + t]  # noqa: E731
-        yield _dequantize(cut(q), _after(x, cut(s)), cut(m), w.fmt)
+        part = _fields(flat, lambda a: a[..., c:c + t])  # noqa: B023  (used at once)
+        yield _dequantize(part.q, _after(x, part.scale), part.min, w.fmt)
 
 
 def matmul(x: jax.Array, w, tile: int | None = None) -> jax.Array:
@@ -212,5 +215,5 @@ def take(w, rows: jax.Array) -> jax.Array:
     """Rows of w [V, D] (an embedding lookup) -> [T, D] float32 for packed, as stored otherwise."""
     if not is_quant(w):
         return w[rows]
-    cut = lambda a: None if a is None else a[..., rows]  # noqa: E731
-    return _dequantize(cut(w.q), cut(w.scale), cut(w.min), w.fmt).T
+    part = _fields(w, lambda a: a[..., rows])
+    return _dequantize(part.q, part.scale, part.min, w.fmt).T
