@@ -20,6 +20,13 @@ golden.npz, all with init_scale=0 (the zero initial state):
   * greedy continuations by `generate_minimal` (the reference's cached generate loop) at 4 steps
     and at the default depth;
   * the spread of the reference's initial state draw at init_scale=1 over many positions.
+
+With --adaptive it instead loads the 2/4/2 folder written before (the reference's latest-m4
+lookup hard-codes a 4-block core) and writes adaptive.npz beside it:
+`generate_with_adaptive_compute(cache_lookup_strategy="latest-m4", init_scale=0, num_steps=8)`
+greedy tokens and the passes run for each token (counted by wrapping the reference's
+`iterate_one_step`), for each criterion at two thresholds, with and without
+`do_not_exit_in_prefill` and `continuous_compute`, plus min_steps / check_every cases.
 """
 
 from __future__ import annotations
@@ -48,6 +55,10 @@ STEPS = (1, 4, 8)
 CACHED_STEPS = 4
 GREEDY_TOKENS = 10
 STATE_DRAW = (1, 4096)  # positions of the initial-state draw (x n_embd values)
+ADAPTIVE_STEPS, ADAPTIVE_TOKENS = 8, 12
+THRESHOLDS = {"kl": (1e-3, 1e-2), "entropy-diff": (1e-3, 1e-2), "latent-diff": (0.1, 0.3), "cosine": (1e-2, 5e-2),
+              "argmax-stability": (2, 5)}
+SCHEDULES = ((0, 1), (2, 3))  # (min_steps, check_every): the defaults, and a later, sparser check
 
 
 def ensure_env(venv: str) -> None:
@@ -89,6 +100,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "data"))
     ap.add_argument("--venv", default=os.path.expanduser("~/.cache/tinyloop-huginn-ref"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--adaptive", action="store_true", help="write adaptive.npz for the 2/4/2 folder")
     args = ap.parse_args()
     files = ("raven_modeling_minimal.py", "raven_config_minimal.py")
     for name in files:
@@ -112,6 +124,11 @@ def main() -> None:
     from raven_ref.raven_modeling_minimal import HuginnDynamicCache, RavenForCausalLM
 
     torch.set_num_threads(2)
+    if args.adaptive:
+        adaptive_goldens(RavenForCausalLM(RavenConfig(**CONFIGS["242"])),
+                         os.path.abspath(os.path.join(args.out, "huginn-tiny-242")))
+        shutil.rmtree(pkg_root)
+        return
     for k, (name, fields) in enumerate(CONFIGS.items()):
         torch.manual_seed(args.seed + k)
         model = RavenForCausalLM(RavenConfig(**fields)).eval()
@@ -169,6 +186,63 @@ def main() -> None:
         print(f"wrote {out}: model_type={saved['model_type']}, {len(PROMPT_LENS)} prompts, "
               f"tensors in model.safetensors, golden.npz")
     shutil.rmtree(pkg_root)
+
+
+def adaptive_goldens(model, folder: str) -> None:
+    """adaptive.npz: the reference's adaptive-compute generator on the saved 2/4/2 model (its
+    tensors loaded into a model of the same config)."""
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+    from transformers import GenerationConfig
+
+    missing, unexpected = model.load_state_dict(load_file(os.path.join(folder, "model.safetensors")), strict=False)
+    if missing or unexpected:
+        sys.exit(f"{folder}: the saved tensors do not fit the 2/4/2 config: missing {missing}, unexpected {unexpected}")
+    model.eval()
+    golden = dict(np.load(os.path.join(folder, "golden.npz")))
+    passes: list = []
+    step, embed = model.iterate_one_step, model.embed_inputs
+
+    def counted_embed(*a, **kw):  # one call per generated token (the continuous warm start's has no cache)
+        if kw.get("past_key_values") is not None:
+            passes.append(0)
+        return embed(*a, **kw)
+
+    def counted_step(*a, **kw):
+        passes[-1] += 1
+        return step(*a, **kw)
+
+    model.embed_inputs, model.iterate_one_step = counted_embed, counted_step
+    out, cases = {}, []
+    for i in range(len(PROMPT_LENS)):
+        x = torch.tensor(golden[f"prompt_{i}"][None].astype(np.int64))
+        for crit, thresholds in THRESHOLDS.items():
+            for thr in thresholds:
+                for min_steps, every in SCHEDULES:
+                    for no_prefill_exit in (False, True):
+                        for continuous in (False, True):
+                            if (min_steps, every) != (0, 1) and (continuous or thr != thresholds[1]):
+                                continue
+                            passes.clear()
+                            with torch.no_grad():
+                                seq = model.generate_with_adaptive_compute(
+                                    x, GenerationConfig(do_sample=False), criterion=crit, exit_threshold=thr,
+                                    init_scale=0.0, cache_lookup_strategy="latest-m4",
+                                    do_not_exit_in_prefill=no_prefill_exit, continuous_compute=continuous,
+                                    min_steps=min_steps, check_criterion_every_n_steps=every,
+                                    num_steps=ADAPTIVE_STEPS, max_new_tokens=ADAPTIVE_TOKENS)
+                            key = f"case{len(cases)}"
+                            cases.append(dict(key=key, prompt=i, criterion=crit, threshold=thr, min_steps=min_steps,
+                                              check_every=every, exit_in_prefill=not no_prefill_exit,
+                                              continuous_compute=continuous))
+                            out[f"{key}_tokens"] = seq[0, x.shape[1]:].numpy().astype(np.int32)
+                            out[f"{key}_passes"] = np.array(passes, np.int32)
+                            print(key, crit, thr, min_steps, every, no_prefill_exit, continuous, passes)
+    out["cases"] = np.array(json.dumps(cases))
+    out["steps"] = np.array(ADAPTIVE_STEPS, np.int32)
+    np.savez(os.path.join(folder, "adaptive.npz"), **out)
+    print(f"wrote {folder}/adaptive.npz: {len(cases)} cases")
 
 
 if __name__ == "__main__":

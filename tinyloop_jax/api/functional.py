@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..model import adaptive as ad
 from ..model import cache as kvc
 from ..decoding import programs
 from ..model import sharding
@@ -34,6 +35,13 @@ from ..model.params import Weights
 from .prefix import PrefixCache, prefix_at_depth  # noqa: F401 - prefix_at_depth is part of this API
 from ..decoding.sampling import Request
 from ..model.transformer import Exit
+
+
+class Adaptive(NamedTuple):
+    """A call's adaptive depth (`model.adaptive`): each row's exit rule, and whether the prompts
+    may exit too (else they run every pass, so a prefix serves any rule)."""
+    policy: ad.Policy  # [N]
+    in_prefill: bool = False
 
 
 class Speculation(NamedTuple):
@@ -162,7 +170,7 @@ def own_room(longest_suffix: int, max_new: int, cache_window: int, speculation: 
 
 def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request: Request, loops: int | None = None,
            cache_window: int | None = None, speculation: Speculation | None = None,
-           exit: Exit | None = None) -> DecodeState:
+           exit: Exit | None = None, adaptive: Adaptive | None = None) -> DecodeState:
     """N requests, each = prefix (shared, read once per step for all; or none) + its suffix
     (possibly empty when there is a prefix) + up to request.max_tokens new tokens.
 
@@ -172,6 +180,9 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
     extra = sharding.rows(c.mesh, len(suffixes)) - len(suffixes)
     if extra:  # the batch is split over 'data': filler rows that stop after one token
         suffixes, request = list(suffixes) + [suffixes[-1]] * extra, request.pad(extra)
+        if adaptive is not None:
+            adaptive = adaptive._replace(policy=jax.tree.map(
+                lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], extra, axis=0)]), adaptive.policy))
     loops = (prefix.loops if prefix is not None else c.default_loops) if loops is None else loops
     window = (prefix.cache_window if prefix is not None else 0) if cache_window is None else cache_window
     N, P = len(suffixes), 0 if prefix is None else len(prefix)
@@ -185,6 +196,9 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
     if prefix is not None and c.early_exit_gate:  # the prefix's logits with this call's exit
         prior_logits = programs.prefix_logits(weights.params, c, prefix.depth_states, loops=loops, exit=exit)
     prior_seen = prefix.seen if prefix is not None else jnp.zeros((c.vocab_size,), bool)
+    if adaptive is not None:
+        return decode_adaptive(weights, prefix, suffixes, request, loops, window, ro, own, prior_logits, prior_seen,
+                               lens, adaptive)
     if lens.max() > 0:
         tokens = np.stack([pad(s, kvc.bucket(int(lens.max()))) for s in suffixes])
         logits, seen, own = programs.prefill_rows(weights.params, c, jnp.asarray(tokens), jnp.asarray(lens),
@@ -200,16 +214,44 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
     return speculative.decode(*args, **kw, draft_loops=speculation.draft_loops, lookahead=speculation.lookahead)
 
 
+def decode_adaptive(weights: Weights, prefix: PrefixCache | None, suffixes: list, request: Request, loops: int,
+                    window: int, ro: tuple, own: KVCache, prior_logits, prior_seen, lens: np.ndarray,
+                    adaptive: Adaptive) -> DecodeState:
+    """`decode`'s adaptive-depth path, from the call's segments on: the suffixes prefilled (at
+    full depth unless `adaptive.in_prefill`), then the adaptive decode loop."""
+    c, N = weights.config, len(suffixes)
+    full = ad.Policy.stack([ad.make_policy(c, loops, None)] * N)
+    prior_depth = jnp.int32(loops)
+    prior_state = (prefix.depth_states[c.n_pre_blocks + loops - 1] if prefix is not None
+                   else jnp.zeros((c.d_model,), c.compute_dtype))
+    if lens.max() > 0:
+        tokens = np.stack([pad(s, kvc.bucket(int(lens.max()))) for s in suffixes])
+        logits, seen, own, depth, state = programs.prefill_rows_adaptive(
+            weights.params, c, jnp.asarray(tokens), jnp.asarray(lens), jnp.full((N,), 0 if prefix is None else len(prefix),
+                                                                                jnp.int32),
+            ro, own, prior_logits, prior_seen, prior_depth, prior_state,
+            adaptive.policy if adaptive.in_prefill else full, request.seed, loops=loops, window=window)
+    else:
+        logits = jnp.broadcast_to(prior_logits, (N, c.vocab_size))
+        seen = jnp.broadcast_to(prior_seen, (N, c.vocab_size))
+        depth, state = jnp.full((N,), loops, jnp.int32), jnp.broadcast_to(prior_state, (N, c.d_model))
+    return programs.decode_adaptive(weights.params, c, ro, own, logits, seen, depth, state, request, adaptive.policy,
+                                    loops=loops, window=window, out_len=kvc.bucket(int(np.max(request.max_tokens)),
+                                                                                   minimum=8))
+
+
 def generate(weights: Weights, prompts: list, request: Request, loops: int | None = None, cache_window: int = 0,
-             speculation: Speculation | None = None, exit: Exit | None = None) -> DecodeState:
+             speculation: Speculation | None = None, exit: Exit | None = None,
+             adaptive: Adaptive | None = None) -> DecodeState:
     """N unrelated prompts: one prompt is built as a prefix and decoded (`decode`); several are
-    decoded together, each prompt its own segment."""
+    decoded together, each prompt its own segment (and so is one whose prompt may exit early)."""
     loops = weights.config.default_loops if loops is None else loops
     check_fits(weights, [len(p) for p in prompts], request, loops, cache_window, speculation)
-    if len(prompts) == 1:
+    if len(prompts) == 1 and not (adaptive is not None and adaptive.in_prefill):
         prefix = build_prefix(weights, prompts[0], loops, cache_window, exit=exit, seed=int(request.seed[0]))
-        return decode(weights, prefix, [np.zeros((0,), np.int32)], request, loops, cache_window, speculation, exit)
-    return decode(weights, None, prompts, request, loops, cache_window, speculation, exit)
+        return decode(weights, prefix, [np.zeros((0,), np.int32)], request, loops, cache_window, speculation, exit,
+                      adaptive)
+    return decode(weights, None, prompts, request, loops, cache_window, speculation, exit, adaptive)
 
 
 def check_fits(weights: Weights, prompt_lens: list, request: Request, loops: int, cache_window: int,

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..model import adaptive as ad
 from ..model import cache as kvc
 from ..formats import checkpoint
 from ..decoding import programs
@@ -53,6 +54,9 @@ class Model:
         self._weights: Weights | None = Weights.create(params, config)
         self._config = config
         self.last_speculation: dict | None = None  # rounds / drafted / accepted of the last speculative call
+        # passes run for each emitted token by the last call with an exit_criterion (a list; the
+        # batched calls: one list per row); None after a call without one
+        self.last_depths: list | None = None
 
     # ---- construction, persistence, lifetime -------------------------------------------------
 
@@ -201,11 +205,35 @@ class Model:
             raise ValueError(f"lookahead must be >= 1, got {k}")
         return F.Speculation(d, k)
 
+    def _adaptive(self, n: int, loops: int, criterion, threshold, min_steps, check_every, in_prefill, continuous,
+                  speculation, exit_at_step, prefix: bool = False) -> F.Adaptive | None:
+        """The call's adaptive depth (`model.adaptive`), checked; None without an exit_criterion."""
+        pol = ad.make_policy(self._config, loops, criterion, threshold if criterion is not None else None,
+                             min_steps, check_every, continuous)
+        if not isinstance(in_prefill, bool):
+            raise ValueError(f"exit_in_prefill must be True or False, got {in_prefill!r}")
+        if criterion is None:
+            if in_prefill:
+                raise ValueError("exit_in_prefill needs an exit_criterion")
+            return None
+        if exit_at_step is not None:
+            raise ValueError("exit_at_step picks a pass of a full-depth run; it does not go with exit_criterion")
+        if speculation is not None:
+            raise ValueError("draft_loops (speculative decoding) does not go with exit_criterion")
+        if in_prefill and prefix:
+            raise ValueError("exit_in_prefill=True: a prefix was prefilled at full depth; pass the whole prompt to "
+                             "generate instead")
+        return F.Adaptive(ad.Policy.stack([pol] * n), in_prefill)
+
     # ---- device -> host ----------------------------------------------------------------------
 
     def _lists(self, state: DecodeState, heads: list, speculation: F.Speculation | None) -> list[list[int]]:
         """Row i: heads[i] (its prompt) + the tokens it emitted."""
         tokens, n = sharding.to_host(state.tokens), sharding.to_host(state.n)
+        self.last_depths = None  # adaptive depth: the passes run for each emitted token, per row
+        if state.depths is not None:
+            depths = sharding.to_host(state.depths)
+            self.last_depths = [depths[i, : n[i]].tolist() for i in range(len(heads))]
         if speculation is not None:
             rounds = int(state.step)
             self.last_speculation = dict(rounds=rounds, drafted=rounds * speculation.lookahead,
@@ -253,7 +281,8 @@ class Model:
                  top_k: int = 50, top_p: float = 1.0, cache_window: int = 0, repetition_penalty: float = 1.0,
                  stop_sequences=(), seed: int = 0, draft_loops: int | None = None, lookahead: int = 4,
                  exit_at_step: int | None = None, exit_threshold: float | None = None, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0, logit_bias=None) -> list[int]:
+                 frequency_penalty: float = 0.0, logit_bias=None, exit_criterion: str | None = None, min_steps: int = 0, check_every: int = 1,
+                 exit_in_prefill: bool = False, continuous_compute: bool = False) -> list[int]:
         """Prompt + up to `max_tokens` emitted tokens (a list of ints).
 
         presence_penalty / frequency_penalty (in [-2, 2]) and logit_bias ({token id: bias in
@@ -272,10 +301,14 @@ class Model:
                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                 logit_bias=logit_bias)
         spec = self._speculation(draft_loops, lookahead, loops)
-        ex = self.exit_for(loops, exit_at_step, exit_threshold)
+        ada = self._adaptive(1, loops, exit_criterion, exit_threshold, min_steps, check_every, exit_in_prefill,
+                             continuous_compute, spec, exit_at_step)
+        ex = None if ada else self.exit_for(loops, exit_at_step, exit_threshold)
         self._check_length(len(prompt) + params.max_tokens, "prompt + max_tokens")
-        state = F.generate(w, [prompt], Request.from_params([params]), loops, window, spec, ex)
-        return self._lists(state, [prompt.tolist()], spec)[0]
+        state = F.generate(w, [prompt], Request.from_params([params]), loops, window, spec, ex, ada)
+        out = self._lists(state, [prompt.tolist()], spec)[0]
+        self.last_depths = self.last_depths and self.last_depths[0]
+        return out
 
     def build_prefix_cache(self, prompt, loops: int | None = None, cache_window: int = 0,
                            keep_state: bool = False, seed: int = 0) -> PrefixCache:
@@ -303,7 +336,8 @@ class Model:
                                    stop_sequences=(), suffix=None, seed: int = 0, draft_loops: int | None = None,
                                    lookahead: int = 4, exit_at_step: int | None = None,
                                    exit_threshold: float | None = None, presence_penalty: float = 0.0,
-                                   frequency_penalty: float = 0.0, logit_bias=None) -> list[int]:
+                                   frequency_penalty: float = 0.0, logit_bias=None, exit_criterion: str | None = None, min_steps: int = 0, check_every: int = 1,
+                                   exit_in_prefill: bool = False, continuous_compute: bool = False) -> list[int]:
         """prefix.prompt + suffix + up to `max_tokens` emitted tokens. The prefix is only read.
 
         `loops` / `cache_window` default to the prefix's own; any other value is a RuntimeError.
@@ -316,11 +350,15 @@ class Model:
                                 logit_bias=logit_bias)
         req = Request.from_params([params])
         spec = self._speculation(draft_loops, lookahead, loops)
-        ex = self.exit_for(loops, exit_at_step, exit_threshold)
+        ada = self._adaptive(1, loops, exit_criterion, exit_threshold, min_steps, check_every, exit_in_prefill,
+                             continuous_compute, spec, exit_at_step, prefix=True)
+        ex = None if ada else self.exit_for(loops, exit_at_step, exit_threshold)
         self._check_length(len(prefix) + len(suffix) + params.max_tokens, "prefix + suffix + max_tokens")
         F.check_fits(w, [len(suffix)], req, loops, window, spec, prefix_len=len(prefix))
-        state = F.decode(w, prefix, [suffix], req, loops, window, spec, ex)
-        return self._lists(state, [prefix.prompt.tolist() + suffix.tolist()], spec)[0]
+        state = F.decode(w, prefix, [suffix], req, loops, window, spec, ex, ada)
+        out = self._lists(state, [prefix.prompt.tolist() + suffix.tolist()], spec)[0]
+        self.last_depths = self.last_depths and self.last_depths[0]
+        return out
 
     def generate_batch_from_prefix_cache(self, prefix: PrefixCache, suffixes, max_tokens: int = 32,
                                          loops: int | None = None, temperature: float = 0.0, top_k: int = 50,
@@ -328,7 +366,8 @@ class Model:
                                          repetition_penalty: float = 1.0, stop_sequences=(), seeds=None,
                                          exit_at_step: int | None = None, exit_threshold: float | None = None,
                                          presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                                         logit_bias=None) -> list[list[int]]:
+                                         logit_bias=None, exit_criterion: str | None = None, min_steps: int = 0, check_every: int = 1,
+                                         exit_in_prefill: bool = False, continuous_compute: bool = False) -> list[list[int]]:
         """N requests off one prefix, decoded together: the i-th result equals
         `generate_from_prefix_cache(prefix, suffix=suffixes[i], seed=seeds[i], ...)`.
 
@@ -344,11 +383,13 @@ class Model:
                                       repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                                       frequency_penalty=frequency_penalty, logit_bias=logit_bias)
         req = Request.from_params(params)
-        ex = self.exit_for(loops, exit_at_step, exit_threshold)
+        ada = self._adaptive(len(suffixes), loops, exit_criterion, exit_threshold, min_steps, check_every,
+                             exit_in_prefill, continuous_compute, None, exit_at_step, prefix=True)
+        ex = None if ada else self.exit_for(loops, exit_at_step, exit_threshold)
         self._check_length(len(prefix) + max(len(x) for x in suffixes) + params[0].max_tokens,
                            "prefix + longest suffix + max_tokens")
         F.check_fits(w, [len(x) for x in suffixes], req, loops, window, prefix_len=len(prefix))
-        state = F.decode(w, prefix, suffixes, req, loops, window, exit=ex)
+        state = F.decode(w, prefix, suffixes, req, loops, window, exit=ex, adaptive=ada)
         head = prefix.prompt.tolist()
         return self._lists(state, [head + x.tolist() for x in suffixes], None)
 
@@ -356,7 +397,8 @@ class Model:
                        top_k: int = 50, top_p: float = 1.0, cache_window: int = 0, repetition_penalty: float = 1.0,
                        stop_sequences=(), seeds=None, exit_at_step: int | None = None,
                        exit_threshold: float | None = None, presence_penalty: float = 0.0,
-                       frequency_penalty: float = 0.0, logit_bias=None) -> list[list[int]]:
+                       frequency_penalty: float = 0.0, logit_bias=None, exit_criterion: str | None = None, min_steps: int = 0, check_every: int = 1,
+                       exit_in_prefill: bool = False, continuous_compute: bool = False) -> list[list[int]]:
         """Unrelated prompts decoded together (ragged, padded and masked): the i-th result
         equals `generate(prompts[i], seed=seeds[i], ...)`."""
         w = self.weights
@@ -366,9 +408,11 @@ class Model:
                                       temperature=temperature, top_k=top_k, top_p=top_p,
                                       repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                                       frequency_penalty=frequency_penalty, logit_bias=logit_bias)
-        ex = self.exit_for(loops, exit_at_step, exit_threshold)
+        ada = self._adaptive(len(prompts), loops, exit_criterion, exit_threshold, min_steps, check_every,
+                             exit_in_prefill, continuous_compute, None, exit_at_step)
+        ex = None if ada else self.exit_for(loops, exit_at_step, exit_threshold)
         self._check_length(max(len(x) for x in prompts) + params[0].max_tokens, "longest prompt + max_tokens")
-        state = F.generate(w, prompts, Request.from_params(params), loops, window, exit=ex)
+        state = F.generate(w, prompts, Request.from_params(params), loops, window, exit=ex, adaptive=ada)
         return self._lists(state, [x.tolist() for x in prompts], None)
 
     def next_token_logits_from_prefix(self, prefix: PrefixCache, suffix, loops: int | None = None,

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from ..model import adaptive as ad
 from ..model import cache as kvc
 from ..model import transformer as tf
 from ..model.cache import KVCache
@@ -190,6 +191,8 @@ class DecodeState:
     step: Annotated[jax.Array, "int32[]"]  # loop iterations so far (the sampling key index)
     own: KVCache  # the rows' own segments: leading N axis (one row: unbatched, see rows_in_loop)
     accepted: Annotated[jax.Array, "int32[N]"]  # speculative drafts kept (0 in plain decoding)
+    depths: Annotated[jax.Array, "int32[N, S]"] | None = None  # adaptive depth: passes run for each emitted token
+    warm: Annotated[jax.Array, "[N, D]"] | None = None  # adaptive depth: each row's last state (continuous compute)
 
 
 def is_done(state: DecodeState) -> jax.Array:
@@ -252,6 +255,54 @@ def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logi
         return emit(state.replace(seen=seen, counts=counts, own=own, step=state.step + 1), tok, req)
 
     state = jax.lax.while_loop(lambda s: ~is_done(s), step, start(first_logits, seen, rows_in_loop(own), req, out_len))
+    return state.replace(own=rows_out_of_loop(state.own))
+
+
+# ---- adaptive depth --------------------------------------------------------------------------
+
+@partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("own",))
+def prefill_rows_adaptive(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array,
+                          start_pos: jax.Array, ro: tuple, own: KVCache, prior_logits: jax.Array, prior_seen: jax.Array,
+                          prior_depth: jax.Array, prior_state: jax.Array, pol: ad.Policy, seeds: jax.Array, loops: int,
+                          window: int):
+    """`prefill_rows` with adaptive depth (pol [N]; a policy of kind NONE prefills at full
+    depth): also returns each row's depth [N] and last state [N, D] (prior_depth [],
+    prior_state [D]: what the shared segments end with, for empty rows)."""
+    out = ad.forward_rows(params, cfg, tokens, n_valid, start_pos, ro, rows_in_loop(own), loops, window, pol, seeds)
+    has = n_valid > 0  # empty rows store nothing; they keep what the shared segments end with
+    seen = jax.vmap(lambda t, n: token_mask(t, n, cfg.vocab_size) | prior_seen)(tokens, n_valid)
+    return (jnp.where(has[:, None], out.logits, prior_logits), seen, rows_out_of_loop(out.own),
+            jnp.where(has, out.depth, prior_depth), jnp.where(has[:, None], out.state, prior_state))
+
+
+def record_depth(state: DecodeState, depth: jax.Array) -> jax.Array:
+    """`depths` with depth [N] written where each row's next token goes (rows not done)."""
+    rows, S = jnp.arange(depth.shape[0]), state.depths.shape[1]
+    put = state.depths.at[rows, jnp.minimum(state.n, S - 1)].set(depth)
+    return jnp.where(state.done[:, None], state.depths, put)
+
+
+@partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len"), donate_argnames=("own",))
+def decode_adaptive(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logits: jax.Array,
+                    seen: jax.Array, first_depth: jax.Array, first_state: jax.Array, req: Request, pol: ad.Policy,
+                    loops: int, window: int, out_len: int) -> DecodeState:
+    """`decode` with adaptive depth: each step's passes stop at each row's exit (pol [N]).
+    first_depth [N], first_state [N, D]: the prompts' depths and last states. The state's
+    `depths` hold the passes run for each emitted token."""
+    N = first_logits.shape[0]
+    s0 = start(first_logits, seen, rows_in_loop(own), req, out_len)
+    s0 = s0.replace(depths=jnp.zeros((N, out_len), jnp.int32).at[:, 0].set(first_depth), warm=first_state)
+
+    def step(state: DecodeState) -> DecodeState:
+        seen, counts = feed(state, state.last)
+        out = ad.forward_rows(params, cfg, state.last[:, None], jnp.ones((N,), jnp.int32), row_lengths(state.own), ro,
+                              state.own, loops, window, pol, req.seed, state.warm)
+        tok = select_tokens(out.logits, seen, req, state.step + 1, counts)
+        state = state.replace(seen=seen, counts=counts, own=out.own, step=state.step + 1,
+                              depths=record_depth(state, out.depth), warm=out.state.astype(state.warm.dtype))
+        return emit(state, tok, req)
+
+    state = jax.lax.while_loop(lambda s: ~is_done(s), step, s0)
     return state.replace(own=rows_out_of_loop(state.own))
 
 

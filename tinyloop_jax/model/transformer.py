@@ -356,34 +356,16 @@ def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Arra
                          f"{len(own.post)} coda layers, read-only segments have {[s.passes for s in ro]} passes"
                          + (f"; an injection model takes embeddings [T, D] with every pre layer or its (state | e) "
                             f"carry [T, 2D] with none, got x {tuple(x.shape)}" if inject else ""))
-    q_pos = start_pos + jnp.arange(T, dtype=jnp.int32)
-    chunk = Chunk(q_pos, jnp.where(jnp.arange(T) < n_valid, q_pos, -1), kvc.write_slots(q_pos, n_valid, own.capacity))
+    chunk = make_chunk(start_pos, n_valid, T, own.capacity)
     last = jnp.maximum(n_valid - 1, 0)
     at_last = lambda x: jax.lax.dynamic_index_in_dim(x, last, axis=0, keepdims=False)  # noqa: E731
     gated = exit is not None and cfg.early_exit_gate
 
-    if continuing:
-        x, e = rec.split_carry(x)
-    elif inject and cfg.embed_scale != 1.0:
-        x = x * cfg.embed_scale
-    pre, states = [], []
-    for j, store in enumerate(own.pre):
-        layers = [Layer(s.pre[j], s.pos, s.kv_mode) for s in ro]
-        x, store = block(x, params.pre[j], cfg, chunk, layers, own, store, None, window)
-        pre.append(store)
-        states.append(at_last(x))
-    if inject and not continuing:
-        e, x = x, rec.initial_state(cfg, seed, q_pos)
+    x, e, pre, states = run_pre(params, cfg, x, chunk, ro, own, window, seed, continuing)
 
     def one_pass(i, carry):
         x, stack, passes, sel = carry
-        if inject:
-            x = rec.pass_input(params, x, e)
-        for j, blk in enumerate(params.loop):
-            layers = [Layer(kvc.read(s.loop, (i, j)), s.pos, s.kv_mode) for s in ro]
-            x, stack = block(x, blk, cfg, chunk, layers, own, stack, (i, j), window)
-        if cfg.pass_norm:
-            x = final_norm(params, cfg, x)
+        x, stack = loop_pass(params, cfg, i, x, e, stack, chunk, ro, own, window)
         if keep_states:
             passes = passes.at[i].set(at_last(x))
         if gated:
@@ -393,18 +375,72 @@ def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Arra
     passes = jnp.zeros((loops, x.shape[1]), x.dtype) if keep_states else None
     sel = ExitCarry.start(x) if gated else None
     x, loop, passes, sel = jax.lax.fori_loop(0, loops, one_pass, (x, own.loop, passes, sel))
-    y, post = (final_norm(params, cfg, x) if cfg.norm_before_coda else x), []
-    for j, store in enumerate(own.post):
-        layers = [Layer(s.post[j], s.pos, s.kv_mode) for s in ro]
-        y, store = block(y, params.post[j], cfg, chunk, layers, own, store, None, window)
-        post.append(store)
-    new_own = own.replace(pre=tuple(pre), loop=loop, post=tuple(post),
-                          pos=kvc.write_positions(own.pos, q_pos, chunk.slots),
+    y, post = run_coda(params, cfg, x, chunk, ro, own, own.post, window)
+    new_own = own.replace(pre=tuple(pre), loop=loop, post=post,
+                          pos=kvc.write_positions(own.pos, chunk.q_pos, chunk.slots),
                           length=(start_pos + n_valid).astype(jnp.int32))
     if keep_states:
         states = jnp.concatenate([jnp.stack(states), passes]) if states else passes
     exit_x = sel.pick(x) if gated else y
     return Run(rec.carry(x, e) if inject else x, new_own, states if keep_states else None, exit_x)
+
+
+def make_chunk(start_pos: jax.Array, n_valid: jax.Array, T: int, capacity: int) -> Chunk:
+    """Where a chunk of T tokens (the first n_valid real) at start_pos goes in a segment of
+    `capacity` slots."""
+    q_pos = start_pos + jnp.arange(T, dtype=jnp.int32)
+    return Chunk(q_pos, jnp.where(jnp.arange(T) < n_valid, q_pos, -1), kvc.write_slots(q_pos, n_valid, capacity))
+
+
+def run_pre(params: Params, cfg: ModelConfig, x: jax.Array, chunk: Chunk, ro: tuple, own: KVCache, window: int,
+            seed: jax.Array | None, continuing: bool = False):
+    """The chunk through own's pre blocks (if it holds them). Returns (the stream entering the
+    first pass [T, D] (injection: the initial state), the pre blocks' output e (injection,
+    else None), own's pre layers with the chunk written, the last real token's stream after each
+    pre block ([D] each))."""
+    inject = rec.injected(cfg)
+    last = jnp.maximum(jnp.sum(chunk.self_pos >= 0) - 1, 0)
+    if continuing:
+        x, e = rec.split_carry(x)
+    elif inject and cfg.embed_scale != 1.0:
+        x = x * cfg.embed_scale
+    e = e if continuing else None
+    pre, states = [], []
+    for j, store in enumerate(own.pre):
+        layers = [Layer(s.pre[j], s.pos, s.kv_mode) for s in ro]
+        x, store = block(x, params.pre[j], cfg, chunk, layers, own, store, None, window)
+        pre.append(store)
+        states.append(jax.lax.dynamic_index_in_dim(x, last, axis=0, keepdims=False))
+    if inject and not continuing:
+        e, x = x, rec.initial_state(cfg, seed, chunk.q_pos)
+    return x, e, pre, states
+
+
+def loop_pass(params: Params, cfg: ModelConfig, i, x: jax.Array, e: jax.Array | None, stack: dict, chunk: Chunk,
+              ro: tuple, own: KVCache, window: int):
+    """Pass i (traced) of the loop stack over the chunk's streams x [T, D] (injection: the
+    state, with the pre blocks' output e), writing pass i's layers of `stack`. Returns (x after
+    the pass (its final norm with `pass_norm`), stack)."""
+    if e is not None:
+        x = rec.pass_input(params, x, e)
+    for j, blk in enumerate(params.loop):
+        layers = [Layer(kvc.read(s.loop, (i, j)), s.pos, s.kv_mode) for s in ro]
+        x, stack = block(x, blk, cfg, chunk, layers, own, stack, (i, j), window)
+    if cfg.pass_norm:
+        x = final_norm(params, cfg, x)
+    return x, stack
+
+
+def run_coda(params: Params, cfg: ModelConfig, x: jax.Array, chunk: Chunk, ro: tuple, own: KVCache, post: tuple,
+             window: int):
+    """After the last pass: the final norm (`norm_before_coda`), then the coda blocks writing
+    the chunk into `post` (own's coda layers). Returns (streams for the head [T, D], post)."""
+    y, out = (final_norm(params, cfg, x) if cfg.norm_before_coda else x), []
+    for j, store in enumerate(post):
+        layers = [Layer(s.post[j], s.pos, s.kv_mode) for s in ro]
+        y, store = block(y, params.post[j], cfg, chunk, layers, own, store, None, window)
+        out.append(store)
+    return y, tuple(out)
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
