@@ -226,10 +226,10 @@ def decode_adaptive(weights: Weights, prefix: PrefixCache | None, suffixes: list
                    else jnp.zeros((c.d_model,), c.compute_dtype))
     if lens.max() > 0:
         tokens = np.stack([pad(s, kvc.bucket(int(lens.max()))) for s in suffixes])
+        start = jnp.full((N,), 0 if prefix is None else len(prefix), jnp.int32)
         logits, seen, own, depth, state = programs.prefill_rows_adaptive(
-            weights.params, c, jnp.asarray(tokens), jnp.asarray(lens), jnp.full((N,), 0 if prefix is None else len(prefix),
-                                                                                jnp.int32),
-            ro, own, prior_logits, prior_seen, prior_depth, prior_state,
+            weights.params, c, jnp.asarray(tokens), jnp.asarray(lens), start, ro, own, prior_logits, prior_seen,
+            prior_depth, prior_state,
             adaptive.policy if adaptive.in_prefill else full, request.seed, loops=loops, window=window)
     else:
         logits = jnp.broadcast_to(prior_logits, (N, c.vocab_size))

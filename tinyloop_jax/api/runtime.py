@@ -281,7 +281,8 @@ class Model:
                  top_k: int = 50, top_p: float = 1.0, cache_window: int = 0, repetition_penalty: float = 1.0,
                  stop_sequences=(), seed: int = 0, draft_loops: int | None = None, lookahead: int = 4,
                  exit_at_step: int | None = None, exit_threshold: float | None = None, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0, logit_bias=None, exit_criterion: str | None = None, min_steps: int = 0, check_every: int = 1,
+                 frequency_penalty: float = 0.0, logit_bias=None,
+                 exit_criterion: str | None = None, min_steps: int = 0, check_every: int = 1,
                  exit_in_prefill: bool = False, continuous_compute: bool = False) -> list[int]:
         """Prompt + up to `max_tokens` emitted tokens (a list of ints).
 
@@ -336,7 +337,8 @@ class Model:
                                    stop_sequences=(), suffix=None, seed: int = 0, draft_loops: int | None = None,
                                    lookahead: int = 4, exit_at_step: int | None = None,
                                    exit_threshold: float | None = None, presence_penalty: float = 0.0,
-                                   frequency_penalty: float = 0.0, logit_bias=None, exit_criterion: str | None = None, min_steps: int = 0, check_every: int = 1,
+                                   frequency_penalty: float = 0.0, logit_bias=None,
+                                   exit_criterion: str | None = None, min_steps: int = 0, check_every: int = 1,
                                    exit_in_prefill: bool = False, continuous_compute: bool = False) -> list[int]:
         """prefix.prompt + suffix + up to `max_tokens` emitted tokens. The prefix is only read.
 
@@ -366,8 +368,9 @@ class Model:
                                          repetition_penalty: float = 1.0, stop_sequences=(), seeds=None,
                                          exit_at_step: int | None = None, exit_threshold: float | None = None,
                                          presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                                         logit_bias=None, exit_criterion: str | None = None, min_steps: int = 0, check_every: int = 1,
-                                         exit_in_prefill: bool = False, continuous_compute: bool = False) -> list[list[int]]:
+                                         logit_bias=None, exit_criterion: str | None = None, min_steps: int = 0,
+                                         check_every: int = 1, exit_in_prefill: bool = False,
+                                         continuous_compute: bool = False) -> list[list[int]]:
         """N requests off one prefix, decoded together: the i-th result equals
         `generate_from_prefix_cache(prefix, suffix=suffixes[i], seed=seeds[i], ...)`.
 
@@ -397,7 +400,8 @@ class Model:
                        top_k: int = 50, top_p: float = 1.0, cache_window: int = 0, repetition_penalty: float = 1.0,
                        stop_sequences=(), seeds=None, exit_at_step: int | None = None,
                        exit_threshold: float | None = None, presence_penalty: float = 0.0,
-                       frequency_penalty: float = 0.0, logit_bias=None, exit_criterion: str | None = None, min_steps: int = 0, check_every: int = 1,
+                       frequency_penalty: float = 0.0, logit_bias=None,
+                       exit_criterion: str | None = None, min_steps: int = 0, check_every: int = 1,
                        exit_in_prefill: bool = False, continuous_compute: bool = False) -> list[list[int]]:
         """Unrelated prompts decoded together (ragged, padded and masked): the i-th result
         equals `generate(prompts[i], seed=seeds[i], ...)`."""

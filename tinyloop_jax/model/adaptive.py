@@ -219,7 +219,6 @@ def forward_rows(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: j
         tokens, n_valid, start_pos, pol, seeds = jax.tree.map(lambda a: a[0], (tokens, n_valid, start_pos, pol, seeds))
         warm = None if warm is None else warm[0]
     T, V = tokens.shape[-1], cfg.vocab_size
-    inject = rec.injected(cfg)
     chunk = vm(lambda s, n: tf.make_chunk(s, n, T, own.capacity))(start_pos, n_valid)
     valid = chunk.self_pos >= 0
     last = jnp.maximum(n_valid - 1, 0)

@@ -1,0 +1,151 @@
+"""Adaptive depth (`model.adaptive`): per-token exits identical to Huginn's own adaptive-compute
+generator (goldens from scripts/make_huginn_golden.py --adaptive, which runs the reference's
+`generate_with_adaptive_compute` with the latest-m4 lookup), Ouro's gate with skipping, and the
+runtime's paths (prefix, batch) under exits."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tinyloop_jax as tl
+from tinyloop_jax.model import transformer as tf
+from conftest import prompt_of
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+_MODELS: dict = {}
+
+
+def huginn(kv_mode: str = "fp32") -> tl.Model:
+    """The 2/4/2 tiny Huginn with the zero initial state (the goldens' init_scale=0)."""
+    if ("huginn", kv_mode) not in _MODELS:
+        w = tl.Model.from_pretrained(os.path.join(DATA, "huginn-tiny-242"), kv_mode=kv_mode).weights
+        _MODELS["huginn", kv_mode] = tl.Model(w.params, w.config.replace(state_init_scale=0.0))
+    return _MODELS["huginn", kv_mode]
+
+
+def ouro(kv_mode: str = "fp32") -> tl.Model:
+    if ("ouro", kv_mode) not in _MODELS:
+        _MODELS["ouro", kv_mode] = tl.Model.from_pretrained(os.path.join(DATA, "ouro-tiny"), kv_mode=kv_mode)
+    return _MODELS["ouro", kv_mode]
+
+
+def adaptive_golden():
+    g = dict(np.load(os.path.join(DATA, "huginn-tiny-242", "adaptive.npz")))
+    prompts = dict(np.load(os.path.join(DATA, "huginn-tiny-242", "golden.npz")))
+    return g, json.loads(str(g["cases"])), prompts
+
+
+@pytest.mark.parametrize("criterion", ["kl", "entropy-diff", "latent-diff", "cosine", "argmax-stability"])
+def test_tokens_and_passes_match_the_reference_adaptive_generator(criterion):
+    """Every case of the criterion (two thresholds, two prompts, exit in the prompt or not,
+    continuous compute or not, a later and sparser check schedule): the same greedy tokens
+    and the same passes run for every token as the reference."""
+    g, cases, prompts = adaptive_golden()
+    m, steps, checked = huginn(), int(g["steps"]), 0
+    for c in (c for c in cases if c["criterion"] == criterion):
+        prompt = prompts[f"prompt_{c['prompt']}"]
+        out = m.generate(prompt, max_tokens=len(g[c["key"] + "_tokens"]), loops=steps, exit_criterion=criterion,
+                         exit_threshold=c["threshold"], min_steps=c["min_steps"], check_every=c["check_every"],
+                         exit_in_prefill=c["exit_in_prefill"], continuous_compute=c["continuous_compute"])
+        assert out[len(prompt):] == g[c["key"] + "_tokens"].tolist(), c
+        assert m.last_depths == g[c["key"] + "_passes"].tolist(), c
+        checked += 1
+    assert checked == 20
+    # the goldens exercise real exits, not only full depth
+    passes = np.concatenate([g[c["key"] + "_passes"] for c in cases if c["criterion"] == criterion])
+    assert passes.min() < steps - 1 and (passes == steps).any()
+
+
+@pytest.mark.parametrize("family", ["huginn", "ouro"])
+def test_min_steps_equal_to_loops_is_full_depth(family):
+    m = huginn() if family == "huginn" else ouro()
+    loops = m.weights.config.default_loops + 1
+    p = prompt_of(7, seed=3)
+    full = m.generate(p, max_tokens=8, loops=loops)
+    for crit in ("kl", "latent-diff") + (("gate",) if family == "ouro" else ()):
+        assert m.generate(p, max_tokens=8, loops=loops, exit_criterion=crit, min_steps=loops) == full
+        assert m.last_depths == [loops] * 8
+    m.generate(p, max_tokens=3, loops=loops)
+    assert m.last_depths is None  # a call without a criterion reports none
+
+
+@pytest.mark.parametrize("family,mode", [("huginn", "fp32"), ("huginn", "int8"), ("ouro", "fp32"), ("ouro", "int8-h")])
+def test_prefix_reuse_equals_recompute_under_exits(family, mode):
+    """A prefix built once (at full depth) then decoded with exits == the whole prompt decoded
+    with exits: the same tokens and the same passes per token."""
+    m = huginn(mode) if family == "huginn" else ouro(mode)
+    crit, thr = ("entropy-diff", 1e-2) if family == "huginn" else ("gate", 0.4)
+    prompt, suffix, loops = prompt_of(11, seed=5), prompt_of(4, seed=6), 6
+    kw = dict(max_tokens=10, loops=loops, exit_criterion=crit, exit_threshold=thr)
+    whole = m.generate(np.concatenate([prompt, suffix]), **kw)
+    whole_depths = m.last_depths
+    prefix = m.build_prefix_cache(prompt, loops=loops)
+    assert m.generate_from_prefix_cache(prefix, suffix=suffix, **kw) == whole
+    assert m.last_depths == whole_depths and min(whole_depths) < loops
+    # no suffix: the first token comes from the prefix's own logits
+    assert m.generate_from_prefix_cache(prefix, **kw) == m.generate(prompt, **kw)
+
+
+def test_batched_rows_equal_single_requests():
+    m, loops = huginn(), 6
+    prompts = [prompt_of(n, seed=20 + n) for n in (3, 9, 6)]
+    for kw in (dict(exit_criterion="latent-diff", exit_threshold=0.3),
+               dict(exit_criterion="kl", exit_threshold=1e-2, continuous_compute=True, exit_in_prefill=True),
+               dict(exit_criterion="argmax-stability", exit_threshold=2, min_steps=1, check_every=2)):
+        rows = m.generate_batch(prompts, max_tokens=9, loops=loops, **kw)
+        depths = m.last_depths
+        for p, row, d in zip(prompts, rows, depths):
+            assert m.generate(p, max_tokens=9, loops=loops, **kw) == row, kw
+            assert m.last_depths == d, kw
+    prefix = m.build_prefix_cache(prompts[1], loops=loops)
+    suffixes = [prompt_of(n, seed=40 + n) for n in (0, 2, 5)]
+    kw = dict(max_tokens=7, exit_criterion="cosine", exit_threshold=5e-2)
+    rows, depths = m.generate_batch_from_prefix_cache(prefix, suffixes, **kw), m.last_depths
+    for s, row, d in zip(suffixes, rows, depths):
+        assert m.generate_from_prefix_cache(prefix, suffix=s, **kw) == row
+        assert m.last_depths == d
+
+
+def test_gate_exit_follows_the_exit_distribution():
+    """Ouro's gate with skipping: the first decoded token's depth is the first pass whose
+    cumulative exit probability (Ouro's exit distribution over a full-depth run of the same
+    positions) reaches the threshold, and the token is that pass's argmax."""
+    m, loops, thr = ouro(), 4, 0.3
+    p = prompt_of(9, seed=8)
+    out = m.generate(p, max_tokens=2, loops=loops, exit_criterion="gate", exit_threshold=thr)
+    depth = m.last_depths[1]
+    seq = np.asarray(out[:len(p) + 1], np.int32)
+    w = m.weights
+    states = m.build_prefix_cache(seq, loops=loops).depth_states[w.config.n_pre_blocks:]  # [loops, D]
+    cdf = np.cumsum(np.asarray(tf.exit_distribution(w.params, states[:, None]))[:, 0])
+    expected = int(np.argmax(cdf >= thr)) + 1
+    assert depth == expected and m.last_depths[0] == loops
+    logits = tf.lm_head(w.params, w.config, states[expected - 1])
+    assert out[-1] == int(jnp.argmax(logits))
+
+
+def test_bad_adaptive_arguments():
+    m, p = huginn(), prompt_of(5)
+    bad = [(dict(exit_criterion="entropy"), "entropy"),
+           (dict(exit_criterion="kl", exit_threshold=float("nan")), "nan"),
+           (dict(exit_criterion="kl", exit_threshold=-0.1), "-0.1"),
+           (dict(exit_criterion="kl", min_steps=9, loops=8), "min_steps=9"),
+           (dict(exit_criterion="kl", check_every=0), "check_every"),
+           (dict(exit_criterion="kl", min_steps=-1), "min_steps"),
+           (dict(exit_criterion="argmax-stability", exit_threshold=2.5), "2.5"),
+           (dict(exit_criterion="gate"), "gate"),
+           (dict(min_steps=2), "exit_criterion"),
+           (dict(exit_in_prefill=True), "exit_criterion"),
+           (dict(exit_criterion="kl", draft_loops=1), "draft_loops"),
+           (dict(exit_criterion="kl", exit_in_prefill="yes"), "yes")]
+    for kw, name in bad:
+        with pytest.raises(ValueError, match=name.replace("[", r"\[")):
+            m.generate(p, max_tokens=2, **kw)
+    with pytest.raises(ValueError, match="continuous_compute"):
+        ouro().generate(p, max_tokens=2, exit_criterion="kl", continuous_compute=True)
+    with pytest.raises(ValueError, match="exit_in_prefill"):
+        m.generate_from_prefix_cache(m.build_prefix_cache(p), max_tokens=2, exit_criterion="kl",
+                                     exit_in_prefill=True)
