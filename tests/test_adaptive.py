@@ -149,3 +149,26 @@ def test_bad_adaptive_arguments():
     with pytest.raises(ValueError, match="exit_in_prefill"):
         m.generate_from_prefix_cache(m.build_prefix_cache(p), max_tokens=2, exit_criterion="kl",
                                      exit_in_prefill=True)
+
+
+def test_engine_requests_with_mixed_criteria_equal_generate():
+    """Requests with different exit rules (and none) batched together in the engine: each one's
+    tokens and passes per token equal `generate`'s; the engine counts the passes it skipped."""
+    m, loops = huginn(), 6
+    work = [(prompt_of(9, seed=60), dict(exit_criterion="kl", exit_threshold=1e-2)),
+            (prompt_of(5, seed=61), dict()),
+            (prompt_of(12, seed=62), dict(exit_criterion="latent-diff", exit_threshold=0.3)),
+            (prompt_of(7, seed=63), dict(exit_criterion="entropy-diff", exit_threshold=1e-2, continuous_compute=True)),
+            (prompt_of(9, seed=60), dict(exit_criterion="argmax-stability", exit_threshold=2, min_steps=1))]
+    with tl.Engine(m, max_batch=4, prefill_chunk=16, prefix_slots=2) as eng:
+        handles = [eng.submit(p, max_tokens=8, loops=loops, **kw) for p, kw in work]
+        got = [(h.result(), h.depths) for h in handles]
+        stats = eng.stats()
+    skipped = 0
+    for (p, kw), (tokens, depths) in zip(work, got):
+        assert tokens == m.generate(p, max_tokens=8, loops=loops, **kw), kw
+        assert depths == (m.last_depths or []), kw
+        skipped += sum(loops - d for d in depths)
+    assert skipped > 0 and stats["depths"][loops]["passes_skipped"] == skipped
+    with tl.Engine(m) as eng, pytest.raises(ValueError, match="check_every"):
+        eng.submit(prompt_of(3), exit_criterion="kl", check_every=0)

@@ -67,6 +67,7 @@ def server(model):
 
 def complete(server, prompt, **kw):
     extra = {k: kw.pop(k) for k in ("top_k", "repetition_penalty", "loops", "ignore_eos") if k in kw}
+    extra.update(kw.pop("extra_body", {}))
     return server.client.completions.create(model="tiny", prompt=prompt, temperature=kw.pop("temperature", 0.0),
                                             extra_body=extra or None, **kw)
 
@@ -153,6 +154,9 @@ def test_concurrent_clients_equal_sequential(server):
     (dict(prompt=["hi"] * 65, n=2), "choices"),
     (dict(prompt="hi", stop=[""]), "stop"),
     (dict(prompt="hi", loops=0), "loops"),
+    (dict(prompt="hi", exit_criterion="nope"), "exit_criterion"),
+    (dict(prompt="hi", exit_criterion="kl", check_every=0), "check_every"),
+    (dict(prompt="hi", exit_criterion="kl", exit_threshold=-1), "exit_threshold"),
     (dict(prompt="hi", model="gpt-4"), "gpt-4"),
     (dict(max_tokens=3), "prompt"),
 ])
@@ -160,6 +164,22 @@ def test_bad_requests_are_400(server, body, param):
     status, err = server.post_raw(json.dumps(dict(dict(model="tiny", temperature=0), **body)).encode())
     assert status == 400 and param in err["error"]["message"] and err["error"]["type"] == "invalid_request_error"
     assert complete(server, "ok", max_tokens=2).choices[0].finish_reason in ("length", "stop")  # still serving
+
+
+def test_adaptive_depth_extras_equal_generate(model, server):
+    """exit_criterion and its knobs as extras: the completion equals `generate` with them, and
+    /metrics counts the passes the exits skipped."""
+    kw = dict(exit_criterion="entropy-diff", exit_threshold=1e-2, min_steps=0)
+    before = server.engine.stats()["depths"].get(model.weights.config.default_loops, {}).get("passes_skipped", 0)
+    r = complete(server, "The \"for\" statement\n", max_tokens=7, ignore_eos=True, extra_body=kw)
+    ids = TOK.encode("The \"for\" statement\n")
+    want = model.generate(ids, max_tokens=7, **kw)
+    assert r.choices[0].token_ids == want[len(ids):]
+    skipped = sum(model.weights.config.default_loops - d for d in model.last_depths)
+    after = server.engine.stats()["depths"][model.weights.config.default_loops]["passes_skipped"]
+    assert after - before == skipped
+    metrics = urllib.request.urlopen(server.url + "/metrics").read().decode()
+    assert "tinyloop_passes_skipped_total" in metrics
 
 
 def test_malformed_json_and_client_errors(server):

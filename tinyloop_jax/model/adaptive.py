@@ -63,6 +63,9 @@ class Policy(NamedTuple):
         return cls(*(jnp.stack([jnp.asarray(getattr(p, f)) for p in policies]) for f in cls._fields))
 
 
+EVERY_PASS = Policy(np.int32(NONE), np.float32(0), np.int32(0), np.int32(1), np.bool_(False))  # no criterion
+
+
 def make_policy(cfg: ModelConfig, loops: int, criterion: str | None, threshold=None, min_steps=0, check_every=1,
                 continuous_compute=False) -> Policy:
     """Check one request's adaptive-depth arguments against the model and depth (ValueError
@@ -71,7 +74,7 @@ def make_policy(cfg: ModelConfig, loops: int, criterion: str | None, threshold=N
         if threshold is not None or min_steps != 0 or check_every != 1 or continuous_compute:
             raise ValueError("exit_threshold / min_steps / check_every / continuous_compute need an exit_criterion "
                              f"(one of {CRITERIA})")
-        return Policy(jnp.int32(NONE), jnp.float32(0), jnp.int32(0), jnp.int32(1), jnp.bool_(False))
+        return EVERY_PASS
     if criterion not in CRITERIA:
         raise ValueError(f"unknown exit_criterion {criterion!r}: expected one of {CRITERIA}")
     if cfg.default_loops < 1 or cfg.loop_blocks < 1:
@@ -95,8 +98,8 @@ def make_policy(cfg: ModelConfig, loops: int, criterion: str | None, threshold=N
         raise ValueError(f"continuous_compute must be True or False, got {continuous_compute!r}")
     if continuous_compute and not rec.injected(cfg):
         raise ValueError("continuous_compute needs a model with a separate loop state (Huginn)")
-    return Policy(jnp.int32(CRITERIA.index(criterion)), jnp.float32(thr), jnp.int32(min_steps),
-                  jnp.int32(check_every), jnp.bool_(continuous_compute))
+    return Policy(np.int32(CRITERIA.index(criterion)), np.float32(thr), np.int32(min_steps), np.int32(check_every),
+                  np.bool_(continuous_compute))
 
 
 class Judge(NamedTuple):
@@ -207,16 +210,19 @@ class Step(NamedTuple):
 @tf.exact
 def forward_rows(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
                  ro: tuple, own: KVCache, loops: int, window: int, pol: Policy, seeds: jax.Array,
-                 warm: jax.Array | None = None) -> Step:
+                 warm: jax.Array | None = None, ro_fn=None, ro_args: tuple = ()) -> Step:
     """N rows' chunks tokens [N, T] (row i real up to n_valid[i] >= 1, at start_pos[i]) through
     every layer with adaptive depth, appended to the rows' own segments (batched; one row may be
     carried unbatched, see `programs.rows_in_loop`). pol: Policy [N]; seeds [N] uint32 (initial
     states); warm [N, D]: the state a continuous-compute row starts from (None: none does).
-    A chunk exits as a whole at one depth."""
+    A chunk exits as a whole at one depth. Read-only segments: `ro`, shared by every row, or
+    per row `ro_fn(*args)` of that row's ro_args (a tuple of [N] arrays; the serving pool as
+    each row sees it)."""
     batched = own.length.ndim == 1
     vm = jax.vmap if batched else (lambda f: f)
     if not batched:  # the one row, without its N axis
-        tokens, n_valid, start_pos, pol, seeds = jax.tree.map(lambda a: a[0], (tokens, n_valid, start_pos, pol, seeds))
+        tokens, n_valid, start_pos, pol, seeds, ro_args = jax.tree.map(lambda a: a[0], (tokens, n_valid, start_pos, pol,
+                                                                                   seeds, ro_args))
         warm = None if warm is None else warm[0]
     T, V = tokens.shape[-1], cfg.vocab_size
     chunk = vm(lambda s, n: tf.make_chunk(s, n, T, own.capacity))(start_pos, n_valid)
@@ -224,19 +230,21 @@ def forward_rows(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: j
     last = jnp.maximum(n_valid - 1, 0)
     at_last = vm(lambda a, i: jax.lax.dynamic_index_in_dim(a, i, axis=0, keepdims=False))
 
-    def pre(tok, ch, o, sd):
-        return tf.run_pre(params, cfg, tf.embed(params, tok, ch.q_pos[0]), ch, ro, o, window, sd)
-    s, e, pre_stores, _ = vm(pre)(tokens, chunk, own, seeds)
+    seg = (lambda ra: ro) if ro_fn is None else (lambda ra: ro_fn(*ra))  # noqa: E731 - a row's read-only segments
+
+    def pre(tok, ch, o, sd, ra):
+        return tf.run_pre(params, cfg, tf.embed(params, tok, ch.q_pos[0]), ch, seg(ra), o, window, sd)
+    s, e, pre_stores, _ = vm(pre)(tokens, chunk, own, seeds, ro_args)
     if warm is not None:
         s = jnp.where(pol.warm[..., None, None], jnp.broadcast_to(warm[..., None, :], s.shape).astype(s.dtype), s)
     judge = vm(lambda a: Judge.start(a, V))(s)
 
     def coda_logits(x, post, need):
         """The coda (writing only where `need`) and the logits at each row's last token."""
-        def one(x, ch, o, post, i):
-            y, post = tf.run_coda(params, cfg, x, ch, ro, o, post, window)
+        def one(x, ch, o, post, i, ra):
+            y, post = tf.run_coda(params, cfg, x, ch, seg(ra), o, post, window)
             return tf.lm_head(params, cfg, jax.lax.dynamic_index_in_dim(y, i, axis=0, keepdims=False)), post
-        logits, new = vm(one)(x, chunk, own, post, last)
+        logits, new = vm(one)(x, chunk, own, post, last, ro_args)
         if post:  # rows that did not need it get their coda slots back
             old, fresh = vm(slot_values)(post, chunk.slots), vm(slot_values)(new, chunk.slots)
             mask = lambda n, o: jnp.where(need.reshape(need.shape + (1,) * (n.ndim - need.ndim)), n, o)  # noqa: E731
@@ -261,8 +269,8 @@ def forward_rows(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: j
         have: jax.Array  # logits were computed (a check of a logit criterion, or an exit)
 
     def body(c: Carry) -> Carry:
-        s_new, stack = vm(lambda s, e, st, ch, o: tf.loop_pass(params, cfg, c.i, s, e, st, ch, ro, o, window))(
-            c.s, e, c.stack, chunk, own)
+        s_new, stack = vm(lambda s, e, st, ch, o, ra: tf.loop_pass(params, cfg, c.i, s, e, st, ch, seg(ra), o,
+                                                                   window))(c.s, e, c.stack, chunk, own, ro_args)
         check = c.active & vm(lambda p: is_check(p, c.i))(pol)
         g = gate_prob(s_new)
         quick = vm(lambda p, j, x, v, gp, ck: quick_exit(p, j, c.i == loops - 1, x, v, gp, ck))(

@@ -47,8 +47,8 @@ from contextlib import aclosing
 from . import edge, tokenizer_api
 from .engine import Engine
 from .handles import MemoryBudgetError, QueueFull, RequestTimeout
-from .protocol import (BadRequest, ChatShape, TextShape, chat_logprobs, check_submit, choice_seed, completion_logprobs,
-                       error_body, parse, parse_chat)
+from .protocol import (BadRequest, ChatShape, TextShape, chat_logprobs, check_adaptive, check_submit, choice_seed,
+                       completion_logprobs, error_body, parse, parse_chat)
 from ..api.chat import Detokenizer
 
 
@@ -229,7 +229,8 @@ def make_app(engine: Engine, tokenizer, model_name: str = "tinyloop", eos: list[
         return StreamingResponse(events(), media_type="text/event-stream")
 
     def checked(req, prompt_param: str):
-        return check_submit(req, cfg.vocab_size, engine.max_loops, cfg.max_seq_len, prompt_param)
+        req = check_submit(req, cfg.vocab_size, engine.max_loops, cfg.max_seq_len, prompt_param)
+        return check_adaptive(req, cfg, req.submit.get("loops") or cfg.default_loops)
 
     async def completions(request):
         return await serve(request, lambda body: checked(parse(body, tokenizer, model_name, eos), "prompt"),
@@ -323,7 +324,9 @@ class _Collector:
     DEPTH_COUNTERS = dict(prefix_cache_queries="prompt tokens looked up in cached prefixes",
                           prefix_cache_hits="prompt tokens found in cached prefixes (read, not computed)",
                           tokens_computed="positions run through the model (prompt and decode)",
-                          passes="loop passes run (positions x loops): passes / tokens = passes per token")
+                          passes="loop passes run (positions x loops, less the passes adaptive exits skipped): "
+                                 "passes / tokens = passes per token",
+                          passes_skipped="loop passes skipped by adaptive-depth exits (exit_criterion)")
 
     def __init__(self, engine: Engine):
         self.engine = engine

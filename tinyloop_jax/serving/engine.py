@@ -40,6 +40,7 @@ from .lane import Limits
 from .scheduler import Scheduler
 from ..api import validation as check
 from ..api.store import PrefixStore
+from ..model import adaptive as ad
 from ..model.cache import free_bytes
 
 __all__ = ["Engine", "Handle", "MemoryBudgetError", "QueueFull", "RequestTimeout", "Cancelled"]
@@ -131,8 +132,12 @@ class Engine:
     def submit(self, prompt, max_tokens: int = 32, temperature: float = 0.0, top_k: int = 50, top_p: float = 1.0,
                repetition_penalty: float = 1.0, stop_sequences=(), seed: int = 0, loops: int | None = None,
                timeout: float | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-               logit_bias=None) -> Handle:
+               logit_bias=None, exit_criterion: str | None = None, exit_threshold: float | None = None,
+               min_steps: int = 0, check_every: int = 1, continuous_compute: bool = False) -> Handle:
         """Queue a request (the arguments of `model.generate`); returns its `Handle` at once.
+        With an exit_criterion (adaptive depth, `model.adaptive`) its tokens stop looping at
+        their exits, the prompt runs every pass, and `handle.depths` gives the passes run per
+        emitted token.
         Bad arguments raise here (ValueError / RuntimeError) and nothing is queued; a full
         queue raises `QueueFull`; a depth whose lane cannot fit the memory budget even alone,
         `MemoryBudgetError`."""
@@ -145,6 +150,8 @@ class Engine:
         loops = c.default_loops if loops is None else check.loops(loops)
         if loops > self.max_loops:
             raise ValueError(f"loops={loops} is above this engine's max_loops={self.max_loops}")
+        policy = ad.make_policy(c, loops, exit_criterion, exit_threshold, min_steps, check_every, continuous_compute)
+        policy = None if exit_criterion is None else policy
         if len(prompt) + params.max_tokens > c.max_seq_len:
             raise RuntimeError(f"prompt + max_tokens is {len(prompt) + params.max_tokens} tokens, longer than "
                                f"max_seq_len={c.max_seq_len}")
@@ -156,7 +163,8 @@ class Engine:
         timeout = self.timeout if timeout is None else timeout
         if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        h = Handle(prompt, params, loops, None if timeout is None else time.perf_counter() + timeout, self._cancelled)
+        h = Handle(prompt, params, loops, None if timeout is None else time.perf_counter() + timeout, self._cancelled,
+                   policy)
         with self._cv:
             if self._closed:
                 raise RuntimeError("engine is closed")

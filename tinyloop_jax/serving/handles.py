@@ -42,9 +42,11 @@ class Handle:
     _ids = itertools.count()
 
     def __init__(self, prompt: np.ndarray, params: SamplingParams, loops: int, deadline: float | None,
-                 on_cancel: Callable[["Handle"], None] = lambda h: None):
+                 on_cancel: Callable[["Handle"], None] = lambda h: None, policy=None):
         self.id = next(Handle._ids)
         self.prompt, self.params, self.loops, self.deadline = prompt, params, loops, deadline
+        self.policy = policy  # adaptive depth: the request's exit rule (`model.adaptive.Policy`), or None
+        self.depths: list[int] = []  # with a policy: the passes run for each emitted token
         self.tokens: list[int] = []
         self.finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "timeout" | "error"
         self.stop_matched: list[int] | None = None  # the stop sequence that ended it

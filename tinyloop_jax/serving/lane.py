@@ -102,7 +102,8 @@ class Lane:
     rows: dict = field(default_factory=dict)  # index -> Row
     order: collections.deque = field(default_factory=collections.deque)  # rows still prefilling, FIFO
     used: int = 0  # tick of its last admission (the least recently used idle lane is evicted first)
-    inflight: tuple | None = None  # (tokens [B] on the device, [(row, index)] it ran): the step not yet read
+    inflight: tuple | None = None  # (tokens [B], passes [B] or None, [(row, index)] it ran): the step not yet read
+    adaptive: bool = False  # a row with an exit rule came in: its steps take the adaptive-depth program
 
 
 def choose_prefix(pool_hit: tuple[int, int], store_hit: tuple[object | None, int], cap: int,

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from ..model import adaptive as ad
 from ..model import transformer as tf
 from ..model.cache import KVCache, copy_prefix
 from ..model.config import ModelConfig
@@ -33,7 +34,8 @@ from ..decoding.programs import rows_in_loop, rows_out_of_loop
 from ..model.params import Params
 from ..decoding.sampling import Request, select_tokens
 
-__all__ = ["BatchState", "Chunk", "DecodeRows", "decode_step", "prefill_chunk", "prefill_slot", "load_slot",
+__all__ = ["BatchState", "Chunk", "DecodeRows", "decode_step", "decode_step_adaptive", "prefill_chunk",
+           "prefill_slot", "load_slot",
            "slot_prefix", "reshape_rows", "reset_row", "pool_slot"]
 
 
@@ -48,6 +50,8 @@ class BatchState:
     counts: Annotated[jax.Array, "int32[B, V]"] | None = None  # each row's output, per token (fed so far)
     last: Annotated[jax.Array, "int32[B]"] | None = None  # each row's last token (the next step's input)
     req: Request | None = None  # [B] each row's sampling knobs (stops are checked on the host)
+    pol: ad.Policy | None = None  # [B] each row's exit rule (adaptive depth; kind NONE: every pass)
+    warm: Annotated[jax.Array, "[B, D]"] | None = None  # each row's last state (continuous compute)
 
 
 @struct.dataclass
@@ -64,13 +68,15 @@ class Chunk:
     limit: Annotated[jax.Array, "int32[]"]  # slot positions below it are read
     prompt_seen: Annotated[jax.Array, "bool[V]"]  # the prompt's tokens
     req: Request  # [1] the row's knobs
+    pol: ad.Policy  # [] the row's exit rule
 
     @classmethod
     def make(cls, row: int, tokens, n_valid: int, start: int, fresh: bool, group: int, limit: int, prompt_seen,
-             req: Request) -> "Chunk":
+             req: Request, pol: ad.Policy | None = None) -> "Chunk":
         i32 = lambda v: np.asarray(v, np.int32)  # noqa: E731
+        pol = ad.EVERY_PASS if pol is None else pol
         return cls(i32(row), i32(tokens), i32(n_valid), i32(start), np.asarray(fresh, bool), i32(group), i32(limit),
-                   np.asarray(prompt_seen, bool), req)
+                   np.asarray(prompt_seen, bool), req, jax.tree.map(np.asarray, pol))
 
 
 @struct.dataclass
@@ -183,14 +189,39 @@ def decode_step(params: Params, cfg: ModelConfig, state: BatchState, rows: Decod
     return tok, state.replace(own=new, seen=seen, counts=counts, last=jnp.where(active, tok, last))
 
 
-def _first_token(state: BatchState, c: Chunk, tok: jax.Array) -> BatchState:
+@program(static_argnames=("cfg", "loops", "slot_len"), donate_argnames=("state",))
+def decode_step_adaptive(params: Params, cfg: ModelConfig, state: BatchState, rows: DecodeRows, loops: int,
+                         slot_len: int) -> tuple[jax.Array, jax.Array, BatchState]:
+    """`decode_step` with adaptive depth: each row's passes stop at its exit (state.pol; rows
+    without a rule run every pass), the step ends when the last row exits. Returns (tokens [B],
+    passes run [B], state)."""
+    pool, last, own = state.pool, state.last, state.own
+    if rows.slot_ids.shape[0] < pool.capacity // slot_len:
+        pool = pool_slots(pool, slot_len, rows.slot_ids)
+    active, b = rows.active, jnp.arange(last.shape[0])
+    seen = jnp.where(active[:, None], state.seen.at[b, last].set(True), state.seen)
+    counts = state.counts.at[b, last].add(active.astype(jnp.int32))
+    out = ad.forward_rows(params, cfg, last[:, None], jnp.ones_like(last), jnp.atleast_1d(own.length), (),
+                          rows_in_loop(own), loops, 0, state.pol, state.req.seed, state.warm,
+                          ro_fn=lambda g, k: (visible_pool(pool, slot_len, g, k),), ro_args=(rows.group, rows.limit))
+    new = rows_out_of_loop(out.own)
+    new = new.replace(pos=jnp.where(active[:, None], new.pos, own.pos), length=jnp.where(active, new.length,
+                                                                                          own.length))
+    tok = select_tokens(out.logits, seen, state.req, rows.steps, counts)
+    warm = jnp.where(active[:, None], out.state.astype(state.warm.dtype), state.warm)
+    return tok, out.depth, state.replace(own=new, seen=seen, counts=counts, last=jnp.where(active, tok, last),
+                                         warm=warm)
+
+
+def _first_token(state: BatchState, c: Chunk, tok: jax.Array, states: jax.Array) -> BatchState:
     """Row c.row after a prompt chunk: its seen set to the prompt's tokens, no output counted,
-    its knobs and its (first) token in place; the host uses the token after the prompt's last
-    chunk only."""
+    its knobs, exit rule, last state (states [n_pre + loops, D]: the chunk's last token's) and
+    its (first) token in place; the host uses the token after the prompt's last chunk only."""
     i = c.row
     return state.replace(seen=jax.lax.dynamic_update_index_in_dim(state.seen, c.prompt_seen, i, axis=0),
                          counts=state.counts.at[i].set(0), last=state.last.at[i].set(tok),
-                         req=set_row(state.req, i, row(c.req, 0)))
+                         req=set_row(state.req, i, row(c.req, 0)), pol=set_row(state.pol, i, c.pol),
+                         warm=state.warm.at[i].set(states[-1].astype(state.warm.dtype)))
 
 
 @program(static_argnames=("cfg", "loops", "slot_len"), donate_argnames=("state",))
@@ -210,7 +241,7 @@ def prefill_chunk(params: Params, cfg: ModelConfig, state: BatchState, c: Chunk,
                         keep_states=True, exit=exit)
     logits = tf.last_logits(params, cfg, run.exit_x, c.n_valid)
     tok = select_tokens(logits[None], c.prompt_seen[None], c.req, jnp.int32(0))[0]
-    state = _first_token(state.replace(own=set_row(state.own, i, run.own)), c, tok)
+    state = _first_token(state.replace(own=set_row(state.own, i, run.own)), c, tok, run.states)
     return tok, logits, run.states, state
 
 
@@ -248,7 +279,7 @@ def prefill_slot(params: Params, cfg: ModelConfig, state: BatchState, c: Chunk, 
                         keep_states=True, exit=exit)
     logits = tf.last_logits(params, cfg, run.exit_x, c.n_valid)
     tok = select_tokens(logits[None], c.prompt_seen[None], c.req, jnp.int32(0))[0]
-    state = _first_token(state.replace(pool=put_slot(state.pool, c.group, run.own, slot_len)), c, tok)
+    state = _first_token(state.replace(pool=put_slot(state.pool, c.group, run.own, slot_len)), c, tok, run.states)
     return tok, logits, run.states, state
 
 
@@ -291,6 +322,6 @@ def reshape_rows(state: BatchState, idx: jax.Array, capacity: int, take=take_row
     """The batch as rows idx [B'] (a batch grown or compacted; an index past the end gives a
     row that is reset before use), each moved to `capacity` slots (by `take`: `take_rows` or a
     copy of it). The pool is left as it is (rows change shape, so nothing is donated)."""
-    own, seen, counts, last, req = take((state.own, state.seen, state.counts, state.last, state.req), idx,
-                                        capacity=capacity)
-    return state.replace(own=own, seen=seen, counts=counts, last=last, req=req)
+    own, seen, counts, last, req, pol, warm = take((state.own, state.seen, state.counts, state.last, state.req,
+                                                    state.pol, state.warm), idx, capacity=capacity)
+    return state.replace(own=own, seen=seen, counts=counts, last=last, req=req, pol=pol, warm=warm)

@@ -15,6 +15,7 @@ import secrets
 
 from ..api import validation as check
 from ..decoding.sampling import MAX_LOGIT_BIAS
+from ..model.adaptive import make_policy
 
 
 class BadRequest(ValueError):
@@ -177,11 +178,43 @@ def parse_common(body, model_name: str, eos: list[int], prompts: list[list[int]]
               **parse_penalties(body))
     if not _bool(body, "ignore_eos", False):
         kw["stop_sequences"] = [[e] for e in eos]
+    kw.update(parse_adaptive(body))
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise BadRequest("stream_options must be an object", "stream_options")
     return Parsed(kw, prompts, secrets.randbits(32) if seed is None else seed, parse_stop(body.get("stop")), stream,
                   _bool(opts, "include_usage", False), n, best_of, logprobs, echo)
+
+
+def parse_adaptive(body: dict) -> dict:
+    """The adaptive-depth extras (`Engine.submit`'s exit_criterion, exit_threshold, min_steps,
+    check_every, continuous_compute), those the body names; their values are checked against
+    the model by `check_adaptive`."""
+    kw = {}
+    if body.get("exit_criterion") is not None:
+        if not isinstance(body["exit_criterion"], str):
+            raise BadRequest(f"exit_criterion must be a string, got {body['exit_criterion']!r}", "exit_criterion")
+        kw["exit_criterion"] = body["exit_criterion"]
+    for name, read in (("exit_threshold", _num), ("min_steps", _int), ("check_every", _int),
+                       ("continuous_compute", _bool)):
+        if body.get(name) is not None:
+            kw[name] = read(body, name, None)
+    return kw
+
+
+def check_adaptive(req: "Parsed", cfg, loops: int) -> "Parsed":
+    """The adaptive-depth extras against the model and the request's depth: a BadRequest naming
+    the field."""
+    kw = {k: req.submit[k] for k in ("exit_criterion", "exit_threshold", "min_steps", "check_every",
+                                     "continuous_compute") if k in req.submit}
+    if kw:
+        try:
+            make_policy(cfg, loops, kw.get("exit_criterion"), kw.get("exit_threshold"), kw.get("min_steps", 0),
+                        kw.get("check_every", 1), kw.get("continuous_compute", False))
+        except ValueError as e:
+            field = next((k for k in kw if k in str(e)), "exit_criterion")
+            raise BadRequest(str(e), field) from None
+    return req
 
 
 def _object(body) -> dict:

@@ -18,6 +18,7 @@ from .lane import Lane, Limits, batch_buckets, entry_capacities, slot_buckets
 from ..api import functional as F
 from ..api.prefix import PrefixCache
 from ..decoding.sampling import Request
+from ..model import adaptive as ad
 from ..model.kv_modes import KVMode
 from ..model.cache import KVCache
 
@@ -106,11 +107,14 @@ class Runner:
         return lambda: F.empty_cache(self.weights, lim.prefix_capacity * lim.slots, loops, kv_mode=self.work_mode)
 
     def _rows_maker(self, loops: int, size: int, cap: int):
-        V = self.weights.config.vocab_size
+        c = self.weights.config
         req = Request.make(size, 0.0, 0, 1.0, 1.0, max_tokens=1)
+        pol = jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (size,)), ad.EVERY_PASS)
         return lambda: dict(own=F.empty_cache(self.weights, cap, loops, kv_mode=self.work_mode, batch=size),
-                            seen=jnp.zeros((size, V), bool), counts=jnp.zeros((size, V), jnp.int32),
-                            last=jnp.zeros((size,), jnp.int32), req=jax.tree.map(jnp.asarray, req))
+                            seen=jnp.zeros((size, c.vocab_size), bool),
+                            counts=jnp.zeros((size, c.vocab_size), jnp.int32),
+                            last=jnp.zeros((size,), jnp.int32), req=jax.tree.map(jnp.asarray, req), pol=pol,
+                            warm=jnp.zeros((size, c.d_model), c.compute_dtype))
 
     def empty_state(self, loops: int) -> P.BatchState:
         """A lane's state with an empty pool and no rows."""
@@ -137,7 +141,7 @@ class Runner:
 
     def release_rows(self, lane: Lane) -> None:
         """Free the lane's row buffers (it has no rows); the pool stays."""
-        lane.state = lane.state.replace(own=None, seen=None, counts=None, last=None, req=None)
+        lane.state = lane.state.replace(own=None, seen=None, counts=None, last=None, req=None, pol=None, warm=None)
         lane.size = lane.cap = 0
 
     # ---- sizes -----------------------------------------------------------------------------------
@@ -210,15 +214,23 @@ class Runner:
         self._count("reset", lane.loops, lane.size, lane.cap)
         lane.state = self._program(lane.loops, "reset_row")(lane.state, jnp.int32(i), jnp.int32(start))
 
-    def decode(self, lane: Lane, rows: P.DecodeRows) -> jax.Array:
+    def decode(self, lane: Lane, rows: P.DecodeRows) -> tuple[jax.Array, jax.Array | None]:
         """One decode step of the lane's batch, dispatched: the next token of every row [B]
-        (active rows'), on the device — reading it waits for the step."""
+        (active rows'), and with adaptive depth the passes each row ran [B] (else None), on the
+        device — reading them waits for the step."""
         w = self.weights
+        if lane.adaptive:  # a row of the lane has an exit rule: the adaptive-depth step (the passes
+            # run per row come back with the tokens)
+            self._count("decode_adaptive", lane.loops, lane.size, lane.cap, len(rows.slot_ids))
+            step = self._program(lane.loops, "decode_step_adaptive")
+            tok, depth, lane.state = step(w.params, w.config, lane.state, rows, loops=lane.loops,
+                                          slot_len=self.limits.prefix_capacity)
+            return tok, depth
         self._count("decode", lane.loops, lane.size, lane.cap, len(rows.slot_ids))
         step = self._program(lane.loops, "decode_step")
         tok, lane.state = step(w.params, w.config, lane.state, rows, loops=lane.loops,
                                slot_len=self.limits.prefix_capacity, exit=lane.exit)
-        return tok
+        return tok, None
 
     # ---- warmup ----------------------------------------------------------------------------------
 

@@ -292,8 +292,10 @@ class Scheduler:
         final = r.fed + n == len(h.prompt)
         prompt_seen = np.zeros((V,), bool)
         prompt_seen[h.prompt] = True
+        if h.policy is not None:
+            lane.adaptive = True  # from now on its steps run the adaptive-depth program
         chunk = Chunk.make(r.index, tokens, n, r.fed, r.fed == r.limit, r.group, r.limit, prompt_seen,
-                           Request.from_params([h.params], stops=False))
+                           Request.from_params([h.params], stops=False), h.policy)
         tok, logits, states = self.runner.prefill(lane, chunk, into_slot=r.owner)
         self.stats["prefill_chunks"] += 1
         self._computed(lane, n)
@@ -301,6 +303,8 @@ class Scheduler:
         if not final:
             return
         lane.order.popleft()
+        if h.policy is not None:  # the prompt ran every pass
+            h.depths.append(lane.loops)
         if r.owner:  # the slot now holds the whole prompt: the row reads it all, others may share it
             r.limit = len(h.prompt)
             lane.pool.hold(r.group, h.prompt, r.limit)
@@ -334,33 +338,43 @@ class Scheduler:
         prev, lane.inflight = lane.inflight, None
         rows = decode_rows(lane.rows, lane.size, self.limits.slots)
         if rows.active.any():
-            tok = self.runner.decode(lane, rows)
+            tok, passes = self.runner.decode(lane, rows)
             ran = [(lane.rows[i], int(i)) for i in np.flatnonzero(rows.active)]
             for r, _ in ran:
                 r.ahead += 1
             self.stats["decode_steps"] += 1
             self.stats["batch_rows"] += len(ran)
-            self._computed(lane, len(ran))
+            self._computed(lane, len(ran), None if passes is None else 0)  # adaptive: passes counted when read
             if self.overlap:
-                lane.inflight = (tok, ran)
+                lane.inflight = (tok, passes, ran)
             else:
-                self._read(lane, (tok, ran))
+                self._read(lane, (tok, passes, ran))
         if prev is not None:
             self._read(lane, prev)
 
     def _read(self, lane: Lane, step: tuple) -> None:
         """The tokens of a dispatched decode step (waits for it), emitted for the rows still in."""
-        tok, ran = step
+        tok, passes, ran = step
         tok = np.asarray(tok)
         for r, _ in ran:
             r.ahead -= 1
+        if passes is not None:  # adaptive depth: the passes each row ran
+            passes = np.asarray(passes)
+            run = int(sum(passes[i] for _, i in ran))
+            depth = self.depths[lane.loops]
+            depth["passes"] += run
+            depth["passes_skipped"] += lane.loops * len(ran) - run
+            for r, i in ran:
+                if not r.left and r.handle.policy is not None:
+                    r.handle.depths.append(int(passes[i]))
         self._tokens(lane, [(r, int(tok[i])) for r, i in ran if not r.left])
 
-    def _computed(self, lane: Lane, n: int) -> None:
-        """n positions ran through the model at the lane's depth (padding not counted)."""
+    def _computed(self, lane: Lane, n: int, passes: int | None = None) -> None:
+        """n positions ran through the model at the lane's depth (padding not counted), taking
+        `passes` loop passes (None: every pass, n * loops)."""
         depth = self.depths[lane.loops]
         depth["tokens_computed"] += n
-        depth["passes"] += n * lane.loops
+        depth["passes"] += n * lane.loops if passes is None else passes
 
     def _tokens(self, lane: Lane, new: list) -> None:
         """Emit each row's new token ([(row, token)]); rows that are done leave."""
