@@ -50,6 +50,9 @@ def main():
     ap.add_argument("--new", type=int, default=17)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--step-depths", action="store_true",
+                    help="no timing: print, per setting at batch 8, mean passes per token and per step (the step "
+                         "runs to its slowest row)")
     args = ap.parse_args()
     cfg = huginn_config(args.quick)
     model = tl.Model.random(cfg, seed=0)
@@ -78,6 +81,12 @@ def main():
     settings += [(f"kl, min_steps={d - 1} (exits after {d})", dict(exit_criterion="kl", exit_threshold=1e9,
                                                                    min_steps=d - 1)) for d in (32, 24, 16, 8, 4)]
     settings += [(f"entropy-diff < {t:g}", dict(exit_criterion="entropy-diff", exit_threshold=t)) for t in (1e-4, 1e-2)]
+    if args.step_depths:
+        for label, kw in settings:
+            depths = np.array([d[1:] for d in run(8, args.new, **kw)]) if kw else np.full((8, args.new - 1), L)
+            print(f"{label}: passes per token {depths.mean():.2f}, per step (slowest row) "
+                  f"{depths.max(axis=0).mean():.2f}")
+        return
     rows = []
     for batch in (1, 8):
         for _, kw in settings:  # compile and warm every setting first

@@ -135,8 +135,9 @@ def latent_value(pol: Policy, judge: Judge, s: jax.Array, valid: jax.Array) -> j
 
 
 def logit_values(judge: Judge, logits: jax.Array):
-    """KL, entropy change, argmax stability of next-token logits [V] against the last check's.
-    Returns (values per kind [3] for KL, ENTROPY, ARGMAX, new logp, entropy, argmax, stable)."""
+    """KL(previous || current), |entropy change| and argmax stability of next-token logits [V]
+    against the last check's. Returns (kl, entropy change, stable count, and the new logp,
+    entropy, argmax)."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32))
     kl = jnp.sum(jnp.exp(judge.logp) * (judge.logp - logp))
     probs = jnp.exp(logp)
@@ -183,20 +184,22 @@ def quick_exit(pol: Policy, judge: Judge, last, s: jax.Array, valid: jax.Array, 
 def fill_skipped(stack: dict, slots: jax.Array, depth: jax.Array, loops: int) -> dict:
     """Passes depth..loops-1 of the chunk's slots [T] take pass depth-1's K/V, block by block:
     what a token that exited after `depth` passes offers the later tokens that run deeper."""
-    def one(a):  # [L, k, lead, C, w]
-        col = jnp.take(a, jnp.minimum(slots, a.shape[3] - 1), axis=3)  # [L, k, lead, T, w]
+    def one(a):  # [L, k, lead.., C, w]: slots on axis -2
+        ax = a.ndim - 2
+        col = jnp.take(a, jnp.minimum(slots, a.shape[ax] - 1), axis=ax)  # [L, k, lead.., T, w]
         src = jax.lax.dynamic_index_in_dim(col, depth - 1, axis=0, keepdims=True)
-        p = jnp.arange(a.shape[0])[:, None, None, None, None]
+        p = jnp.arange(a.shape[0]).reshape((-1,) + (1,) * (a.ndim - 1))
         col = jnp.where((p >= depth) & (p < loops), src, col)
         if slots.shape[0] == 1:
-            return jax.lax.dynamic_update_slice_in_dim(a, col, slots[0], axis=3)
-        return a.at[:, :, :, slots].set(col, mode="drop")
+            return jax.lax.dynamic_update_slice_in_dim(a, col, slots[0], axis=ax)
+        return a.at[..., slots, :].set(col, mode="drop")
     return {n: one(a) for n, a in stack.items()}
 
 
 def slot_values(post: tuple, slots: jax.Array) -> tuple:
     """The coda layers' stored values at slots [T] (to put back where a row did not run it)."""
-    return tuple({n: jnp.take(a, jnp.minimum(slots, a.shape[1] - 1), axis=1) for n, a in e.items()} for e in post)
+    return tuple({n: jnp.take(a, jnp.minimum(slots, a.shape[-2] - 1), axis=a.ndim - 2) for n, a in e.items()}
+                 for e in post)
 
 
 class Step(NamedTuple):

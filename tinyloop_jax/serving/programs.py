@@ -193,7 +193,8 @@ def decode_step(params: Params, cfg: ModelConfig, state: BatchState, rows: Decod
 def decode_step_adaptive(params: Params, cfg: ModelConfig, state: BatchState, rows: DecodeRows, loops: int,
                          slot_len: int) -> tuple[jax.Array, jax.Array, BatchState]:
     """`decode_step` with adaptive depth: each row's passes stop at its exit (state.pol; rows
-    without a rule run every pass), the step ends when the last row exits. Returns (tokens [B],
+    without a rule run every pass), the step ends when the last row exits. Initial loop states
+    are drawn from seed 0, as the engine's other programs draw them. Returns (tokens [B],
     passes run [B], state)."""
     pool, last, own = state.pool, state.last, state.own
     if rows.slot_ids.shape[0] < pool.capacity // slot_len:
@@ -202,7 +203,7 @@ def decode_step_adaptive(params: Params, cfg: ModelConfig, state: BatchState, ro
     seen = jnp.where(active[:, None], state.seen.at[b, last].set(True), state.seen)
     counts = state.counts.at[b, last].add(active.astype(jnp.int32))
     out = ad.forward_rows(params, cfg, last[:, None], jnp.ones_like(last), jnp.atleast_1d(own.length), (),
-                          rows_in_loop(own), loops, 0, state.pol, state.req.seed, state.warm,
+                          rows_in_loop(own), loops, 0, state.pol, jnp.zeros_like(state.req.seed), state.warm,
                           ro_fn=lambda g, k: (visible_pool(pool, slot_len, g, k),), ro_args=(rows.group, rows.limit))
     new = rows_out_of_loop(out.own)
     new = new.replace(pos=jnp.where(active[:, None], new.pos, own.pos), length=jnp.where(active, new.length,
