@@ -285,10 +285,9 @@ def forward_rows(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: j
             pol, c.judge, s_new, valid, g, logits, check)
         judge = jax.tree.map(lambda n, o: jnp.where(c.active.reshape(c.active.shape + (1,) * (n.ndim - c.active.ndim)),
                                                     n, o), judge, c.judge)
-        keep_logits = need
         return Carry(c.i + 1, jnp.where(c.active[..., None, None], s_new, c.s), stack, post, c.active & ~leave,
-                     jnp.where(c.active, c.i + 1, c.depth), judge,
-                     jnp.where(keep_logits[..., None], logits, c.logits), c.have | keep_logits)
+                     jnp.where(c.active, c.i + 1, c.depth), judge, jnp.where(need[..., None], logits, c.logits),
+                     c.have | need)
 
     zeros = jnp.zeros(pol.kind.shape, jnp.int32)
     c = Carry(jnp.int32(0), s, own.loop, own.post, jnp.ones(pol.kind.shape, bool), zeros, judge,
