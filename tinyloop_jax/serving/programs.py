@@ -157,6 +157,25 @@ def pool_slots(pool: KVCache, slot_len: int, ids: jax.Array) -> KVCache:
     return out.replace(pos=out.pos[:, 0], length=parts[0].length)
 
 
+def step_inputs(state: BatchState, rows: DecodeRows, slot_len: int):
+    """What every decode step starts from: the pool it reads (the slots rows.slot_ids only,
+    when a few: their copy is cheaper than the rest), and seen / counts with each active row's
+    last token fed."""
+    pool, last, active = state.pool, state.last, rows.active
+    if rows.slot_ids.shape[0] < pool.capacity // slot_len:
+        pool = pool_slots(pool, slot_len, rows.slot_ids)
+    b = jnp.arange(last.shape[0])
+    seen = jnp.where(active[:, None], state.seen.at[b, last].set(True), state.seen)
+    return pool, seen, state.counts.at[b, last].add(active.astype(jnp.int32))
+
+
+def keep_inactive(new: KVCache, own: KVCache, active: jax.Array) -> KVCache:
+    """Rows that did not step (active [B] False) keep their positions and length (their write
+    went to a slot their positions do not reach)."""
+    return new.replace(pos=jnp.where(active[:, None], new.pos, own.pos), length=jnp.where(active, new.length,
+                                                                                           own.length))
+
+
 @program(static_argnames=("cfg", "loops", "slot_len"), donate_argnames=("state",))
 def decode_step(params: Params, cfg: ModelConfig, state: BatchState, rows: DecodeRows, loops: int, slot_len: int,
                 exit: tf.Exit | None = None) -> tuple[jax.Array, BatchState]:
@@ -165,12 +184,8 @@ def decode_step(params: Params, cfg: ModelConfig, state: BatchState, rows: Decod
     rows.slot_ids [S] (S = all G slots reads the pool in place). Inactive rows (free, or still
     prefilling) keep their segment: their write goes to an empty slot and their positions are
     restored. Returns (tokens [B], state with own, seen and last advanced)."""
-    pool, last, own = state.pool, state.last, state.own
-    if rows.slot_ids.shape[0] < pool.capacity // slot_len:  # a few slots: their copy is cheaper than the rest
-        pool = pool_slots(pool, slot_len, rows.slot_ids)
-    active, b = rows.active, jnp.arange(last.shape[0])
-    seen = jnp.where(active[:, None], state.seen.at[b, last].set(True), state.seen)
-    counts = state.counts.at[b, last].add(active.astype(jnp.int32))
+    pool, seen, counts = step_inputs(state, rows, slot_len)
+    last, own, active = state.last, state.own, rows.active
 
     def one(tok, g, k, o):
         ro = (visible_pool(pool, slot_len, g, k),)  # the K/V are shared by all rows: read once
@@ -183,8 +198,7 @@ def decode_step(params: Params, cfg: ModelConfig, state: BatchState, rows: Decod
         x, new = x[None], rows_out_of_loop(new)
     else:
         x, new = jax.vmap(one)(last, rows.group, rows.limit, own)
-    new = new.replace(pos=jnp.where(active[:, None], new.pos, own.pos), length=jnp.where(active, new.length,
-                                                                                          own.length))
+    new = keep_inactive(new, own, active)
     tok = select_tokens(tf.lm_head(params, cfg, x), seen, state.req, rows.steps, counts)
     return tok, state.replace(own=new, seen=seen, counts=counts, last=jnp.where(active, tok, last))
 
@@ -196,18 +210,12 @@ def decode_step_adaptive(params: Params, cfg: ModelConfig, state: BatchState, ro
     without a rule run every pass), the step ends when the last row exits. Initial loop states
     are drawn from seed 0, as the engine's other programs draw them. Returns (tokens [B],
     passes run [B], state)."""
-    pool, last, own = state.pool, state.last, state.own
-    if rows.slot_ids.shape[0] < pool.capacity // slot_len:
-        pool = pool_slots(pool, slot_len, rows.slot_ids)
-    active, b = rows.active, jnp.arange(last.shape[0])
-    seen = jnp.where(active[:, None], state.seen.at[b, last].set(True), state.seen)
-    counts = state.counts.at[b, last].add(active.astype(jnp.int32))
+    pool, seen, counts = step_inputs(state, rows, slot_len)
+    last, own, active = state.last, state.own, rows.active
     out = ad.forward_rows(params, cfg, last[:, None], jnp.ones_like(last), jnp.atleast_1d(own.length), (),
                           rows_in_loop(own), loops, 0, state.pol, jnp.zeros_like(state.req.seed), state.warm,
                           ro_fn=lambda g, k: (visible_pool(pool, slot_len, g, k),), ro_args=(rows.group, rows.limit))
-    new = rows_out_of_loop(out.own)
-    new = new.replace(pos=jnp.where(active[:, None], new.pos, own.pos), length=jnp.where(active, new.length,
-                                                                                          own.length))
+    new = keep_inactive(rows_out_of_loop(out.own), own, active)
     tok = select_tokens(out.logits, seen, state.req, rows.steps, counts)
     warm = jnp.where(active[:, None], out.state.astype(state.warm.dtype), state.warm)
     return tok, out.depth, state.replace(own=new, seen=seen, counts=counts, last=jnp.where(active, tok, last),
