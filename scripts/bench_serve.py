@@ -177,10 +177,10 @@ def step_floor(model, kw, rows: int = 16, n: int = 48) -> tuple[float, float]:
     for sync in (False, True):
         lane = Lane(loops, None, model.exit_for(loops), PrefixPool(lim.slots), runner.empty_state(loops))
         runner.reshape(lane, rows, lim.row_capacity)
-        np.asarray(runner.decode(lane, batch))  # compiled, warm
+        np.asarray(runner.decode(lane, batch)[0])  # compiled, warm
         t = time.perf_counter()
         for _ in range(n):
-            tok = runner.decode(lane, batch)
+            tok, _ = runner.decode(lane, batch)
             if sync:
                 np.asarray(tok)
         np.asarray(tok)
