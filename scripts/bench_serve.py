@@ -155,7 +155,8 @@ def pct(xs, q) -> float:
 
 
 ARMS = dict(engine=dict(max_batch=16), sync=dict(max_batch=16, overlap=False), batch1=dict(max_batch=1),
-            nostore=dict(max_batch=16, prefix_cache=False), unchunked=dict(max_batch=16, prefill_chunk=None))
+            nostore=dict(max_batch=16, prefix_cache=False), unchunked=dict(max_batch=16, prefill_chunk=None),
+            rows64=dict(max_batch=16, row_capacity=64))  # rows of 64 positions, the whole context when one needs more
 
 
 def step_floor(model, kw, rows: int = 16, n: int = 48) -> tuple[float, float]:
