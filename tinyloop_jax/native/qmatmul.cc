@@ -1,0 +1,289 @@
+// x [M, K] float32 @ a GGUF-packed weight [K, N] -> y [M, N] float32, reading the packed bytes
+// once: an XLA FFI custom call for XLA:CPU, which has no dot over 4/8-bit weights (it would
+// write the dequantized float32 matrix and read it again; see tinyloop_jax/model/qarray.py).
+//
+// The weight's layout is qarray's: q [K/32, R, N] (R = 32 int8 for q8_0, 16 bytes of two
+// nibbles for q4_0/q4_1: value j in the low nibble, j + 16 in the high one), d and m [K/32, N]
+// float16. N is minor, so a tile of W columns reads one contiguous W-byte run per (block, j)
+// and the inner loops vectorize over columns. Per block b and row t:
+//   y[t, n] += d[b, n] * sum_j q[b, j, n] x[t, 32 b + j]   (+ m[b, n] * sum_j x[t, 32 b + j])
+// (q4_0 subtracts 8 * d * sum_j x). Tiles are shared out over XLA's intra-op thread pool; the
+// calling thread takes tiles too, so the call finishes even when no pool thread is free.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <cstdio>
+#include <cstdlib>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kW = 64;   // columns per tile: one cache line of q per (block, j)
+constexpr int64_t kMT = 4;   // rows of x per pass over a tile's bytes
+#ifndef KMAXW
+#define KMAXW 4096
+#endif
+constexpr int64_t kMaxW = KMAXW;  // columns per tile at most (multiple of 16)
+
+enum Fmt : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
+
+inline float half(uint16_t h) {
+  _Float16 f;
+  std::memcpy(&f, &h, sizeof f);
+  return static_cast<float>(f);
+}
+
+struct Problem {
+  const float* x;
+  const uint8_t* q;
+  const uint16_t* d;
+  const uint16_t* m;
+  const float* sx;  // [M, nb]: the sum of each block's 32 inputs
+  float* y;
+  int64_t M, K, N, nb;
+  int32_t fmt;
+};
+
+template <int32_t FMT>
+void tile_generic(const Problem& p, int64_t n0, int64_t w, int64_t b0, int64_t b1, float* dst) {
+  constexpr int64_t R = FMT == kQ8_0 ? 32 : 16;
+  for (int64_t t0 = 0; t0 < p.M; t0 += kMT) {
+    const int64_t mt = std::min(kMT, p.M - t0);
+    float out[kMT][kW] = {};
+    for (int64_t b = b0; b < b1; ++b) {
+      float acc[kMT][kW] = {};
+      const uint8_t* qb = p.q + (b * R) * p.N + n0;
+      for (int64_t j = 0; j < R; ++j) {
+        const uint8_t* row = qb + j * p.N;
+        float lo[kW], hi[kW];
+        if constexpr (FMT == kQ8_0) {
+          for (int64_t n = 0; n < kW; ++n) lo[n] = n < w ? static_cast<float>(static_cast<int8_t>(row[n])) : 0.f;
+        } else {
+          for (int64_t n = 0; n < kW; ++n) {
+            const uint8_t v = n < w ? row[n] : 0;
+            lo[n] = static_cast<float>(v & 15);
+            hi[n] = static_cast<float>(v >> 4);
+          }
+        }
+        for (int64_t t = 0; t < mt; ++t) {
+          const float* xt = p.x + (t0 + t) * p.K + b * kBlock;
+          const float xl = xt[j];
+          if constexpr (FMT == kQ8_0) {
+            for (int64_t n = 0; n < kW; ++n) acc[t][n] += lo[n] * xl;
+          } else {
+            const float xh = xt[j + 16];
+            for (int64_t n = 0; n < kW; ++n) acc[t][n] += lo[n] * xl + hi[n] * xh;
+          }
+        }
+      }
+      float dv[kW], mv[kW];
+      for (int64_t n = 0; n < kW; ++n) {
+        dv[n] = n < w ? half(p.d[b * p.N + n0 + n]) : 0.f;
+        mv[n] = FMT == kQ4_1 && n < w ? half(p.m[b * p.N + n0 + n]) : 0.f;
+      }
+      for (int64_t t = 0; t < mt; ++t) {
+        const float s = p.sx[(t0 + t) * p.nb + b];
+        for (int64_t n = 0; n < kW; ++n) {
+          if constexpr (FMT == kQ4_0) {
+            out[t][n] += dv[n] * (acc[t][n] - 8.f * s);
+          } else if constexpr (FMT == kQ4_1) {
+            out[t][n] += dv[n] * acc[t][n] + mv[n] * s;
+          } else {
+            out[t][n] += dv[n] * acc[t][n];
+          }
+        }
+      }
+    }
+    for (int64_t t = 0; t < mt; ++t) std::memcpy(dst + (t0 + t) * p.N + n0, out[t], w * sizeof(float));
+  }
+}
+
+#if defined(__AVX512F__)
+// The same tile with AVX-512, 16 columns a vector: 16 bytes of q widen to 16 int32 lanes, the
+// nibbles are masked / shifted there and converted to float. A tile reads a run of w bytes of
+// every (block, j) row (w up to kMaxW: a few hundred contiguous bytes per page visited, not one
+// cache line), and its accumulators stay in L1. Columns past the tile are masked off.
+template <int32_t FMT>
+void tile_avx512(const Problem& p, int64_t n0, int64_t w, int64_t b0, int64_t b1, float* dst) {
+  constexpr int64_t R = FMT == kQ8_0 ? 32 : 16;
+  constexpr int64_t G = kMaxW / 16;
+  const int64_t groups = (w + 15) / 16;
+  const __mmask16 last = static_cast<__mmask16>(w % 16 ? (1u << (w % 16)) - 1 : 0xFFFF);
+  const __m512i fifteen = _mm512_set1_epi32(15);
+  thread_local std::unique_ptr<float[]> scratch;
+  if (!scratch) scratch.reset(new (std::align_val_t(64)) float[2 * kMT * kMaxW]);
+  float (*acc)[kMaxW] = reinterpret_cast<float (*)[kMaxW]>(scratch.get());
+  float (*out)[kMaxW] = reinterpret_cast<float (*)[kMaxW]>(scratch.get() + kMT * kMaxW);
+  for (int64_t t0 = 0; t0 < p.M; t0 += kMT) {
+    const int64_t mt = std::min(kMT, p.M - t0);
+    for (int64_t t = 0; t < mt; ++t) std::memset(out[t], 0, groups * 64);
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t t = 0; t < mt; ++t) std::memset(acc[t], 0, groups * 64);
+      const uint8_t* qb = p.q + (b * R) * p.N + n0;
+      for (int64_t j = 0; j < R; ++j) {
+        const uint8_t* row = qb + j * p.N;
+        __m512 xl[kMT], xh[kMT];
+        for (int64_t t = 0; t < mt; ++t) {
+          const float* xt = p.x + (t0 + t) * p.K + b * kBlock;
+          xl[t] = _mm512_set1_ps(xt[j]);
+          if constexpr (FMT != kQ8_0) xh[t] = _mm512_set1_ps(xt[j + 16]);
+        }
+        for (int64_t g = 0; g < groups; ++g) {
+          const __mmask16 mk = g == groups - 1 ? last : 0xFFFF;
+          const __m128i raw = _mm_maskz_loadu_epi8(mk, row + 16 * g);
+          if constexpr (FMT == kQ8_0) {
+            const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+            for (int64_t t = 0; t < mt; ++t)
+              _mm512_store_ps(acc[t] + 16 * g, _mm512_fmadd_ps(v, xl[t], _mm512_load_ps(acc[t] + 16 * g)));
+          } else {
+            const __m512i v = _mm512_cvtepu8_epi32(raw);
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, fifteen));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+            for (int64_t t = 0; t < mt; ++t)
+              _mm512_store_ps(acc[t] + 16 * g, _mm512_fmadd_ps(hi, xh[t], _mm512_fmadd_ps(lo, xl[t],
+                                                                  _mm512_load_ps(acc[t] + 16 * g))));
+          }
+        }
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        const __mmask16 mk = g == groups - 1 ? last : 0xFFFF;
+        const int64_t at = b * p.N + n0 + 16 * g;
+        const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, p.d + at));
+        const __m512 mv = FMT == kQ4_1 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, p.m + at))
+                                       : _mm512_setzero_ps();
+        for (int64_t t = 0; t < mt; ++t) {
+          const __m512 s = _mm512_set1_ps(p.sx[(t0 + t) * p.nb + b]);
+          const __m512 a = _mm512_load_ps(acc[t] + 16 * g);
+          __m512 o = _mm512_load_ps(out[t] + 16 * g);
+          if constexpr (FMT == kQ4_0) {
+            o = _mm512_fmadd_ps(dv, _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, a), o);
+          } else if constexpr (FMT == kQ4_1) {
+            o = _mm512_fmadd_ps(mv, s, _mm512_fmadd_ps(dv, a, o));
+          } else {
+            o = _mm512_fmadd_ps(dv, a, o);
+          }
+          _mm512_store_ps(out[t] + 16 * g, o);
+        }
+      }
+    }
+    for (int64_t t = 0; t < mt; ++t)
+      for (int64_t g = 0; g < groups; ++g)
+        _mm512_mask_storeu_ps(dst + (t0 + t) * p.N + n0 + 16 * g, g == groups - 1 ? last : 0xFFFF,
+                              _mm512_load_ps(out[t] + 16 * g));
+  }
+  (void)G;
+}
+
+template <int32_t FMT>
+void tile(const Problem& p, int64_t n0, int64_t w, int64_t b0, int64_t b1, float* dst) {
+  tile_avx512<FMT>(p, n0, w, b0, b1, dst);
+}
+#else
+template <int32_t FMT>
+void tile(const Problem& p, int64_t n0, int64_t w, int64_t b0, int64_t b1, float* dst) {
+  for (int64_t c = 0; c < w; c += kW) tile_generic<FMT>(p, n0 + c, std::min(kW, w - c), b0, b1, dst);
+}
+#endif
+
+// The work: `cols` column tiles x `parts` block ranges. A narrow matrix (a decode step's
+// projections: N of a few hundred) is split along K, so each thread streams a contiguous part
+// of q; its partial sums land in their own [M, N] slice of `partial` and are added at the end.
+// A wide one (the LM head) is split into column tiles written straight into y.
+struct Shared {
+  Problem p;
+  int64_t cols, width, parts;
+  float* partial;  // [parts, M, N] when parts > 1
+  std::atomic<int64_t> next{0}, done{0};
+  int64_t units() const { return cols * parts; }
+  void run(int64_t i) {
+    const int64_t c = i % cols, r = i / cols, n0 = c * width, w = std::min(width, p.N - n0);
+    const int64_t b0 = p.nb * r / parts, b1 = p.nb * (r + 1) / parts;
+    float* dst = parts > 1 ? partial + r * p.M * p.N : p.y;
+    switch (p.fmt) {
+      case kQ8_0: return tile<kQ8_0>(p, n0, w, b0, b1, dst);
+      case kQ4_0: return tile<kQ4_0>(p, n0, w, b0, b1, dst);
+      default: return tile<kQ4_1>(p, n0, w, b0, b1, dst);
+    }
+  }
+  // Units handed out by an atomic counter; helpers that start after every unit is taken
+  // return at once without touching the buffers.
+  void work() {
+    for (int64_t i; (i = next.fetch_add(1)) < units();) {
+      run(i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> d,
+                   ffi::Buffer<ffi::F16> m, ffi::ResultBuffer<ffi::F32> y, int32_t fmt) {
+  if (fmt < kQ8_0 || fmt > kQ4_1) return ffi::Error::InvalidArgument("qmatmul: unknown format");
+  const auto xd = x.dimensions(), qd = q.dimensions();
+  if (xd.size() < 1 || qd.size() < 3) return ffi::Error::InvalidArgument("qmatmul: x [..., K], q [..., K/32, R, N]");
+  const int64_t K = xd.back(), N = qd.back(), nb = qd[qd.size() - 3];
+  const int64_t R = fmt == kQ8_0 ? 32 : 16;
+  if (K != nb * kBlock || qd[qd.size() - 2] != R || static_cast<int64_t>(q.element_count()) != nb * R * N
+      || static_cast<int64_t>(d.element_count()) != nb * N) {
+    return ffi::Error::InvalidArgument("qmatmul: x, q and d do not describe one [K, N] weight");
+  }
+  const int64_t M = K ? static_cast<int64_t>(x.element_count()) / K : 0;
+  if (static_cast<int64_t>(y->element_count()) != M * N) return ffi::Error::InvalidArgument("qmatmul: y is not [M, N]");
+  auto sx = std::make_unique<float[]>(std::max<int64_t>(M * nb, 1));
+  for (int64_t t = 0; t < M; ++t)
+    for (int64_t b = 0; b < nb; ++b) {
+      float s = 0.f;
+      for (int64_t j = 0; j < kBlock; ++j) s += x.typed_data()[t * K + b * kBlock + j];
+      sx[t * nb + b] = s;
+    }
+  auto sh = std::make_shared<Shared>();
+  sh->p = Problem{x.typed_data(), static_cast<const uint8_t*>(q.untyped_data()),
+                  reinterpret_cast<const uint16_t*>(d.typed_data()), reinterpret_cast<const uint16_t*>(m.typed_data()),
+                  sx.get(), y->typed_data(), M, K, N, nb, fmt};
+  // as many workers as XLA's pool has threads (one per core), this thread one of them
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  std::unique_ptr<float[]> partial;
+  if (N <= kMaxW && nb >= 2 * threads) {
+    sh->cols = 1, sh->width = N, sh->parts = threads;
+    partial.reset(new float[threads * M * N]);
+    sh->partial = partial.get();
+  } else {  // at least two tiles per thread for balance, at most kMaxW wide
+    const int64_t want = std::max<int64_t>(2 * threads, (N + kMaxW - 1) / kMaxW);
+    sh->width = std::min<int64_t>(kMaxW, std::max<int64_t>(16, ((N + want - 1) / want + 15) / 16 * 16));
+    sh->cols = (N + sh->width - 1) / sh->width, sh->parts = 1, sh->partial = nullptr;
+  }
+  const int64_t helpers = std::min<int64_t>(threads - 1, sh->units() - 1);
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([sh] { sh->work(); });
+  sh->work();
+  while (sh->done.load(std::memory_order_acquire) < sh->units()) std::this_thread::yield();
+  if (sh->parts > 1) {
+    float* out = y->typed_data();
+    std::memcpy(out, partial.get(), M * N * sizeof(float));
+    for (int64_t r = 1; r < sh->parts; ++r)
+      for (int64_t i = 0; i < M * N; ++i) out[i] += partial[r * M * N + i];
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TinyloopQMatmul, QMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("fmt"));
