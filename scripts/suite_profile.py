@@ -34,9 +34,11 @@ if os.environ.get(OUT):
     import jax.monitoring
     import pytest
 
-    def _listen(event: str, seconds: float, **_) -> None:
+    def _listen(event: str, seconds: float, fun_name: str = "", **_) -> None:
         _now[event] += seconds
         _now["n " + event] += 1
+        if event == EVENTS["compile"]:  # which programs the compile time goes to
+            _now["fn " + fun_name] += seconds
 
     jax.monitoring.register_event_duration_secs_listener(_listen)
 
@@ -55,9 +57,13 @@ if os.environ.get(OUT):
 def summarize(rows: list[dict]) -> str:
     tot = collections.Counter()
     files: dict = collections.defaultdict(collections.Counter)
+    programs = collections.Counter()  # compile seconds by program name (and tests compiling it)
     for r in rows:
         for k, v in r.items():
-            if k != "test":
+            if k.startswith("fn "):
+                programs[k[3:]] += v
+                programs["n " + k[3:]] += 1
+            elif k != "test":
                 tot[k] += v
                 files[r["test"].split("::")[0]][k] += v
     lines = [f"{len(rows)} tests, {tot['wall']:.0f} s of test time (all workers)"]
@@ -67,6 +73,10 @@ def summarize(rows: list[dict]) -> str:
     lines.append("\n  wall s  compile s  compiles  file")
     for f, c in sorted(files.items(), key=lambda kv: -kv[1]["wall"]):
         lines.append(f"{c['wall']:8.1f} {c[EVENTS['compile']]:10.1f} {c['n ' + EVENTS['compile']]:9.0f}  {f}")
+    lines.append("\n  compile s  tests  program")
+    for name, secs in sorted(((k, v) for k, v in programs.items() if not k.startswith("n ")),
+                             key=lambda kv: -kv[1])[:40]:
+        lines.append(f"{secs:11.1f} {programs['n ' + name]:6.0f}  {name}")
     return "\n".join(lines)
 
 

@@ -27,10 +27,14 @@ copy away but runs at XLA:CPU's ~1.3 G weights/s dequantize speed: 3-4x slower t
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from .. import native
 
 BLOCK = 32
 FORMATS = ("q8_0", "q4_0", "q4_1")
@@ -193,11 +197,30 @@ def _columns(w: QuantArray, x: jax.Array, tile: int | None):
         yield _dequantize(part.q, _after(x, part.scale), part.min, w.fmt)
 
 
+def _product(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array, fmt: str) -> jax.Array:
+    """x [..., K] @ the packed fields of a [K, N] weight, through XLA (dequantize, then dot)."""
+    return jnp.einsum("...k,kn->...n", x, _dequantize(q, d, m, fmt).astype(x.dtype))
+
+
+_DENSE = {f: partial(_product, fmt=f) for f in FORMATS}
+
+
+def _kernel(x: jax.Array, w: QuantArray) -> jax.Array:
+    """x [..., K] @ w [K, N] (one output axis) -> float32 [..., N] by the native kernel, which
+    reads the packed bytes once (`tinyloop_jax.native`; callers check `native.available()`)."""
+    return native.qmatmul(x, w.q, w.scale, w.min, w.fmt, _DENSE[w.fmt])
+
+
 def matmul(x: jax.Array, w, tile: int | None = None) -> jax.Array:
     """x [..., K] @ w [K, *out] -> [..., *out] in x's dtype (float weights: one tensordot).
-    `tile`: dequantize about that many floats at a time inside the step (see the module doc)."""
+    Packed weights go through the native kernel where it runs (XLA:CPU, one device), else
+    XLA dequantizes them; `tile`: that, about that many floats at a time inside the step (see
+    the module doc)."""
     if not is_quant(w):
         return jnp.tensordot(x, w, axes=1)
+    if tile is None and native.available():
+        y = _kernel(x, reshape_out(w, int(np.prod(w.out_shape, dtype=np.int64)))).astype(x.dtype)
+        return y.reshape(*x.shape[:-1], *w.out_shape)
     parts = [jnp.einsum("...k,kn->...n", x, t.astype(x.dtype)) for t in _columns(w, x, tile)]
     y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
     return y.reshape(*x.shape[:-1], *w.out_shape)
@@ -207,6 +230,8 @@ def head(x: jax.Array, w) -> jax.Array:
     """x [..., D] against w [V, D] (the embedding or the head) -> float32 [..., V]."""
     if not is_quant(w):
         return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
+    if native.available():  # w's fields are [D/32, R, V]: the kernel's [K, N] weight
+        return _kernel(x, w)
     (t,) = _columns(w, x, None)
     return jnp.einsum("...d,dv->...v", x, t.astype(x.dtype), preferred_element_type=jnp.float32)
 

@@ -16,8 +16,6 @@
 #include <cstring>
 #include <memory>
 #include <thread>
-#include <cstdio>
-#include <cstdlib>
 
 #include "xla/ffi/api/ffi.h"
 

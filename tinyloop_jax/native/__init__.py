@@ -1,0 +1,137 @@
+"""Native kernels for XLA:CPU, built on first use with the machine's C++ compiler.
+
+`qmatmul.cc` is an XLA FFI custom call: x [..., K] float32 @ a weight kept in GGUF's q8_0 /
+q4_0 / q4_1 blocks (qarray's layout) -> [..., N] float32, reading the packed bytes once per
+call. XLA:CPU has no such dot: it writes the dequantized float32 matrix and reads it again, or
+hoists that copy out of the decode loop (docs/benchmarks.md, issue 23).
+
+Built like a JIT extension (torch's `cpp_extension.load`, Triton): `g++ -O3 -march=native`
+against the FFI headers jaxlib ships, into `$TINYLOOP_HOME/native/` under a key of the source,
+the flags, jaxlib's version and the CPU, written atomically, loaded with ctypes and registered
+once per process. Where it cannot be used — no compiler, a failed build (warned once), another
+backend, several devices (a mesh: the custom call has no sharding rule), or
+`TINYLOOP_NATIVE=0` — `available()` is False and qarray dequantizes inside the program as
+before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qmatmul.cc")
+TARGET = "tinyloop_qmatmul"
+FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+MAX_ROWS = 16  # rows of x (tokens x batch) up to which the kernel runs; above, XLA's dot wins
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln for ln in f if ln.startswith("flags")), platform.processor())
+    except OSError:
+        return platform.processor()
+
+
+def library_path() -> str:
+    """Where the built kernel for this source, compiler flags, jaxlib and CPU lives."""
+    from ..formats.hub import home
+
+    import jaxlib
+    with open(SOURCE, "rb") as f:
+        key = hashlib.sha256(f.read() + " ".join(FLAGS).encode() + jaxlib.__version__.encode()
+                             + _cpu().encode()).hexdigest()[:16]
+    return os.path.join(home(), "native", f"qmatmul-{key}.so")
+
+
+def build() -> str:
+    """Compile the kernel if it is not built yet; returns the library's path. RuntimeError
+    (with the compiler's output) if there is no compiler or the build fails."""
+    out = library_path()
+    if os.path.exists(out):
+        return out
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++ or $CXX) to build the packed-weight kernel")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out))
+    os.close(fd)
+    try:
+        r = subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp],
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"building {SOURCE} failed:\n{r.stderr[-2000:]}")
+        os.replace(tmp, out)  # whole or not at all: another process may be building it too
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return out
+
+
+def available() -> bool:
+    """Whether packed matmuls run through the kernel in this process (see the module doc)."""
+    if os.environ.get("TINYLOOP_NATIVE", "1") == "0" or jax.default_backend() != "cpu" or jax.device_count() != 1:
+        return False
+    with _lock:
+        if "ok" not in _state:
+            try:
+                lib = ctypes.cdll.LoadLibrary(build())
+                jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.TinyloopQMatmul), platform="cpu")
+                _state["ok"] = True
+            except (OSError, RuntimeError) as e:
+                warnings.warn(f"packed weights fall back to XLA's dequantize + dot: {e}", RuntimeWarning)
+                _state["ok"] = False
+        return _state["ok"]
+
+
+def _call(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array, fmt: str) -> jax.Array:
+    n = q.shape[-1]
+    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32))(
+        x.astype(jnp.float32), q, d, m, fmt=np.int32(FORMATS[fmt]))
+
+
+def _kernel(fmt: str, dense):
+    """The custom call as a function that vmap folds into its rows: a batch of rows is more
+    rows of x (the weight is shared), so a decode step over 16 requests is one call."""
+
+    @jax.custom_batching.custom_vmap
+    def f(x, q, d, m):
+        rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+        return _call(x, q, d, m, fmt) if rows <= MAX_ROWS else dense(x, q, d, m)
+
+    @f.def_vmap
+    def rule(axis_size, in_batched, x, q, d, m):
+        if any(in_batched[1:]):  # a weight per row: not this kernel's case
+            axes = [0 if b else None for b in in_batched]
+            return jax.vmap(dense, in_axes=axes)(x, q, d, m), True
+        if not in_batched[0]:
+            x = jnp.broadcast_to(x, (axis_size, *x.shape))
+        return f(x, q, d, m), True
+
+    return f
+
+
+_kernels: dict = {}
+
+
+def qmatmul(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array | None, fmt: str, dense) -> jax.Array:
+    """x [..., K] @ the packed weight (q [K/32, R, N], d and m [K/32, N]; m None but for q4_1)
+    -> float32 [..., N]. `dense(x, q, d, m)`: the same product through XLA, for many rows."""
+    if fmt not in _kernels:
+        _kernels[fmt] = _kernel(fmt, dense)
+    return _kernels[fmt](x, q, d, d if m is None else m)
