@@ -72,8 +72,11 @@ def build() -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out))
     os.close(fd)
     try:
-        r = subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp],
-                           capture_output=True, text=True)
+        try:
+            r = subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp],
+                               capture_output=True, text=True)
+        except OSError as e:
+            raise RuntimeError(f"cannot run the C++ compiler {cxx!r}: {e}") from e
         if r.returncode:
             raise RuntimeError(f"building {SOURCE} failed:\n{r.stderr[-2000:]}")
         os.replace(tmp, out)  # whole or not at all: another process may be building it too
