@@ -28,7 +28,7 @@ def close(got, want):
 
 @pytest.mark.parametrize("fmt", qarray.FORMATS)
 @pytest.mark.parametrize("k,n,rows", [(64, 40, 1), (576, 960, 1), (256, 4100, 3), (1536, 576, 5), (96, 130, 9),
-                                      (128, 48, 17)])
+                                      (128, 48, 17), (96, 200, 40)])
 def test_kernel_equals_numpy(fmt, k, n, rows):
     w, dense = packed(fmt, k, n)
     x = np.random.default_rng(1).standard_normal((rows, k)).astype(np.float32)

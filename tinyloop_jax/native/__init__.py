@@ -34,7 +34,7 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qmatmul.cc")
 TARGET = "tinyloop_qmatmul"
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
 FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
-MAX_ROWS = 16  # rows of x (tokens x batch) up to which the kernel runs; above, XLA's dot wins
+MAX_ROWS = 1 << 30  # rows of x up to which the kernel runs (it has a many-row path of its own)
 
 _lock = threading.Lock()
 _state: dict = {}

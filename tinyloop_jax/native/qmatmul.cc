@@ -30,10 +30,8 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kW = 64;   // columns per tile: one cache line of q per (block, j)
 constexpr int64_t kMT = 4;   // rows of x per pass over a tile's bytes
-#ifndef KMAXW
-#define KMAXW 4096
-#endif
-constexpr int64_t kMaxW = KMAXW;  // columns per tile at most (multiple of 16)
+constexpr int64_t kMaxW = 4096;  // columns per tile at most (multiple of 16)
+constexpr int64_t kPanelRows = 8;  // more rows: dequantized panels and a register-blocked product
 
 enum Fmt : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
 
@@ -195,6 +193,74 @@ void tile(const Problem& p, int64_t n0, int64_t w, int64_t b0, int64_t b1, float
 }
 #endif
 
+#if defined(__AVX512F__)
+// Many rows (a prompt's chunk): dequantize the tile's columns once into a float32 panel
+// [K, 64] that stays in L2, then multiply every row of x by it with 4 x 4 vector accumulators
+// in registers (4 rows x 64 columns): the unpacking is paid once per weight, not once per row.
+template <int32_t FMT>
+void panel_gemm(const Problem& p, int64_t n0, int64_t w, float* dst) {
+  constexpr int64_t R = FMT == kQ8_0 ? 32 : 16;
+  thread_local std::unique_ptr<float[]> buf;
+  thread_local int64_t size = 0;
+  if (size < p.K * kW) buf.reset(new (std::align_val_t(64)) float[p.K * kW]), size = p.K * kW;
+  float* panel = buf.get();
+  __mmask16 mask[4];  // the tile's columns among each vector's 16 (zeros past them)
+  for (int g = 0; g < 4; ++g) {
+    const int64_t lanes = std::clamp<int64_t>(w - 16 * g, 0, 16);
+    mask[g] = static_cast<__mmask16>(lanes == 16 ? 0xFFFF : (1u << lanes) - 1);
+  }
+  const __m512i fifteen = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
+  for (int64_t b = 0; b < p.nb; ++b) {
+    __m512 dv[4], mv[4];
+    for (int g = 0; g < 4; ++g) {
+      const int64_t at = b * p.N + n0 + 16 * g;
+      dv[g] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask[g], p.d + at));
+      mv[g] = FMT == kQ4_1 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask[g], p.m + at)) : _mm512_setzero_ps();
+    }
+    for (int64_t j = 0; j < R; ++j) {
+      const uint8_t* row = p.q + (b * R + j) * p.N + n0;
+      float* lo = panel + (b * kBlock + j) * kW;
+      float* hi = panel + (b * kBlock + j + 16) * kW;
+      for (int g = 0; g < 4; ++g) {
+        const __m128i raw = _mm_maskz_loadu_epi8(mask[g], row + 16 * g);
+        if constexpr (FMT == kQ8_0) {
+          _mm512_store_ps(lo + 16 * g, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), dv[g]));
+        } else {
+          __m512i l = _mm512_and_si512(_mm512_cvtepu8_epi32(raw), fifteen);
+          __m512i h = _mm512_srli_epi32(_mm512_cvtepu8_epi32(raw), 4);
+          if constexpr (FMT == kQ4_0) l = _mm512_sub_epi32(l, eight), h = _mm512_sub_epi32(h, eight);
+          // value = q * d (+ m): the same two roundings as qarray's dequantize
+          _mm512_store_ps(lo + 16 * g, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(l), dv[g]), mv[g]));
+          _mm512_store_ps(hi + 16 * g, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(h), dv[g]), mv[g]));
+        }
+      }
+    }
+  }
+  const int64_t groups = (w + 15) / 16;
+  const __mmask16 last = static_cast<__mmask16>(w % 16 ? (1u << (w % 16)) - 1 : 0xFFFF);
+  for (int64_t t0 = 0; t0 < p.M; t0 += kMT) {
+    const int64_t mt = std::min(kMT, p.M - t0);
+    __m512 acc[kMT][4];
+    for (auto& a : acc) for (auto& v : a) v = _mm512_setzero_ps();
+    for (int64_t k = 0; k < p.K; ++k) {
+      const float* wk = panel + k * kW;
+      const __m512 w0 = _mm512_load_ps(wk), w1 = _mm512_load_ps(wk + 16), w2 = _mm512_load_ps(wk + 32),
+                   w3 = _mm512_load_ps(wk + 48);
+      for (int64_t t = 0; t < mt; ++t) {
+        const __m512 xb = _mm512_set1_ps(p.x[(t0 + t) * p.K + k]);
+        acc[t][0] = _mm512_fmadd_ps(w0, xb, acc[t][0]);
+        acc[t][1] = _mm512_fmadd_ps(w1, xb, acc[t][1]);
+        acc[t][2] = _mm512_fmadd_ps(w2, xb, acc[t][2]);
+        acc[t][3] = _mm512_fmadd_ps(w3, xb, acc[t][3]);
+      }
+    }
+    for (int64_t t = 0; t < mt; ++t)
+      for (int64_t g = 0; g < groups; ++g)
+        _mm512_mask_storeu_ps(dst + (t0 + t) * p.N + n0 + 16 * g, g == groups - 1 ? last : 0xFFFF, acc[t][g]);
+  }
+}
+#endif
+
 // The work: `cols` column tiles x `parts` block ranges. A narrow matrix (a decode step's
 // projections: N of a few hundred) is split along K, so each thread streams a contiguous part
 // of q; its partial sums land in their own [M, N] slice of `partial` and are added at the end.
@@ -203,12 +269,22 @@ struct Shared {
   Problem p;
   int64_t cols, width, parts;
   float* partial;  // [parts, M, N] when parts > 1
+  bool panels;  // many rows: `panel_gemm` over 64-column tiles
   std::atomic<int64_t> next{0}, done{0};
   int64_t units() const { return cols * parts; }
   void run(int64_t i) {
     const int64_t c = i % cols, r = i / cols, n0 = c * width, w = std::min(width, p.N - n0);
     const int64_t b0 = p.nb * r / parts, b1 = p.nb * (r + 1) / parts;
     float* dst = parts > 1 ? partial + r * p.M * p.N : p.y;
+#if defined(__AVX512F__)
+    if (panels) {
+      switch (p.fmt) {
+        case kQ8_0: return panel_gemm<kQ8_0>(p, n0, w, dst);
+        case kQ4_0: return panel_gemm<kQ4_0>(p, n0, w, dst);
+        default: return panel_gemm<kQ4_1>(p, n0, w, dst);
+      }
+    }
+#endif
     switch (p.fmt) {
       case kQ8_0: return tile<kQ8_0>(p, n0, w, b0, b1, dst);
       case kQ4_0: return tile<kQ4_0>(p, n0, w, b0, b1, dst);
@@ -252,6 +328,12 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   // as many workers as XLA's pool has threads (one per core), this thread one of them
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   std::unique_ptr<float[]> partial;
+  sh->panels = false;
+#if defined(__AVX512F__)
+  if (M > kPanelRows) {
+    sh->panels = true, sh->width = kW, sh->cols = (N + kW - 1) / kW, sh->parts = 1, sh->partial = nullptr;
+  } else
+#endif
   if (N <= kMaxW && nb >= 2 * threads) {
     sh->cols = 1, sh->width = N, sh->parts = threads;
     partial.reset(new float[threads * M * N]);
