@@ -114,7 +114,6 @@ void tile_generic(const Problem& p, int64_t n0, int64_t w, int64_t b0, int64_t b
 template <int32_t FMT>
 void tile_avx512(const Problem& p, int64_t n0, int64_t w, int64_t b0, int64_t b1, float* dst) {
   constexpr int64_t R = FMT == kQ8_0 ? 32 : 16;
-  constexpr int64_t G = kMaxW / 16;
   const int64_t groups = (w + 15) / 16;
   const __mmask16 last = static_cast<__mmask16>(w % 16 ? (1u << (w % 16)) - 1 : 0xFFFF);
   const __m512i fifteen = _mm512_set1_epi32(15);
@@ -128,28 +127,37 @@ void tile_avx512(const Problem& p, int64_t n0, int64_t w, int64_t b0, int64_t b1
     for (int64_t b = b0; b < b1; ++b) {
       for (int64_t t = 0; t < mt; ++t) std::memset(acc[t], 0, groups * 64);
       const uint8_t* qb = p.q + (b * R) * p.N + n0;
-      for (int64_t j = 0; j < R; ++j) {
-        const uint8_t* row = qb + j * p.N;
-        __m512 xl[kMT], xh[kMT];
+      // U rows of q per pass over the accumulators: fewer L1 loads and stores per weight
+      constexpr int64_t U = FMT == kQ8_0 ? 4 : 2;
+      for (int64_t j = 0; j < R; j += U) {
+        __m512 xl[kMT][U], xh[kMT][U];
         for (int64_t t = 0; t < mt; ++t) {
           const float* xt = p.x + (t0 + t) * p.K + b * kBlock;
-          xl[t] = _mm512_set1_ps(xt[j]);
-          if constexpr (FMT != kQ8_0) xh[t] = _mm512_set1_ps(xt[j + 16]);
+          for (int64_t u = 0; u < U; ++u) {
+            xl[t][u] = _mm512_set1_ps(xt[j + u]);
+            if constexpr (FMT != kQ8_0) xh[t][u] = _mm512_set1_ps(xt[j + u + 16]);
+          }
         }
         for (int64_t g = 0; g < groups; ++g) {
           const __mmask16 mk = g == groups - 1 ? last : 0xFFFF;
-          const __m128i raw = _mm_maskz_loadu_epi8(mk, row + 16 * g);
-          if constexpr (FMT == kQ8_0) {
-            const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
-            for (int64_t t = 0; t < mt; ++t)
-              _mm512_store_ps(acc[t] + 16 * g, _mm512_fmadd_ps(v, xl[t], _mm512_load_ps(acc[t] + 16 * g)));
-          } else {
-            const __m512i v = _mm512_cvtepu8_epi32(raw);
-            const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, fifteen));
-            const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-            for (int64_t t = 0; t < mt; ++t)
-              _mm512_store_ps(acc[t] + 16 * g, _mm512_fmadd_ps(hi, xh[t], _mm512_fmadd_ps(lo, xl[t],
-                                                                  _mm512_load_ps(acc[t] + 16 * g))));
+          __m512 lo[U], hi[U];
+          for (int64_t u = 0; u < U; ++u) {
+            const __m128i raw = _mm_maskz_loadu_epi8(mk, qb + (j + u) * p.N + 16 * g);
+            if constexpr (FMT == kQ8_0) {
+              lo[u] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+            } else {
+              const __m512i v = _mm512_cvtepu8_epi32(raw);
+              lo[u] = _mm512_cvtepi32_ps(_mm512_and_si512(v, fifteen));
+              hi[u] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+            }
+          }
+          for (int64_t t = 0; t < mt; ++t) {
+            __m512 a = _mm512_load_ps(acc[t] + 16 * g);
+            for (int64_t u = 0; u < U; ++u) {
+              a = _mm512_fmadd_ps(lo[u], xl[t][u], a);
+              if constexpr (FMT != kQ8_0) a = _mm512_fmadd_ps(hi[u], xh[t][u], a);
+            }
+            _mm512_store_ps(acc[t] + 16 * g, a);
           }
         }
       }
@@ -179,7 +187,6 @@ void tile_avx512(const Problem& p, int64_t n0, int64_t w, int64_t b0, int64_t b1
         _mm512_mask_storeu_ps(dst + (t0 + t) * p.N + n0 + 16 * g, g == groups - 1 ? last : 0xFFFF,
                               _mm512_load_ps(out[t] + 16 * g));
   }
-  (void)G;
 }
 
 template <int32_t FMT>
