@@ -4,9 +4,11 @@ each product feeding the next, repeated by a `fori_loop` as a decode loop repeat
 
     python scripts/bench_quant.py          # writes the "quant-matmul" section of docs/benchmarks.md
 
-Arms: float32; each format with the whole matrix dequantized per product (`tile=None`, the
-default: loop-invariant, so XLA may hoist it out of the loop) and in tiles of 512 KiB / 4 MiB of
-float32 tied to the step's input (`tile=n`: dequantized inside every step). Reported per step
+Arms: float32; each format through the native kernel (`qarray.matmul`'s default on XLA:CPU,
+tinyloop_jax/native: the packed bytes read once per product), through XLA with the whole matrix
+dequantized per product (`x @ qarray.dense(w)`: loop-invariant, so XLA may hoist it out of the
+loop), and (q4_1) in tiles of 512 KiB / 4 MiB of float32 tied to the step's input (`tile=n`:
+dequantized inside every step). Reported per step
 (T = 1 token: decode; T = 128: prompt processing), median of `--repeats`, and the first call
 (compiling included).
 """
@@ -33,7 +35,11 @@ def main() -> None:
     import numpy as np
 
     import _report
+    from tinyloop_jax import native
     from tinyloop_jax.model import qarray
+
+    if not native.available():
+        sys.exit("the native kernel is not available here (see tinyloop_jax/native)")
 
     rng = np.random.default_rng(0)
     floats = [jnp.asarray(rng.standard_normal(s).astype(np.float32) / 24) for s in SHAPES]
@@ -44,7 +50,9 @@ def main() -> None:
             def step(_, x):  # x [T, 1536]: each matrix reads the first K columns, the next its output
                 y = x
                 for w in ws:
-                    y = jnp.concatenate([qarray.matmul(y[:, :w.shape[0]], w, tile=tile), y], axis=-1)[:, :1536]
+                    h = y[:, :w.shape[0]]
+                    p = h @ qarray.dense(w) if tile == "xla" else qarray.matmul(h, w, tile=tile)
+                    y = jnp.concatenate([p, y], axis=-1)[:, :1536]
                 return x + 1e-3 * y
             return jax.lax.fori_loop(0, STEPS, step, x)
         return f
@@ -56,7 +64,7 @@ def main() -> None:
     arms = [("float32", floats, None)]
     for fmt in ("q4_1", "q8_0"):
         packed = [qarray.quantize(w, fmt) for w in floats]
-        arms += [(f"{fmt}, whole matrix", packed, None)]
+        arms += [(f"{fmt}, native kernel", packed, None), (f"{fmt}, XLA: whole matrix dequantized", packed, "xla")]
         if fmt == "q4_1":
             arms += [(f"{fmt}, tiles of 512 KiB", packed, 1 << 17), (f"{fmt}, tiles of 4 MiB", packed, 1 << 20)]
     base = {}

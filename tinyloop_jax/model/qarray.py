@@ -15,14 +15,15 @@ bit for bit, only rearranged so that the output axes are the minor ones. The log
 [K, *out] (a projection weight, `x @ W`), or [*out, K] with `transposed` (the embedding and
 the head, [V, D]).
 
-What XLA:CPU does with it (measured, scripts/bench_quant.py and docs/benchmarks.md): a dequantize
-feeding a dot is a fusion that writes the float32 matrix, then the dot reads it. In a decode loop
-XLA hoists that loop-invariant work out of the loop, so a generate call holds a float32 copy of
-each weight while it runs and decodes at nearly float32 speed (SmolLM2 27.3 vs 30.9 tok/s); the
-packed form is what the model holds at rest (92 vs 513 MiB). Forcing the dequantize into every
-step, in cache-sized tiles tied to the step's input (`matmul(..., tile=n)`), keeps the float
-copy away but runs at XLA:CPU's ~1.3 G weights/s dequantize speed: 3-4x slower than float32
-(9.8 tok/s at 512 KiB tiles). So `tile=None` (the whole matrix, hoistable) is the default.
+How a product is computed: on XLA:CPU with one device, by the native kernel
+(`tinyloop_jax.native`, an XLA FFI custom call): a decode step streams each packed byte once,
+and a prompt's chunk multiplies by a dequantized float32 panel per 64 columns. Elsewhere (a GPU,
+a mesh, or the kernel turned off) XLA dequantizes: a dequantize feeding a dot is a fusion that
+writes the float32 matrix, then the dot reads it; in a decode loop XLA hoists that
+loop-invariant work out of the loop, so a call holds a float32 copy of each weight while it
+runs and decodes at about float32 speed. Forcing the dequantize into every step, in cache-sized
+tiles tied to the step's input (`matmul(..., tile=n)`), keeps the float copy away but runs at
+XLA:CPU's ~1.3 G weights/s dequantize speed (scripts/bench_quant.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -39,6 +40,20 @@ inline float half(uint16_t h) {
   _Float16 f;
   std::memcpy(&f, &h, sizeof f);
   return static_cast<float>(f);
+}
+
+// 64-byte aligned float buffers (aligned vector loads and stores), kept per thread and grown.
+struct Free {
+  void operator()(float* f) const { std::free(f); }
+};
+using Floats = std::unique_ptr<float[], Free>;
+
+float* scratch(Floats& buf, int64_t& size, int64_t want) {
+  if (size < want) {
+    buf.reset(static_cast<float*>(std::aligned_alloc(64, (want * sizeof(float) + 63) / 64 * 64)));
+    size = want;
+  }
+  return buf.get();
 }
 
 struct Problem {
@@ -117,10 +132,11 @@ void tile_avx512(const Problem& p, int64_t n0, int64_t w, int64_t b0, int64_t b1
   const int64_t groups = (w + 15) / 16;
   const __mmask16 last = static_cast<__mmask16>(w % 16 ? (1u << (w % 16)) - 1 : 0xFFFF);
   const __m512i fifteen = _mm512_set1_epi32(15);
-  thread_local std::unique_ptr<float[]> scratch;
-  if (!scratch) scratch.reset(new (std::align_val_t(64)) float[2 * kMT * kMaxW]);
-  float (*acc)[kMaxW] = reinterpret_cast<float (*)[kMaxW]>(scratch.get());
-  float (*out)[kMaxW] = reinterpret_cast<float (*)[kMaxW]>(scratch.get() + kMT * kMaxW);
+  thread_local Floats buf;
+  thread_local int64_t size = 0;
+  float* base = scratch(buf, size, 2 * kMT * kMaxW);
+  float (*acc)[kMaxW] = reinterpret_cast<float (*)[kMaxW]>(base);
+  float (*out)[kMaxW] = reinterpret_cast<float (*)[kMaxW]>(base + kMT * kMaxW);
   for (int64_t t0 = 0; t0 < p.M; t0 += kMT) {
     const int64_t mt = std::min(kMT, p.M - t0);
     for (int64_t t = 0; t < mt; ++t) std::memset(out[t], 0, groups * 64);
@@ -201,16 +217,41 @@ void tile(const Problem& p, int64_t n0, int64_t w, int64_t b0, int64_t b1, float
 #endif
 
 #if defined(__AVX512F__)
+// MT rows of x times a [K, 64] panel: MT x 4 accumulators held in registers (MT a constant, so
+// the compiler keeps them there).
+template <int MT>
+void panel_rows(const Problem& p, const float* panel, int64_t t0, int64_t n0, int64_t w, float* dst) {
+  const int64_t groups = (w + 15) / 16;
+  const __mmask16 last = static_cast<__mmask16>(w % 16 ? (1u << (w % 16)) - 1 : 0xFFFF);
+  __m512 acc[MT][4];
+  for (auto& a : acc) for (auto& v : a) v = _mm512_setzero_ps();
+  const float* x = p.x + t0 * p.K;
+  for (int64_t k = 0; k < p.K; ++k) {
+    const float* wk = panel + k * kW;
+    const __m512 w0 = _mm512_load_ps(wk), w1 = _mm512_load_ps(wk + 16), w2 = _mm512_load_ps(wk + 32),
+                 w3 = _mm512_load_ps(wk + 48);
+    for (int t = 0; t < MT; ++t) {
+      const __m512 xb = _mm512_set1_ps(x[t * p.K + k]);
+      acc[t][0] = _mm512_fmadd_ps(w0, xb, acc[t][0]);
+      acc[t][1] = _mm512_fmadd_ps(w1, xb, acc[t][1]);
+      acc[t][2] = _mm512_fmadd_ps(w2, xb, acc[t][2]);
+      acc[t][3] = _mm512_fmadd_ps(w3, xb, acc[t][3]);
+    }
+  }
+  for (int t = 0; t < MT; ++t)
+    for (int64_t g = 0; g < groups; ++g)
+      _mm512_mask_storeu_ps(dst + (t0 + t) * p.N + n0 + 16 * g, g == groups - 1 ? last : 0xFFFF, acc[t][g]);
+}
+
 // Many rows (a prompt's chunk): dequantize the tile's columns once into a float32 panel
 // [K, 64] that stays in L2, then multiply every row of x by it with 4 x 4 vector accumulators
 // in registers (4 rows x 64 columns): the unpacking is paid once per weight, not once per row.
 template <int32_t FMT>
 void panel_gemm(const Problem& p, int64_t n0, int64_t w, float* dst) {
   constexpr int64_t R = FMT == kQ8_0 ? 32 : 16;
-  thread_local std::unique_ptr<float[]> buf;
+  thread_local Floats buf;
   thread_local int64_t size = 0;
-  if (size < p.K * kW) buf.reset(new (std::align_val_t(64)) float[p.K * kW]), size = p.K * kW;
-  float* panel = buf.get();
+  float* panel = scratch(buf, size, p.K * kW);
   __mmask16 mask[4];  // the tile's columns among each vector's 16 (zeros past them)
   for (int g = 0; g < 4; ++g) {
     const int64_t lanes = std::clamp<int64_t>(w - 16 * g, 0, 16);
@@ -243,27 +284,12 @@ void panel_gemm(const Problem& p, int64_t n0, int64_t w, float* dst) {
       }
     }
   }
-  const int64_t groups = (w + 15) / 16;
-  const __mmask16 last = static_cast<__mmask16>(w % 16 ? (1u << (w % 16)) - 1 : 0xFFFF);
-  for (int64_t t0 = 0; t0 < p.M; t0 += kMT) {
-    const int64_t mt = std::min(kMT, p.M - t0);
-    __m512 acc[kMT][4];
-    for (auto& a : acc) for (auto& v : a) v = _mm512_setzero_ps();
-    for (int64_t k = 0; k < p.K; ++k) {
-      const float* wk = panel + k * kW;
-      const __m512 w0 = _mm512_load_ps(wk), w1 = _mm512_load_ps(wk + 16), w2 = _mm512_load_ps(wk + 32),
-                   w3 = _mm512_load_ps(wk + 48);
-      for (int64_t t = 0; t < mt; ++t) {
-        const __m512 xb = _mm512_set1_ps(p.x[(t0 + t) * p.K + k]);
-        acc[t][0] = _mm512_fmadd_ps(w0, xb, acc[t][0]);
-        acc[t][1] = _mm512_fmadd_ps(w1, xb, acc[t][1]);
-        acc[t][2] = _mm512_fmadd_ps(w2, xb, acc[t][2]);
-        acc[t][3] = _mm512_fmadd_ps(w3, xb, acc[t][3]);
-      }
-    }
-    for (int64_t t = 0; t < mt; ++t)
-      for (int64_t g = 0; g < groups; ++g)
-        _mm512_mask_storeu_ps(dst + (t0 + t) * p.N + n0 + 16 * g, g == groups - 1 ? last : 0xFFFF, acc[t][g]);
+  int64_t t0 = 0;
+  for (; t0 + 4 <= p.M; t0 += 4) panel_rows<4>(p, panel, t0, n0, w, dst);
+  switch (p.M - t0) {
+    case 3: return panel_rows<3>(p, panel, t0, n0, w, dst);
+    case 2: return panel_rows<2>(p, panel, t0, n0, w, dst);
+    case 1: return panel_rows<1>(p, panel, t0, n0, w, dst);
   }
 }
 #endif
