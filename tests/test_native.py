@@ -22,8 +22,8 @@ def packed(fmt: str, k: int, n: int, seed: int = 0, transposed: bool = False):
     return q, np.asarray(q.dequantize())
 
 
-def close(got, want):
-    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-4 * np.abs(want).max())  # the 1e-4 relative
+def close(got, want):  # within the 1e-4 of the largest value
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-4 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("fmt", qarray.FORMATS)
