@@ -4,6 +4,9 @@ against numpy: x @ the dequantized weight, for every packed format, row counts a
 narrow matrices split along K and wide ones split into column tiles; under vmap (a batch of
 rows folded into one call) and inside a while loop, as a decode step runs it."""
 
+import os
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,8 +15,17 @@ import pytest
 from tinyloop_jax import native
 from tinyloop_jax.model import qarray
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernel needs XLA:CPU on one device "
-                                "and a C++ compiler (TINYLOOP_NATIVE=0 turns it off)")
+# skipped only where the kernel cannot exist (no compiler, another backend, several devices, turned
+# off); where it can, a failed build fails `test_the_kernel_is_built_where_it_can_be`
+CAN_BUILD = (bool(os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++"))
+             and jax.default_backend() == "cpu" and jax.device_count() == 1
+             and os.environ.get("TINYLOOP_NATIVE", "1") != "0")
+pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="the native kernel needs XLA:CPU on one device and a C++ "
+                                "compiler (TINYLOOP_NATIVE=0 turns it off)")
+
+
+def test_the_kernel_is_built_where_it_can_be():
+    assert native.available()
 
 
 def packed(fmt: str, k: int, n: int, seed: int = 0, transposed: bool = False):

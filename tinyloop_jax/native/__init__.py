@@ -34,7 +34,6 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qmatmul.cc")
 TARGET = "tinyloop_qmatmul"
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
 FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
-MAX_ROWS = 1 << 30  # rows of x up to which the kernel runs (it has a many-row path of its own)
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -114,8 +113,7 @@ def _kernel(fmt: str, dense):
 
     @jax.custom_batching.custom_vmap
     def f(x, q, d, m):
-        rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-        return _call(x, q, d, m, fmt) if rows <= MAX_ROWS else dense(x, q, d, m)
+        return _call(x, q, d, m, fmt)
 
     @f.def_vmap
     def rule(axis_size, in_batched, x, q, d, m):
@@ -134,7 +132,8 @@ _kernels: dict = {}
 
 def qmatmul(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array | None, fmt: str, dense) -> jax.Array:
     """x [..., K] @ the packed weight (q [K/32, R, N], d and m [K/32, N]; m None but for q4_1)
-    -> float32 [..., N]. `dense(x, q, d, m)`: the same product through XLA, for many rows."""
+    -> float32 [..., N]. `dense(x, q, d, m)`: the same product through XLA, for a vmap that
+    batches the weight itself."""
     if fmt not in _kernels:
         _kernels[fmt] = _kernel(fmt, dense)
     return _kernels[fmt](x, q, d, d if m is None else m)
