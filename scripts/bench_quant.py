@@ -5,7 +5,8 @@ each product feeding the next, repeated by a `fori_loop` as a decode loop repeat
     python scripts/bench_quant.py          # writes the "quant-matmul" section of docs/benchmarks.md
 
 Arms: float32; each format through the native kernel (`qarray.matmul`'s default on XLA:CPU,
-tinyloop_jax/native: the packed bytes read once per product), through XLA with the whole matrix
+tinyloop_jax/native: the packed bytes read once per product, in the tiled layout a `Model` holds
+them in, `qarray.tile`), through XLA with the whole matrix
 dequantized per product (`x @ qarray.dense(w)`: loop-invariant, so XLA may hoist it out of the
 loop), and (q4_1) in tiles of 512 KiB / 4 MiB of float32 tied to the step's input (`tile=n`:
 dequantized inside every step). Reported per step
@@ -64,7 +65,8 @@ def main() -> None:
     arms = [("float32", floats, None)]
     for fmt in ("q4_1", "q8_0"):
         packed = [qarray.quantize(w, fmt) for w in floats]
-        arms += [(f"{fmt}, native kernel", packed, None), (f"{fmt}, XLA: whole matrix dequantized", packed, "xla")]
+        arms += [(f"{fmt}, native kernel", [qarray.tile(w) for w in packed], None),  # as a Model holds them
+                 (f"{fmt}, XLA: whole matrix dequantized", packed, "xla")]
         if fmt == "q4_1":
             arms += [(f"{fmt}, tiles of 512 KiB", packed, 1 << 17), (f"{fmt}, tiles of 4 MiB", packed, 1 << 20)]
     base = {}

@@ -1,11 +1,16 @@
 """The native packed-weight kernel (tinyloop_jax/native/qmatmul.cc, an XLA FFI custom call)
-against numpy: x @ the dequantized weight, for every packed format, row counts around its
-4-row tiles and its MAX_ROWS switch to XLA's dot, widths that leave partial 16-column vectors,
-narrow matrices split along K and wide ones split into column tiles; under vmap (a batch of
-rows folded into one call) and inside a while loop, as a decode step runs it."""
+against numpy: x @ the dequantized weight, for every packed format, with the weight in GGUF's
+order (tiled inside the program) and pre-tiled (`qarray.tile`, as a Model holds it); row counts
+around its 3-row passes, its switch to dequantized panels past 8 rows and their 6-row blocks,
+widths that leave a partial 64-column tile, narrow matrices also split along K; under vmap (a
+batch of rows folded into one call) and inside a while loop, as a decode step runs it; the
+portable (non-AVX-512) build; the tiled layout's round trip."""
 
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +50,7 @@ def test_kernel_equals_numpy(fmt, k, n, rows):
     w, dense = packed(fmt, k, n)
     x = np.random.default_rng(1).standard_normal((rows, k)).astype(np.float32)
     close(jax.jit(qarray.matmul)(x, w), x @ dense)
+    close(jax.jit(qarray.matmul)(x, qarray.tile(w)), x @ dense)
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
@@ -72,3 +78,44 @@ def test_a_failed_build_is_a_runtime_error(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="no-such-compiler"):
         native.build()
     assert not any(p.name.endswith(".so") for p in (tmp_path / "native").iterdir())  # nothing half-written
+
+
+@pytest.mark.parametrize("fmt", qarray.FORMATS)
+def test_tiled_layout_is_the_same_bytes(fmt):
+    """tile -> canonical gives GGUF's order back bit for bit (the last tile's padding dropped);
+    a tiled weight dequantizes, looks up rows and keeps its logical shape as before."""
+    w = qarray.reshape_out(packed(fmt, 96, 120)[0], 3, 40)
+    t = qarray.tile(w)
+    assert t.q.shape[0] == 2 and t.shape == w.shape == (96, 3, 40) and t.k == 96  # 120 columns: 2 tiles
+    back = qarray.canonical(t)
+    for field in ("q", "scale", "min"):
+        a, b = getattr(w, field), getattr(back, field)
+        assert (a is None) == (b is None) and (a is None or np.array_equal(np.asarray(a), np.asarray(b)))
+    np.testing.assert_array_equal(np.asarray(t.dequantize()), np.asarray(w.dequantize()))
+    e, _ = packed(fmt, 64, 200, seed=5, transposed=True)  # an embedding [200, 64]
+    rows = jnp.asarray([0, 63, 64, 199, 130])
+    np.testing.assert_array_equal(np.asarray(qarray.take(qarray.tile(e), rows)), np.asarray(qarray.take(e, rows)))
+
+
+PORTABLE = textwrap.dedent("""
+    import numpy as np, jax
+    from tinyloop_jax import native
+    from tinyloop_jax.model import qarray
+    native.FLAGS.append("-mno-avx512f")  # the kernel's portable C++ loops
+    assert native.available()
+    for fmt in qarray.FORMATS:
+        for k, n, rows in [(64, 40, 1), (576, 960, 1), (96, 130, 5), (96, 200, 12)]:
+            w = qarray.quantize(np.random.default_rng(0).standard_normal((k, n)).astype(np.float32), fmt)
+            x = np.random.default_rng(1).standard_normal((rows, k)).astype(np.float32)
+            want = x @ np.asarray(w.dequantize())
+            got = np.asarray(jax.jit(qarray.matmul)(x, qarray.tile(w)))
+            assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), (fmt, k, n, rows)
+    print("ok")
+""")
+
+
+def test_the_portable_build_equals_numpy():
+    """Where the CPU has no AVX-512 the kernel runs its plain C++ loops: built here with
+    -mno-avx512f (its own file: the flags are in the build's key) in a fresh process."""
+    r = subprocess.run([sys.executable, "-c", PORTABLE], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

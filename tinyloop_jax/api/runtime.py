@@ -18,6 +18,7 @@ from ..formats import checkpoint
 from ..decoding import programs
 from ..formats import hf_gpt2
 from ..formats import gguf, hf_import, hub
+from .. import native
 from ..model import qarray, sharding
 from . import functional as F
 from . import validation as check
@@ -51,6 +52,8 @@ class Model:
             sharding.check(mesh, config)
             config = config.replace(mesh=mesh)
             params = sharding.place_params(params, config, mesh)
+        elif native.available():  # packed weights in the native kernel's layout, once
+            params = qarray.tile_params(params)
         self._weights: Weights | None = Weights.create(params, config)
         self._config = config
         self.last_speculation: dict | None = None  # rounds / drafted / accepted of the last speculative call

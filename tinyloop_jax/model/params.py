@@ -402,7 +402,8 @@ def host_leaves(params: Params, config: ModelConfig):
     a second full copy on the host), without a mesh's padding of the embedding and head rows
     past `vocab_size` (see `sharding.place_params`): the weights as checkpoints hold them."""
     for name, leaf in flatten(params).items():
-        if is_quant(leaf):  # its packed fields, as name.q / name.scale / name.min
+        if is_quant(leaf):  # its packed fields, as name.q / name.scale / name.min, in GGUF's order
+            leaf = qarray.canonical(leaf)
             for field in ("q", "scale", "min"):
                 a = getattr(leaf, field)
                 if a is not None:

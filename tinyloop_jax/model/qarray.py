@@ -17,7 +17,11 @@ the head, [V, D]).
 
 How a product is computed: on XLA:CPU with one device, by the native kernel
 (`tinyloop_jax.native`, an XLA FFI custom call): a decode step streams each packed byte once,
-and a prompt's chunk multiplies by a dequantized float32 panel per 64 columns. Elsewhere (a GPU,
+and a prompt's chunk multiplies by a dequantized float32 panel per 64 columns. The kernel reads
+the same bytes in its own order (`tile`: 64 columns at a time, each tile's blocks contiguous, so
+a tile is one sequential stream), which a `Model` puts its packed weights in once, at
+construction; checkpoints, fingerprints, meshes and everything else see GGUF's order
+(`canonical`). Elsewhere (a GPU,
 a mesh, or the kernel turned off) XLA dequantizes: a dequantize feeding a dot is a fusion that
 writes the float32 matrix, then the dot reads it; in a decode loop XLA hoists that
 loop-invariant work out of the loop, so a call holds a float32 copy of each weight while it
@@ -38,6 +42,7 @@ from flax import struct
 from .. import native
 
 BLOCK = 32
+TILE = 64  # columns per tile of the kernel's layout (`tile`)
 FORMATS = ("q8_0", "q4_0", "q4_1")
 QUANTIZE = {"int8": "q8_0", "int4": "q4_0"}  # quantize_weights= -> the format it writes
 _BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # GGUF's bytes per block
@@ -50,14 +55,16 @@ class QuantArray:
     min: jax.Array | None  # [K/32, *out] float16 (q4_1)
     fmt: str = struct.field(pytree_node=False)
     transposed: bool = struct.field(pytree_node=False, default=False)
+    # the kernel's layout (`tile`): the logical output axes, which q's shape no longer shows
+    tiled: tuple | None = struct.field(pytree_node=False, default=None)
 
     @property
     def out_shape(self) -> tuple:
-        return tuple(self.q.shape[2:])
+        return tuple(self.q.shape[2:]) if self.tiled is None else self.tiled
 
     @property
     def k(self) -> int:
-        return self.q.shape[0] * BLOCK
+        return self.q.shape[0 if self.tiled is None else 1] * BLOCK
 
     @property
     def shape(self) -> tuple:
@@ -77,13 +84,45 @@ class QuantArray:
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """The logical float array ([K, *out], or [*out, K] when transposed)."""
-        w = _dequantize(self.q, self.scale, self.min, self.fmt)  # [K, *out]
+        c = canonical(self)
+        w = _dequantize(c.q, c.scale, c.min, self.fmt)  # [K, *out]
         w = jnp.moveaxis(w, 0, -1) if self.transposed else w
         return w.astype(dtype)
 
 
 def is_quant(a) -> bool:
     return isinstance(a, QuantArray)
+
+
+def tile(w: QuantArray) -> QuantArray:
+    """The native kernel's layout of the same bytes: the output axes flattened to N and cut into
+    C = ceil(N / 64) tiles of 64 columns, each tile's blocks contiguous (q [C, K/32, R, 64],
+    d / m [C, K/32, 64]; the last tile padded with zero columns), so that the kernel reads a
+    tile as one sequential stream (tinyloop_jax/native/qmatmul.cc)."""
+    if w.tiled is not None:
+        return w
+    n = int(np.prod(w.out_shape, dtype=np.int64))
+    c = -(-n // TILE)
+    flat = pad_out(reshape_out(w, n), c * TILE - n)
+    return _fields(flat, lambda a: jnp.moveaxis(a.reshape(*a.shape[:-1], c, TILE), -2, 0)).replace(tiled=w.out_shape)
+
+
+def canonical(w):
+    """A packed weight in GGUF's own order (fields [K/32, ..., *out]), from either layout;
+    anything else as it is."""
+    if not is_quant(w) or w.tiled is None:
+        return w
+    n = int(np.prod(w.tiled, dtype=np.int64))
+
+    def f(a):  # [C, nb, (R,) 64] -> [nb, (R,) *out]
+        a = jnp.moveaxis(a, 0, -2)
+        return a.reshape(*a.shape[:-2], -1)[..., :n].reshape(*a.shape[:-2], *w.tiled)
+    return w.replace(q=f(w.q), scale=f(w.scale), min=None if w.min is None else f(w.min), tiled=None)
+
+
+def tile_params(params):
+    """Every packed weight of a params tree in the kernel's layout (`tile`)."""
+    return jax.tree.map(lambda a: tile(a) if is_quant(a) else a, params, is_leaf=is_quant)
 
 
 def _dequantize(q, scale, mn, fmt: str) -> jax.Array:
@@ -132,6 +171,7 @@ def apply(fn, *ws):
     """fn over the output axes of weights that are all packed alike (fuse q|k|v, stack
     gate|up: fn sees each field with leading block axes, so it must index axes from the end);
     plain arrays (or a mix) go through fn as floats."""
+    ws = [canonical(w) for w in ws]
     if all(is_quant(w) and not w.transposed and w.fmt == ws[0].fmt for w in ws):
         field = lambda name: None if getattr(ws[0], name) is None else fn(*(getattr(w, name) for w in ws))  # noqa: E731
         return QuantArray(q=field("q"), scale=field("scale"), min=field("min"), fmt=ws[0].fmt)
@@ -146,8 +186,9 @@ def dense(w, dtype=None):
 
 
 def _fields(w: QuantArray, f) -> QuantArray:
-    """f over q, scale and min (those present): an operation on the output axes, which every
-    field ends with."""
+    """f over q, scale and min (those present) in GGUF's order: an operation on the output axes,
+    which every field ends with."""
+    w = canonical(w)
     return w.replace(q=f(w.q), scale=f(w.scale), min=None if w.min is None else f(w.min))
 
 
@@ -164,8 +205,12 @@ def pad_out(w: QuantArray, pad: int) -> QuantArray:
 def specs(w: QuantArray, spec, sizes: dict):
     """The PartitionSpecs of a packed weight's fields from its logical spec: the contraction
     axis's entry goes to the block axis, the output axes keep theirs; an axis that the mesh axis
-    (`sizes`: name -> devices) does not divide is replicated."""
+    (`sizes`: name -> devices) does not divide is replicated. (GGUF's order: the kernel's tiled
+    layout is for one device.)"""
     from jax.sharding import PartitionSpec as P
+
+    if w.tiled is not None:
+        raise ValueError("a weight in the kernel's tiled layout cannot be sharded; place it before tiling")
 
     s = list(spec) + [None] * (w.ndim - len(spec))
     k, out = (s[-1], s[:-1]) if w.transposed else (s[0], s[1:])
@@ -203,13 +248,19 @@ def _product(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array, fmt: str) -
     return jnp.einsum("...k,kn->...n", x, _dequantize(q, d, m, fmt).astype(x.dtype))
 
 
-_DENSE = {f: partial(_product, fmt=f) for f in FORMATS}
+def _tiled_product(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array, fmt: str, n: int) -> jax.Array:
+    """`_product` of a weight in the kernel's layout (flattened to n columns)."""
+    w = canonical(QuantArray(q=q, scale=d, min=m, fmt=fmt, tiled=(n,)))
+    return _product(x, w.q, w.scale, w.min, fmt)
 
 
 def _kernel(x: jax.Array, w: QuantArray) -> jax.Array:
-    """x [..., K] @ w [K, N] (one output axis) -> float32 [..., N] by the native kernel, which
-    reads the packed bytes once (`tinyloop_jax.native`; callers check `native.available()`)."""
-    return native.qmatmul(x, w.q, w.scale, w.min, w.fmt, _DENSE[w.fmt])
+    """x [..., K] @ w [K, *out] -> float32 [..., N] (N: the output axes flattened) by the native
+    kernel, which reads the packed bytes once (`tinyloop_jax.native`; callers check
+    `native.available()`). A weight in GGUF's order is tiled here, inside the program: models
+    hold theirs tiled already (`tile_params`)."""
+    t, n = tile(w), int(np.prod(w.out_shape, dtype=np.int64))
+    return native.qmatmul(x, t.q, t.scale, t.min, w.fmt, n, partial(_tiled_product, fmt=w.fmt, n=n))
 
 
 def matmul(x: jax.Array, w, tile: int | None = None) -> jax.Array:
@@ -220,8 +271,7 @@ def matmul(x: jax.Array, w, tile: int | None = None) -> jax.Array:
     if not is_quant(w):
         return jnp.tensordot(x, w, axes=1)
     if tile is None and native.available():
-        y = _kernel(x, reshape_out(w, int(np.prod(w.out_shape, dtype=np.int64)))).astype(x.dtype)
-        return y.reshape(*x.shape[:-1], *w.out_shape)
+        return _kernel(x, w).astype(x.dtype).reshape(*x.shape[:-1], *w.out_shape)
     parts = [jnp.einsum("...k,kn->...n", x, t.astype(x.dtype)) for t in _columns(w, x, tile)]
     y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
     return y.reshape(*x.shape[:-1], *w.out_shape)
@@ -231,7 +281,7 @@ def head(x: jax.Array, w) -> jax.Array:
     """x [..., D] against w [V, D] (the embedding or the head) -> float32 [..., V]."""
     if not is_quant(w):
         return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
-    if native.available():  # w's fields are [D/32, R, V]: the kernel's [K, N] weight
+    if native.available():  # w's blocks run along D: the kernel's [K, N] weight with N = V
         return _kernel(x, w)
     (t,) = _columns(w, x, None)
     return jnp.einsum("...d,dv->...v", x, t.astype(x.dtype), preferred_element_type=jnp.float32)
@@ -241,5 +291,10 @@ def take(w, rows: jax.Array) -> jax.Array:
     """Rows of w [V, D] (an embedding lookup) -> [T, D] float32 for packed, as stored otherwise."""
     if not is_quant(w):
         return w[rows]
+    if w.tiled is not None:  # row r is column r % 64 of tile r // 64
+        c, lane = rows // TILE, rows % TILE
+        pick = lambda a: jnp.moveaxis(a[c, ..., lane], 0, -1)  # noqa: E731  [T, nb, (R)] -> [nb, (R,) T]
+        q, d = pick(w.q), pick(w.scale)
+        return _dequantize(q, d, None if w.min is None else pick(w.min), w.fmt).T
     part = _fields(w, lambda a: a[..., rows])
     return _dequantize(part.q, part.scale, part.min, w.fmt).T

@@ -101,19 +101,18 @@ def available() -> bool:
         return _state["ok"]
 
 
-def _call(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array, fmt: str) -> jax.Array:
-    n = q.shape[-1]
+def _call(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array, fmt: str, n: int) -> jax.Array:
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32))(
         x.astype(jnp.float32), q, d, m, fmt=np.int32(FORMATS[fmt]))
 
 
-def _kernel(fmt: str, dense):
+def _kernel(fmt: str, n: int, dense):
     """The custom call as a function that vmap folds into its rows: a batch of rows is more
     rows of x (the weight is shared), so a decode step over 16 requests is one call."""
 
     @jax.custom_batching.custom_vmap
     def f(x, q, d, m):
-        return _call(x, q, d, m, fmt)
+        return _call(x, q, d, m, fmt, n)
 
     @f.def_vmap
     def rule(axis_size, in_batched, x, q, d, m):
@@ -130,10 +129,10 @@ def _kernel(fmt: str, dense):
 _kernels: dict = {}
 
 
-def qmatmul(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array | None, fmt: str, dense) -> jax.Array:
-    """x [..., K] @ the packed weight (q [K/32, R, N], d and m [K/32, N]; m None but for q4_1)
-    -> float32 [..., N]. `dense(x, q, d, m)`: the same product through XLA, for a vmap that
-    batches the weight itself."""
-    if fmt not in _kernels:
-        _kernels[fmt] = _kernel(fmt, dense)
-    return _kernels[fmt](x, q, d, d if m is None else m)
+def qmatmul(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array | None, fmt: str, n: int, dense) -> jax.Array:
+    """x [..., K] @ a packed [K, n] weight in qarray's kernel layout (`qarray.tile`: q [C, K/32,
+    R, 64], d and m [C, K/32, 64], C = ceil(n / 64); m None but for q4_1) -> float32 [..., n].
+    `dense(x, q, d, m)`: the same product through XLA, for a vmap that batches the weight itself."""
+    if (fmt, n) not in _kernels:
+        _kernels[fmt, n] = _kernel(fmt, n, dense)
+    return _kernels[fmt, n](x, q, d, d if m is None else m)
