@@ -11,16 +11,22 @@
 // bytes of every row, or partial sums would go through L1: 2-3x slower from DRAM). Per block b
 // and row t:
 //   y[t, n] += d[b, n] * sum_j q[b, j, n] x[t, 32 b + j]   (+ m[b, n] * sum_j x[t, 32 b + j])
-// (q4_0 subtracts 8 * d * sum_j x). Tiles are shared out over XLA's intra-op thread pool; the
-// calling thread takes tiles too, so the call finishes even when no pool thread is free.
+// (q4_0 subtracts 8 * d * sum_j x). Tiles are shared out between the calling thread and
+// helper threads of our own, one per other thread of XLA's intra-op pool (`Spinners`); the
+// calling thread takes tiles too, so a call finishes even when no helper comes.
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
+#include <sched.h>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -294,6 +300,50 @@ struct Shared {
   }
 };
 
+// Helper threads of our own that spin (yielding the core to anything runnable) for a while
+// after each call before they sleep: a decode step makes ~120 calls of tens of microseconds
+// each, about as long as waking a sleeping pool thread takes, so pool helpers came too late to
+// share the work. A helper that starts on a finished call's job finds no unit left and returns.
+class Spinners {
+ public:
+  explicit Spinners(int64_t n) {
+    for (int64_t i = 0; i < n; ++i) std::thread([this] { loop(); }).detach();
+  }
+  void submit(const std::shared_ptr<Shared>& job) {
+    std::atomic_store(&job_, job);
+    gen_.fetch_add(1);
+    if (sleeping_.load()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      cv_.notify_all();
+    }
+  }
+
+ private:
+  static constexpr auto kSpin = std::chrono::microseconds(200);
+  void loop() {
+    uint64_t seen = 0;
+    for (;;) {
+      auto start = std::chrono::steady_clock::now();
+      while (gen_.load() == seen) {
+        sched_yield();
+        if (std::chrono::steady_clock::now() - start > kSpin) {
+          std::unique_lock<std::mutex> lock(mu_);
+          sleeping_.fetch_add(1);
+          cv_.wait(lock, [&] { return gen_.load() != seen; });
+          sleeping_.fetch_sub(1);
+        }
+      }
+      seen = gen_.load();
+      if (auto job = std::atomic_load(&job_)) job->work();
+    }
+  }
+  std::shared_ptr<Shared> job_;
+  std::atomic<uint64_t> gen_{0};
+  std::atomic<int> sleeping_{0};
+  std::mutex mu_;
+  std::condition_variable cv_;
+};
+
 ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> d,
                    ffi::Buffer<ffi::F16> m, ffi::ResultBuffer<ffi::F32> y, int32_t fmt) {
   if (fmt < kQ8_0 || fmt > kQ4_1) return ffi::Error::InvalidArgument("qmatmul: unknown format");
@@ -335,8 +385,8 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
     partial.reset(new float[sh->parts * M * N]);
     sh->partial = partial.get();
   }
-  const int64_t helpers = std::min<int64_t>(threads - 1, sh->units() - 1);
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([sh] { sh->work(); });
+  static Spinners* spinners = new Spinners(threads - 1);  // one per other core, for the process
+  if (threads > 1 && sh->units() > 1) spinners->submit(sh);
   sh->work();
   while (sh->done.load(std::memory_order_acquire) < sh->units()) std::this_thread::yield();
   if (sh->parts > 1) {
