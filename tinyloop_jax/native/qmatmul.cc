@@ -41,7 +41,8 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kW = 64;         // columns per tile
 constexpr int64_t kMT = 3;         // rows of x per pass over a tile's bytes (their sums: 24 registers)
-constexpr int64_t kPanelRows = 8;  // more rows: dequantized panels and a register-blocked product
+constexpr int64_t kPanelRows = 8;
+constexpr int64_t kAhead = 3;      // blocks of q prefetched ahead of the one being read  // more rows: dequantized panels and a register-blocked product
 
 enum Fmt : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
 
@@ -117,6 +118,20 @@ void stream_generic(const Problem& p, int64_t c, int64_t w, int64_t b0, int64_t 
 }
 
 #if defined(__AVX512F__)
+// Block b of tile c into L1 ahead of its use: its q bytes, scales and mins (prefetches of
+// addresses past the weight's end are dropped, never faults).
+template <int32_t FMT>
+inline void prefetch(const Problem& p, int64_t c, int64_t b) {
+  const char* q = reinterpret_cast<const char*>(p.qt<FMT>(c, b));
+  for (int64_t l = 0; l < kRows<FMT> * kW; l += 64) _mm_prefetch(q + l, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(p.d + p.at(c, b)), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(p.d + p.at(c, b) + 32), _MM_HINT_T0);
+  if constexpr (FMT == kQ4_1) {
+    _mm_prefetch(reinterpret_cast<const char*>(p.m + p.at(c, b)), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p.m + p.at(c, b) + 32), _MM_HINT_T0);
+  }
+}
+
 // MT rows of x through tile c's blocks [b0, b1): each 16 bytes of q are widened and converted
 // once and used by every row; each row's block sums live in 4 registers and are scaled into
 // `out` (registers too) once per block.
@@ -128,6 +143,10 @@ void stream_rows(const Problem& p, int64_t t0, int64_t c, int64_t w, int64_t b0,
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* qb = p.qt<FMT>(c, b);
     const float* xb = p.x + t0 * p.K + b * kBlock;
+    // a tile is a short stream (18 KiB for a 576-row q4 matrix), too short for the hardware
+    // prefetcher to ramp up: ask for the block kAhead blocks on (past the tile's end: the next
+    // tile's start, where this thread or the other one goes next)
+    prefetch<FMT>(p, c, b + kAhead);
     __m512 acc[MT][4];
     for (auto& a : acc) for (auto& v : a) v = _mm512_setzero_ps();
     for (int64_t j = 0; j < kRows<FMT>; ++j) {
@@ -220,6 +239,7 @@ void panel_gemm(const Problem& p, int64_t c, int64_t w, float* dst) {
   const __m512i fifteen = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
   for (int64_t b = 0; b < p.nb; ++b) {
     const uint8_t* qb = p.qt<FMT>(c, b);
+    prefetch<FMT>(p, c, b + kAhead);
     __m512 dv[4], mv[4];
     for (int g = 0; g < 4; ++g) {
       dv[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.d + p.at(c, b) + 16 * g)));
