@@ -41,8 +41,8 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kW = 64;         // columns per tile
 constexpr int64_t kMT = 3;         // rows of x per pass over a tile's bytes (their sums: 24 registers)
-constexpr int64_t kPanelRows = 8;
-constexpr int64_t kAhead = 3;      // blocks of q prefetched ahead of the one being read  // more rows: dequantized panels and a register-blocked product
+constexpr int64_t kPanelRows = 8;  // more rows: dequantized panels and a register-blocked product
+constexpr int64_t kAhead = 3;      // blocks of q prefetched ahead of the one being read
 
 enum Fmt : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
 
@@ -228,14 +228,9 @@ void panel_rows(const Problem& p, const float* panel, int64_t t0, int64_t c, int
     }
 }
 
-// Many rows (a prompt's chunk): dequantize tile c once into a float32 panel [K, 64] that stays
-// in L2, then multiply every row of x by it with 4 x 4 vector accumulators in registers (4 rows
-// x 64 columns): the unpacking is paid once per weight, not once per row.
+// Tile c as float32 [K, 64]: value = q * d (+ m), the same two roundings as qarray's dequantize.
 template <int32_t FMT>
-void panel_gemm(const Problem& p, int64_t c, int64_t w, float* dst) {
-  thread_local Floats buf;
-  thread_local int64_t size = 0;
-  float* panel = scratch(buf, size, p.K * kW);
+void dequantize_panel(const Problem& p, int64_t c, float* panel) {
   const __m512i fifteen = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
   for (int64_t b = 0; b < p.nb; ++b) {
     const uint8_t* qb = p.qt<FMT>(c, b);
@@ -257,16 +252,31 @@ void panel_gemm(const Problem& p, int64_t c, int64_t w, float* dst) {
           __m512i l = _mm512_and_si512(_mm512_cvtepu8_epi32(raw), fifteen);
           __m512i h = _mm512_srli_epi32(_mm512_cvtepu8_epi32(raw), 4);
           if constexpr (FMT == kQ4_0) l = _mm512_sub_epi32(l, eight), h = _mm512_sub_epi32(h, eight);
-          // value = q * d (+ m): the same two roundings as qarray's dequantize
           _mm512_store_ps(lo + 16 * g, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(l), dv[g]), mv[g]));
           _mm512_store_ps(hi + 16 * g, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(h), dv[g]), mv[g]));
         }
       }
     }
   }
-  int64_t t0 = 0;
-  for (; t0 + 6 <= p.M; t0 += 6) panel_rows<6>(p, panel, t0, c, w, dst);
-  switch (p.M - t0) {
+}
+
+// Many rows (a prompt's chunk): dequantize tile c into a float32 panel [K, 64] that stays in
+// L2, then multiply rows [t0, t1) of x by it with 6 x 4 vector accumulators in registers (6 rows
+// x 64 columns): the unpacking is paid once per weight and thread, not once per row. `key`
+// numbers the call: a thread that takes the same tile's next rows reuses its panel.
+template <int32_t FMT>
+void panel_gemm(const Problem& p, uint64_t key, int64_t c, int64_t w, int64_t t0, int64_t t1, float* dst) {
+  thread_local Floats buf;
+  thread_local int64_t size = 0;
+  thread_local uint64_t held = 0;
+  thread_local int64_t held_tile = -1;
+  float* panel = scratch(buf, size, p.K * kW);
+  if (held != key || held_tile != c || size < p.K * kW) {
+    dequantize_panel<FMT>(p, c, panel);
+    held = key, held_tile = c;
+  }
+  for (; t0 + 6 <= t1; t0 += 6) panel_rows<6>(p, panel, t0, c, w, dst);
+  switch (t1 - t0) {
     case 5: return panel_rows<5>(p, panel, t0, c, w, dst);
     case 4: return panel_rows<4>(p, panel, t0, c, w, dst);
     case 3: return panel_rows<3>(p, panel, t0, c, w, dst);
@@ -281,29 +291,33 @@ void stream(const Problem& p, int64_t c, int64_t w, int64_t b0, int64_t b1, floa
 }
 #endif
 
-// The work: C tiles x `parts` block ranges. A matrix with few tiles (a decode step's
-// projections: N of a few hundred) is also split along K, so every thread gets several units;
-// each part's sums land in their own [M, N] slice of `partial` and are added at the end.
+// The work: C tiles x `parts`. With few rows, parts are block ranges: a matrix with few tiles (a
+// decode step's projections: N of a few hundred) is also split along K, so every thread gets
+// several units; each part's sums land in their own [M, N] slice of `partial` and are added at
+// the end. With panels, parts are ranges of rows.
 struct Shared {
   Problem p;
   int64_t tiles, parts;
   float* partial;  // [parts, M, N] when parts > 1
   bool panels;     // many rows: `panel_gemm` per tile
+  uint64_t call;   // this call's number (from 1), unique in the process
   std::atomic<int64_t> next{0}, done{0};
   int64_t units() const { return tiles * parts; }
   void run(int64_t i) {
-    const int64_t c = i % tiles, r = i / tiles, w = std::min(kW, p.N - c * kW);
-    const int64_t b0 = p.nb * r / parts, b1 = p.nb * (r + 1) / parts;
-    float* dst = parts > 1 ? partial + r * p.M * p.N : p.y;
 #if defined(__AVX512F__)
-    if (panels) {
+    if (panels) {  // unit i: rows part r of tile c, a tile's parts one after another
+      const int64_t c = i / parts, r = i % parts, w = std::min(kW, p.N - c * kW);
+      const int64_t t0 = p.M * r / parts, t1 = p.M * (r + 1) / parts;
       switch (p.fmt) {
-        case kQ8_0: return panel_gemm<kQ8_0>(p, c, w, dst);
-        case kQ4_0: return panel_gemm<kQ4_0>(p, c, w, dst);
-        default: return panel_gemm<kQ4_1>(p, c, w, dst);
+        case kQ8_0: return panel_gemm<kQ8_0>(p, call, c, w, t0, t1, p.y);
+        case kQ4_0: return panel_gemm<kQ4_0>(p, call, c, w, t0, t1, p.y);
+        default: return panel_gemm<kQ4_1>(p, call, c, w, t0, t1, p.y);
       }
     }
 #endif
+    const int64_t c = i % tiles, r = i / tiles, w = std::min(kW, p.N - c * kW);
+    const int64_t b0 = p.nb * r / parts, b1 = p.nb * (r + 1) / parts;
+    float* dst = parts > 1 ? partial + r * p.M * p.N : p.y;
     switch (p.fmt) {
       case kQ8_0: return stream<kQ8_0>(p, c, w, b0, b1, dst);
       case kQ4_0: return stream<kQ4_0>(p, c, w, b0, b1, dst);
@@ -391,17 +405,20 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
                   sx.get(), y->typed_data(), M, K, N, nb, fmt};
   // as many workers as XLA's pool has threads (one per core), this thread one of them
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  static std::atomic<uint64_t> calls{0};
+  sh->call = calls.fetch_add(1) + 1;
   sh->tiles = C;
   sh->panels = false;
 #if defined(__AVX512F__)
   sh->panels = M > kPanelRows;
 #endif
-  // at least ~8 units per thread for balance; more parts only while each keeps a few blocks
-  sh->parts = sh->panels ? 1 : std::clamp<int64_t>((8 * threads + C - 1) / std::max<int64_t>(C, 1), 1,
-                                                   std::max<int64_t>(1, nb / 4));
+  // at least ~8 units per thread for balance: parts of K (few rows; while each keeps a few
+  // blocks) or of the rows (panels; while each keeps a few dozen)
+  const int64_t want = (8 * threads + C - 1) / std::max<int64_t>(C, 1);
+  sh->parts = std::clamp<int64_t>(want, 1, std::max<int64_t>(1, sh->panels ? M / 24 : nb / 4));
   std::unique_ptr<float[]> partial;
   sh->partial = nullptr;
-  if (sh->parts > 1) {
+  if (sh->parts > 1 && !sh->panels) {
     partial.reset(new float[sh->parts * M * N]);
     sh->partial = partial.get();
   }
@@ -409,7 +426,7 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   if (threads > 1 && sh->units() > 1) spinners->submit(sh);
   sh->work();
   while (sh->done.load(std::memory_order_acquire) < sh->units()) std::this_thread::yield();
-  if (sh->parts > 1) {
+  if (sh->parts > 1 && !sh->panels) {
     float* out = y->typed_data();
     std::memcpy(out, partial.get(), M * N * sizeof(float));
     for (int64_t r = 1; r < sh->parts; ++r)
