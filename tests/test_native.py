@@ -102,7 +102,8 @@ PORTABLE = textwrap.dedent("""
     from tinyloop_jax import native
     from tinyloop_jax.model import qarray
     native.FLAGS.append("-mno-avx512f")  # the kernel's portable C++ loops
-    assert native.available()
+    native.build()  # a RuntimeError with the compiler's output if it fails
+    assert native.available(), (jax.default_backend(), jax.device_count(), native._state)
     for fmt in qarray.FORMATS:
         for k, n, rows in [(64, 40, 1), (576, 960, 1), (96, 130, 5), (96, 200, 12)]:
             w = qarray.quantize(np.random.default_rng(0).standard_normal((k, n)).astype(np.float32), fmt)
@@ -117,5 +118,7 @@ PORTABLE = textwrap.dedent("""
 def test_the_portable_build_equals_numpy():
     """Where the CPU has no AVX-512 the kernel runs its plain C++ loops: built here with
     -mno-avx512f (its own file: the flags are in the build's key) in a fresh process."""
-    r = subprocess.run([sys.executable, "-c", PORTABLE], capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "1"}  # one device (tests/mesh_checks.py, imported by
+    env.pop("TINYLOOP_NATIVE", None)                   # test_mesh, sets 8 for its worker's children)
+    r = subprocess.run([sys.executable, "-c", PORTABLE], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
