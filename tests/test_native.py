@@ -1,7 +1,7 @@
 """The native packed-weight kernel (tinyloop_jax/native/qmatmul.cc, an XLA FFI custom call)
 against numpy: x @ the dequantized weight, for every packed format, with the weight in GGUF's
 order (tiled inside the program) and pre-tiled (`qarray.tile`, as a Model holds it); row counts
-around its 3-row passes, its switch to dequantized panels past 8 rows and their 6-row blocks,
+around its 3-row passes, its switch to dequantized panels past 16 rows and their 6-row blocks,
 widths that leave a partial 64-column tile, narrow matrices also split along K; under vmap (a
 batch of rows folded into one call) and inside a while loop, as a decode step runs it; the
 portable (non-AVX-512) build; the tiled layout's round trip."""

@@ -41,7 +41,7 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kW = 64;         // columns per tile
 constexpr int64_t kMT = 3;         // rows of x per pass over a tile's bytes (their sums: 24 registers)
-constexpr int64_t kPanelRows = 8;  // more rows: dequantized panels and a register-blocked product
+constexpr int64_t kPanelRows = 16; // more rows: dequantized panels and a register-blocked product
 constexpr int64_t kAhead = 3;      // blocks of q prefetched ahead of the one being read
 
 enum Fmt : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
