@@ -12,8 +12,9 @@
 // and row t:
 //   y[t, n] += d[b, n] * sum_j q[b, j, n] x[t, 32 b + j]   (+ m[b, n] * sum_j x[t, 32 b + j])
 // (q4_0 subtracts 8 * d * sum_j x). Tiles are shared out between the calling thread and
-// helper threads of our own, one per other thread of XLA's intra-op pool (`Spinners`); the
-// calling thread takes tiles too, so a call finishes even when no helper comes.
+// helpers: for decode, threads of our own, one per other thread of XLA's intra-op pool
+// (`Spinners`); for a prompt's panels, XLA's pool. The calling thread takes tiles too, so a
+// call finishes even when no helper comes.
 
 #include <algorithm>
 #include <atomic>
@@ -423,7 +424,14 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
     sh->partial = partial.get();
   }
   static Spinners* spinners = new Spinners(threads - 1);  // one per other core, for the process
-  if (threads > 1 && sh->units() > 1) spinners->submit(sh);
+  // Panels (a prompt's chunk: milliseconds a call) go to XLA's pool, whose threads the prompt's
+  // other ops use too: spinning helpers competed with them (512 tokens: 771-849 ms against
+  // 605-664 through the pool). Streams (decode: tens of microseconds a call) go to the spinners.
+  if (sh->panels) {
+    for (int64_t h = 0; h < std::min<int64_t>(threads - 1, sh->units() - 1); ++h) pool.Schedule([sh] { sh->work(); });
+  } else if (threads > 1 && sh->units() > 1) {
+    spinners->submit(sh);
+  }
   sh->work();
   while (sh->done.load(std::memory_order_acquire) < sh->units()) std::this_thread::yield();
   if (sh->parts > 1 && !sh->panels) {
