@@ -9,7 +9,8 @@ import sys
 import warnings
 from collections import Counter
 
-os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+if __name__ == "__main__":  # as a script only: test_mesh imports its constants, and its worker's
+    os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # later subprocesses must keep one device
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import conftest  # noqa: E402,F401  (the suite's XLA flags and compilation cache)
 
