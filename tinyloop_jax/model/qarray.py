@@ -117,7 +117,7 @@ def canonical(w):
     def f(a):  # [C, nb, (R,) 64] -> [nb, (R,) *out]
         a = jnp.moveaxis(a, 0, -2)
         return a.reshape(*a.shape[:-2], -1)[..., :n].reshape(*a.shape[:-2], *w.tiled)
-    return w.replace(q=f(w.q), scale=f(w.scale), min=None if w.min is None else f(w.min), tiled=None)
+    return _map(w, f).replace(tiled=None)
 
 
 def tile_params(params):
@@ -188,7 +188,11 @@ def dense(w, dtype=None):
 def _fields(w: QuantArray, f) -> QuantArray:
     """f over q, scale and min (those present) in GGUF's order: an operation on the output axes,
     which every field ends with."""
-    w = canonical(w)
+    return _map(canonical(w), f)
+
+
+def _map(w: QuantArray, f) -> QuantArray:
+    """f over q, scale and min (those present), in whichever layout w is."""
     return w.replace(q=f(w.q), scale=f(w.scale), min=None if w.min is None else f(w.min))
 
 
