@@ -4,7 +4,7 @@ order (tiled inside the program) and pre-tiled (`qarray.tile`, as a Model holds 
 around its 3-row passes, its switch to dequantized panels past 16 rows and their 6-row blocks,
 widths that leave a partial 64-column tile, narrow matrices also split along K; under vmap (a
 batch of rows folded into one call) and inside a while loop, as a decode step runs it; the
-portable (non-AVX-512) build; the tiled layout's round trip."""
+AVX2 and portable (non-AVX-512) builds; the tiled layout's round trip."""
 
 import os
 import shutil
@@ -98,14 +98,17 @@ def test_tiled_layout_is_the_same_bytes(fmt):
 
 
 PORTABLE = textwrap.dedent("""
+    import sys
     import numpy as np, jax
     from tinyloop_jax import native
     from tinyloop_jax.model import qarray
-    native.FLAGS.append("-mno-avx512f")  # the kernel's portable C++ loops
+    native.FLAGS.extend(sys.argv[1:])  # fewer instruction sets than -march=native gives
     native.build()  # a RuntimeError with the compiler's output if it fails
     assert native.available(), (jax.default_backend(), jax.device_count(), native._state)
+    # one row (decode), a few (passes of rows), past 16 (panels, with partial register blocks
+    # and a partial last tile)
     for fmt in qarray.FORMATS:
-        for k, n, rows in [(64, 40, 1), (576, 960, 1), (96, 130, 5), (96, 200, 12)]:
+        for k, n, rows in [(64, 40, 1), (576, 960, 1), (96, 130, 5), (96, 200, 12), (96, 130, 23), (64, 40, 40)]:
             w = qarray.quantize(np.random.default_rng(0).standard_normal((k, n)).astype(np.float32), fmt)
             x = np.random.default_rng(1).standard_normal((rows, k)).astype(np.float32)
             want = x @ np.asarray(w.dequantize())
@@ -115,10 +118,13 @@ PORTABLE = textwrap.dedent("""
 """)
 
 
-def test_the_portable_build_equals_numpy():
-    """Where the CPU has no AVX-512 the kernel runs its plain C++ loops: built here with
-    -mno-avx512f (its own file: the flags are in the build's key) in a fresh process."""
+@pytest.mark.parametrize("flags", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2"]], ids=["avx2", "portable"])
+def test_the_narrower_builds_equal_numpy(flags):
+    """Where the CPU has no AVX-512 the kernel runs its AVX2 vectors (8 lanes: x86-64 CPUs of the
+    last decade), and without AVX2 its plain C++ loops: each built here with those instruction
+    sets turned off (its own file: the flags are in the build's key), in a fresh process. (On a
+    CPU without AVX2 both builds are the portable one.)"""
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "1"}  # one device (tests/mesh_checks.py, imported by
     env.pop("TINYLOOP_NATIVE", None)                   # test_mesh, sets 8 for its worker's children)
-    r = subprocess.run([sys.executable, "-c", PORTABLE], capture_output=True, text=True, timeout=600, env=env)
+    r = subprocess.run([sys.executable, "-c", PORTABLE, *flags], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

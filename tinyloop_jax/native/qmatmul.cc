@@ -14,7 +14,8 @@
 // (q4_0 subtracts 8 * d * sum_j x). Tiles are shared out between the calling thread and
 // helpers: for decode, threads of our own, one per other thread of XLA's intra-op pool
 // (`Spinners`); for a prompt's panels, XLA's pool. The calling thread takes tiles too, so a
-// call finishes even when no helper comes.
+// call finishes even when no helper comes. Vectors: AVX-512 or AVX2 + FMA + F16C (`V`), else
+// plain C++ loops (`stream_generic`, one row at a time, no panels).
 
 #include <algorithm>
 #include <atomic>
@@ -31,7 +32,8 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#define TL_SIMD 1
 #include <immintrin.h>
 #endif
 
@@ -41,7 +43,6 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kW = 64;         // columns per tile
-constexpr int64_t kMT = 3;         // rows of x per pass over a tile's bytes (their sums: 24 registers)
 constexpr int64_t kPanelRows = 16; // more rows: dequantized panels and a register-blocked product
 constexpr int64_t kAhead = 3;      // blocks of q prefetched ahead of the one being read
 
@@ -55,6 +56,73 @@ inline float half(uint16_t h) {
   std::memcpy(&f, &h, sizeof f);
   return static_cast<float>(f);
 }
+
+#if defined(TL_SIMD)
+// The vector operations the kernels use, for AVX-512 (16 lanes, 32 registers) or AVX2 + FMA +
+// F16C (8 lanes, 16 registers): a 64-column tile row is G = 64 / L vectors.
+#if defined(__AVX512F__)
+struct V {
+  using F = __m512;
+  using I = __m512i;
+  static constexpr int L = 16;
+  static constexpr int kMT = 3;  // stream rows per pass: MT x 2 x 4 sums in registers
+  static constexpr int kPR = 6;  // panel rows per register block: 6 x 4 sums + 4 weights
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float f) { return _mm512_set1_ps(f); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F load(const float* p) { return _mm512_load_ps(p); }
+  static void store(float* p, F v) { _mm512_store_ps(p, v); }
+  static F halves(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static I bytes(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F signed_bytes(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static I low(I u) { return _mm512_and_si512(u, _mm512_set1_epi32(15)); }
+  static I high(I u) { return _mm512_srli_epi32(u, 4); }
+  static I minus8(I u) { return _mm512_sub_epi32(u, _mm512_set1_epi32(8)); }
+  static F to_float(I u) { return _mm512_cvtepi32_ps(u); }
+  static void store_first(float* p, F v, int64_t lanes) {  // the first `lanes` (clamped to [0, L])
+    lanes = std::clamp<int64_t>(lanes, 0, 16);
+    _mm512_mask_storeu_ps(p, static_cast<__mmask16>(lanes == 16 ? 0xFFFF : (1u << lanes) - 1), v);
+  }
+};
+#else
+struct V {
+  using F = __m256;
+  using I = __m256i;
+  static constexpr int L = 8;
+  static constexpr int kMT = 1;  // 8 sums + 8 outputs already fill the 16 registers
+  static constexpr int kPR = 3;  // 3 x 4 sums + 4 weights (a panel's 64 columns in two halves)
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float f) { return _mm256_set1_ps(f); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F load(const float* p) { return _mm256_load_ps(p); }
+  static void store(float* p, F v) { _mm256_store_ps(p, v); }
+  static F halves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I bytes(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static F signed_bytes(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static I low(I u) { return _mm256_and_si256(u, _mm256_set1_epi32(15)); }
+  static I high(I u) { return _mm256_srli_epi32(u, 4); }
+  static I minus8(I u) { return _mm256_sub_epi32(u, _mm256_set1_epi32(8)); }
+  static F to_float(I u) { return _mm256_cvtepi32_ps(u); }
+  static void store_first(float* p, F v, int64_t lanes) {
+    if (lanes >= 8) return _mm256_storeu_ps(p, v);
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, v);
+    std::memcpy(p, tmp, std::max<int64_t>(lanes, 0) * sizeof(float));
+  }
+};
+#endif
+constexpr int kG = kW / V::L;  // vectors per 64-column tile row
+#endif
 
 // 64-byte aligned float buffers (aligned vector loads and stores), kept per thread and grown.
 struct Free {
@@ -118,7 +186,7 @@ void stream_generic(const Problem& p, int64_t c, int64_t w, int64_t b0, int64_t 
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(TL_SIMD)
 // Block b of tile c into L1 ahead of its use: its q bytes, scales and mins (prefetches of
 // addresses past the weight's end are dropped, never faults).
 template <int32_t FMT>
@@ -133,14 +201,13 @@ inline void prefetch(const Problem& p, int64_t c, int64_t b) {
   }
 }
 
-// MT rows of x through tile c's blocks [b0, b1): each 16 bytes of q are widened and converted
-// once and used by every row; each row's block sums live in 4 registers and are scaled into
-// `out` (registers too) once per block.
+// MT rows of x through tile c's blocks [b0, b1): each L bytes of q are widened and converted
+// once and used by every row; each row's block sums live in kG registers and are scaled into
+// `out` (registers too, where there are enough) once per block.
 template <int32_t FMT, int MT>
 void stream_rows(const Problem& p, int64_t t0, int64_t c, int64_t w, int64_t b0, int64_t b1, float* dst) {
-  const __m512i fifteen = _mm512_set1_epi32(15);
-  __m512 out[MT][4];
-  for (auto& o : out) for (auto& v : o) v = _mm512_setzero_ps();
+  V::F out[MT][kG];
+  for (auto& o : out) for (auto& v : o) v = V::zero();
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* qb = p.qt<FMT>(c, b);
     const float* xb = p.x + t0 * p.K + b * kBlock;
@@ -148,113 +215,109 @@ void stream_rows(const Problem& p, int64_t t0, int64_t c, int64_t w, int64_t b0,
     // prefetcher to ramp up: ask for the block kAhead blocks on (past the tile's end: the next
     // tile's start, where this thread or the other one goes next)
     prefetch<FMT>(p, c, b + kAhead);
-    __m512 acc[MT][4];
-    for (auto& a : acc) for (auto& v : a) v = _mm512_setzero_ps();
+    V::F acc[MT][kG];
+    for (auto& a : acc) for (auto& v : a) v = V::zero();
     for (int64_t j = 0; j < kRows<FMT>; ++j) {
-      for (int g = 0; g < 4; ++g) {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + j * kW + 16 * g));
+      for (int g = 0; g < kG; ++g) {
+        const uint8_t* raw = qb + j * kW + V::L * g;
         if constexpr (FMT == kQ8_0) {
-          const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
-          for (int t = 0; t < MT; ++t) acc[t][g] = _mm512_fmadd_ps(v, _mm512_set1_ps(xb[t * p.K + j]), acc[t][g]);
+          const V::F v = V::signed_bytes(raw);
+          for (int t = 0; t < MT; ++t) acc[t][g] = V::fma(v, V::set1(xb[t * p.K + j]), acc[t][g]);
         } else {
-          const __m512i u = _mm512_cvtepu8_epi32(raw);
-          const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(u, fifteen));
-          const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(u, 4));
+          const V::I u = V::bytes(raw);
+          const V::F lo = V::to_float(V::low(u)), hi = V::to_float(V::high(u));
           for (int t = 0; t < MT; ++t) {
-            acc[t][g] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xb[t * p.K + j]), acc[t][g]);
-            acc[t][g] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xb[t * p.K + j + 16]), acc[t][g]);
+            acc[t][g] = V::fma(lo, V::set1(xb[t * p.K + j]), acc[t][g]);
+            acc[t][g] = V::fma(hi, V::set1(xb[t * p.K + j + 16]), acc[t][g]);
           }
         }
       }
     }
-    for (int g = 0; g < 4; ++g) {
-      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.d + p.at(c, b) + 16 * g)));
-      const __m512 mv = FMT == kQ4_1
-          ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.m + p.at(c, b) + 16 * g)))
-          : _mm512_setzero_ps();
+    for (int g = 0; g < kG; ++g) {
+      const V::F dv = V::halves(p.d + p.at(c, b) + V::L * g);
+      const V::F mv = FMT == kQ4_1 ? V::halves(p.m + p.at(c, b) + V::L * g) : V::zero();
       for (int t = 0; t < MT; ++t) {
-        const __m512 s = _mm512_set1_ps(p.sx[(t0 + t) * p.nb + b]);
+        const V::F s = V::set1(p.sx[(t0 + t) * p.nb + b]);
         if constexpr (FMT == kQ4_0) {
-          out[t][g] = _mm512_fmadd_ps(dv, _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, acc[t][g]), out[t][g]);
+          out[t][g] = V::fma(dv, V::fnma(V::set1(8.f), s, acc[t][g]), out[t][g]);
         } else if constexpr (FMT == kQ4_1) {
-          out[t][g] = _mm512_fmadd_ps(mv, s, _mm512_fmadd_ps(dv, acc[t][g], out[t][g]));
+          out[t][g] = V::fma(mv, s, V::fma(dv, acc[t][g], out[t][g]));
         } else {
-          out[t][g] = _mm512_fmadd_ps(dv, acc[t][g], out[t][g]);
+          out[t][g] = V::fma(dv, acc[t][g], out[t][g]);
         }
       }
     }
   }
   for (int t = 0; t < MT; ++t)
-    for (int g = 0; g < 4; ++g) {
-      const int64_t lanes = std::clamp<int64_t>(w - 16 * g, 0, 16);
-      _mm512_mask_storeu_ps(dst + (t0 + t) * p.N + c * kW + 16 * g,
-                            static_cast<__mmask16>(lanes == 16 ? 0xFFFF : (1u << lanes) - 1), out[t][g]);
-    }
+    for (int g = 0; g < kG; ++g) V::store_first(dst + (t0 + t) * p.N + c * kW + V::L * g, out[t][g], w - V::L * g);
+}
+
+// The last n < MT rows from t0, by the pass of their count.
+template <int32_t FMT, int MT>
+void stream_tail(const Problem& p, int64_t t0, int64_t n, int64_t c, int64_t w, int64_t b0, int64_t b1, float* dst) {
+  if constexpr (MT > 0) {
+    if (n == MT) return stream_rows<FMT, MT>(p, t0, c, w, b0, b1, dst);
+    stream_tail<FMT, MT - 1>(p, t0, n, c, w, b0, b1, dst);
+  }
 }
 
 template <int32_t FMT>
 void stream(const Problem& p, int64_t c, int64_t w, int64_t b0, int64_t b1, float* dst) {
   int64_t t0 = 0;
-  for (; t0 + kMT <= p.M; t0 += kMT) stream_rows<FMT, kMT>(p, t0, c, w, b0, b1, dst);
-  switch (p.M - t0) {
-    case 2: return stream_rows<FMT, 2>(p, t0, c, w, b0, b1, dst);
-    case 1: return stream_rows<FMT, 1>(p, t0, c, w, b0, b1, dst);
-  }
+  for (; t0 + V::kMT <= p.M; t0 += V::kMT) stream_rows<FMT, V::kMT>(p, t0, c, w, b0, b1, dst);
+  stream_tail<FMT, V::kMT - 1>(p, t0, p.M - t0, c, w, b0, b1, dst);
 }
 
-// MT rows of x times a [K, 64] panel: MT x 4 accumulators held in registers (MT a constant, so
-// the compiler keeps them there).
+// MT rows of x times kNG vectors of columns of a [K, 64] panel from group g0: MT x kNG
+// accumulators held in registers (MT a constant, so the compiler keeps them there).
+constexpr int kNG = 4;
 template <int MT>
-void panel_rows(const Problem& p, const float* panel, int64_t t0, int64_t c, int64_t w, float* dst) {
-  __m512 acc[MT][4];
-  for (auto& a : acc) for (auto& v : a) v = _mm512_setzero_ps();
+void panel_rows(const Problem& p, const float* panel, int64_t t0, int g0, int64_t c, int64_t w, float* dst) {
+  V::F acc[MT][kNG];
+  for (auto& a : acc) for (auto& v : a) v = V::zero();
   const float* x = p.x + t0 * p.K;
   for (int64_t k = 0; k < p.K; ++k) {
-    const float* wk = panel + k * kW;
-    const __m512 w0 = _mm512_load_ps(wk), w1 = _mm512_load_ps(wk + 16), w2 = _mm512_load_ps(wk + 32),
-                 w3 = _mm512_load_ps(wk + 48);
+    const float* wk = panel + k * kW + V::L * g0;
+    V::F wv[kNG];
+    for (int g = 0; g < kNG; ++g) wv[g] = V::load(wk + V::L * g);
     for (int t = 0; t < MT; ++t) {
-      const __m512 xb = _mm512_set1_ps(x[t * p.K + k]);
-      acc[t][0] = _mm512_fmadd_ps(w0, xb, acc[t][0]);
-      acc[t][1] = _mm512_fmadd_ps(w1, xb, acc[t][1]);
-      acc[t][2] = _mm512_fmadd_ps(w2, xb, acc[t][2]);
-      acc[t][3] = _mm512_fmadd_ps(w3, xb, acc[t][3]);
+      const V::F xb = V::set1(x[t * p.K + k]);
+      for (int g = 0; g < kNG; ++g) acc[t][g] = V::fma(wv[g], xb, acc[t][g]);
     }
   }
   for (int t = 0; t < MT; ++t)
-    for (int g = 0; g < 4; ++g) {
-      const int64_t lanes = std::clamp<int64_t>(w - 16 * g, 0, 16);
-      _mm512_mask_storeu_ps(dst + (t0 + t) * p.N + c * kW + 16 * g,
-                            static_cast<__mmask16>(lanes == 16 ? 0xFFFF : (1u << lanes) - 1), acc[t][g]);
-    }
+    for (int g = 0; g < kNG; ++g)
+      V::store_first(dst + (t0 + t) * p.N + c * kW + V::L * (g0 + g), acc[t][g], w - V::L * (g0 + g));
+}
+
+template <int MT>
+void panel_tail(const Problem& p, const float* panel, int64_t t0, int64_t n, int g0, int64_t c, int64_t w, float* dst) {
+  if constexpr (MT > 0) {
+    if (n == MT) return panel_rows<MT>(p, panel, t0, g0, c, w, dst);
+    panel_tail<MT - 1>(p, panel, t0, n, g0, c, w, dst);
+  }
 }
 
 // Tile c as float32 [K, 64]: value = q * d (+ m), the same two roundings as qarray's dequantize.
 template <int32_t FMT>
 void dequantize_panel(const Problem& p, int64_t c, float* panel) {
-  const __m512i fifteen = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
   for (int64_t b = 0; b < p.nb; ++b) {
     const uint8_t* qb = p.qt<FMT>(c, b);
     prefetch<FMT>(p, c, b + kAhead);
-    __m512 dv[4], mv[4];
-    for (int g = 0; g < 4; ++g) {
-      dv[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.d + p.at(c, b) + 16 * g)));
-      mv[g] = FMT == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.m + p.at(c, b) + 16 * g)))
-                           : _mm512_setzero_ps();
-    }
-    for (int64_t j = 0; j < kRows<FMT>; ++j) {
-      float* lo = panel + (b * kBlock + j) * kW;
-      float* hi = panel + (b * kBlock + j + 16) * kW;
-      for (int g = 0; g < 4; ++g) {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + j * kW + 16 * g));
+    for (int g = 0; g < kG; ++g) {
+      const V::F dv = V::halves(p.d + p.at(c, b) + V::L * g);
+      const V::F mv = FMT == kQ4_1 ? V::halves(p.m + p.at(c, b) + V::L * g) : V::zero();
+      for (int64_t j = 0; j < kRows<FMT>; ++j) {
+        const uint8_t* raw = qb + j * kW + V::L * g;
+        float* lo = panel + (b * kBlock + j) * kW + V::L * g;
         if constexpr (FMT == kQ8_0) {
-          _mm512_store_ps(lo + 16 * g, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), dv[g]));
+          V::store(lo, V::mul(V::signed_bytes(raw), dv));
         } else {
-          __m512i l = _mm512_and_si512(_mm512_cvtepu8_epi32(raw), fifteen);
-          __m512i h = _mm512_srli_epi32(_mm512_cvtepu8_epi32(raw), 4);
-          if constexpr (FMT == kQ4_0) l = _mm512_sub_epi32(l, eight), h = _mm512_sub_epi32(h, eight);
-          _mm512_store_ps(lo + 16 * g, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(l), dv[g]), mv[g]));
-          _mm512_store_ps(hi + 16 * g, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(h), dv[g]), mv[g]));
+          const V::I u = V::bytes(raw);
+          V::I l = V::low(u), h = V::high(u);
+          if constexpr (FMT == kQ4_0) l = V::minus8(l), h = V::minus8(h);
+          V::store(lo, V::add(V::mul(V::to_float(l), dv), mv));
+          V::store(lo + 16 * kW, V::add(V::mul(V::to_float(h), dv), mv));
         }
       }
     }
@@ -262,9 +325,10 @@ void dequantize_panel(const Problem& p, int64_t c, float* panel) {
 }
 
 // Many rows (a prompt's chunk): dequantize tile c into a float32 panel [K, 64] that stays in
-// L2, then multiply rows [t0, t1) of x by it with 6 x 4 vector accumulators in registers (6 rows
-// x 64 columns): the unpacking is paid once per weight and thread, not once per row. `key`
-// numbers the call: a thread that takes the same tile's next rows reuses its panel.
+// L2, then multiply rows [t0, t1) of x by it with kPR x kNG vector accumulators in registers
+// (AVX-512: 6 rows x 64 columns; AVX2: 3 rows x 32 columns, twice): the unpacking is paid once
+// per weight and thread, not once per row. `key` numbers the call: a thread that takes the
+// same tile's next rows reuses its panel.
 template <int32_t FMT>
 void panel_gemm(const Problem& p, uint64_t key, int64_t c, int64_t w, int64_t t0, int64_t t1, float* dst) {
   thread_local Floats buf;
@@ -276,13 +340,11 @@ void panel_gemm(const Problem& p, uint64_t key, int64_t c, int64_t w, int64_t t0
     dequantize_panel<FMT>(p, c, panel);
     held = key, held_tile = c;
   }
-  for (; t0 + 6 <= t1; t0 += 6) panel_rows<6>(p, panel, t0, c, w, dst);
-  switch (t1 - t0) {
-    case 5: return panel_rows<5>(p, panel, t0, c, w, dst);
-    case 4: return panel_rows<4>(p, panel, t0, c, w, dst);
-    case 3: return panel_rows<3>(p, panel, t0, c, w, dst);
-    case 2: return panel_rows<2>(p, panel, t0, c, w, dst);
-    case 1: return panel_rows<1>(p, panel, t0, c, w, dst);
+  for (int g0 = 0; g0 < kG; g0 += kNG) {
+    if (V::L * g0 >= w) break;  // a partial tile's empty half
+    int64_t t = t0;
+    for (; t + V::kPR <= t1; t += V::kPR) panel_rows<V::kPR>(p, panel, t, g0, c, w, dst);
+    panel_tail<V::kPR - 1>(p, panel, t, t1 - t, g0, c, w, dst);
   }
 }
 #else
@@ -305,7 +367,7 @@ struct Shared {
   std::atomic<int64_t> next{0}, done{0};
   int64_t units() const { return tiles * parts; }
   void run(int64_t i) {
-#if defined(__AVX512F__)
+#if defined(TL_SIMD)
     if (panels) {  // unit i: rows part r of tile c, a tile's parts one after another
       const int64_t c = i / parts, r = i % parts, w = std::min(kW, p.N - c * kW);
       const int64_t t0 = p.M * r / parts, t1 = p.M * (r + 1) / parts;
@@ -410,7 +472,7 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   sh->call = calls.fetch_add(1) + 1;
   sh->tiles = C;
   sh->panels = false;
-#if defined(__AVX512F__)
+#if defined(TL_SIMD)
   sh->panels = M > kPanelRows;
 #endif
   // at least ~8 units per thread for balance: parts of K (few rows; while each keeps a few
