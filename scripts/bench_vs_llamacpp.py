@@ -29,10 +29,24 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 PIN = "llama-cpp-python==0.3.36"
-# Built for this CPU's AVX-512 without AMX: the CPU lists amx_int8, but a process here that uses
-# AMX tiles dies with SIGILL (a -march=native build did, in its first eval).
-CMAKE_ARGS = " ".join(["-DGGML_NATIVE=OFF"] + [f"-DGGML_{isa}=ON" for isa in (
-    "AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX_VNNI", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16")])
+# Built for this CPU's instruction sets (those of ISAS it lists) without AMX: a CPU here listed
+# amx_int8, but a process that used AMX tiles died with SIGILL (a -march=native build did, in its
+# first eval). Another machine of the same kind had no AVX-512 at all.
+ISAS = {"AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "BMI2": "bmi2", "AVX_VNNI": "avx_vnni",
+        "AVX512": "avx512f", "AVX512_VBMI": "avx512_vbmi", "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16"}
+
+
+def cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return set(next((ln for ln in f if ln.startswith("flags")), "").split())
+
+
+def cmake_args() -> tuple[str, str]:
+    """(CMAKE_ARGS for this CPU, a name for the build)."""
+    have = [isa for isa, flag in ISAS.items() if flag in cpu_flags()]
+    args = " ".join(["-DGGML_NATIVE=OFF"] + [f"-DGGML_{isa}={'ON' if isa in have else 'OFF'}" for isa in ISAS])
+    return args, "avx512" if "AVX512" in have else "avx2" if "AVX2" in have else "base"
+
 
 LLAMA_SCRIPT = r"""
 import json, statistics, sys, time
@@ -91,13 +105,14 @@ def llama_venv() -> str:
     """The side venv's python, built the first time (timed)."""
     from tinyloop_jax.formats.hub import home
 
-    venv = os.path.join(home(), "venvs", "llama-cpp-noamx")
+    args, name = cmake_args()
+    venv = os.path.join(home(), "venvs", f"llama-cpp-{name}-noamx")
     python = os.path.join(venv, "bin", "python")
     if not os.path.isfile(python) or subprocess.run([python, "-c", "import llama_cpp"]).returncode:
         t = time.perf_counter()
         subprocess.run([sys.executable, "-m", "venv", venv], check=True)
         subprocess.run([os.path.join(venv, "bin", "pip"), "install", "-q", "--no-cache-dir", PIN, "numpy"], check=True,
-                       env=dict(os.environ, CMAKE_ARGS=CMAKE_ARGS, FORCE_CMAKE="1"))
+                       env=dict(os.environ, CMAKE_ARGS=args, FORCE_CMAKE="1"))
         print(f"built {PIN} in {venv} in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     return python
 
