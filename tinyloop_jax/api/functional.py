@@ -207,7 +207,7 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
     else:
         logits = jnp.broadcast_to(prior_logits, (N, c.vocab_size))
         seen = jnp.broadcast_to(prior_seen, (N, c.vocab_size))
-    args = (weights.params, c, ro, own, logits, seen, request)
+    args = (weights.params, c, ro, own, programs.first_tokens(logits, seen, request), seen, request)
     kw = dict(loops=loops, window=window, out_len=kvc.bucket(max_new, minimum=8), exit=exit)
     if speculation is None:
         return programs.decode(*args, **kw)
@@ -235,7 +235,8 @@ def decode_adaptive(weights: Weights, prefix: PrefixCache | None, suffixes: list
         logits = jnp.broadcast_to(prior_logits, (N, c.vocab_size))
         seen = jnp.broadcast_to(prior_seen, (N, c.vocab_size))
         depth, state = jnp.full((N,), loops, jnp.int32), jnp.broadcast_to(prior_state, (N, c.d_model))
-    return programs.decode_adaptive(weights.params, c, ro, own, logits, seen, depth, state, request, adaptive.policy,
+    first = programs.first_tokens(logits, seen, request)
+    return programs.decode_adaptive(weights.params, c, ro, own, first, seen, depth, state, request, adaptive.policy,
                                     loops=loops, window=window, out_len=kvc.bucket(int(np.max(request.max_tokens)),
                                                                                    minimum=8))
 

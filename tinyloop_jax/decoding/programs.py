@@ -218,10 +218,20 @@ def emit(state: DecodeState, tok: jax.Array, req: Request, hold: jax.Array | Non
     return state.replace(tokens=tokens, n=n, done=done, last=jnp.where(n > state.n, tok, state.last))
 
 
-def start(first_logits: jax.Array, seen: jax.Array, own: KVCache, req: Request, out_len: int) -> DecodeState:
-    """The state after the first token, chosen from the prompt's logits first_logits [N, V]."""
-    N = first_logits.shape[0]
-    tok = select_tokens(first_logits, seen, req, jnp.int32(0))
+@jax.jit
+def first_tokens(logits: jax.Array, seen: jax.Array, req: Request) -> jax.Array:
+    """Each row's first token [N] int32, chosen from its prompt's logits [N, V] (loop step 0).
+    A program of its own, shared by every model, depth and capacity with the same N and V: a
+    decode loop handed these tokens compiles one token selection (in its loop), not two —
+    selection is about a fifth of a small model's decode program and of its compile time."""
+    return select_tokens(logits, seen, req, jnp.int32(0))
+
+
+def start(first: jax.Array, seen: jax.Array, own: KVCache, req: Request, out_len: int) -> DecodeState:
+    """The state after the first token: first [N] int32 (`first_tokens`), or the prompts'
+    logits [N, V] to choose it from here."""
+    N = first.shape[0]
+    tok = first if first.ndim == 1 else select_tokens(first, seen, req, jnp.int32(0))
     state = DecodeState(tokens=jnp.full((N, out_len), -1, jnp.int32), n=jnp.zeros((N,), jnp.int32), last=tok,
                         seen=seen, counts=jnp.zeros(seen.shape, jnp.int32), done=jnp.zeros((N,), bool),
                         step=jnp.int32(0), own=own, accepted=jnp.zeros((N,), jnp.int32))
@@ -238,12 +248,13 @@ def feed(state: DecodeState, tok: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len"), donate_argnames=("own",))
-def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logits: jax.Array, seen: jax.Array,
+def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first: jax.Array, seen: jax.Array,
            req: Request, loops: int, window: int, out_len: int, exit: tf.Exit | None = None) -> DecodeState:
     """Emit up to req.max_tokens (<= out_len) tokens for each of N requests as one
-    `lax.while_loop` on device. first_logits [N, V]: next-token logits after each prompt;
-    seen [N, V]: each prompt's tokens. Token i is chosen from the logits token i-1 produced,
-    so n tokens cost n-1 forward steps. A finished row keeps stepping (its output masked) so
+    `lax.while_loop` on device. first [N]: each row's first token (`first_tokens`), or [N, V]:
+    the next-token logits after each prompt, to choose it from; seen [N, V]: each prompt's
+    tokens. Token i is chosen from the logits token i-1 produced, so n tokens cost n-1 forward
+    steps. A finished row keeps stepping (its output masked) so
     the batch keeps one shape; the loop ends when every row is done."""
 
     def step(state: DecodeState) -> DecodeState:
@@ -254,7 +265,7 @@ def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logi
         tok = select_tokens(tf.lm_head(params, cfg, x[:, 0]), seen, req, state.step + 1, counts)
         return emit(state.replace(seen=seen, counts=counts, own=own, step=state.step + 1), tok, req)
 
-    state = jax.lax.while_loop(lambda s: ~is_done(s), step, start(first_logits, seen, rows_in_loop(own), req, out_len))
+    state = jax.lax.while_loop(lambda s: ~is_done(s), step, start(first, seen, rows_in_loop(own), req, out_len))
     return state.replace(own=rows_out_of_loop(state.own))
 
 
@@ -283,14 +294,14 @@ def record_depth(state: DecodeState, depth: jax.Array) -> jax.Array:
 
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len"), donate_argnames=("own",))
-def decode_adaptive(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logits: jax.Array,
+def decode_adaptive(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first: jax.Array,
                     seen: jax.Array, first_depth: jax.Array, first_state: jax.Array, req: Request, pol: ad.Policy,
                     loops: int, window: int, out_len: int) -> DecodeState:
     """`decode` with adaptive depth: each step's passes stop at each row's exit (pol [N]).
-    first_depth [N], first_state [N, D]: the prompts' depths and last states. The state's
-    `depths` hold the passes run for each emitted token."""
-    N = first_logits.shape[0]
-    s0 = start(first_logits, seen, rows_in_loop(own), req, out_len)
+    first: as in `decode`; first_depth [N], first_state [N, D]: the prompts' depths and last
+    states. The state's `depths` hold the passes run for each emitted token."""
+    N = first.shape[0]
+    s0 = start(first, seen, rows_in_loop(own), req, out_len)
     s0 = s0.replace(depths=jnp.zeros((N, out_len), jnp.int32).at[:, 0].set(first_depth), warm=first_state)
 
     def step(state: DecodeState) -> DecodeState:

@@ -72,14 +72,14 @@ def accept(key: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Array) -> tup
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len", "draft_loops", "lookahead"),
          donate_argnames=("own",))
-def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logits: jax.Array, seen: jax.Array,
+def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first: jax.Array, seen: jax.Array,
            req: Request, loops: int, window: int, out_len: int, draft_loops: int, lookahead: int,
            exit: tf.Exit | None = None) -> DecodeState:
-    """Like `programs.decode`, in rounds of `lookahead` drafts at depth `draft_loops`. `own` needs
-    room for lookahead + 1 positions past the last emitted token. `state.step` counts rounds
-    and `state.accepted` the drafts kept per row."""
+    """Like `programs.decode` (`first` as there), in rounds of `lookahead` drafts at depth
+    `draft_loops`. `own` needs room for lookahead + 1 positions past the last emitted token.
+    `state.step` counts rounds and `state.accepted` the drafts kept per row."""
     k = lookahead
-    N = first_logits.shape[0]
+    N = first.shape[0]
     rows, ones = jnp.arange(N), jnp.ones((N,), jnp.int32)
 
     def round_(state: DecodeState) -> DecodeState:
@@ -125,7 +125,7 @@ def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first_logi
         return jax.lax.fori_loop(0, k + 1, lambda j, s: emit(s, emitted[:, j], req, hold=j > a), state)
 
     start_at = own.length
-    state = jax.lax.while_loop(lambda s: ~is_done(s), round_, start(first_logits, seen, rows_in_loop(own), req,
+    state = jax.lax.while_loop(lambda s: ~is_done(s), round_, start(first, seen, rows_in_loop(own), req,
                                                                     out_len))
     # a stop or max_tokens may cut a round after drafts were kept: hold exactly what plain
     # decoding holds, every emitted token but the last
