@@ -254,8 +254,8 @@ def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first: jax
     `lax.while_loop` on device. first [N]: each row's first token (`first_tokens`), or [N, V]:
     the next-token logits after each prompt, to choose it from; seen [N, V]: each prompt's
     tokens. Token i is chosen from the logits token i-1 produced, so n tokens cost n-1 forward
-    steps. A finished row keeps stepping (its output masked) so
-    the batch keeps one shape; the loop ends when every row is done."""
+    steps. A finished row keeps stepping (its output masked) so the batch keeps one shape; the
+    loop ends when every row is done."""
 
     def step(state: DecodeState) -> DecodeState:
         seen, counts = feed(state, state.last)
