@@ -273,10 +273,12 @@ GPT2_HF = {"attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_up": "m
            "attn_norm": "ln_1", "ffn_norm": "ln_2"}
 
 
-def write_tiny_gpt2(path: str, head: str = "untied", seed: int = 0) -> dict:
+def write_tiny_gpt2(path: str, head: str = "untied", seed: int = 0, matrix_types: dict | None = None) -> dict:
     """A random GPT-2 as llama.cpp's converter writes one (matrices as [out, in] rows, `output.weight`
-    always present: a copy of the embedding when `head` is "copy"); returns {HF name: float32
-    weights} of the same model (Conv1D matrices [in, out])."""
+    always present: a copy of the embedding when `head` is "copy"; matrix types per layer:
+    `matrix_types`, default GPT2_TYPES); returns {HF name: float32 weights} of the same model
+    (Conv1D matrices [in, out])."""
+    matrix_types = GPT2_TYPES if matrix_types is None else matrix_types
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, arch="gpt2")
     writer.add_block_count(LAYERS), writer.add_context_length(64), writer.add_embedding_length(D)
@@ -300,7 +302,7 @@ def write_tiny_gpt2(path: str, head: str = "untied", seed: int = 0) -> dict:
         shapes = {"attn_qkv": (3 * D, D), "attn_output": (D, D), "ffn_up": (4 * D, D), "ffn_down": (D, 4 * D)}
         for short, shape in shapes.items():
             w = rng.standard_normal(shape, np.float32) / np.sqrt(shape[1])
-            put(f"blk.{i}.{short}.weight", f"h.{i}.{GPT2_HF[short]}.weight", w, GPT2_TYPES[short][i], True)
+            put(f"blk.{i}.{short}.weight", f"h.{i}.{GPT2_HF[short]}.weight", w, matrix_types[short][i], True)
             hf[f"h.{i}.{GPT2_HF[short]}.bias"] = b = vec(shape[0])
             writer.add_tensor(f"blk.{i}.{short}.bias", b)
         for short in ("attn_norm", "ffn_norm"):
@@ -334,7 +336,9 @@ def write_gpt2_folder(folder, weights: dict, tied: bool) -> str:
 @pytest.mark.parametrize("head", ["untied", "copy"])
 def test_gpt2_gguf_and_hf_folder_give_same_logits_and_tokens(tmp_path, head):
     weights = write_tiny_gpt2(str(tmp_path / "gpt2.gguf"), head=head)
-    a = tl.Model.from_pretrained(str(tmp_path / "gpt2.gguf"), kv_mode="fp32", dtype="float32")
+    # dequantized, to compare the same float weights exactly (kept packed: tests/test_qarray.py)
+    a = tl.Model.from_pretrained(str(tmp_path / "gpt2.gguf"), kv_mode="fp32", dtype="float32",
+                                 quantize_weights="float")
     b = tl.Model.from_pretrained(write_gpt2_folder(tmp_path / "hf", weights, tied=head == "copy"), kv_mode="fp32",
                                  dtype="float32")
     assert a.config() == b.config()

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_gguf import VOCAB, write_tiny
+from test_gguf import LAYERS, VOCAB, write_tiny, write_tiny_gpt2
 
 import tinyloop_jax as tl
 from tinyloop_jax import native
@@ -82,6 +82,39 @@ def test_kept_packed_gguf_equals_dequantized_float32(packed_file):
     assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()
     assert packed.generate(PROMPT, max_tokens=8) == floats.generate(PROMPT, max_tokens=8)
     assert packed.fingerprint != floats.fingerprint
+
+
+# a GPT-2 file's block matrices in the kept formats (fused q|k|v is one tensor in GPT-2's GGUF)
+GPT2_PACKED = {"attn_qkv": ["Q8_0", "Q4_1"], "attn_output": ["Q4_1", "Q8_0"], "ffn_up": ["Q4_0", "Q8_0"],
+               "ffn_down": ["Q8_0", "Q4_0"]}
+
+
+@pytest.mark.parametrize("head", ["untied", "copy"])
+def test_gpt2_gguf_is_kept_packed(tmp_path, head):
+    """A GPT-2 GGUF's Q8_0 / Q4_0 / Q4_1 matrices stay packed as stored (llama.cpp's [out, in]
+    rows read as Conv1D's [in, out]; the embedding too, and the head unless it is a copy of
+    it); the logits equal the dequantized load's within the packed product's rounding."""
+    path = str(tmp_path / "gpt2.gguf")
+    write_tiny_gpt2(path, head=head, matrix_types=GPT2_PACKED)
+    packed = tl.Model.from_pretrained(path, kv_mode="fp32", dtype="float32")
+    floats = tl.Model.from_pretrained(path, kv_mode="fp32", dtype="float32", quantize_weights="float")
+    p = packed.weights.params
+    assert sum(qarray.is_quant(a) for a in jax.tree.leaves(p, is_leaf=qarray.is_quant)) == LAYERS * 4 + 1
+    assert qarray.is_quant(p.wte) and not qarray.is_quant(p.wpe)  # the untied head is Q6_K: dequantized
+    assert packed.weights.config.tie_embeddings == (head == "copy") == (p.head is None)
+    # blk.0.attn_qkv's bytes, bit for bit, as the head-shaped w_qkv [D, 3, H, hd]
+    from tinyloop_jax.formats import gguf as gguf_format
+    reader = gguf_format.open_file(path)
+    raw = reader.data(reader.tensors["blk.0.attn_qkv.weight"])  # [3D rows, 34 bytes per block]
+    rows, nb = raw.shape[0], raw.shape[1] // 34
+    w = qarray.canonical(p.pre[0].w_qkv)
+    assert w.fmt == "q8_0" and w.shape == (nb * 32, 3, *w.shape[2:])
+    np.testing.assert_array_equal(np.asarray(w.q).view(np.uint8).reshape(nb, 32, rows),
+                                  raw.reshape(rows, nb, 34)[..., 2:].transpose(1, 2, 0))
+    a, b = np.asarray(packed.next_token_logits(PROMPT)), np.asarray(floats.next_token_logits(PROMPT))
+    assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max() and np.abs(b).max() > 1
+    assert packed.generate(PROMPT, max_tokens=8) == floats.generate(PROMPT, max_tokens=8)
+    assert packed.nbytes < floats.nbytes / 2
 
 
 @pytest.fixture(scope="module")

@@ -192,8 +192,10 @@ class GGUFTensors:
     """A GGUF file's tensors under Hugging Face names, read and dequantized one at a time (the
     interface of `safetensors_io.Tensors`: `where`, `shape`, `read`, `take`, `unused`, `done`).
     Llama: q/k rows back in Hugging Face's order (`heads` = {"q_proj": H, "k_proj": KV});
-    GPT-2: the block matrices back to Conv1D's [in, out]. With `keep_packed` (llama), Q8_0 /
-    Q4_0 / Q4_1 matrices are read as `qarray.QuantArray`s of their bytes, not dequantized."""
+    GPT-2: the block matrices back to Conv1D's [in, out]. With `keep_packed`, Q8_0 / Q4_0 / Q4_1
+    matrices are read as `qarray.QuantArray`s of their bytes, not dequantized (all of a llama
+    file's; a GPT-2 file's block matrices, embedding and head: its position table stays float,
+    indexed by position rather than multiplied)."""
 
     def __init__(self, reader: GGUFFile, heads: dict | None = None, progress: bool | None = None,
                  keep_packed: bool = False):
@@ -219,10 +221,11 @@ class GGUFTensors:
         info = self.reader.tensors[self.where[name]]
         proj = name.rsplit(".", 2)[-2]
         fmt = self.reader.type_name(info).lower()
-        if self.keep_packed and fmt in qarray.FORMATS and len(info.shape) == 2 and self.arch == "llama":
-            raw = self.reader.data(info)  # [rows, bytes]: GGUF's rows are HF's rows
+        if self.keep_packed and fmt in qarray.FORMATS and len(info.shape) == 2 and name != "wpe.weight":
+            raw = self.reader.data(info)  # [rows, bytes]: GGUF's rows are HF's rows (llama's Linear)
             raw = unpermute(raw, self._heads[proj]) if proj in self._heads else raw
-            return qarray.from_blocks(raw, fmt, info.shape[1], transposed=True)  # logical [out, in]
+            w = qarray.from_blocks(raw, fmt, info.shape[1], transposed=True)  # logical [out, in]
+            return w.T if self._transposed(name) else w  # GPT-2's Conv1D: [in, out]
         a = dequantize(self.reader, self.where[name])
         if proj in self._heads:
             a = unpermute(a, self._heads[proj])
@@ -252,7 +255,7 @@ class GGUFTensors:
 def load(path, kv_mode: str | None = None, dtype: str | None = None, keep_packed: bool = False):
     """A GGUF file (or a folder holding one) -> (Params, ModelConfig) through the Hugging Face
     import of its architecture (`hf_import`'s Llama path, `hf_gpt2`). `keep_packed`: Q8_0 / Q4_0 /
-    Q4_1 matrices of a llama file stay packed (`qarray`); GPT-2 files are always dequantized."""
+    Q4_1 matrices stay packed (`qarray`; see `GGUFTensors`)."""
     from . import hf_gpt2, hf_import
 
     file = find_file(path)
@@ -266,7 +269,8 @@ def load(path, kv_mode: str | None = None, dtype: str | None = None, keep_packed
                              f"{', '.join(TENSOR_TYPES)}")
     dtype = hf_import.default_dtype() if dtype is None else dtype
     if hf["model_type"] == "gpt2":
-        params, cfg = hf_gpt2.load_gpt2(file, hf_gpt2.gpt2_config(hf, kv_mode, file), GGUFTensors(reader))
+        params, cfg = hf_gpt2.load_gpt2(file, hf_gpt2.gpt2_config(hf, kv_mode, file),
+                                        GGUFTensors(reader, keep_packed=keep_packed))
         return params, cfg.replace(dtype=dtype)
     cfg = hf_import.llama_config(hf, kv_mode, dtype)
     heads = {"q_proj": hf["num_attention_heads"], "k_proj": hf["num_key_value_heads"]}

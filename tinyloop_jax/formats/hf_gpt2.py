@@ -23,6 +23,7 @@ import os
 import numpy as np
 
 from ..model.config import ModelConfig
+from ..model import qarray
 from ..model.params import BlockParams, Params, from_flat_layout
 from .safetensors_io import Tensors
 
@@ -86,21 +87,30 @@ def load(path: str, kv_mode: str | None = None) -> tuple[Params, ModelConfig]:
     return load_gpt2(path, read_config(path, kv_mode), Tensors(path, strip="transformer."))
 
 
+def host(a):
+    """A float tensor as a numpy array; a packed one (`qarray.QuantArray`) as it is."""
+    return a if qarray.is_quant(a) else np.asarray(a)
+
+
 def load_gpt2(path: str, cfg: ModelConfig, tensors) -> tuple[Params, ModelConfig]:
     """GPT-2 weights under Hugging Face's names from `tensors` (a folder's `Tensors`, a GGUF file's
-    `GGUFTensors`) -> (float32 Params, cfg). An untied config reads `lm_head.weight` as the head,
-    unless it is a copy of `wte` (then the model is tied)."""
+    `GGUFTensors`) -> (Params, cfg): float32, or packed where a GGUF's matrices are kept packed.
+    An untied config reads `lm_head.weight` as the head, unless it is a copy of `wte` (then the
+    model is tied)."""
     D, F = cfg.d_model, cfg.intermediate_size
-    take = lambda name, shape: np.asarray(tensors.take(name, shape, np.float32))  # noqa: E731
+    # floats as numpy; a GGUF's packed matrices (`qarray.QuantArray`) as they are
+    take = lambda name, shape: host(tensors.take(name, shape, np.float32))  # noqa: E731
+    same = lambda a, b: np.array_equal(np.asarray(qarray.dense(a)), np.asarray(qarray.dense(b)))  # noqa: E731
 
-    blocks = [BlockParams(**{f: from_flat_layout(f, take(f"h.{i}.{hf}", shape(D, F)), cfg)
+    blocks = [BlockParams(**{f: qarray.apply(lambda a, f=f: from_flat_layout(f, a, cfg), take(f"h.{i}.{hf}",
+                                                                                          shape(D, F)))
                              for f, (hf, shape) in _BLOCK.items()}) for i in range(cfg.n_pre_blocks + 1)]
     wte, head = take("wte.weight", (cfg.vocab_size, D)), None
     if not cfg.tie_embeddings:
         head = take("lm_head.weight", wte.shape)
-        if np.array_equal(head, wte):  # a copy of the embedding: tied after all
+        if same(head, wte):  # a copy of the embedding: tied after all
             head = None
-    elif "lm_head.weight" in tensors.where and not np.array_equal(take("lm_head.weight", wte.shape), wte):
+    elif "lm_head.weight" in tensors.where and not same(take("lm_head.weight", wte.shape), wte):
         raise ValueError("tensor 'lm_head.weight' differs from 'wte.weight' but tie_word_embeddings is true "
                          "(an untied head needs it false)")
     params = Params(wte=wte, wpe=take("wpe.weight", (cfg.max_seq_len, D)), pre=tuple(blocks[:-1]),
