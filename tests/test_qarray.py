@@ -113,8 +113,13 @@ def test_gpt2_gguf_is_kept_packed(tmp_path, head):
                                   raw.reshape(rows, nb, 34)[..., 2:].transpose(1, 2, 0))
     a, b = np.asarray(packed.next_token_logits(PROMPT)), np.asarray(floats.next_token_logits(PROMPT))
     assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max() and np.abs(b).max() > 1
-    assert packed.generate(PROMPT, max_tokens=8) == floats.generate(PROMPT, max_tokens=8)
+    want = floats.generate(PROMPT, max_tokens=8)
+    assert packed.generate(PROMPT, max_tokens=8) == want
     assert packed.nbytes < floats.nbytes / 2
+    packed.save(str(tmp_path / "saved"))  # saved packed: the same weights, format and tokens
+    again = tl.Model.load(str(tmp_path / "saved"))
+    assert again.fingerprint == packed.fingerprint != floats.fingerprint and qarray.is_quant(again.weights.params.wte)
+    assert again.generate(PROMPT, max_tokens=8) == want
 
 
 @pytest.fixture(scope="module")
