@@ -4,10 +4,14 @@ import tempfile
 
 # The suite's programs are tiny and run briefly, so compiling dominates: compile them without
 # LLVM's optimizations and with XLA:CPU's classic (faster to build) fusion emitters — 4-6x faster
-# compiles of the same optimized HLO, so the same buffers, aliasing and results. Set before JAX
-# starts its backend; subprocesses inherit it.
+# compiles of the same optimized HLO, so the same buffers, aliasing and results — and each
+# program's code in one LLVM module, not split for parallel code generation: the xdist workers
+# already keep both cores busy, and splitting costs a sixth of the compile time, a quarter
+# when the core is shared (scripts/bench_suite_flags.py). Set before JAX starts its backend;
+# subprocesses inherit it.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false").strip()
+                           + " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+                           + " --xla_cpu_parallel_codegen_split_count=1").strip()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -1,0 +1,86 @@
+"""Does an XLA flag make the test suite's compiles cheaper? The suite's kind of program set,
+compiled in fresh processes with and without the flag, alternating, medians.
+
+    python scripts/bench_suite_flags.py --flag=--xla_cpu_parallel_codegen_split_count=1
+    python scripts/bench_suite_flags.py --flag=... --busy      # another process on the same core
+
+Each run is a new process pinned to one core (`taskset -c 0`), with the suite's flags
+(tests/conftest.py, less the flag under test) and an empty compilation cache: the tiny test
+model and the Ouro-layout model in three KV modes, each running `generate`, `generate_batch`
+and a prefix-cache decode (about 100 programs). `--busy` runs a spinning process on that core
+meanwhile, as the suite's second xdist worker does. Reports the process CPU seconds and JAX's
+compile / trace / lower seconds, median per variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+SUITE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+
+CHILD = r"""
+import json, os, resource, sys
+import jax, jax.monitoring
+secs = {"compile": 0.0, "trace": 0.0, "lower": 0.0}
+EV = {"backend_compile_duration": "compile", "jaxpr_trace_duration": "trace",
+      "jaxpr_to_mlir_module_duration": "lower"}
+def listen(event, s, **_):
+    key = EV.get(event.rsplit("/", 1)[-1])
+    if key:
+        secs[key] += s
+jax.monitoring.register_event_duration_secs_listener(listen)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.devices()  # the backend reads XLA_FLAGS now, before conftest appends the suite's own
+sys.path.insert(0, "tests")
+from conftest import ouro_model, prompt_of, tiny_model
+r0 = resource.getrusage(resource.RUSAGE_SELF)
+for mode in ("fp32", "int8", "int4"):
+    for make in (tiny_model, ouro_model):
+        m = make(mode)
+        m.generate(prompt_of(20), max_tokens=8)
+        m.generate_batch([prompt_of(9), prompt_of(30, 1)], max_tokens=5)
+        m.generate_from_prefix_cache(m.build_prefix_cache(prompt_of(17)), max_tokens=4, suffix=prompt_of(5, 2))
+r1 = resource.getrusage(resource.RUSAGE_SELF)
+secs["cpu"] = r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
+print(json.dumps(secs))
+"""
+
+
+def run_once(extra: str) -> dict:
+    env = {**os.environ, "XLA_FLAGS": f"{SUITE_FLAGS} {extra}".strip(),
+           "JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(prefix="bench-flags-")}
+    out = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", CHILD], env=env, check=True,
+                         capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--flag", required=True, help="the XLA flag under test, e.g. --xla_cpu_parallel_codegen_split_count=1")
+    ap.add_argument("--runs", type=int, default=3, help="runs per variant (alternating)")
+    ap.add_argument("--busy", action="store_true", help="a spinning process shares the pinned core")
+    args = ap.parse_args()
+    spin = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", "while True: pass"]) if args.busy else None
+    try:
+        rows: dict[str, list[dict]] = {"suite flags": [], args.flag: []}
+        for _ in range(args.runs):
+            rows["suite flags"].append(run_once(""))
+            rows[args.flag].append(run_once(args.flag))
+    finally:
+        if spin:
+            spin.kill()
+    print(f"{args.runs} runs each, alternating, one core{' shared with a spinning process' if args.busy else ''}; medians:")
+    print("| variant | process CPU s | compile s | trace s | lower s |\n|---|---|---|---|---|")
+    for name, rs in rows.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in ("cpu", "compile", "trace", "lower")}
+        print(f"| {name} | {med['cpu']:.2f} | {med['compile']:.2f} | {med['trace']:.2f} | {med['lower']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
