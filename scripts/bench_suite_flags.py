@@ -23,6 +23,7 @@ import sys
 import tempfile
 
 SUITE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = r"""
 import json, os, resource, sys
@@ -56,13 +57,14 @@ def run_once(extra: str) -> dict:
     env = {**os.environ, "XLA_FLAGS": f"{SUITE_FLAGS} {extra}".strip(),
            "JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(prefix="bench-flags-")}
     out = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", CHILD], env=env, check=True,
-                         capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         capture_output=True, text=True, cwd=ROOT)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--flag", required=True, help="the XLA flag under test, e.g. --xla_cpu_parallel_codegen_split_count=1")
+    ap.add_argument("--flag", required=True,
+                    help="the XLA flag under test, e.g. --xla_cpu_parallel_codegen_split_count=1")
     ap.add_argument("--runs", type=int, default=3, help="runs per variant (alternating)")
     ap.add_argument("--busy", action="store_true", help="a spinning process shares the pinned core")
     args = ap.parse_args()
@@ -75,7 +77,8 @@ def main() -> None:
     finally:
         if spin:
             spin.kill()
-    print(f"{args.runs} runs each, alternating, one core{' shared with a spinning process' if args.busy else ''}; medians:")
+    core = "one core shared with a spinning process" if args.busy else "one core"
+    print(f"{args.runs} runs each, alternating, {core}; medians:")
     print("| variant | process CPU s | compile s | trace s | lower s |\n|---|---|---|---|---|")
     for name, rs in rows.items():
         med = {k: statistics.median(r[k] for r in rs) for k in ("cpu", "compile", "trace", "lower")}
