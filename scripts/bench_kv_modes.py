@@ -82,7 +82,9 @@ def h_rebuild(model, prompt, suffix, repeats):
         own = jax.tree.map(lambda a: a[None], own)  # one request row
         logits, seen, own = engine.prefill_rows(w.params, cfg, jnp.asarray(F.pad(suffix))[None],
                                                 jnp.array([len(suffix)]), jnp.array([len(prompt)]), ro, own,
-                                                pre.logits, pre.seen, loops=loops, window=0)
+                                                pre.logits, pre.seen,
+                                                jnp.asarray(engine.token_mask([suffix], cfg.vocab_size)), loops=loops,
+                                                window=0)
         args = (w.params, cfg, ro, own, logits, seen, req)
         return args, dict(loops=loops, window=0, out_len=kvc.bucket(new, minimum=8))
 

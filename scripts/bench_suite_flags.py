@@ -22,7 +22,8 @@ import subprocess
 import sys
 import tempfile
 
-SUITE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+SUITE_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+               " --xla_cpu_parallel_codegen_split_count=1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = r"""
@@ -53,27 +54,34 @@ print(json.dumps(secs))
 """
 
 
-def run_once(extra: str) -> dict:
+def run_once(extra: str, tree: str = ROOT) -> dict:
     env = {**os.environ, "XLA_FLAGS": f"{SUITE_FLAGS} {extra}".strip(),
            "JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(prefix="bench-flags-")}
     out = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", CHILD], env=env, check=True,
-                         capture_output=True, text=True, cwd=ROOT)
+                         capture_output=True, text=True, cwd=tree)  # the tree's tinyloop_jax is imported
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--flag", required=True,
+    ap.add_argument("--flag", default="",
                     help="the XLA flag under test, e.g. --xla_cpu_parallel_codegen_split_count=1")
+    ap.add_argument("--tree", action="append", default=[],
+                    help="instead of a flag, a checkout whose code is under test (the same programs, its "
+                         "tinyloop_jax); repeat it for several")
     ap.add_argument("--runs", type=int, default=3, help="runs per variant (alternating)")
     ap.add_argument("--busy", action="store_true", help="a spinning process shares the pinned core")
     args = ap.parse_args()
     spin = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", "while True: pass"]) if args.busy else None
     try:
-        rows: dict[str, list[dict]] = {"suite flags": [], args.flag: []}
+        if bool(args.flag) == bool(args.tree):
+            ap.error("give one of --flag, --tree")
+        variants = {"this checkout": ("", ROOT)}
+        variants.update({args.flag: (args.flag, ROOT)} if args.flag else {f"code of {t}": ("", t) for t in args.tree})
+        rows: dict[str, list[dict]] = {name: [] for name in variants}
         for _ in range(args.runs):
-            rows["suite flags"].append(run_once(""))
-            rows[args.flag].append(run_once(args.flag))
+            for name, (flag, tree) in variants.items():
+                rows[name].append(run_once(flag, tree))
     finally:
         if spin:
             spin.kill()

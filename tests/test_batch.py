@@ -46,8 +46,8 @@ def test_batched_logits_match_separate_prefills(mode_models, mode):
     ro = (prefix.cache,)
     own = F.empty_cache(w, 16, 2, start=20, batch=len(suffixes))
     logits, _, _ = engine.prefill_rows(w.params, cfg, jnp.asarray(tokens), jnp.asarray(lens),
-                                       jnp.full((len(lens),), 20), ro, own, prefix.logits, prefix.seen, loops=2,
-                                       window=0)
+                                       jnp.full((len(lens),), 20), ro, own, prefix.logits, prefix.seen,
+                                       jnp.asarray(engine.token_mask(suffixes, cfg.vocab_size)), loops=2, window=0)
     for i, s in enumerate(suffixes):
         np.testing.assert_allclose(np.asarray(logits[i]), model.next_token_logits_from_prefix(prefix, s), **CLOSE)
 

@@ -173,3 +173,31 @@ def test_modes_parse_once_into_types():
     seg = kvc.empty("int8-h", 1, 2, c.n_kv_heads, 16, c.head_dim, d_model=c.d_model)
     assert seg.kv_mode is kv_mode("int8-h")
     assert set(seg.pre[0]) == {"h", "hs"} and seg.pre[0]["h"].dtype == jnp.int8
+
+
+def test_a_chunk_write_equals_a_numpy_scatter():
+    """A chunk of T tokens (the first n_valid real) written at start into C slots lands where a
+    scatter by `write_slots` puts it: the ring wrapping, a chunk longer than the ring keeping its
+    last C tokens, padding and the slots not written left as they were; the pre-layer and the
+    loop-stack forms alike."""
+    rng = np.random.default_rng(0)
+    for C, T, start, n_valid in [(16, 8, 0, 5), (16, 8, 12, 8), (8, 16, 3, 13), (8, 16, 5, 16), (32, 16, 20, 0),
+                                 (8, 4, 30, 4)]:
+        old, fresh = rng.normal(size=(2, C, 3)).astype(np.float32), rng.normal(size=(2, T, 3)).astype(np.float32)
+        q_pos = start + np.arange(T, dtype=np.int32)
+        slots = np.asarray(kvc.write_slots(jnp.asarray(q_pos), jnp.int32(n_valid), C))
+        src = kvc.write_sources(jnp.int32(start), jnp.int32(n_valid), C)
+        want, want_pos = old.copy(), np.full((C,), -1, np.int32)
+        for i in range(T):  # the reference scatter (a slot >= C drops the token)
+            if slots[i] < C:
+                want[:, slots[i]], want_pos[slots[i]] = fresh[:, i], q_pos[i]
+        got = kvc.write({"k": jnp.asarray(old)}, {"k": jnp.asarray(fresh)}, jnp.asarray(slots), src=src)["k"]
+        np.testing.assert_array_equal(got, want)
+        pos = kvc.write_positions(jnp.full((C,), -1, jnp.int32), jnp.asarray(q_pos), jnp.asarray(slots), src)
+        np.testing.assert_array_equal(pos, want_pos)
+        stack = np.stack([np.stack([old, old + 1])] * 2)  # [passes 2, blocks 2, lead, C, w]: write pass 1, block 0
+        got = kvc.write({"k": jnp.asarray(stack)}, {"k": jnp.asarray(fresh)}, jnp.asarray(slots), (jnp.int32(1), 0),
+                        src)["k"]
+        np.testing.assert_array_equal(got[1, 0], want)
+        np.testing.assert_array_equal(np.delete(np.asarray(got).reshape(4, 2, C, 3), 2, axis=0),
+                                      np.delete(stack.reshape(4, 2, C, 3), 2, axis=0))

@@ -11,7 +11,7 @@ from conftest import prompt_of, tiny_model
 
 import tinyloop_jax as tl
 from tinyloop_jax.api import validation as check
-from tinyloop_jax.decoding.sampling import MAX_LOGIT_BIAS, adjusted_logits, distribution, select_tokens
+from tinyloop_jax.decoding.sampling import MAX_LOGIT_BIAS, adjusted_logits, distribution, filtered_logits, select_tokens
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +59,47 @@ def test_adjusted_logits_and_the_sampling_distribution_equal_the_reference():
                                    jnp.asarray(counts, jnp.int32)))
     assert tok[2] == 7 and tok[0] != 10  # -100 forbids one
 
+
+
+def test_a_batch_without_logit_bias_carries_none_and_gets_the_same_logits():
+    """No request with a logit bias: the request rows carry none (its programs leave the
+    scatter out); carried empty (the serving engine's rows), the logits are the same."""
+    rng = np.random.default_rng(1)
+    logits, seen = jnp.asarray(rng.normal(0, 2, (2, 64)), jnp.float32), jnp.asarray(rng.random((2, 64)) < 0.2)
+    params = [tl.SamplingParams(repetition_penalty=1.3), tl.SamplingParams()]
+    plain, carried = tl.Request.from_params(params), tl.Request.from_params(params, logit_bias=True)
+    assert plain.bias_ids is None and carried.bias_ids.shape == (2, MAX_LOGIT_BIAS)
+    assert tl.Request.make(2, logit_bias={3: 1.0}).bias_ids.shape == (2, MAX_LOGIT_BIAS)
+    np.testing.assert_array_equal(adjusted_logits(logits, seen, plain), adjusted_logits(logits, seen, carried))
+
+
+def reference_filter(logits, temperature, top_k, top_p):
+    """numpy: sort by logit (stable, ties in id order), keep the top-k ranks and the nucleus,
+    put the kept values back by id, -inf elsewhere."""
+    scaled = np.float32(logits) / np.float32(temperature)
+    order = np.argsort(-scaled, kind="stable")
+    s = scaled[order]
+    rank = np.arange(len(s))
+    keep = (top_k <= 0) | (rank < top_k)
+    e = np.where(keep, np.exp(np.float64(s - s.max())), 0.0)
+    p = e / e.sum()
+    keep &= (np.cumsum(p) - p < top_p) | (rank == 0)
+    out = np.full_like(scaled, -np.inf)
+    out[order[keep]] = s[keep]
+    return out
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 1.0), (0, 0.5), (7, 0.8), (1, 1.0), (3, 0.05)])
+def test_top_k_and_top_p_keep_the_reference_set_with_ties(top_k, top_p):
+    """The filtered logits equal the numpy sort-filter-scatter reference, logits with ties
+    included (equal logits kept lowest id first)."""
+    rng = np.random.default_rng(top_k)
+    for row in range(4):
+        logits = np.round(rng.normal(0, 1.5, 96), 1).astype(np.float32)  # many equal values
+        got = np.asarray(filtered_logits(jnp.asarray(logits), jnp.float32(0.7), jnp.int32(top_k), jnp.float32(top_p)))
+        want = reference_filter(logits, 0.7, top_k, top_p)
+        np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+        np.testing.assert_allclose(got[~np.isinf(got)], want[~np.isinf(want)], rtol=1e-6)
 
 def reference_greedy(model, prompt, n, presence=0.0, frequency=0.0, bias=None):
     """Greedy decoding with OpenAI's penalties applied in numpy to the model's next-token logits."""

@@ -222,6 +222,6 @@ class Conversation:
         before; donated): the next-token logits, the tokens' mask, the last token's depth states."""
         w = self.model.weights
         padded = jnp.asarray(F.pad(tokens, max(MIN_CHUNK, kvc.bucket(len(tokens)))))
-        return programs.prefill_prefix(w.params, w.config, padded, jnp.int32(len(tokens)), jnp.int32(start), padded,
-                                       jnp.int32(len(tokens)), seg, loops=self.loops, window=0, keep_state=False,
-                                       exit=self._exit)
+        seen = jnp.asarray(programs.token_mask([tokens], w.config.vocab_size)[0])
+        return programs.prefill_prefix(w.params, w.config, padded, jnp.int32(len(tokens)), jnp.int32(start), seen,
+                                       seg, loops=self.loops, window=0, keep_state=False, exit=self._exit)

@@ -125,7 +125,8 @@ def build_prefix(weights: Weights, prompt, loops: int | None = None, cache_windo
     weights.config.check_positions(len(prompt), "the prompt")
     own = empty_cache(weights, len(prompt), loops, cache_window)
     tokens, n = jnp.asarray(pad(prompt)), jnp.int32(len(prompt))
-    out = programs.prefill_prefix(weights.params, weights.config, tokens, n, jnp.int32(0), tokens, n, own, loops=loops,
+    seen = jnp.asarray(programs.token_mask([prompt], weights.config.vocab_size)[0])
+    out = programs.prefill_prefix(weights.params, weights.config, tokens, n, jnp.int32(0), seen, own, loops=loops,
                                   window=cache_window, keep_state=keep_state, exit=exit, seed=jnp.uint32(seed))
     return _wrap(weights, out.own, prompt, loops, cache_window, out.logits, out.seen, out.depth_states, out.state,
                  seed)
@@ -140,8 +141,9 @@ def extend_prefix(source: PrefixCache, k: int, prompt, exit: Exit | None = None)
     own = programs.copy_prefix(source.cache, jnp.int32(k), capacity=kvc.segment_capacity(len(prompt), window),
                              passes=loops)
     out = programs.prefill_prefix(w.params, w.config, jnp.asarray(pad(prompt[k:])), jnp.int32(len(prompt) - k),
-                                  jnp.int32(k), jnp.asarray(pad(prompt)), jnp.int32(len(prompt)), own, loops=loops,
-                                  window=window, keep_state=False, exit=exit, seed=jnp.uint32(source.seed))
+                                  jnp.int32(k), jnp.asarray(programs.token_mask([prompt], w.config.vocab_size)[0]),
+                                  own, loops=loops, window=window, keep_state=False, exit=exit,
+                                  seed=jnp.uint32(source.seed))
     return _wrap(w, out.own, prompt, loops, window, out.logits, out.seen, out.depth_states, seed=source.seed)
 
 
@@ -203,7 +205,8 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
         tokens = np.stack([pad(s, kvc.bucket(int(lens.max()))) for s in suffixes])
         logits, seen, own = programs.prefill_rows(weights.params, c, jnp.asarray(tokens), jnp.asarray(lens),
                                                 jnp.full((N,), P, jnp.int32), ro, own, prior_logits, prior_seen,
-                                                loops=loops, window=window, exit=exit, seeds=request.seed)
+                                                jnp.asarray(programs.token_mask(suffixes, c.vocab_size)), loops=loops,
+                                                window=window, exit=exit, seeds=request.seed)
     else:
         logits = jnp.broadcast_to(prior_logits, (N, c.vocab_size))
         seen = jnp.broadcast_to(prior_seen, (N, c.vocab_size))
@@ -229,7 +232,7 @@ def decode_adaptive(weights: Weights, prefix: PrefixCache | None, suffixes: list
         start = jnp.full((N,), 0 if prefix is None else len(prefix), jnp.int32)
         logits, seen, own, depth, state = programs.prefill_rows_adaptive(
             weights.params, c, jnp.asarray(tokens), jnp.asarray(lens), start, ro, own, prior_logits, prior_seen,
-            prior_depth, prior_state,
+            jnp.asarray(programs.token_mask(suffixes, c.vocab_size)), prior_depth, prior_state,
             adaptive.policy if adaptive.in_prefill else full, request.seed, loops=loops, window=window)
     else:
         logits = jnp.broadcast_to(prior_logits, (N, c.vocab_size))

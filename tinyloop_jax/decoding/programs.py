@@ -18,6 +18,7 @@ from typing import Annotated, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from ..model import adaptive as ad
@@ -29,10 +30,14 @@ from ..model.params import Params
 from .sampling import Request, select_tokens, stop_hit
 
 
-def token_mask(tokens: jax.Array, n_valid: jax.Array, vocab_size: int) -> jax.Array:
-    """[V] bool: which ids occur in tokens[:n_valid] (for the repetition penalty)."""
-    real = jnp.arange(tokens.shape[0]) < n_valid
-    return jnp.zeros((vocab_size,), bool).at[jnp.where(real, tokens, vocab_size)].set(True, mode="drop")
+def token_mask(rows, vocab_size: int) -> np.ndarray:
+    """bool [N, V]: which ids occur in each row of token ids (for the repetition penalty). On the
+    host, from the prompts the caller holds: in a program it is a scatter, which XLA:CPU runs
+    (and compiles) as a loop over the tokens."""
+    out = np.zeros((len(rows), vocab_size), bool)
+    for i, r in enumerate(rows):
+        out[i, np.asarray(r, np.int64)] = True
+    return out
 
 
 def forward_rows(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
@@ -145,34 +150,33 @@ class PrefixFill(NamedTuple):
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "keep_state"), donate_argnames=("own",))
 def prefill_prefix(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
-                   context: jax.Array, n_context: jax.Array, own: KVCache, loops: int, window: int, keep_state: bool,
+                   seen: jax.Array, own: KVCache, loops: int, window: int, keep_state: bool,
                    exit: tf.Exit | None = None, seed: jax.Array | None = None) -> PrefixFill:
     """Prefill a prompt's segment (no read-only segments): tokens [T] at start_pos (own already
-    holds the positions before it), context [Tc] the whole prompt. keep_state=False: `state` is
-    None."""
+    holds the positions before it), seen [V] the whole prompt's `token_mask`. keep_state=False:
+    `state` is None."""
     x0 = tf.embed(params, tokens, start_pos)
     out = tf.run_layers(params, cfg, x0, n_valid, start_pos, (), own, loops, window, keep_states=True, exit=exit,
                         seed=seed)
     return PrefixFill(logits=tf.last_logits(params, cfg, out.exit_x, n_valid),
-                      seen=token_mask(context, n_context, cfg.vocab_size), own=out.own, depth_states=out.states,
+                      seen=seen, own=out.own, depth_states=out.states,
                       state=out.x if keep_state else None)
 
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("own",))
 def prefill_rows(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
-                 ro: tuple, own: KVCache, prior_logits: jax.Array, prior_seen: jax.Array, loops: int, window: int,
-                 exit: tf.Exit | None = None, seeds: jax.Array | None = None):
+                 ro: tuple, own: KVCache, prior_logits: jax.Array, prior_seen: jax.Array, seen: jax.Array, loops: int,
+                 window: int, exit: tf.Exit | None = None, seeds: jax.Array | None = None):
     """N requests' own tokens after shared segments: tokens [N, T] (row i real up to n_valid[i],
-    possibly 0), start_pos [N]; prior_logits [V], prior_seen [V]: what the shared segments end
-    with; seeds [N] (see `forward_rows`). Returns (logits [N, V] (prior_logits for empty rows),
-    seen [N, V], new own)."""
+    possibly 0; seen [N, V] their `token_mask`), start_pos [N]; prior_logits [V], prior_seen [V]:
+    what the shared segments end with; seeds [N] (see `forward_rows`). Returns (logits [N, V]
+    (prior_logits for empty rows), seen [N, V] (with prior_seen), new own)."""
     x, own = forward_rows(params, cfg, tokens, n_valid, start_pos, ro, rows_in_loop(own), loops, window, exit,
                           seeds)
     own = rows_out_of_loop(own)
     logits = jax.vmap(lambda x, n: tf.last_logits(params, cfg, x, n))(x, n_valid)
     logits = jnp.where((n_valid > 0)[:, None], logits, prior_logits)
-    seen = jax.vmap(lambda t, n: token_mask(t, n, cfg.vocab_size) | prior_seen)(tokens, n_valid)
-    return logits, seen, own
+    return logits, seen | prior_seen, own
 
 
 # ---- the decode loop -------------------------------------------------------------------------
@@ -274,15 +278,14 @@ def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first: jax
 @partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("own",))
 def prefill_rows_adaptive(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array,
                           start_pos: jax.Array, ro: tuple, own: KVCache, prior_logits: jax.Array, prior_seen: jax.Array,
-                          prior_depth: jax.Array, prior_state: jax.Array, pol: ad.Policy, seeds: jax.Array, loops: int,
-                          window: int):
+                          seen: jax.Array, prior_depth: jax.Array, prior_state: jax.Array, pol: ad.Policy,
+                          seeds: jax.Array, loops: int, window: int):
     """`prefill_rows` with adaptive depth (pol [N]; a policy of kind NONE prefills at full
     depth): also returns each row's depth [N] and last state [N, D] (prior_depth [],
     prior_state [D]: what the shared segments end with, for empty rows)."""
     out = ad.forward_rows(params, cfg, tokens, n_valid, start_pos, ro, rows_in_loop(own), loops, window, pol, seeds)
     has = n_valid > 0  # empty rows store nothing; they keep what the shared segments end with
-    seen = jax.vmap(lambda t, n: token_mask(t, n, cfg.vocab_size) | prior_seen)(tokens, n_valid)
-    return (jnp.where(has[:, None], out.logits, prior_logits), seen, rows_out_of_loop(out.own),
+    return (jnp.where(has[:, None], out.logits, prior_logits), seen | prior_seen, rows_out_of_loop(out.own),
             jnp.where(has, out.depth, prior_depth), jnp.where(has[:, None], out.state, prior_state))
 
 

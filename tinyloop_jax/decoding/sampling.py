@@ -12,6 +12,8 @@ with different knobs share a batch. The order is vLLM's:
 The frequency and presence penalties read how often each token was emitted so far (`counts`,
 [N, V] int32, kept by the decode loops beside `seen`); a logit bias is a fixed-size list of
 (token, bias) pairs per row (`MAX_LOGIT_BIAS`, padded), so every value runs the same program.
+A batch with no logit bias carries none (its programs leave the step out: XLA:CPU runs a
+scatter as a loop); the serving engine, whose rows come and go, always carries one.
 
 `filtered_logits` is the one definition of the sampling distribution: sampling draws from it,
 and speculative decoding's acceptance rule compares its softmax (`distribution`).
@@ -90,13 +92,15 @@ class Request:
     stop: StopSpec
     presence_penalty: Annotated[jax.Array, "float32[N]"]  # 0 = off
     frequency_penalty: Annotated[jax.Array, "float32[N]"]  # 0 = off
-    bias_ids: Annotated[jax.Array, "int32[N, MAX_LOGIT_BIAS]"]  # logit bias tokens, -1 = padding
-    bias_values: Annotated[jax.Array, "float32[N, MAX_LOGIT_BIAS]"]  # their biases (0 in the padding)
+    bias_ids: Annotated[jax.Array, "int32[N, MAX_LOGIT_BIAS]"] | None  # logit bias tokens, -1 = padding
+    bias_values: Annotated[jax.Array, "float32[N, MAX_LOGIT_BIAS]"] | None  # their biases (0 in the padding)
 
     @classmethod
-    def from_params(cls, params: Sequence[SamplingParams], stops: bool = True) -> "Request":
+    def from_params(cls, params: Sequence[SamplingParams], stops: bool = True,
+                    logit_bias: bool | None = None) -> "Request":
         """One row per request, in order. stops=False leaves the stop sequences out (an empty
-        spec, the same shape for every batch): for callers that check stops on the host."""
+        spec, the same shape for every batch): for callers that check stops on the host.
+        logit_bias: carry the bias rows (None: only if some request has a logit bias)."""
         col = lambda name, dt: np.array([getattr(p, name) for p in params], dt)  # noqa: E731
         stop = StopSpec.make([[list(s) for s in p.stop_sequences] if stops else [] for p in params])
         bias_ids = np.full((len(params), MAX_LOGIT_BIAS), -1, np.int32)
@@ -105,17 +109,20 @@ class Request:
             if p.logit_bias:
                 ids, values = zip(*p.logit_bias)
                 bias_ids[r, :len(ids)], bias_values[r, :len(ids)] = ids, values
+        if not (any(p.logit_bias for p in params) if logit_bias is None else logit_bias):
+            bias_ids = bias_values = None
         return cls(col("temperature", np.float32), col("top_k", np.int32), col("top_p", np.float32),
                    col("repetition_penalty", np.float32), col("seed", np.uint32), col("max_tokens", np.int32), stop,
                    col("presence_penalty", np.float32), col("frequency_penalty", np.float32), bias_ids, bias_values)
 
     @classmethod
     def make(cls, n: int, temperature=0.0, top_k=50, top_p=1.0, repetition_penalty=1.0, seeds=None, max_tokens=32,
-             stop_sequences=None, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=()) -> "Request":
+             stop_sequences=None, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=(),
+             carry_bias: bool | None = None) -> "Request":
         """N rows from keywords (unchecked; the functional API's shorthand for `from_params`):
         scalars apply to every row; `seeds` and `max_tokens` may be per row; stop_sequences
         is one list of token-id lists per row (None: no stops); logit_bias one {token: bias}
-        (or (token, bias) pairs) for every row."""
+        (or (token, bias) pairs) for every row; carry_bias: as `from_params`' logit_bias."""
         seeds = np.broadcast_to(np.asarray(0 if seeds is None else seeds), (n,))
         max_tokens = np.broadcast_to(np.asarray(max_tokens), (n,))
         stops = stop_sequences or [[] for _ in range(n)]
@@ -125,7 +132,7 @@ class Request:
                                                stop_sequences=tuple(tuple(s) for s in stops[i]),
                                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                                logit_bias=bias)
-                                for i in range(n)])
+                                for i in range(n)], logit_bias=carry_bias)
 
     @property
     def n(self) -> int:
@@ -167,7 +174,9 @@ def adjusted_logits(logits: jax.Array, seen: jax.Array, req: Request, counts: ja
     """The logits [N, V] a token is chosen from: the logit bias, the repetition penalty over
     `seen` [N, V] (prompt and output), then the frequency and presence penalties over `counts`
     [N, V] (how often each token was emitted so far; None: nothing yet, the first token)."""
-    logits = penalize(bias(logits, req.bias_ids, req.bias_values), seen, req.repetition_penalty)
+    if req.bias_ids is not None:
+        logits = bias(logits, req.bias_ids, req.bias_values)
+    logits = penalize(logits, seen, req.repetition_penalty)
     if counts is None:
         return logits
     return penalize_counts(logits, counts, req.frequency_penalty, req.presence_penalty)
@@ -177,13 +186,18 @@ def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     """One row: logits [V] -> temperature-scaled logits with -inf outside the top-k and the
     top-p nucleus (the smallest set of most likely tokens whose mass reaches top_p)."""
     scaled = logits / temperature
-    order = jnp.argsort(-scaled)
-    s = scaled[order]
+    s = scaled[jnp.argsort(-scaled)]  # descending; equal logits in id order (a stable sort)
     rank = jnp.arange(s.shape[0])
     keep = (top_k <= 0) | (rank < top_k)
     p = jax.nn.softmax(jnp.where(keep, s, -jnp.inf))
     keep &= (jnp.cumsum(p) - p < top_p) | (rank == 0)  # mass strictly above each token < top_p
-    return jnp.full_like(s, -jnp.inf).at[order].set(jnp.where(keep, s, -jnp.inf))
+    # the kept ranks are the first n of the sorted order: every logit above the n-th, and of those
+    # equal to it the lowest ids (read in id order, not scattered back: XLA:CPU loops a scatter)
+    n = jnp.sum(keep)
+    cut = s[n - 1]
+    eq = scaled == cut
+    kept = (scaled > cut) | (eq & (jnp.cumsum(eq) <= n - jnp.sum(scaled > cut)))
+    return jnp.where(kept, scaled, -jnp.inf)
 
 
 def _choose(logits: jax.Array, req: Request, greedy, sample) -> jax.Array:

@@ -181,18 +181,20 @@ def quick_exit(pol: Policy, judge: Judge, last, s: jax.Array, valid: jax.Array, 
                     | ((k == GATE) & (cumulative >= pol.threshold)))
 
 
-def fill_skipped(stack: dict, slots: jax.Array, depth: jax.Array, loops: int) -> dict:
-    """Passes depth..loops-1 of the chunk's slots [T] take pass depth-1's K/V, block by block:
-    what a token that exited after `depth` passes offers the later tokens that run deeper."""
+def fill_skipped(stack: dict, slots: jax.Array, src: jax.Array, depth: jax.Array, loops: int) -> dict:
+    """Passes depth..loops-1 of the chunk's slots [T] (src [C]: their inverse, see
+    `cache.write`) take pass depth-1's K/V, block by block: what a token that exited after
+    `depth` passes offers the later tokens that run deeper."""
     def one(a):  # [L, k, lead.., C, w]: slots on axis -2
         ax = a.ndim - 2
         col = jnp.take(a, jnp.minimum(slots, a.shape[ax] - 1), axis=ax)  # [L, k, lead.., T, w]
-        src = jax.lax.dynamic_index_in_dim(col, depth - 1, axis=0, keepdims=True)
+        last = jax.lax.dynamic_index_in_dim(col, depth - 1, axis=0, keepdims=True)
         p = jnp.arange(a.shape[0]).reshape((-1,) + (1,) * (a.ndim - 1))
-        col = jnp.where((p >= depth) & (p < loops), src, col)
+        col = jnp.where((p >= depth) & (p < loops), last, col)
         if slots.shape[0] == 1:
             return jax.lax.dynamic_update_slice_in_dim(a, col, slots[0], axis=ax)
-        return a.at[..., slots, :].set(col, mode="drop")
+        rows = jnp.take(col, jnp.clip(src, 0, slots.shape[0] - 1), axis=ax)
+        return jnp.where((src >= 0)[:, None], rows, a)
     return {n: one(a) for n, a in stack.items()}
 
 
@@ -252,7 +254,8 @@ def forward_rows(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: j
             old, fresh = vm(slot_values)(post, chunk.slots), vm(slot_values)(new, chunk.slots)
             mask = lambda n, o: jnp.where(need.reshape(need.shape + (1,) * (n.ndim - need.ndim)), n, o)  # noqa: E731
             vals = jax.tree.map(mask, fresh, old)
-            new = vm(lambda st, v, sl: tuple(kvc.write(a, b, sl) for a, b in zip(st, v)))(new, vals, chunk.slots)
+            new = vm(lambda st, v, ch: tuple(kvc.write(a, b, ch.slots, src=ch.src) for a, b in zip(st, v)))(
+                new, vals, chunk)
         return logits, new
 
     def gate_prob(x):
@@ -298,9 +301,9 @@ def forward_rows(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: j
     logits, post = jax.lax.cond(jnp.any(final), lambda p: coda_logits(c.s, p, final), lambda p: (c.logits, p),
                                 c.post)
     logits = jnp.where(final[..., None], logits, c.logits)
-    stack = vm(lambda st, ch, d: fill_skipped(st, ch.slots, d, loops))(c.stack, chunk, c.depth)
+    stack = vm(lambda st, ch, d: fill_skipped(st, ch.slots, ch.src, d, loops))(c.stack, chunk, c.depth)
     new_own = own.replace(pre=tuple(pre_stores), loop=stack, post=post,
-                          pos=vm(kvc.write_positions)(own.pos, chunk.q_pos, chunk.slots),
+                          pos=vm(kvc.write_positions)(own.pos, chunk.q_pos, chunk.slots, chunk.src),
                           length=(start_pos + n_valid).astype(jnp.int32))
     out = Step(logits, new_own, c.depth, at_last(c.s, last))
     if not batched:

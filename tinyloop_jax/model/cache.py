@@ -187,26 +187,45 @@ def read(store: dict, index=None) -> dict:
     return {n: jax.lax.dynamic_index_in_dim(a, t, axis=0, keepdims=False)[j] for n, a in store.items()}
 
 
-def write(store: dict, fresh: dict, slots: jax.Array, index=None) -> dict:
-    """Scatter a chunk's stored arrays ([lead, T, w]) into one layer at `slots` [T] (a slot
-    >= C drops the token). Decode (T = 1) is one in-place dynamic-update-slice per buffer."""
+def write(store: dict, fresh: dict, slots: jax.Array, index=None, src: jax.Array | None = None) -> dict:
+    """Write a chunk's stored arrays ([lead, T, w]) into one layer: slots [T] says where each
+    token goes (>= C: dropped), src [C] which token each slot takes (-1: none; `write_sources`).
+    Decode (T = 1) is one in-place dynamic-update-slice per buffer; a longer chunk is a gather of
+    the chunk's rows by slot and a select (XLA:CPU turns a scatter into a loop of T updates per
+    buffer: slower to compile and to run)."""
     if slots.shape[0] == 1:
         if index is None:
             return {n: jax.lax.dynamic_update_slice_in_dim(a, fresh[n], slots[0], axis=1) for n, a in store.items()}
         t, j = index
         return {n: jax.lax.dynamic_update_slice(a, fresh[n][None, None], (t, j, 0, slots[0], 0))
                 for n, a in store.items()}
+    take = src >= 0
+    rows = jnp.clip(src, 0, slots.shape[0] - 1)
+
+    def put(old, new):  # old [lead, C, w], new [lead, T, w]
+        return jnp.where(take[:, None], jnp.take(new, rows, axis=-2), old)
     if index is None:
-        return {n: a.at[:, slots].set(fresh[n], mode="drop") for n, a in store.items()}
-    # indices split by a slice: numpy puts the indexed axes first -> values [T, lead, w]
+        return {n: put(a, fresh[n]) for n, a in store.items()}
     t, j = index
-    return {n: a.at[t, j, :, slots].set(fresh[n].swapaxes(0, 1), mode="drop") for n, a in store.items()}
+    return {n: jax.lax.dynamic_update_slice(a, put(read({n: a}, index)[n], fresh[n])[None, None], (t, j, 0, 0, 0))
+            for n, a in store.items()}
 
 
-def write_positions(cache_pos: jax.Array, positions: jax.Array, slots: jax.Array) -> jax.Array:
+def write_positions(cache_pos: jax.Array, positions: jax.Array, slots: jax.Array,
+                    src: jax.Array | None = None) -> jax.Array:
     if slots.shape[0] == 1:
         return jax.lax.dynamic_update_slice_in_dim(cache_pos, positions, slots[0], axis=0)
-    return cache_pos.at[slots].set(positions, mode="drop")
+    return jnp.where(src >= 0, positions[jnp.clip(src, 0, slots.shape[0] - 1)], cache_pos)
+
+
+def write_sources(start_pos: jax.Array, n_valid: jax.Array, capacity: int) -> jax.Array:
+    """[capacity] int32: which token of a chunk at start_pos (its first n_valid real) each slot
+    takes, -1 for none — the inverse of `write_slots`. The last `capacity` real tokens are kept;
+    token i goes to slot (start_pos + i) % capacity, so slot s takes the one kept i congruent to
+    s - start_pos."""
+    lo = jnp.maximum(n_valid - capacity, 0)
+    i = lo + jnp.mod(jnp.arange(capacity, dtype=jnp.int32) - start_pos - lo, capacity)
+    return jnp.where(i < n_valid, i, -1).astype(jnp.int32)
 
 
 def write_slots(positions: jax.Array, n_valid: jax.Array, capacity: int) -> jax.Array:

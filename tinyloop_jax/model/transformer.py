@@ -265,6 +265,7 @@ class Chunk(NamedTuple):
     q_pos: jax.Array
     self_pos: jax.Array
     slots: jax.Array
+    src: jax.Array  # [C] the chunk token each own slot takes (-1: none; `cache.write_sources`)
 
 
 class Layer(NamedTuple):
@@ -288,8 +289,8 @@ def block(x: jax.Array, blk, cfg: ModelConfig, chunk: Chunk, ro: list, own: KVCa
     if x.shape[0] == 1:
         # Decode: write first, then attend to the updated buffer. The data dependency lets XLA
         # update the buffer in place; reading the old buffer beside the write forces a copy.
-        store = kvc.write(store, fresh, chunk.slots, index)
-        segs = ro + [Layer(kvc.read(store, index), kvc.write_positions(own.pos, chunk.q_pos, chunk.slots),
+        store = kvc.write(store, fresh, chunk.slots, index, chunk.src)
+        segs = ro + [Layer(kvc.read(store, index), kvc.write_positions(own.pos, chunk.q_pos, chunk.slots, chunk.src),
                            own.kv_mode)]
         if all(s.kv_mode.packed_int4 for s in segs):
             return block_out(x, attention_int4_decode(q, chunk.q_pos, segs, window, cfg.int4_attention, cfg.mesh),
@@ -301,7 +302,7 @@ def block(x: jax.Array, blk, cfg: ModelConfig, chunk: Chunk, ro: list, own: KVCa
         kvs = [(*read_kv(cfg, s.stored, blk, s.kv_mode, s.key_pos), s.key_pos) for s in ro]
         kvs.append((*read_kv(cfg, kvc.read(store, index), blk, own.kv_mode, own.pos), own.pos))
         kvs.append((*read_kv(cfg, fresh, blk, own.kv_mode, chunk.q_pos), chunk.self_pos))
-        store = kvc.write(store, fresh, chunk.slots, index)
+        store = kvc.write(store, fresh, chunk.slots, index, chunk.src)
     return block_out(x, attention(q.astype(jnp.float32), chunk.q_pos, kvs, window), blk, cfg), store
 
 
@@ -377,7 +378,7 @@ def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Arra
     x, loop, passes, sel = jax.lax.fori_loop(0, loops, one_pass, (x, own.loop, passes, sel))
     y, post = run_coda(params, cfg, x, chunk, ro, own, own.post, window)
     new_own = own.replace(pre=tuple(pre), loop=loop, post=post,
-                          pos=kvc.write_positions(own.pos, chunk.q_pos, chunk.slots),
+                          pos=kvc.write_positions(own.pos, chunk.q_pos, chunk.slots, chunk.src),
                           length=(start_pos + n_valid).astype(jnp.int32))
     if keep_states:
         states = jnp.concatenate([jnp.stack(states), passes]) if states else passes
@@ -389,7 +390,8 @@ def make_chunk(start_pos: jax.Array, n_valid: jax.Array, T: int, capacity: int) 
     """Where a chunk of T tokens (the first n_valid real) at start_pos goes in a segment of
     `capacity` slots."""
     q_pos = start_pos + jnp.arange(T, dtype=jnp.int32)
-    return Chunk(q_pos, jnp.where(jnp.arange(T) < n_valid, q_pos, -1), kvc.write_slots(q_pos, n_valid, capacity))
+    return Chunk(q_pos, jnp.where(jnp.arange(T) < n_valid, q_pos, -1), kvc.write_slots(q_pos, n_valid, capacity),
+                 kvc.write_sources(start_pos, n_valid, capacity))
 
 
 def run_pre(params: Params, cfg: ModelConfig, x: jax.Array, chunk: Chunk, ro: tuple, own: KVCache, window: int,
