@@ -208,7 +208,8 @@ def emit_row(tokens: jax.Array, n: jax.Array, done: jax.Array, tok: jax.Array, s
     """One row: append `tok` unless the row is done; it is done once its tokens end with a stop
     sequence or reach max_tokens. Returns (tokens [S], n, done)."""
     go = ~done
-    tokens = jnp.where(go, tokens.at[jnp.minimum(n, tokens.shape[0] - 1)].set(tok), tokens)
+    # a select, not `.at[n].set`: vmapped over rows that is a scatter, which XLA:CPU runs as a loop
+    tokens = jnp.where(go & (jnp.arange(tokens.shape[0]) == jnp.minimum(n, tokens.shape[0] - 1)), tok, tokens)
     n = n + go.astype(jnp.int32)
     return tokens, n, done | (go & (stop_hit(tokens, n, stop_tokens, stop_lengths) | (n >= max_tokens)))
 
@@ -244,11 +245,10 @@ def start(first: jax.Array, seen: jax.Array, own: KVCache, req: Request, out_len
 
 def feed(state: DecodeState, tok: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(`seen`, `counts`) with the emitted tokens tok [N] fed."""
-    rows = jnp.arange(tok.shape[0])
-    # counts grow by a one-hot (elementwise), not a scatter: on a mesh whose vocabulary axis is
-    # split, a scatter-add would cost an all-reduce per step
-    V = state.counts.shape[-1]
-    return state.seen.at[rows, tok].set(True), state.counts + jax.nn.one_hot(tok, V, dtype=jnp.int32)
+    # one-hots (elementwise), not scatters: on a mesh whose vocabulary axis is split, a scatter
+    # would cost an all-reduce per step, and XLA:CPU runs one as a loop over the rows
+    hot = jax.nn.one_hot(tok, state.counts.shape[-1], dtype=jnp.int32)
+    return state.seen | (hot > 0), state.counts + hot
 
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len"), donate_argnames=("own",))
@@ -291,9 +291,9 @@ def prefill_rows_adaptive(params: Params, cfg: ModelConfig, tokens: jax.Array, n
 
 def record_depth(state: DecodeState, depth: jax.Array) -> jax.Array:
     """`depths` with depth [N] written where each row's next token goes (rows not done)."""
-    rows, S = jnp.arange(depth.shape[0]), state.depths.shape[1]
-    put = state.depths.at[rows, jnp.minimum(state.n, S - 1)].set(depth)
-    return jnp.where(state.done[:, None], state.depths, put)
+    S = state.depths.shape[1]
+    at = jnp.arange(S)[None, :] == jnp.minimum(state.n, S - 1)[:, None]
+    return jnp.where(at & ~state.done[:, None], depth[:, None], state.depths)
 
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len"), donate_argnames=("own",))
