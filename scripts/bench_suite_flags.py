@@ -1,8 +1,9 @@
-"""Does an XLA flag make the test suite's compiles cheaper? The suite's kind of program set,
-compiled in fresh processes with and without the flag, alternating, medians.
+"""Does an XLA flag (or other code) make the test suite's compiles cheaper? The suite's kind of
+program set, compiled in fresh processes with and without it, alternating, medians.
 
     python scripts/bench_suite_flags.py --flag=--xla_cpu_parallel_codegen_split_count=1
     python scripts/bench_suite_flags.py --flag=... --busy      # another process on the same core
+    python scripts/bench_suite_flags.py --tree ../other-checkout [--tree ...]   # code against code
 
 Each run is a new process pinned to one core (`taskset -c 0`), with the suite's flags
 (tests/conftest.py, less the flag under test) and an empty compilation cache: the tiny test
