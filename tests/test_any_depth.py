@@ -34,10 +34,11 @@ def programs(model, loops: int) -> dict:
     kw = dict(loops=loops, window=0)
     return {
         "prefill": engine.prefill.lower(p, c, tokens, n, jnp.int32(0), (), own, **kw),
-        "prefill_prefix": engine.prefill_prefix.lower(p, c, tokens, n, jnp.int32(0), tokens, n, own, **kw,
+        "prefill_prefix": engine.prefill_prefix.lower(p, c, tokens, n, jnp.int32(0), seen[0], own, **kw,
                                                       keep_state=True),
         "prefill_rows": engine.prefill_rows.lower(p, c, jnp.zeros((2, 16), jnp.int32), jnp.full((2,), 5),
-                                                  jnp.zeros((2,), jnp.int32), (own,), rows, logits[0], seen[0], **kw),
+                                                  jnp.zeros((2,), jnp.int32), (own,), rows, logits[0], seen[0], seen,
+                                                  **kw),
         "decode": engine.decode.lower(p, c, (own,), rows, logits, seen, req, **kw, out_len=8),
         "speculative": speculative.decode.lower(p, c, (own,), rows, logits, seen, req, **kw, out_len=8,
                                                 draft_loops=1, lookahead=2),
