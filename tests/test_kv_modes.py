@@ -191,13 +191,13 @@ def test_a_chunk_write_equals_a_numpy_scatter():
         for i in range(T):  # the reference scatter (a slot >= C drops the token)
             if slots[i] < C:
                 want[:, slots[i]], want_pos[slots[i]] = fresh[:, i], q_pos[i]
-        got = kvc.write({"k": jnp.asarray(old)}, {"k": jnp.asarray(fresh)}, jnp.asarray(slots), src=src)["k"]
+        got = kvc.write({"k": jnp.asarray(old)}, {"k": jnp.asarray(fresh)}, jnp.asarray(slots), src)["k"]
         np.testing.assert_array_equal(got, want)
         pos = kvc.write_positions(jnp.full((C,), -1, jnp.int32), jnp.asarray(q_pos), jnp.asarray(slots), src)
         np.testing.assert_array_equal(pos, want_pos)
         stack = np.stack([np.stack([old, old + 1])] * 2)  # [passes 2, blocks 2, lead, C, w]: write pass 1, block 0
-        got = kvc.write({"k": jnp.asarray(stack)}, {"k": jnp.asarray(fresh)}, jnp.asarray(slots), (jnp.int32(1), 0),
-                        src)["k"]
+        got = kvc.write({"k": jnp.asarray(stack)}, {"k": jnp.asarray(fresh)}, jnp.asarray(slots), src,
+                        (jnp.int32(1), 0))["k"]
         np.testing.assert_array_equal(got[1, 0], want)
         np.testing.assert_array_equal(np.delete(np.asarray(got).reshape(4, 2, C, 3), 2, axis=0),
                                       np.delete(stack.reshape(4, 2, C, 3), 2, axis=0))

@@ -193,8 +193,7 @@ def fill_skipped(stack: dict, slots: jax.Array, src: jax.Array, depth: jax.Array
         col = jnp.where((p >= depth) & (p < loops), last, col)
         if slots.shape[0] == 1:
             return jax.lax.dynamic_update_slice_in_dim(a, col, slots[0], axis=ax)
-        rows = jnp.take(col, jnp.clip(src, 0, slots.shape[0] - 1), axis=ax)
-        return jnp.where((src >= 0)[:, None], rows, a)
+        return kvc.by_slot(col, a, src, axis=ax)
     return {n: one(a) for n, a in stack.items()}
 
 
@@ -254,7 +253,7 @@ def forward_rows(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: j
             old, fresh = vm(slot_values)(post, chunk.slots), vm(slot_values)(new, chunk.slots)
             mask = lambda n, o: jnp.where(need.reshape(need.shape + (1,) * (n.ndim - need.ndim)), n, o)  # noqa: E731
             vals = jax.tree.map(mask, fresh, old)
-            new = vm(lambda st, v, ch: tuple(kvc.write(a, b, ch.slots, src=ch.src) for a, b in zip(st, v)))(
+            new = vm(lambda st, v, ch: tuple(kvc.write(a, b, ch.slots, ch.src) for a, b in zip(st, v)))(
                 new, vals, chunk)
         return logits, new
 

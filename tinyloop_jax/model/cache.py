@@ -187,35 +187,37 @@ def read(store: dict, index=None) -> dict:
     return {n: jax.lax.dynamic_index_in_dim(a, t, axis=0, keepdims=False)[j] for n, a in store.items()}
 
 
-def write(store: dict, fresh: dict, slots: jax.Array, index=None, src: jax.Array | None = None) -> dict:
+def by_slot(new: jax.Array, old: jax.Array, src: jax.Array, axis: int = -2) -> jax.Array:
+    """old [.., C, ..] with each slot s taken from new's row src[s] along `axis` (src [C], -1:
+    keep old's). The loop-free form of a chunk's scatter (XLA:CPU loops a scatter per index)."""
+    ax = axis % old.ndim
+    keep = (src >= 0).reshape((-1,) + (1,) * (old.ndim - 1 - ax))
+    return jnp.where(keep, jnp.take(new, jnp.clip(src, 0, new.shape[ax] - 1), axis=ax), old)
+
+
+def write(store: dict, fresh: dict, slots: jax.Array, src: jax.Array, index=None) -> dict:
     """Write a chunk's stored arrays ([lead, T, w]) into one layer: slots [T] says where each
     token goes (>= C: dropped), src [C] which token each slot takes (-1: none; `write_sources`).
-    Decode (T = 1) is one in-place dynamic-update-slice per buffer; a longer chunk is a gather of
-    the chunk's rows by slot and a select (XLA:CPU turns a scatter into a loop of T updates per
-    buffer: slower to compile and to run)."""
+    Decode (T = 1) is one in-place dynamic-update-slice per buffer; a longer chunk is `by_slot`
+    (a scatter would be a loop of T updates per buffer on XLA:CPU: slower to compile and run)."""
     if slots.shape[0] == 1:
         if index is None:
             return {n: jax.lax.dynamic_update_slice_in_dim(a, fresh[n], slots[0], axis=1) for n, a in store.items()}
         t, j = index
         return {n: jax.lax.dynamic_update_slice(a, fresh[n][None, None], (t, j, 0, slots[0], 0))
                 for n, a in store.items()}
-    take = src >= 0
-    rows = jnp.clip(src, 0, slots.shape[0] - 1)
-
-    def put(old, new):  # old [lead, C, w], new [lead, T, w]
-        return jnp.where(take[:, None], jnp.take(new, rows, axis=-2), old)
     if index is None:
-        return {n: put(a, fresh[n]) for n, a in store.items()}
+        return {n: by_slot(fresh[n], a, src) for n, a in store.items()}
     t, j = index
-    return {n: jax.lax.dynamic_update_slice(a, put(read({n: a}, index)[n], fresh[n])[None, None], (t, j, 0, 0, 0))
+    return {n: jax.lax.dynamic_update_slice(a, by_slot(fresh[n], read({n: a}, index)[n], src)[None, None],
+                                            (t, j, 0, 0, 0))
             for n, a in store.items()}
 
 
-def write_positions(cache_pos: jax.Array, positions: jax.Array, slots: jax.Array,
-                    src: jax.Array | None = None) -> jax.Array:
+def write_positions(cache_pos: jax.Array, positions: jax.Array, slots: jax.Array, src: jax.Array) -> jax.Array:
     if slots.shape[0] == 1:
         return jax.lax.dynamic_update_slice_in_dim(cache_pos, positions, slots[0], axis=0)
-    return jnp.where(src >= 0, positions[jnp.clip(src, 0, slots.shape[0] - 1)], cache_pos)
+    return by_slot(positions, cache_pos, src, axis=0)
 
 
 def write_sources(start_pos: jax.Array, n_valid: jax.Array, capacity: int) -> jax.Array:

@@ -289,7 +289,7 @@ def block(x: jax.Array, blk, cfg: ModelConfig, chunk: Chunk, ro: list, own: KVCa
     if x.shape[0] == 1:
         # Decode: write first, then attend to the updated buffer. The data dependency lets XLA
         # update the buffer in place; reading the old buffer beside the write forces a copy.
-        store = kvc.write(store, fresh, chunk.slots, index, chunk.src)
+        store = kvc.write(store, fresh, chunk.slots, chunk.src, index)
         segs = ro + [Layer(kvc.read(store, index), kvc.write_positions(own.pos, chunk.q_pos, chunk.slots, chunk.src),
                            own.kv_mode)]
         if all(s.kv_mode.packed_int4 for s in segs):
@@ -302,7 +302,7 @@ def block(x: jax.Array, blk, cfg: ModelConfig, chunk: Chunk, ro: list, own: KVCa
         kvs = [(*read_kv(cfg, s.stored, blk, s.kv_mode, s.key_pos), s.key_pos) for s in ro]
         kvs.append((*read_kv(cfg, kvc.read(store, index), blk, own.kv_mode, own.pos), own.pos))
         kvs.append((*read_kv(cfg, fresh, blk, own.kv_mode, chunk.q_pos), chunk.self_pos))
-        store = kvc.write(store, fresh, chunk.slots, index, chunk.src)
+        store = kvc.write(store, fresh, chunk.slots, chunk.src, index)
     return block_out(x, attention(q.astype(jnp.float32), chunk.q_pos, kvs, window), blk, cfg), store
 
 
