@@ -73,6 +73,28 @@ def test_a_batch_without_logit_bias_carries_none_and_gets_the_same_logits():
     np.testing.assert_array_equal(adjusted_logits(logits, seen, plain), adjusted_logits(logits, seen, carried))
 
 
+def test_a_greedy_batch_compiles_no_sampling_and_chooses_the_same_tokens(model):
+    """Every request greedy: the request is marked unsampled, and its programs hold no sort and no
+    random draw; marked sampled (the serving engine's rows), the tokens are the same. One row
+    with a temperature marks the batch sampled."""
+    import jax
+    rng = np.random.default_rng(2)
+    logits, seen = jnp.asarray(rng.normal(0, 2, (2, 64)), jnp.float32), jnp.asarray(rng.random((2, 64)) < 0.2)
+    params = [tl.SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5), tl.SamplingParams()]
+    greedy, marked = tl.Request.from_params(params), tl.Request.from_params(params, sampled=True)
+    assert not greedy.sampled and marked.sampled
+    assert tl.Request.from_params([params[0], tl.SamplingParams(temperature=0.7)]).sampled
+    counts = jnp.asarray(rng.integers(0, 3, (2, 64)), jnp.int32)
+    pick = lambda req: select_tokens(logits, seen, req, jnp.int32(3), counts)  # noqa: E731
+    np.testing.assert_array_equal(pick(greedy), pick(marked))
+    np.testing.assert_array_equal(pick(greedy), np.argmax(adjusted_logits(logits, seen, greedy, counts), -1))
+    prims = lambda req: str(jax.make_jaxpr(pick)(req))  # noqa: E731
+    assert "sort" not in prims(greedy) and "random_bits" not in prims(greedy)
+    assert "sort" in prims(marked) and "random_bits" in prims(marked)
+    prompt = prompt_of(12, seed=4)
+    assert model.generate(prompt, max_tokens=6) == model.generate(prompt, max_tokens=6, temperature=0.5, top_k=1)
+
+
 def reference_filter(logits, temperature, top_k, top_p):
     """numpy: sort by logit (stable, ties in id order), keep the top-k ranks and the nucleus,
     put the kept values back by id, -inf elsewhere."""
@@ -180,12 +202,18 @@ def test_json_style_logit_bias_keys(model):
 
 
 def test_one_program_for_every_value(model):
-    """Different penalties and biases reuse the compiled decode program."""
+    """Different penalties and biases reuse the compiled decode program: a batch with a logit
+    bias compiles its variant once (a batch without one leaves the bias step out), then every
+    bias value and penalty runs one of the two."""
     from tinyloop_jax.decoding import programs
 
     prompt = prompt_of(8, seed=6)
     model.generate(prompt, max_tokens=5, presence_penalty=0.5)
+    first = programs.decode._cache_size()
+    model.generate(prompt, max_tokens=5, logit_bias={5: 1.0})
     before = programs.decode._cache_size()
-    for kw in (dict(frequency_penalty=1.0), dict(logit_bias={1: 2.0, 2: -3.0, 3: 4.0}), dict()):
+    assert before <= first + 1
+    for kw in (dict(frequency_penalty=1.0), dict(logit_bias={1: 2.0, 2: -3.0, 3: 4.0}), dict(),
+               dict(repetition_penalty=1.2, logit_bias={7: -1.0})):
         model.generate(prompt, max_tokens=5, **kw)
     assert programs.decode._cache_size() == before

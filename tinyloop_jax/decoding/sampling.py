@@ -13,7 +13,9 @@ The frequency and presence penalties read how often each token was emitted so fa
 [N, V] int32, kept by the decode loops beside `seen`); a logit bias is a fixed-size list of
 (token, bias) pairs per row (`MAX_LOGIT_BIAS`, padded), so every value runs the same program.
 A batch with no logit bias carries none (its programs leave the step out: XLA:CPU runs a
-scatter as a loop); the serving engine, whose rows come and go, always carries one.
+scatter as a loop), and a batch of greedy requests is marked `sampled=False` (its programs leave
+out the sort, the filter and the random draws: a decode program compiles in two thirds of the
+time); the serving engine, whose rows come and go, always carries both.
 
 `filtered_logits` is the one definition of the sampling distribution: sampling draws from it,
 and speculative decoding's acceptance rule compares its softmax (`distribution`).
@@ -94,13 +96,16 @@ class Request:
     frequency_penalty: Annotated[jax.Array, "float32[N]"]  # 0 = off
     bias_ids: Annotated[jax.Array, "int32[N, MAX_LOGIT_BIAS]"] | None  # logit bias tokens, -1 = padding
     bias_values: Annotated[jax.Array, "float32[N, MAX_LOGIT_BIAS]"] | None  # their biases (0 in the padding)
+    # static: False when every row is greedy, and the programs compile no sampling at all
+    sampled: bool = struct.field(pytree_node=False, default=True)
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], stops: bool = True,
-                    logit_bias: bool | None = None) -> "Request":
+                    logit_bias: bool | None = None, sampled: bool | None = None) -> "Request":
         """One row per request, in order. stops=False leaves the stop sequences out (an empty
         spec, the same shape for every batch): for callers that check stops on the host.
-        logit_bias: carry the bias rows (None: only if some request has a logit bias)."""
+        logit_bias: carry the bias rows (None: only if some request has a logit bias); sampled:
+        compile the sampling step (None: only if some request has a temperature above 0)."""
         col = lambda name, dt: np.array([getattr(p, name) for p in params], dt)  # noqa: E731
         stop = StopSpec.make([[list(s) for s in p.stop_sequences] if stops else [] for p in params])
         bias_ids = np.full((len(params), MAX_LOGIT_BIAS), -1, np.int32)
@@ -113,16 +118,18 @@ class Request:
             bias_ids = bias_values = None
         return cls(col("temperature", np.float32), col("top_k", np.int32), col("top_p", np.float32),
                    col("repetition_penalty", np.float32), col("seed", np.uint32), col("max_tokens", np.int32), stop,
-                   col("presence_penalty", np.float32), col("frequency_penalty", np.float32), bias_ids, bias_values)
+                   col("presence_penalty", np.float32), col("frequency_penalty", np.float32), bias_ids, bias_values,
+                   any(p.temperature > 0 for p in params) if sampled is None else sampled)
 
     @classmethod
     def make(cls, n: int, temperature=0.0, top_k=50, top_p=1.0, repetition_penalty=1.0, seeds=None, max_tokens=32,
              stop_sequences=None, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=(),
-             carry_bias: bool | None = None) -> "Request":
+             carry_bias: bool | None = None, sampled: bool | None = None) -> "Request":
         """N rows from keywords (unchecked; the functional API's shorthand for `from_params`):
         scalars apply to every row; `seeds` and `max_tokens` may be per row; stop_sequences
         is one list of token-id lists per row (None: no stops); logit_bias one {token: bias}
-        (or (token, bias) pairs) for every row; carry_bias: as `from_params`' logit_bias."""
+        (or (token, bias) pairs) for every row; carry_bias and sampled: as `from_params`'
+        logit_bias and sampled."""
         seeds = np.broadcast_to(np.asarray(0 if seeds is None else seeds), (n,))
         max_tokens = np.broadcast_to(np.asarray(max_tokens), (n,))
         stops = stop_sequences or [[] for _ in range(n)]
@@ -132,7 +139,7 @@ class Request:
                                                stop_sequences=tuple(tuple(s) for s in stops[i]),
                                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                                logit_bias=bias)
-                                for i in range(n)], logit_bias=carry_bias)
+                                for i in range(n)], logit_bias=carry_bias, sampled=sampled)
 
     @property
     def n(self) -> int:
@@ -202,8 +209,11 @@ def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
 
 def _choose(logits: jax.Array, req: Request, greedy, sample) -> jax.Array:
     """greedy(logits) for rows with temperature 0, sample(filtered logits) for the others; when
-    every row is greedy the sort is skipped (one branch for the batch)."""
+    every row is greedy the sort is skipped (one branch for the batch), and a request marked
+    greedy (`sampled=False`) compiles no sampling branch."""
     g = greedy(logits)
+    if not req.sampled:
+        return g
 
     def mixed():
         t = jnp.where(req.temperature > 0, req.temperature, 1.0)

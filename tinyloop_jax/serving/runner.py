@@ -108,7 +108,7 @@ class Runner:
 
     def _rows_maker(self, loops: int, size: int, cap: int):
         c = self.weights.config
-        req = Request.make(size, 0.0, 0, 1.0, 1.0, max_tokens=1, carry_bias=True)
+        req = Request.make(size, 0.0, 0, 1.0, 1.0, max_tokens=1, carry_bias=True, sampled=True)
         pol = jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (size,)), ad.EVERY_PASS)
         return lambda: dict(own=F.empty_cache(self.weights, cap, loops, kv_mode=self.work_mode, batch=size),
                             seen=jnp.zeros((size, c.vocab_size), bool),
@@ -244,7 +244,7 @@ class Runner:
         self.release_rows(lane)
         for size in sizes:  # grown as serving grows it (the growth copies too)
             self.reshape(lane, size, cap)
-            req = Request.make(1, 0.0, 0, 1.0, 1.0, max_tokens=1, carry_bias=True)
+            req = Request.make(1, 0.0, 0, 1.0, 1.0, max_tokens=1, carry_bias=True, sampled=True)
             for t in lim.chunk_sizes:
                 tokens, no_seen = np.zeros((t,), np.int32), np.zeros((c.vocab_size,), bool)
                 self.prefill(lane, P.Chunk.make(0, tokens, 1, 0, True, -1, 0, no_seen, req), into_slot=False)

@@ -295,7 +295,7 @@ class Scheduler:
         if h.policy is not None:
             lane.adaptive = True  # from now on its steps run the adaptive-depth program
         chunk = Chunk.make(r.index, tokens, n, r.fed, r.fed == r.limit, r.group, r.limit, prompt_seen,
-                           Request.from_params([h.params], stops=False, logit_bias=True), h.policy)
+                           Request.from_params([h.params], stops=False, logit_bias=True, sampled=True), h.policy)
         tok, logits, states = self.runner.prefill(lane, chunk, into_slot=r.owner)
         self.stats["prefill_chunks"] += 1
         self._computed(lane, n)
