@@ -100,19 +100,30 @@ def cache_layers(cache) -> list[dict]:
     return [cache.layer(i) for i in range(cache.n_layers)]
 
 
+_rss_after_clear = [0]  # this worker's resident bytes after its last drop (0: none yet)
+
+
+def _rss_and_maps() -> tuple[int, int, int]:
+    """(resident bytes, memory maps, the kernel's memory-map limit) of this process."""
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/maps") as f:
+        maps = sum(1 for _ in f)
+    with open("/proc/sys/vm/max_map_count") as f:
+        return rss, maps, int(f.read())
+
+
 def _held_heavily() -> bool:
-    """The process holds many compiled programs: over 4 GiB resident, or over a quarter of the
-    kernel's memory-map limit (each executable maps its code)."""
+    """The process holds many compiled programs: over a quarter of the kernel's memory-map limit
+    (each executable maps its code), or 4 GiB more resident than after the last drop (what a
+    drop cannot free — the real model's weights, a session's fixtures — is not counted twice:
+    measured from a fixed 4 GiB, a worker holding SmolLM2 dropped its programs after every later
+    module)."""
     try:
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        with open("/proc/self/maps") as f:
-            maps = sum(1 for _ in f)
-        with open("/proc/sys/vm/max_map_count") as f:
-            limit = int(f.read())
+        rss, maps, limit = _rss_and_maps()
     except (OSError, ValueError):
         return True  # cannot tell: drop them
-    return rss > 4 << 30 or maps > limit // 4
+    return rss - _rss_after_clear[0] > 4 << 30 or maps > limit // 4
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -125,3 +136,7 @@ def _release_compiled_programs():
     yield
     if _held_heavily():
         jax.clear_caches()
+        try:
+            _rss_after_clear[0] = _rss_and_maps()[0]
+        except (OSError, ValueError):
+            pass

@@ -211,7 +211,9 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
         logits = jnp.broadcast_to(prior_logits, (N, c.vocab_size))
         seen = jnp.broadcast_to(prior_seen, (N, c.vocab_size))
     args = (weights.params, c, ro, own, programs.first_tokens(logits, seen, request), seen, request)
-    kw = dict(loops=loops, window=window, out_len=kvc.bucket(max_new, minimum=8), exit=exit)
+    # the output buffer in the own segment's buckets (16 and up): calls that differ only in a
+    # max_tokens of 16 or less share one program (it was 8 and 16, one compile each)
+    kw = dict(loops=loops, window=window, out_len=kvc.bucket(max_new), exit=exit)
     if speculation is None:
         return programs.decode(*args, **kw)
     return speculative.decode(*args, **kw, draft_loops=speculation.draft_loops, lookahead=speculation.lookahead)
@@ -240,8 +242,7 @@ def decode_adaptive(weights: Weights, prefix: PrefixCache | None, suffixes: list
         depth, state = jnp.full((N,), loops, jnp.int32), jnp.broadcast_to(prior_state, (N, c.d_model))
     first = programs.first_tokens(logits, seen, request)
     return programs.decode_adaptive(weights.params, c, ro, own, first, seen, depth, state, request, adaptive.policy,
-                                    loops=loops, window=window, out_len=kvc.bucket(int(np.max(request.max_tokens)),
-                                                                                   minimum=8))
+                                    loops=loops, window=window, out_len=kvc.bucket(int(np.max(request.max_tokens))))
 
 
 def generate(weights: Weights, prompts: list, request: Request, loops: int | None = None, cache_window: int = 0,
