@@ -8,10 +8,12 @@ import tempfile
 # program's code in one LLVM module, not split for parallel code generation: the xdist workers
 # already keep both cores busy, and splitting costs a sixth of the compile time, a quarter
 # when the core is shared (scripts/bench_suite_flags.py). Set before JAX starts its backend;
-# subprocesses inherit it.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-                           + " --xla_cpu_parallel_codegen_split_count=1").strip()
+# subprocesses inherit it, and add nothing twice: the flags are part of a persistent cache key,
+# so a subprocess with them repeated loaded none of the programs the tests had compiled.
+SUITE_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+                   "--xla_cpu_parallel_codegen_split_count=1")
+_flags = os.environ.get("XLA_FLAGS", "").split()
+os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in SUITE_XLA_FLAGS if f not in _flags])
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
