@@ -1,9 +1,12 @@
 """The forward pass against an independent numpy implementation."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import tinyloop_jax as tl
+from tinyloop_jax.api import functional as F
+from tinyloop_jax.decoding import programs as engine
 from conftest import prompt_of, tiny_config
 from reference import forward as ref_forward
 
@@ -37,3 +40,18 @@ def test_positions_matter(models):
     a = model.next_token_logits(p)
     b = model.next_token_logits(np.concatenate([[p[0]], p]))  # same last tokens, shifted by one
     assert not np.allclose(a, b, atol=1e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "int8"])
+def test_prefill_updates_its_segment_in_place(models, mode):
+    """Without a window a prefill writes the chunk into its own segment, then attends to that
+    buffer. The compiled program copies no cache layer: reading the old buffer beside the write
+    (the chunk attending to the old buffer and, apart, to itself) made XLA copy every layer."""
+    w = models[mode].weights
+    own = F.empty_cache(w, 20, 3)
+    layers = {f"[{','.join(map(str, a.shape))}]" for seg in (*own.pre, own.loop) for a in seg.values()}
+    text = engine.prefill_prefix.lower(w.params, w.config, jnp.asarray(F.pad(prompt_of(20))), jnp.int32(20),
+                                       jnp.int32(0), jnp.zeros((w.config.vocab_size,), bool), own, loops=3,
+                                       window=0, keep_state=False).compile().as_text()
+    copies = [line.strip() for line in text.splitlines() if " copy(" in line and any(s in line for s in layers)]
+    assert not copies, copies[:4]

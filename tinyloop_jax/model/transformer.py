@@ -4,12 +4,13 @@ sandwich norms, per-pass final norm and early-exit gate, Huginn's normed residua
 RoPE and concat adapter (see `recurrence`).
 
 One function, `run_layers`, serves prefill (a chunk of T tokens), decode (T = 1) and the
-extra passes of a deeper prefix. A chunk attends to three kinds of keys, with one softmax over
-all of them (see `attention`):
+extra passes of a deeper prefix. A chunk is written into its own segment, then attends to
+its keys with one softmax over all of them (see `attention`):
 
-    read-only segments (a shared prefix)  +  own segment (earlier tokens)  +  the chunk itself
+    read-only segments (a shared prefix)  +  own segment (earlier tokens and the chunk)
 
-and is then written into the own segment. The pre blocks run one after another; the loop
+(under a sliding window, whose ring buffer a long chunk may overrun, the chunk attends to
+itself directly and is written after). The pre blocks run one after another; the loop
 stack's passes run under `lax.fori_loop` over the stacked pass axis of the caches, so a
 program's size does not depend on the depth.
 """
@@ -286,19 +287,22 @@ def block(x: jax.Array, blk, cfg: ModelConfig, chunk: Chunk, ro: list, own: KVCa
         # A call-scoped working segment (see `materialize`): store the values the model's mode
         # would give when read back, so results do not depend on where a token is kept.
         fresh = own.kv_mode.pack(h, *read_kv(cfg, fresh, blk, cfg.storage, chunk.q_pos))
-    if x.shape[0] == 1:
-        # Decode: write first, then attend to the updated buffer. The data dependency lets XLA
-        # update the buffer in place; reading the old buffer beside the write forces a copy.
+    if x.shape[0] == 1 or window == 0:
+        # Write first, then attend to the updated buffer: one partial softmax over the own
+        # segment, the chunk included. The data dependency lets XLA update the buffer in place
+        # (reading the old buffer beside the write forces a copy of it), and a prefill computes
+        # the chunk's scores once, not against the old buffer and again against itself. Without
+        # a window every real token of the chunk is stored (own segments are sized for them).
         store = kvc.write(store, fresh, chunk.slots, chunk.src, index)
         segs = ro + [Layer(kvc.read(store, index), kvc.write_positions(own.pos, chunk.q_pos, chunk.slots, chunk.src),
                            own.kv_mode)]
-        if all(s.kv_mode.packed_int4 for s in segs):
+        if x.shape[0] == 1 and all(s.kv_mode.packed_int4 for s in segs):
             return block_out(x, attention_int4_decode(q, chunk.q_pos, segs, window, cfg.int4_attention, cfg.mesh),
                              blk, cfg), store
         kvs = [(*read_kv(cfg, s.stored, blk, s.kv_mode, s.key_pos), s.key_pos) for s in segs]
     else:
-        # Prefill: the chunk attends to itself directly (it may be longer than a window's ring
-        # buffer), seeing its K/V exactly as a cache would hold them; then it is written.
+        # Prefill under a window: the chunk attends to itself directly (it may be longer than the
+        # ring buffer), seeing its K/V exactly as a cache would hold them; then it is written.
         kvs = [(*read_kv(cfg, s.stored, blk, s.kv_mode, s.key_pos), s.key_pos) for s in ro]
         kvs.append((*read_kv(cfg, kvc.read(store, index), blk, own.kv_mode, own.pos), own.pos))
         kvs.append((*read_kv(cfg, fresh, blk, own.kv_mode, chunk.q_pos), chunk.self_pos))
