@@ -48,8 +48,7 @@ def merge(o: jax.Array, m: jax.Array, l: jax.Array):
 
 def normalize(parts: list) -> jax.Array:
     """A list of (o, m, l) partials -> the normalized attention output."""
-    # one partial (a call with no shared prefix) is its own merge: its weight is exp(0) = 1
-    o, _, l = parts[0] if len(parts) == 1 else merge(*(jnp.stack(x) for x in zip(*parts)))
+    o, _, l = merge(*(jnp.stack(x) for x in zip(*parts)))
     return o / jnp.where(l > 0, l, 1.0)[..., None]  # l = 0 only for padding rows that see no key
 
 
