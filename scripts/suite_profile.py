@@ -39,15 +39,17 @@ if os.environ.get(OUT):
         _now["n " + event] += 1
         if event == EVENTS["compile"]:  # which programs the compile time goes to
             _now["fn " + fun_name] += seconds
+        elif event in (EVENTS["trace"], EVENTS["lower"]) and fun_name:  # and the tracing and lowering
+            _now["fn+ " + fun_name.removeprefix("jit(").removesuffix(")").removeprefix("jit_")] += seconds
 
     jax.monitoring.register_event_duration_secs_listener(_listen)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
         _now.clear()
-        t = time.perf_counter()
+        t, start = time.perf_counter(), time.time()
         yield
-        row = {"test": item.nodeid, "wall": time.perf_counter() - t, **_now}
+        row = {"test": item.nodeid, "wall": time.perf_counter() - t, **_now, "start": start, "pid": os.getpid()}
         with open(os.path.join(os.environ[OUT], f"{os.getpid()}.jsonl"), "a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -63,20 +65,33 @@ def summarize(rows: list[dict]) -> str:
             if k.startswith("fn "):
                 programs[k[3:]] += v
                 programs["n " + k[3:]] += 1
-            elif k != "test":
+            elif k.startswith("fn+ "):
+                programs["tl " + k[4:]] += v
+            elif k not in ("test", "start", "pid"):
                 tot[k] += v
                 files[r["test"].split("::")[0]][k] += v
     lines = [f"{len(rows)} tests, {tot['wall']:.0f} s of test time (all workers)"]
     for name, ev in EVENTS.items():
         lines.append(f"  {name:10s} {tot[ev]:8.1f} s  {tot[ev] / max(tot['wall'], 1e-9):5.1%}  "
                      f"({tot['n ' + ev]:.0f} events)")
+    # each worker's span: an early finisher idles while the other runs its last tests
+    spans = collections.defaultdict(list)
+    for r in rows:
+        spans[r.get("pid")].append((r.get("start", 0.0), r.get("start", 0.0) + r["wall"]))
+    t0 = min(a for s in spans.values() for a, _ in s)
+    for pid, s in sorted(spans.items(), key=lambda kv: max(b for _, b in kv[1])):
+        lines.append(f"  worker {pid}: {len(s)} tests, busy {sum(b - a for a, b in s):.0f} s, "
+                     f"last test ends at {max(b for _, b in s) - t0:.0f} s")
     lines.append("\n  wall s  compile s  compiles  file")
     for f, c in sorted(files.items(), key=lambda kv: -kv[1]["wall"]):
         lines.append(f"{c['wall']:8.1f} {c[EVENTS['compile']]:10.1f} {c['n ' + EVENTS['compile']]:9.0f}  {f}")
-    lines.append("\n  compile s  tests  program")
-    for name, secs in sorted(((k, v) for k, v in programs.items() if not k.startswith("n ")),
+    lines.append("\n  compile s  trace+lower s  tests  program")
+    for name, secs in sorted(((k, v) for k, v in programs.items() if not k.startswith(("n ", "tl "))),
                              key=lambda kv: -kv[1])[:40]:
-        lines.append(f"{secs:11.1f} {programs['n ' + name]:6.0f}  {name}")
+        bare = name.removeprefix("jit(").removesuffix(")")
+        lines.append(f"{secs:11.1f} {programs['tl ' + bare]:14.1f} {programs['n ' + name]:6.0f}  {name}")
+    small = sum(v for k, v in programs.items() if k.startswith("tl ") and "jit(" + k[3:] + ")" not in programs)
+    lines.append(f"  (trace + lower of functions never compiled on their own, e.g. inner jits: {small:.1f} s)")
     return "\n".join(lines)
 
 
@@ -89,7 +104,8 @@ def main() -> None:
     rc = subprocess.call([sys.executable, "-m", "pytest", "-p", "suite_profile", *(sys.argv[1:] or ["tests"])],
                          cwd=os.path.dirname(here), env=env)
     rows = [json.loads(line) for f in os.listdir(out) for line in open(os.path.join(out, f))]
-    print(f"\npytest exited {rc} after {time.perf_counter() - t:.0f} s wall\n" + summarize(rows))
+    print(f"\npytest exited {rc} after {time.perf_counter() - t:.0f} s wall (per-test rows in {out})\n"
+          + summarize(rows))
     sys.exit(rc)
 
 

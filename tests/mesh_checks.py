@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import conftest  # noqa: E402,F401  (the suite's XLA flags and compilation cache)
 
 import jax  # noqa: E402
+import jax.monitoring  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tinyloop_jax as tl  # noqa: E402
@@ -65,6 +66,21 @@ def same_calls(tag: str, single: tl.Model, m: tl.Model, full: bool) -> None:
     deep = m.build_prefix_cache(p, keep_state=True)
     ok(f"{tag} at_depth", m.generate_from_prefix_cache(deep.at_depth(2), max_tokens=5)
        == single.generate(p, loops=2, max_tokens=5))
+
+
+_traced = []  # every function JAX traces in this process
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, secs, fun_name="", **_: _traced.append(fun_name) if event.endswith("jaxpr_trace_duration") else None)
+
+
+def warm_calls(tag: str, m: tl.Model) -> None:
+    """Calls repeated on the mesh trace nothing (cache arrays allocated in their shards included:
+    a fresh jit per array once traced, lowered and compiled again on every call)."""
+    p = PROMPT
+    m.generate(p, max_tokens=8), m.build_prefix_cache(p[:12])
+    _traced.clear()
+    m.generate(p, max_tokens=8), m.build_prefix_cache(p[:12])
+    ok(f"{tag} warm calls trace nothing", not _traced, _traced[:5])
 
 
 def shards(tag: str, m: tl.Model) -> None:
@@ -145,6 +161,7 @@ def main() -> None:
         m = tl.Model.random(GPT2, seed=0, mesh=sharding.make_mesh(d, mm))
         ok(f"{tag} fingerprint", m.fingerprint == gpt2.fingerprint)
         same_calls(tag, gpt2, m, full=i == 1)
+        warm_calls(tag, m)
         shards(tag, m)
         if mm > 1 and d > 1:
             collectives(tag, m)

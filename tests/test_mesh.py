@@ -1,7 +1,8 @@
 """Many devices and many processes. JAX fixes its device count when it starts, so the mesh checks
 run in a subprocess with 8 fake CPU devices (tests/mesh_checks.py: meshes 1x4, 2x4, 8x1,
-both families, every call against one device, shard shapes, collectives), and the
-multi-process check as two processes over gloo on localhost (tests/multiprocess_worker.py)."""
+both families, every call against one device, shard shapes, collectives, warm calls tracing
+nothing), and the multi-process check as two processes over gloo on localhost
+(tests/multiprocess_worker.py)."""
 
 import json
 import os
@@ -28,7 +29,7 @@ def test_mesh_checks_on_8_fake_devices():
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     lines = r.stdout.split("\n")
     for want in ("ok gpt2 8x1 own K shard", "ok ouro 2x4 collectives", "ok indivisible heads", "ok int4 weights 2x4",
-                 "ok prefix saved on the mesh, loaded on one device"):
+                 "ok prefix saved on the mesh, loaded on one device", "ok gpt2 2x4 warm calls trace nothing"):
         assert any(ln.startswith(want) for ln in lines), want
 
 

@@ -18,6 +18,8 @@ them changes no shape but the vocabulary padding.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,7 +114,15 @@ def zeros(shape: tuple, dtype, spec: P, mesh: Mesh | None, fill=0) -> jax.Array:
     """An array allocated directly in its shards (no full copy on one device first)."""
     if mesh is None:
         return jnp.full(shape, fill, dtype)
-    return jax.jit(lambda: jnp.full(shape, fill, dtype), out_shardings=NamedSharding(mesh, spec))()
+    return _filler(tuple(shape), np.dtype(dtype), fill, NamedSharding(mesh, spec))()
+
+
+@functools.lru_cache(maxsize=512)
+def _filler(shape: tuple, dtype: np.dtype, fill, out: NamedSharding):
+    """One jitted allocator per (shape, dtype, fill, sharding), kept: a fresh `jax.jit` of a
+    lambda per call traced and lowered again on every allocation (every cache array of every
+    call on a mesh)."""
+    return jax.jit(functools.partial(jnp.full, shape, fill, dtype), out_shardings=out)
 
 
 def to_host(x, dtype=None):
