@@ -68,18 +68,30 @@ def same_calls(tag: str, single: tl.Model, m: tl.Model, full: bool) -> None:
        == single.generate(p, loops=2, max_tokens=5))
 
 
-_traced = []  # every function JAX traces in this process
-jax.monitoring.register_event_duration_secs_listener(
-    lambda event, secs, fun_name="", **_: _traced.append(fun_name) if event.endswith("jaxpr_trace_duration") else None)
+_traced: list | None = None  # what JAX traces in this process, once warm_calls listens
+
+
+def _listen(event: str, secs: float, fun_name: str = "", **_) -> None:
+    if event.endswith("jaxpr_trace_duration"):
+        _traced.append(fun_name)
 
 
 def warm_calls(tag: str, m: tl.Model) -> None:
     """Calls repeated on the mesh trace nothing (cache arrays allocated in their shards included:
     a fresh jit per array once traced, lowered and compiled again on every call)."""
-    p = PROMPT
-    m.generate(p, max_tokens=8), m.build_prefix_cache(p[:12])
+    global _traced
+    if _traced is None:  # (not at import: test_mesh imports this file)
+        _traced = []
+        jax.monitoring.register_event_duration_secs_listener(_listen)
+
+    def calls():
+        m.generate(PROMPT, max_tokens=8)
+        prefix = m.build_prefix_cache(PROMPT[:12])
+        m.generate_from_prefix_cache(prefix, suffix=PROMPT[12:], max_tokens=8)
+        m.generate_batch_from_prefix_cache(prefix, SUFFIXES, max_tokens=6)
+    calls()
     _traced.clear()
-    m.generate(p, max_tokens=8), m.build_prefix_cache(p[:12])
+    calls()
     ok(f"{tag} warm calls trace nothing", not _traced, _traced[:5])
 
 
@@ -175,6 +187,7 @@ def main() -> None:
     ouro = tl.Model.random(OURO, seed=0)
     m = tl.Model.random(OURO, seed=0, mesh=sharding.make_mesh(2, 4))
     same_calls("ouro 2x4", ouro, m, full=True)
+    warm_calls("ouro 2x4", m)
     shards("ouro 2x4", m)
     collectives("ouro 2x4", m)
     save_load(ouro, m)
