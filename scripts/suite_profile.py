@@ -78,7 +78,7 @@ def summarize(rows: list[dict]) -> str:
     spans = collections.defaultdict(list)
     for r in rows:
         spans[r.get("pid")].append((r.get("start", 0.0), r.get("start", 0.0) + r["wall"]))
-    t0 = min(a for s in spans.values() for a, _ in s)
+    t0 = min((a for s in spans.values() for a, _ in s), default=0.0)
     for pid, s in sorted(spans.items(), key=lambda kv: max(b for _, b in kv[1])):
         lines.append(f"  worker {pid}: {len(s)} tests, busy {sum(b - a for a, b in s):.0f} s, "
                      f"last test ends at {max(b for _, b in s) - t0:.0f} s")

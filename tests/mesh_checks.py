@@ -83,6 +83,8 @@ def warm_calls(tag: str, m: tl.Model) -> None:
     if _traced is None:  # (not at import: test_mesh imports this file)
         _traced = []
         jax.monitoring.register_event_duration_secs_listener(_listen)
+        jax.jit(lambda: 0)()  # the listener hears a trace (else the check below would be vacuous)
+        ok("trace listener hears a trace", bool(_traced), _traced)
 
     def calls():
         m.generate(PROMPT, max_tokens=8)
