@@ -9,7 +9,8 @@
 - The real SmolLM2-135M-Instruct (fetched once per machine, `tl.model_path("smollm2")`): it knows
   that Paris is the capital of France, as a completion and in a chat; it matches transformers'
   logits, token ids and chat templates (tests/data/smollm2-golden.npz, made by
-  scripts/make_smollm2_golden.py); prefix reuse equals recompute in every KV mode.
+  scripts/make_smollm2_golden.py; and live where transformers, torch and accelerate are
+  installed); prefix reuse equals recompute in every KV mode.
 """
 
 import json
@@ -503,6 +504,36 @@ def test_smollm2_matches_transformers_golden(smollm2):
         assert tok.decode(ids) == texts[j]
     for k, chat in enumerate(json.loads(str(g["chats"]))):
         assert tok.apply_chat_template(chat, add_generation_prompt=True) == str(g[f"chat_{k}"])
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers_live(smollm2):
+    """The golden file's checks against transformers itself, where it and torch are installed
+    (the `hf` extra): every logit at every position of the golden's 3 prompts <= 1e-4 relative,
+    ids and decoded text on its corpus, chat templates on its 1-4-turn conversations."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install .[hf])")
+    torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[hf])")
+    pytest.importorskip("accelerate", reason="transformers loads GGUF files with accelerate (pip install .[hf])")
+    model, tok = smollm2
+    path = tl.model_path("smollm2")
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    ref_tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    g = np.load(GOLDEN)
+    for i in range(3):
+        prompt = g[f"prompt_{i}"]
+        with torch.no_grad():
+            want = ref(torch.tensor(prompt[None].astype(np.int64))).logits[0].numpy()
+        for pos in range(len(prompt)):
+            ours = model.next_token_logits(prompt[:pos + 1])
+            assert np.abs(ours - want[pos]).max() <= 1e-4 * np.abs(want[pos]).max(), (i, pos)
+    for text in json.loads(str(g["corpus"])):
+        ids = tok.encode(text)
+        assert ids.tolist() == ref_tok(text, add_special_tokens=True)["input_ids"], text
+        assert tok.decode(ids) == ref_tok.decode(ids.tolist(), skip_special_tokens=True), text
+    for chat in json.loads(str(g["chats"])):
+        assert tok.apply_chat_template(chat, add_generation_prompt=True) == \
+            ref_tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
 
 
 @pytest.mark.slow
