@@ -144,7 +144,7 @@ def main() -> None:
 
     path = tl.model_path("smollm2")
     t = time.perf_counter()
-    model = tl.Model.from_pretrained("smollm2", kv_mode="fp32", dtype="float32")
+    model = tl.Model.from_pretrained("smollm2", kv_mode="fp32", dtype="float32", quantize_weights="float")
     t_load = time.perf_counter() - t
     t = time.perf_counter()
     tok = tl.load_tokenizer("smollm2")

@@ -550,6 +550,27 @@ def test_smollm2_multiple_choice_loglikelihoods_match_transformers(smollm2):
     assert (ours.reshape(30, 4).argmax(1) == want.reshape(30, 4).argmax(1)).all()
 
 
+@pytest.mark.slow
+def test_tinyloop_eval_scores_smollm2_tokens_per_byte(smollm2, monkeypatch, capsys):
+    """`tinyloop eval --model smollm2`: the held-out text in SmolLM2's tokens (not its bytes as
+    ids), every token predicted once in windows that each begin with the previous window's last
+    token; bits per byte equal `Model.score`'s log-probabilities over the same windows, at the
+    model's one depth, and are those of a language model (uniform guessing: ~4 bits a byte)."""
+    from tinyloop_jax import cli
+    from tinyloop_jax.data import pydoc_split
+
+    model, tok = smollm2
+    monkeypatch.setattr(cli, "_load", lambda path, kv_mode, weights="as-stored": model)  # the session's model
+    assert cli.main(["eval", "--model", "smollm2", "--max-bytes", "400", "--seq-len", "32"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("fp32")]
+    assert len(rows) == 1 and rows[0][2] == "1"  # not a looped model: its one depth only
+    text = bytes(pydoc_split()[1][:400]).decode("utf-8", errors="ignore")
+    seq = [tok.info()["bos_token_id"]] + tok.encode(text, special=False).tolist()
+    nats = -sum(model.score(seq[s:s + 32]).logprobs[1:].sum() for s in range(0, len(seq) - 1, 31))
+    want = nats / np.log(2) / len(text.encode())
+    assert abs(float(rows[0][3]) - want) <= 1e-3 * want and want < 2.0, (rows, want)
+
+
 # How far reused logits may be from recomputed ones, per mode: fp32 within 1e-3; fp16 and the
 # int4 modes within SPEC 6's reuse == recompute tolerance (atol 1e-3, rtol 1e-2). int8 and
 # int8-h store the same cache up to rounding flips: the two paths run different programs (a

@@ -217,22 +217,37 @@ def cmd_chat(args) -> None:
 
 
 def cmd_eval(args) -> None:
+    from .api.evaluate import bits_per_byte, bits_per_byte_of_text
     from .data import pydoc_split
-    from .api.evaluate import bits_per_byte
+    from .formats.tokenizer import ByteTokenizer, tokenizer_for
 
     _, val = pydoc_split()
-    rows = []
-    grid = [(m, L, w) for m in args.kv_modes for w in args.windows for L in args.loops]
+    tok = tokenizer_for(args.model)
+    if not isinstance(tok, ByteTokenizer):  # a real tokenizer: its tokens of the held-out text
+        text = bytes(val[:args.max_bytes] if args.max_bytes else val).decode("utf-8", errors="ignore")
+        info = tok.info()
+        first = info["bos_token_id"] if info["bos_token_id"] is not None else (tok.eos_token_ids or [0])[0]
+        ids, n_bytes = tok.encode(text, special=False), len(text.encode("utf-8"))
+    rows, models = [], {mode: _load(args.model, mode, args.weights) for mode in args.kv_modes[:1]}
+    # a looped model's depths; a model without loops (one pass of its stack, a Llama import) at its own
+    depth = models[args.kv_modes[0]].config()["default_loops"]
+    loop_list = args.loops or ([1, 2, 4, 8, 16] if depth > 1 else [depth])
+    grid = [(m, L, w) for m in args.kv_modes for w in args.windows for L in loop_list]
     for mode in args.kv_modes:
-        model = _load(args.model, mode, args.weights)
+        model = models.pop(mode, None) or _load(args.model, mode, args.weights)
         w_ = model.weights
         for window in args.windows:
-            for loops in args.loops:
+            for loops in loop_list:
                 if loops < 1 or window < 0:
                     raise UsageError(f"loops must be >= 1 and windows >= 0, got loops={loops}, window={window}")
                 i = len(rows)
-                bpb = bits_per_byte(w_.params, w_.config, val, loops, window, max_bytes=args.max_bytes,
-                                    progress=lambda k, n, i=i: _bar(i, len(grid), k, n))
+                bar = lambda k, n, i=i: _bar(i, len(grid), k, n)  # noqa: E731
+                if isinstance(tok, ByteTokenizer):  # the bundled model's tokens are the bytes
+                    bpb = bits_per_byte(w_.params, w_.config, val, loops, window, seq_len=args.seq_len,
+                                        max_bytes=args.max_bytes, progress=bar)
+                else:
+                    bpb = bits_per_byte_of_text(w_.params, w_.config, ids, n_bytes, first, loops, window,
+                                                seq_len=args.seq_len or 1024, progress=bar)
                 rows.append((mode, window, loops, bpb))
     sys.stderr.write("\n")
     print(f"held-out bits per byte ({args.max_bytes or len(val)} of {len(val)} held-out bytes)")
@@ -330,10 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     e = sub.add_parser("eval", parents=[model_arg], help="held-out bits per byte")
-    e.add_argument("--loops", type=_int_list, default=[1, 2, 4, 8, 16])
+    e.add_argument("--loops", type=_int_list, default=None,
+                   help="depths to evaluate (default: 1,2,4,8,16 for a looped model, else its one depth)")
     e.add_argument("--kv-modes", type=_str_list, default=["fp32"], help="comma-separated, from: " + ", ".join(KV_MODES))
     e.add_argument("--windows", type=_int_list, default=[0])
     e.add_argument("--max-bytes", type=int, default=None, help="evaluate only the first N held-out bytes")
+    e.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per window (default: the model's context, at most 1024 for a tokenizer's tokens)")
     e.set_defaults(func=cmd_eval)
     s = sub.add_parser("serve", parents=[common], help="an OpenAI-compatible HTTP server (continuous batching)")
     s.add_argument("--host", default="127.0.0.1", help="no TLS: keep 127.0.0.1 unless behind a proxy")
