@@ -91,6 +91,7 @@ def test_cli_eval(capsys):
     (["generate", "hi", "--kv-mode", "bogus"], "kv_mode"),
     (["generate", ""], "empty"),
     (["eval", "--loops", "x"], "integers"),
+    (["eval", "--seq-len", "1"], "--seq-len must be >= 2"),
     (["frobnicate"], "invalid choice"),
     ([], "required"),
 ])

@@ -228,13 +228,16 @@ def cmd_eval(args) -> None:
         info = tok.info()
         first = info["bos_token_id"] if info["bos_token_id"] is not None else (tok.eos_token_ids or [0])[0]
         ids, n_bytes = tok.encode(text, special=False), len(text.encode("utf-8"))
-    rows, models = [], {mode: _load(args.model, mode, args.weights) for mode in args.kv_modes[:1]}
+    if args.seq_len is not None and args.seq_len < 2:
+        raise UsageError(f"--seq-len must be >= 2, got {args.seq_len}")
+    rows, model = [], _load(args.model, args.kv_modes[0], args.weights)
     # a looped model's depths; a model without loops (one pass of its stack, a Llama import) at its own
-    depth = models[args.kv_modes[0]].config()["default_loops"]
+    depth = model.config()["default_loops"]
     loop_list = args.loops or ([1, 2, 4, 8, 16] if depth > 1 else [depth])
     grid = [(m, L, w) for m in args.kv_modes for w in args.windows for L in loop_list]
-    for mode in args.kv_modes:
-        model = models.pop(mode, None) or _load(args.model, mode, args.weights)
+    for j, mode in enumerate(args.kv_modes):
+        if j:
+            model = _load(args.model, mode, args.weights)
         w_ = model.weights
         for window in args.windows:
             for loops in loop_list:
