@@ -1,0 +1,275 @@
+"""The paged KV cache (`model.paged`) and its host record (`api.pages`): one step over a ragged
+batch of rows equals a cache-free forward of each row's whole sequence, in every KV mode and
+family; shared pages are read, never written; the page accounting holds under any sequence
+of admissions, forks, cancellations, finishes and evictions."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import tinyloop_jax as tl
+from tinyloop_jax.api.pages import PageBook
+from tinyloop_jax.model import paged
+from tinyloop_jax.model import transformer as tf
+from tinyloop_jax.model.kv_modes import KV_MODES
+
+from conftest import OURO, prompt_of, tiny_model
+
+CLOSE = dict(atol=1e-3, rtol=1e-2)
+
+
+def assert_logits_close(actual, want) -> None:
+    """Within 1e-3 of the largest logit (at least 1), position by position: tighter than
+    allclose(1e-3, 1e-2) on large logits, and it admits what an int8 store can do near zero. Two
+    programs whose projections differ in shape round their float sums apart by an ulp; once in a
+    while that moves a quantization scale, and a value one int8 step (measured: layer 1 of the
+    int8 case, scale 0.028655805 vs 0.02865581, one value -67 vs -66, a logit of -0.0049 vs -0.0066)."""
+    actual, want = np.asarray(actual), np.asarray(want)
+    bound = 1e-3 * np.maximum(1.0, np.abs(want).max(-1))
+    err = np.abs(actual - want).max(-1)
+    assert (err <= bound).all(), f"max |dlogit| {err.max():.3g} at position {err.argmax()} (bound {bound.max():.3g})"
+P = 16  # page size of these tests
+T = 16  # tokens per row per step (one program per model)
+R = 4  # page-table entries per row (one program per model)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("pool",))
+def _all_logits(params, cfg, pool, rows, tokens, loops, window, seeds=None):
+    x, pool = paged.forward(params, cfg, pool, rows, tokens, loops, window, seeds=seeds)
+    return tf.lm_head(params, cfg, x), pool
+
+
+class Driver:
+    """B rows of a model over one pool, fed through `paged.forward` a step at a time; each row's
+    fed tokens and the logits at every fed position are kept for comparison."""
+
+    def __init__(self, model: tl.Model, rows: int, n_pages: int, loops: int, window: int = 0, seeds=None):
+        self.params, self.cfg = model.weights.params, model.weights.config
+        self.loops, self.window, self.seeds = loops, window, seeds
+        self.pool = paged.empty(self.cfg, loops, n_pages, P)
+        self.tables = [[] for _ in range(rows)]
+        self.fed = [[] for _ in range(rows)]
+        self.logits = [[] for _ in range(rows)]
+
+    def step(self, feeds: dict[int, np.ndarray]) -> None:
+        B = len(self.tables)
+        tokens = np.zeros((B, T), np.int32)
+        start, n_new = [len(f) for f in self.fed], [0] * B
+        for b, toks in feeds.items():
+            tokens[b, :len(toks)] = toks
+            n_new[b] = len(toks)
+            assert paged.PAGE_SIZE and len(self.tables[b]) * P >= start[b] + len(toks), "row needs pages"
+        table = np.zeros((B, R), np.int32)
+        for b, t in enumerate(self.tables):
+            table[b, :len(t)] = t
+        rows = paged.Rows(table, np.asarray(start, np.int32), np.asarray(n_new, np.int32))
+        lg, self.pool = _all_logits(self.params, self.cfg, self.pool, rows, tokens, self.loops, self.window,
+                                    self.seeds)
+        lg = np.asarray(lg)
+        for b, toks in feeds.items():
+            self.fed[b].extend(int(t) for t in toks)
+            self.logits[b].extend(lg[b, :len(toks)])
+
+    def check(self, b: int, seed=None) -> None:
+        """Row b's logits at every fed position == the cache-free forward of its sequence."""
+        want = tf.forward_seq(self.params, self.cfg, jnp.asarray(self.fed[b], jnp.int32), self.loops, self.window,
+                              seed)
+        assert_logits_close(np.stack(self.logits[b]), want)
+
+    def page_bytes(self, pages) -> list[np.ndarray]:
+        return [np.asarray(a)[..., pages, :, :].copy() for a in jax.tree.leaves(self.pool)]
+
+
+def _ragged_session(model: tl.Model, loops: int, window: int = 0, seeds=None) -> Driver:
+    """Three rows in mixed steps: A prefills 40 tokens in chunks while C prefills 23; B forks A
+    at 35 (sharing A's two full pages, its partial third page copied) and prefills 10 of its own
+    while A and C decode; then all three decode. A's shared pages are checked unchanged."""
+    A, C, Bown = prompt_of(44, seed=11), prompt_of(27, seed=12), prompt_of(13, seed=13)
+    d = Driver(model, rows=3, n_pages=12, loops=loops, window=window, seeds=seeds)
+    d.tables[0], d.tables[2] = [5, 0, 9], [3, 7]
+    d.step({0: A[:16], 2: C[:16]})
+    d.step({0: A[16:32], 2: C[16:23]})
+    d.step({0: A[32:40], 2: C[23:24]})
+    shared = d.page_bytes([5, 0])
+    d.tables[1] = [5, 0, 4]  # B = A[:35] + its own: pages 5, 0 shared, A's page 9 copied into 4
+    d.pool = paged._copy_pages(d.pool, jnp.asarray([9]), jnp.asarray([4]))
+    d.fed[1], d.logits[1] = [int(t) for t in A[:35]], list(d.logits[0][:35])
+    d.tables[0].append(1)
+    d.step({0: A[40:41], 1: Bown[:10], 2: C[24:25]})
+    for i in range(2):
+        d.step({0: A[41 + i:42 + i], 1: Bown[10 + i:11 + i], 2: C[25 + i:26 + i]})
+    for before, after in zip(shared, d.page_bytes([5, 0])):
+        np.testing.assert_array_equal(before, after)  # a shared page is never written
+    return d
+
+
+@pytest.mark.parametrize("mode", KV_MODES)
+def test_paged_step_equals_cache_free_forward_every_kv_mode(mode):
+    d = _ragged_session(tiny_model(mode), loops=3)
+    for b in range(3):
+        d.check(b)
+
+
+def test_paged_step_window_gqa_exit_free_ouro_layout():
+    """Ouro's layout (GQA, 2 loop blocks, sandwich norms, per-pass norm, untied head) under a
+    sliding window shorter than the prompts."""
+    m = tl.Model.random(tl.ModelConfig(**OURO, kv_mode="fp32"), seed=0)
+    d = _ragged_session(m, loops=2, window=12)
+    for b in range(3):
+        d.check(b)
+
+
+def test_paged_step_huginn_layout_with_seeds():
+    """Injection (Huginn's concat adapter), coda, adjacent RoPE, drawn initial states: each row's
+    states come from its own seed."""
+    cfg = tl.ModelConfig(vocab_size=128, d_model=32, n_heads=4, block="llama", intermediate_size=48,
+                         n_pre_blocks=1, loop_blocks=2, n_post_blocks=1, default_loops=3, max_seq_len=64,
+                         norm_placement="normed_residual", injection="concat_adapter", embed_scale=4.0,
+                         norm_before_coda=True, rope_pairing="adjacent", attention_bias=True, kv_mode="fp32")
+    seeds = np.asarray([7, 7, 3], np.uint32)  # B forks A: the same seed
+    d = _ragged_session(tl.Model.random(cfg, seed=2), loops=3, seeds=seeds)
+    for b in range(3):
+        d.check(b, jnp.uint32(seeds[b]))
+    other = tf.forward_seq(d.params, d.cfg, jnp.asarray(d.fed[2], jnp.int32), 3, 0, jnp.uint32(4))
+    assert not np.allclose(np.stack(d.logits[2]), np.asarray(other), **CLOSE)  # the seed matters
+
+
+def test_paged_step_reads_only_its_rows_pages():
+    """A row's result does not depend on what other pages of the pool hold (garbage in every
+    other page), nor on the entries of its table past its length."""
+    m = tiny_model("fp32")
+    d = Driver(m, rows=1, n_pages=6, loops=3)
+    d.pool = jax.tree.map(lambda a: jnp.full_like(a, 3), d.pool)
+    d.tables[0] = [2, 4]
+    seq = prompt_of(20, seed=5)
+    d.step({0: seq[:16]})
+    d.tables[0] = [2, 4, 0, 5]  # pages past the row's length: never read
+    d.step({0: seq[16:20]})
+    d.check(0)
+
+
+def test_pool_size_and_bytes():
+    m = tiny_model("int8")
+    cfg = m.weights.config
+    pool = paged.empty(cfg, 3, 8, 32)
+    assert (pool.n_pages, pool.page_size, pool.passes) == (8, 32, 3)
+    per_page = paged.page_nbytes("int8", cfg.n_cache_layers(3), cfg.n_kv_heads, 32, cfg.head_dim, cfg.d_model)
+    assert pool.nbytes == 8 * per_page
+    with pytest.raises(ValueError, match="page_size=24"):
+        paged.empty(cfg, 3, 8, 24)
+    with pytest.raises(ValueError, match="loops=4"):
+        paged.forward(m.weights.params, cfg, pool, paged.Rows.make([[0]], [0], [1]), np.zeros((1, 1), np.int32), 4, 0)
+
+
+# ---- the host's record of pages -------------------------------------------------------------
+
+def test_page_book_match_share_and_evict():
+    book = PageBook(n_pages=6, page_size=4)
+    a = list(range(10))  # two full pages and a partial one
+    pa = book.alloc(3)
+    book.insert(a, pa)
+    assert book.match(a + [99]) == pa[:2] and book.match([0, 1, 2, 3, 7]) == pa[:1] and book.match([5]) == []
+    book.release(pa)
+    assert book.free_pages() == {pa[2], *set(range(6)) - set(pa)} and book.cached() == 2
+    pin = book.match(a)
+    book.retain(pin)  # a pinned entry: never evicted
+    assert book.alloc(5) is None and book.refs[pa[0]] == 2  # out of pages: nothing changed
+    got = book.alloc(4)
+    assert got is not None and not set(got) & set(pin)
+    book.release(pin)  # unpinned: cached again, so evictable, the leaf first
+    assert book.alloc(1) == [pa[1]] and book.indexed() == {pa[0]}
+    book.release(got + [pa[1]])
+    assert book.alloc(6) is not None and book.indexed() == set()  # the cache gave its pages back
+
+
+def test_page_book_refuses_misuse():
+    book = PageBook(n_pages=2, page_size=4)
+    with pytest.raises(RuntimeError, match="page 0 is free"):
+        book.retain([0])
+    p = book.alloc(1)
+    book.release(p)
+    with pytest.raises(RuntimeError, match="released more often"):
+        book.release(p)
+    with pytest.raises(ValueError, match="n_pages=0"):
+        PageBook(0, 4)
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["admit", "extend", "fork", "cancel", "finish", "evict"]),
+                         st.integers(0, 7), st.integers(1, 40)), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(OPS)
+def test_page_accounting_property(ops):
+    """Random admit / extend / fork / cancel / finish / evict sequences: no page both free and
+    held, counts never negative and equal to the holders, no page written while shared, every
+    page free once all requests are gone and the cache evicted."""
+    P_ = 4
+    book = PageBook(n_pages=24, page_size=P_)
+    vocab = [0, 1]  # few token values: prompts share prefixes often
+    reqs: list[dict] = []  # {"tokens", "pages"}: positions len(tokens) live in pages
+
+    def held_by_requests() -> list[int]:
+        return [p for r in reqs for p in r["pages"]]
+
+    def writable(r, pos) -> bool:
+        page = r["pages"][pos // P_]
+        return book.refs[page] == 1 and page not in book.indexed()
+
+    for op, k, n in ops:
+        r = reqs[k % len(reqs)] if reqs else None
+        if op == "admit":
+            toks = [vocab[(k * 7 + i * (k + 1)) % 2] for i in range(n)]
+            shared = book.match(toks[:-1])  # at least the last token is computed
+            book.retain(shared)
+            own = book.alloc(book.pages_for(n) - len(shared))
+            if own is None:
+                book.release(shared)  # waits: nothing kept
+                continue
+            r = {"tokens": toks, "pages": shared + own}
+            assert all(writable(r, p) for p in range(len(shared) * P_, n))
+            reqs.append(r)
+            book.insert(toks, r["pages"])  # its full pages are shareable once written
+        elif op == "extend" and r is not None:
+            pos = len(r["tokens"])
+            if pos % P_ == 0:
+                new = book.alloc(1)
+                if new is None:
+                    continue
+                r["pages"].append(new[0])
+            assert writable(r, pos)
+            r["tokens"].append(k % 2)
+            book.insert(r["tokens"], r["pages"])
+        elif op == "fork" and r is not None:
+            got = book.fork(r["pages"], len(r["tokens"]))
+            if got is None:
+                continue
+            pages, copy = got
+            assert (copy is None) == (len(r["tokens"]) % P_ == 0)
+            reqs.append({"tokens": list(r["tokens"]), "pages": pages})
+            if copy is not None:
+                assert writable(reqs[-1], len(r["tokens"]))
+        elif op in ("cancel", "finish") and r is not None:
+            if op == "finish":
+                book.insert(r["tokens"], r["pages"])
+            reqs.remove(r)
+            book.release(r["pages"])
+        elif op == "evict":
+            book.evict(n)
+        held = held_by_requests()
+        free = book.free_pages()
+        assert all(c >= 0 for c in book.refs)
+        assert not free & set(held) and not free & book.indexed()
+        for p in range(book.n_pages):
+            assert book.refs[p] == held.count(p) + (p in book.indexed())
+            assert (book.refs[p] == 0) == (p in free)
+    for r in reqs:
+        book.release(r["pages"])
+    book.evict(book.n_pages)
+    assert book.free == book.n_pages and book.indexed() == set() and not any(book.refs)

@@ -1,0 +1,176 @@
+"""The host's record of a page pool (`model.paged`): free pages, reference counts, and a radix
+index of the full pages written so far — plain data, no JAX.
+
+    book = PageBook(n_pages=64, page_size=16)
+    shared = book.match(prompt)              # pages already holding the prompt's first full pages
+    book.retain(shared)                      # the request reads them (never writes them)
+    own = book.alloc(pages_needed)           # None: not now (the request waits)
+    ...                                      # the step writes the rest of the prompt into `own`
+    book.insert(prompt, shared + own)        # its full pages are shareable from now on
+    book.release(shared + own)               # the request is done; indexed pages stay cached
+
+Every holder of a page counts one reference: a request reading or writing it, a pinned
+`PrefixStore` entry, and the index itself (one, while the page is indexed). A page with no
+reference is free. A page only the index holds is *cached*: it serves later matches and is
+evicted, least recently used first and leaves before their parents, when `alloc` needs room.
+A request writes only pages it allocated and no one else holds, so a shared page is never
+written; a request that continues from a partial page it shares copies it first (`fork`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterable, Sequence
+
+
+class _Node:
+    __slots__ = ("page", "parent", "children", "used", "key")
+
+    def __init__(self, page: int, parent: "_Node | None", key: tuple):
+        self.page, self.parent, self.key = page, parent, key
+        self.children: dict[tuple, _Node] = {}
+        self.used = 0
+
+
+class PageBook:
+    """Pages 0 .. n_pages - 1 of one pool of `page_size`-token pages."""
+
+    def __init__(self, n_pages: int, page_size: int):
+        if n_pages < 1:
+            raise ValueError(f"n_pages={n_pages} must be >= 1")
+        self.n_pages, self.page_size = n_pages, page_size
+        self.refs = [0] * n_pages
+        self._free = list(range(n_pages - 1, -1, -1))  # a stack: low ids first
+        self._root = _Node(-1, None, ())
+        self._nodes: dict[int, _Node] = {}  # indexed page -> its node
+        self._clock = itertools.count(1)
+
+    # ---- counts ----------------------------------------------------------------------------
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def free_pages(self) -> set[int]:
+        return set(self._free)
+
+    def indexed(self) -> set[int]:
+        return set(self._nodes)
+
+    def cached(self) -> int:
+        """Pages eviction can free: indexed pages only the index holds, with nothing held below
+        them (a child still read keeps its parents)."""
+        order, stack = [], [self._root]
+        while stack:  # parents before children; walked backwards, children come first
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children.values())
+        whole, n = {}, 0
+        for node in reversed(order):
+            ok = all(whole[id(c)] for c in node.children.values())
+            ok = ok and (node is self._root or self.refs[node.page] == 1)
+            whole[id(node)] = ok
+            n += ok and node is not self._root
+        return n
+
+    def available(self) -> int:
+        """Pages `alloc` could hand out now: free ones and every cached page."""
+        return self.free + self.cached()
+
+    def pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+    # ---- references --------------------------------------------------------------------------
+
+    def retain(self, pages: Iterable[int]) -> None:
+        for p in pages:
+            if self.refs[p] <= 0:
+                raise RuntimeError(f"page {p} is free: it cannot be retained")
+            self.refs[p] += 1
+
+    def release(self, pages: Iterable[int]) -> None:
+        for p in pages:
+            if self.refs[p] <= 0:
+                raise RuntimeError(f"page {p} released more often than it was held")
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self._free.append(p)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """n pages held once by the caller, evicting cached pages if needed; None (nothing
+        changed) if not even eviction frees enough."""
+        if n > self.available():
+            return None
+        while self.free < n:
+            self.evict(n - self.free)
+        out = [self._free.pop() for _ in range(n)]
+        for p in out:
+            self.refs[p] = 1
+        return out
+
+    # ---- the index ---------------------------------------------------------------------------
+
+    def _chunks(self, tokens: Sequence[int]) -> list[tuple]:
+        P = self.page_size
+        t = [int(x) for x in tokens]
+        return [tuple(t[i:i + P]) for i in range(0, len(t) - P + 1, P)]
+
+    def match(self, tokens: Sequence[int]) -> list[int]:
+        """The pages holding the longest run of tokens' full pages the index knows (not retained:
+        the caller retains what it keeps). Marks them used."""
+        node, out, now = self._root, [], next(self._clock)
+        for c in self._chunks(tokens):
+            node = node.children.get(c)
+            if node is None:
+                break
+            node.used = now
+            out.append(node.page)
+        return out
+
+    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
+        """Index tokens' full pages: pages[i] holds tokens[i P:(i + 1) P] (held by the caller).
+        A chunk already indexed keeps its page; a new one is indexed with a reference of the
+        index's own. Returns how many pages were newly indexed."""
+        node, now, added = self._root, next(self._clock), 0
+        for c, p in zip(self._chunks(tokens), pages):
+            child = node.children.get(c)
+            if child is None:
+                if p in self._nodes:  # a page indexed elsewhere cannot hold these tokens too
+                    raise RuntimeError(f"page {p} is already indexed under other tokens")
+                if self.refs[p] <= 0:
+                    raise RuntimeError(f"page {p} is free: only a held page can be indexed")
+                child = node.children[c] = _Node(p, node, c)
+                self._nodes[p] = child
+                self.refs[p] += 1
+                added += 1
+            child.used = now
+            node = child
+        return added
+
+    def evict(self, n: int) -> int:
+        """Free up to n cached pages, least recently used leaves first. Returns how many."""
+        done = 0
+        while done < n:
+            leaves = [x for x in self._nodes.values() if not x.children and self.refs[x.page] == 1]
+            if not leaves:
+                break
+            for x in sorted(leaves, key=lambda x: x.used)[:n - done]:
+                del x.parent.children[x.key]
+                del self._nodes[x.page]
+                self.release([x.page])
+                done += 1
+        return done
+
+    def fork(self, pages: Sequence[int], length: int) -> tuple[list[int], tuple[int, int] | None] | None:
+        """A new holder of the first `length` positions of `pages` (a request's n > 1, a fork):
+        the full pages are retained (shared), a partial last page is copied into a new page.
+        Returns (the new table, (src, dst) page copy or None), or None when no page is free."""
+        full, part = divmod(length, self.page_size)
+        if part:
+            new = self.alloc(1)
+            if new is None:
+                return None
+            self.retain(pages[:full])
+            return list(pages[:full]) + new, (pages[full], new[0])
+        self.retain(pages[:full])
+        return list(pages[:full]), None

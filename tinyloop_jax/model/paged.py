@@ -1,0 +1,291 @@
+"""The paged KV cache and the one forward step over a ragged batch of rows.
+
+A pool holds pages of P tokens; a page holds those tokens' stored K/V (or h) in *every* cache
+layer of one depth — pre blocks, the L x k loop passes, the coda — so a row's context is one
+list of page ids (its page table), the same for every layer:
+
+    pre[j]  = {"k": [KV, NP, P, hd], "v": ...}              one per pre block   (layout: kv_modes)
+    loop    = {"k": [L, k, KV, NP, P, hd], "v": ...}        L passes of the k loop blocks
+    post[j] = like pre[j]                                    one per coda block
+    page table of a row: [R] int32; its position p lives in page table[p // P], offset p % P
+
+Positions are implicit: the i-th entry of a row's table holds positions [i P, (i + 1) P), so a
+prefix shared by many rows is one run of pages at the head of each of their tables, read by all
+and written by none (a row writes only at positions >= its `start`, in pages of its own; the host
+copies a shared partial last page before a row writes into it: `copy_pages`).
+
+One step (`forward`) feeds B rows T tokens each (`Rows`: page tables, where each row starts,
+how many of its T tokens are real — a prompt chunk, one decode token, or none), all of them
+flattened into one [B T, D] stream for the matmuls (the weights are read once per step for every
+row); each block writes the step's K/V into the pages first, then each row attends to its own
+pages. Attention here is the XLA reference: a gather of the row's R pages. Every path of the
+runtime — prefill, decode, a batch, the serving engine — is this step with other `Rows`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from . import cache as kvc
+from . import qarray
+from . import recurrence as rec
+from . import transformer as tf
+from .attention import attention
+from .config import ModelConfig
+from .kv_modes import KVMode, kv_mode as parse_mode
+from .params import Params
+
+PAGE_SIZE = 16  # tokens per page: vLLM's and SGLang's default; see docs/engine-plan.md
+
+
+@struct.dataclass
+class PagedKV:
+    """A pool of pages (see the module doc): every cache layer of one depth, page-major inside
+    each head, in `kv_mode`'s stored arrays."""
+
+    pre: tuple  # tuple[dict[str, Array [lead, NP, P, w]], ...]
+    loop: dict  # dict[str, Array [L, k, lead, NP, P, w]]
+    kv_mode: KVMode = struct.field(pytree_node=False)
+    post: tuple = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "kv_mode", parse_mode(self.kv_mode))
+
+    @property
+    def _any(self) -> jax.Array:
+        return next(iter(self.loop.values()))
+
+    @property
+    def n_pages(self) -> int:
+        return int(self._any.shape[-3])
+
+    @property
+    def page_size(self) -> int:
+        return int(self._any.shape[-2])
+
+    @property
+    def passes(self) -> int:
+        return int(self._any.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self)))
+
+
+@struct.dataclass
+class Rows:
+    """One step's metadata (tpu-inference's `AttentionMetadata`): B rows, each feeding the first
+    n_new of its T tokens at positions start, start + 1, ..."""
+
+    pages: Annotated[jax.Array, "int32[B, R]"]  # page tables (entries past a row's pages: any id, never read)
+    start: Annotated[jax.Array, "int32[B]"]  # positions the row holds before the step
+    n_new: Annotated[jax.Array, "int32[B]"]  # tokens fed this step (0: an idle row)
+
+    @classmethod
+    def make(cls, pages, start, n_new) -> "Rows":
+        """From host lists (pages: one list per row, padded here with 0 to the longest)."""
+        R = max(1, max(len(p) for p in pages))
+        table = np.zeros((len(pages), R), np.int32)
+        for i, p in enumerate(pages):
+            table[i, :len(p)] = p
+        return cls(table, np.asarray(start, np.int32), np.asarray(n_new, np.int32))
+
+
+# ---- the pool ----------------------------------------------------------------------------------
+
+def page_nbytes(kv_mode: str | KVMode, n_layers: int, n_kv_heads: int, page_size: int, head_dim: int,
+                d_model: int) -> int:
+    """Bytes of one page of n_layers cache layers."""
+    return n_layers * parse_mode(kv_mode).layer_nbytes(n_kv_heads, page_size, head_dim, d_model)
+
+
+def page_shapes(mode: KVMode, n_kv_heads: int, n_pages: int, page_size: int, head_dim: int, d_model: int) -> dict:
+    """One layer's stored arrays as pages: name -> ([lead, NP, P, w], dtype)."""
+    out = {}
+    for n, ((lead, _, w), d) in mode.layer_shapes(n_kv_heads, n_pages * page_size, head_dim, d_model).items():
+        out[n] = ((lead, n_pages, page_size, w), d)
+    return out
+
+
+def empty(cfg: ModelConfig, passes: int, n_pages: int, page_size: int = PAGE_SIZE) -> PagedKV:
+    """A pool of n_pages zeroed pages for `cfg`'s layers at depth `passes`, in cfg's kv_mode. Out
+    of memory is a RuntimeError (checked before anything is allocated)."""
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"page_size={page_size} must be a power of two")
+    mode = cfg.storage
+    layers = cfg.n_cache_layers(passes)
+    need = n_pages * page_nbytes(mode, layers, cfg.n_kv_heads, page_size, cfg.head_dim, cfg.d_model)
+    kvc.check_fits(need, f"a page pool of {n_pages} pages x {page_size} tokens x {layers} layers ({mode})")
+    shapes = page_shapes(mode, cfg.n_kv_heads, n_pages, page_size, cfg.head_dim, cfg.d_model)
+    layer = lambda lead=(): {n: jnp.zeros(lead + s, d) for n, (s, d) in shapes.items()}  # noqa: E731
+    return PagedKV(pre=tuple(layer() for _ in range(cfg.n_pre_blocks)), loop=layer((passes, cfg.loop_blocks)),
+                   kv_mode=mode, post=tuple(layer() for _ in range(cfg.n_post_blocks)))
+
+
+def copy_pages(pool: PagedKV, src: jax.Array, dst: jax.Array) -> PagedKV:
+    """Pages dst [n] <- pages src [n], every layer (copy-on-write of a shared partial page)."""
+    def cp(a):  # [.., lead, NP, P, w]
+        return a.at[..., dst, :, :].set(a[..., src, :, :])
+    return jax.tree.map(cp, pool)
+
+
+# ---- reading and writing one layer ------------------------------------------------------------
+# A layer's store is a pre/coda layer ({name: [lead, NP, P, w]}, index None) or the loop stack
+# ({name: [L, k, lead, NP, P, w]}) at index (pass t, traced; loop block j, static).
+
+def targets(rows: Rows, T: int, page_size: int, n_pages: int) -> tuple[jax.Array, jax.Array]:
+    """Where each of the step's B T tokens is stored: (page [B T], offset [B T]); padding and
+    idle rows point past the pool (page n_pages: the write is dropped)."""
+    pos = rows.start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]
+    idx = jnp.clip(pos // page_size, 0, rows.pages.shape[1] - 1)
+    page = jnp.take_along_axis(rows.pages, idx, axis=1)
+    real = jnp.arange(T)[None] < rows.n_new[:, None]
+    return jnp.where(real, page, n_pages).reshape(-1), (pos % page_size).reshape(-1)
+
+
+def write(store: dict, fresh: dict, page: jax.Array, off: jax.Array, index=None) -> dict:
+    """The step's stored arrays fresh {name: [lead, N, w]} written at (page [N], off [N]) of one
+    layer (page >= NP: dropped). One scatter per array, in place."""
+    if index is None:
+        return {n: a.at[:, page, off].set(fresh[n].astype(a.dtype), mode="drop") for n, a in store.items()}
+    t, j = index  # advanced indices split by the head slice: the update is [N, lead, w]
+    return {n: a.at[t, j, :, page, off].set(fresh[n].astype(a.dtype).transpose(1, 0, 2), mode="drop")
+            for n, a in store.items()}
+
+
+def read(store: dict, index=None) -> dict:
+    """One layer's page arrays [lead, NP, P, w]."""
+    return kvc.read(store, index)
+
+
+def gather(layer: dict, pages: jax.Array) -> dict:
+    """A row's context: layer {name: [lead, NP, P, w]}, its page table pages [R] ->
+    {name: [lead, R P, w]}, position i at slot i."""
+    def take(a):
+        g = jnp.take(a, pages, axis=1)  # [lead, R, P, w]
+        return g.reshape(g.shape[0], -1, g.shape[-1])
+    return {n: take(a) for n, a in layer.items()}
+
+
+def row_attention(cfg: ModelConfig, blk, layer: dict, q: jax.Array, q_pos: jax.Array, pages: jax.Array,
+                  length: jax.Array, window: int) -> jax.Array:
+    """The XLA reference of paged attention for one row: q [H, T, hd] at q_pos [T] over its
+    pages [R] of layer (positions < length are live) -> [H, T, hd]. Any backend."""
+    stored = gather(layer, pages)
+    key_pos = jnp.arange(pages.shape[0] * next(iter(layer.values())).shape[2], dtype=jnp.int32)
+    k, v = tf.read_kv(cfg, stored, blk, cfg.storage, key_pos)  # h modes: K/V rebuilt, K rotated at key_pos
+    return attention(q, q_pos, [(k, v, jnp.where(key_pos < length, key_pos, -1))], window)
+
+
+# ---- the step ----------------------------------------------------------------------------------
+
+class Step(struct.PyTreeNode):
+    """What every block of one step needs: the rows, their positions and where the step writes."""
+
+    rows: Rows
+    pos: jax.Array  # [B, T] absolute positions of the step's tokens
+    page: jax.Array  # [B T] write targets (`targets`)
+    off: jax.Array  # [B T]
+
+    @property
+    def length(self) -> jax.Array:
+        """[B] each row's positions after the step."""
+        return self.rows.start + self.rows.n_new
+
+
+def block(x: jax.Array, blk, cfg: ModelConfig, s: Step, store: dict, index, window: int):
+    """One transformer block on the step's streams x [B T, D]: its K/V written into the pages,
+    then each row's queries attend to the row's pages. Returns (x', store)."""
+    B, T = s.pos.shape
+    h, q, k, v = tf.qkv_heads(x, blk, cfg, s.pos.reshape(-1))
+    store = write(store, cfg.storage.pack(h, k, v), s.page, s.off, index)
+    layer = read(store, index)
+    H, _, hd = q.shape
+    q = q.astype(jnp.float32).reshape(H, B, T, hd).transpose(1, 0, 2, 3)
+    a = jax.vmap(lambda *r: row_attention(cfg, blk, layer, *r, window))(q, s.pos, s.rows.pages, s.length)
+    return tf.block_out(x, a.transpose(1, 0, 2, 3).reshape(H, B * T, hd), blk, cfg), store
+
+
+def embed(params: Params, tokens: jax.Array, pos: jax.Array) -> jax.Array:
+    """tokens, pos [N] -> the residual stream [N, D] (learned positions clamped as `tf.embed`)."""
+    x = qarray.take(params.wte, tokens)
+    if params.wpe is None:
+        return x
+    return x + params.wpe[jnp.minimum(pos, params.wpe.shape[0] - 1)]
+
+
+@tf.exact
+def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows: Rows, tokens: jax.Array, loops: int,
+            window: int, exit: tf.Exit | None = None, seeds: jax.Array | None = None):
+    """One step: tokens [B, T] of B rows (row b's first rows.n_new[b] real, at positions
+    rows.start[b] + t) through every layer at depth `loops`, their K/V written into the rows'
+    pages. seeds [B] uint32: injection models' initial states (None: 0). Returns (the streams
+    the logits come from [B, T, D], the pool)."""
+    B, T = tokens.shape
+    if pool.passes < loops:
+        raise ValueError(f"a pool of {pool.passes} passes cannot run loops={loops}")
+    pos = rows.start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    page, off = targets(rows, T, pool.page_size, pool.n_pages)
+    s = Step(rows, pos, page, off)
+    x = embed(params, tokens.reshape(-1), pos.reshape(-1))
+    inject = rec.injected(cfg)
+    if inject and cfg.embed_scale != 1.0:
+        x = x * cfg.embed_scale
+
+    pre = []
+    for blk, store in zip(params.pre, pool.pre):
+        x, store = block(x, blk, cfg, s, store, None, window)
+        pre.append(store)
+    e = None
+    if inject:
+        sd = jnp.zeros((B,), jnp.uint32) if seeds is None else seeds
+        e, x = x, jax.vmap(lambda seed, p: rec.initial_state(cfg, seed, p))(sd, pos).reshape(B * T, -1)
+    gated = exit is not None and cfg.early_exit_gate
+
+    def one_pass(i, carry):
+        x, stack, sel = carry
+        if e is not None:
+            x = rec.pass_input(params, x, e)
+        for j, blk in enumerate(params.loop):
+            x, stack = block(x, blk, cfg, s, stack, (i, j), window)
+        if cfg.pass_norm:
+            x = tf.final_norm(params, cfg, x)
+        if gated:
+            sel = tf.exit_update(params, exit, i, i == loops - 1, x, sel)
+        return x, stack, sel
+
+    sel = tf.ExitCarry.start(x) if gated else None
+    x, loop, sel = jax.lax.fori_loop(0, loops, one_pass, (x, pool.loop, sel))
+    y = tf.final_norm(params, cfg, x) if cfg.norm_before_coda else x
+    post = []
+    for blk, store in zip(params.post, pool.post):
+        y, store = block(y, blk, cfg, s, store, None, window)
+        post.append(store)
+    out = sel.pick(x) if gated else y
+    return out.reshape(B, T, -1), pool.replace(pre=tuple(pre), loop=loop, post=tuple(post))
+
+
+def last_logits(params: Params, cfg: ModelConfig, x: jax.Array, rows: Rows) -> jax.Array:
+    """Each row's next-token logits [B, V] after its last fed token (x [B, T, D] from `forward`)."""
+    last = jnp.maximum(rows.n_new - 1, 0)
+    return tf.lm_head(params, cfg, jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0])
+
+
+@jax.jit
+def _copy_pages(pool: PagedKV, src: jax.Array, dst: jax.Array) -> PagedKV:
+    return copy_pages(pool, src, dst)
+
+
+def step_logits(params: Params, cfg: ModelConfig, pool: PagedKV, rows: Rows, tokens: jax.Array, loops: int,
+                window: int = 0, exit: tf.Exit | None = None, seeds: jax.Array | None = None):
+    """`forward` then `last_logits`: (logits [B, V], pool)."""
+    x, pool = forward(params, cfg, pool, rows, tokens, loops, window, exit, seeds)
+    return last_logits(params, cfg, x, rows), pool
+
+
+step = jax.jit(step_logits, static_argnames=("cfg", "loops", "window"), donate_argnames=("pool",))
