@@ -42,15 +42,17 @@ R = 4  # page-table entries per row (one program per model)
 @functools.partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("pool",))
 def _all_logits(params, cfg, pool, rows, tokens, loops, window, seeds=None):
     x, pool = paged.forward(params, cfg, pool, rows, tokens, loops, window, seeds=seeds)
-    return tf.lm_head(params, cfg, x), pool
+    return jax.tree.map(lambda a: tf.lm_head(params, cfg, a), x), pool
 
 
 class Driver:
     """B rows of a model over one pool, fed through `paged.forward` a step at a time; each row's
     fed tokens and the logits at every fed position are kept for comparison."""
 
-    def __init__(self, model: tl.Model, rows: int, n_pages: int, loops: int, window: int = 0, seeds=None):
+    def __init__(self, model: tl.Model, rows: int, n_pages: int, loops: int, window: int = 0, seeds=None,
+                 grouped: bool = False):
         self.params, self.cfg = model.weights.params, model.weights.config
+        self.grouped = grouped  # steps as two groups: rows feeding several tokens [b, T], and one [b', 1]
         self.loops, self.window, self.seeds = loops, window, seeds
         self.pool = paged.empty(self.cfg, loops, n_pages, P)
         self.tables = [[] for _ in range(rows)]
@@ -58,6 +60,8 @@ class Driver:
         self.logits = [[] for _ in range(rows)]
 
     def step(self, feeds: dict[int, np.ndarray]) -> None:
+        if self.grouped:
+            return self.step_grouped(feeds)
         B = len(self.tables)
         tokens = np.zeros((B, T), np.int32)
         start, n_new = [len(f) for f in self.fed], [0] * B
@@ -76,6 +80,26 @@ class Driver:
             self.fed[b].extend(int(t) for t in toks)
             self.logits[b].extend(lg[b, :len(toks)])
 
+    def step_grouped(self, feeds: dict[int, np.ndarray]) -> None:
+        """The step as a group of prompt chunks ([b, T]) and a group of single tokens ([b', 1])."""
+        parts = [[b for b in feeds if len(feeds[b]) > 1], [b for b in feeds if len(feeds[b]) == 1]]
+        parts = [(p, t) for p, t in zip(parts, (T, 1)) if p]
+        rows, tokens = [], []
+        for p, width in parts:
+            tok = np.zeros((len(p), width), np.int32)
+            for i, b in enumerate(p):
+                tok[i, :len(feeds[b])] = feeds[b]
+            rows.append(paged.Rows.make([self.tables[b] for b in p], [len(self.fed[b]) for b in p],
+                                        [len(feeds[b]) for b in p]))
+            tokens.append(tok)
+        seeds = None if self.seeds is None else tuple(np.asarray(self.seeds)[p] for p, _ in parts)
+        lg, self.pool = _all_logits(self.params, self.cfg, self.pool, tuple(rows), tuple(tokens), self.loops,
+                                    self.window, seeds)
+        for (p, _), g in zip(parts, lg):
+            for i, b in enumerate(p):
+                self.fed[b].extend(int(t) for t in feeds[b])
+                self.logits[b].extend(np.asarray(g)[i, :len(feeds[b])])
+
     def check(self, b: int, seed=None) -> None:
         """Row b's logits at every fed position == the cache-free forward of its sequence."""
         want = tf.forward_seq(self.params, self.cfg, jnp.asarray(self.fed[b], jnp.int32), self.loops, self.window,
@@ -86,12 +110,12 @@ class Driver:
         return [np.asarray(a)[..., pages, :, :].copy() for a in jax.tree.leaves(self.pool)]
 
 
-def _ragged_session(model: tl.Model, loops: int, window: int = 0, seeds=None) -> Driver:
+def _ragged_session(model: tl.Model, loops: int, window: int = 0, seeds=None, grouped: bool = False) -> Driver:
     """Three rows in mixed steps: A prefills 40 tokens in chunks while C prefills 23; B forks A
     at 35 (sharing A's two full pages, its partial third page copied) and prefills 10 of its own
     while A and C decode; then all three decode. A's shared pages are checked unchanged."""
     A, C, Bown = prompt_of(44, seed=11), prompt_of(27, seed=12), prompt_of(13, seed=13)
-    d = Driver(model, rows=3, n_pages=12, loops=loops, window=window, seeds=seeds)
+    d = Driver(model, rows=3, n_pages=12, loops=loops, window=window, seeds=seeds, grouped=grouped)
     d.tables[0], d.tables[2] = [5, 0, 9], [3, 7]
     d.step({0: A[:16], 2: C[:16]})
     d.step({0: A[16:32], 2: C[16:23]})
@@ -112,6 +136,15 @@ def _ragged_session(model: tl.Model, loops: int, window: int = 0, seeds=None) ->
 @pytest.mark.parametrize("mode", KV_MODES)
 def test_paged_step_equals_cache_free_forward_every_kv_mode(mode):
     d = _ragged_session(tiny_model(mode), loops=3)
+    for b in range(3):
+        d.check(b)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "int4"])
+def test_mixed_step_of_chunks_and_decode_rows_equals_cache_free_forward(mode):
+    """Steps of two groups (prompt chunks [b, 16] beside decode rows [b', 1]: one stream for the
+    matmuls) give every row what a cache-free forward gives."""
+    d = _ragged_session(tiny_model(mode), loops=3, grouped=True)
     for b in range(3):
         d.check(b)
 

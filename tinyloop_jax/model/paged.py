@@ -14,9 +14,10 @@ prefix shared by many rows is one run of pages at the head of each of their tabl
 and written by none (a row writes only at positions >= its `start`, in pages of its own; the host
 copies a shared partial last page before a row writes into it: `copy_pages`).
 
-One step (`forward`) feeds B rows T tokens each (`Rows`: page tables, where each row starts,
-how many of its T tokens are real — a prompt chunk, one decode token, or none), all of them
-flattened into one [B T, D] stream for the matmuls (the weights are read once per step for every
+One step (`forward`) feeds groups of rows, each group b rows of T tokens (`Rows`: page
+tables, where each row starts, how many of its T tokens are real — a prompt chunk, one decode
+token, or none); a step mixes a group of prompt chunks with a group of T = 1 decode rows, all
+their tokens one [N, D] stream for the matmuls (the weights are read once per step for every
 row); each block writes the step's K/V into the pages first, then each row attends to its own
 pages. Attention here is the XLA reference: a gather of the row's R pages. Every path of the
 runtime — prefill, decode, a batch, the serving engine — is this step with other `Rows`.
@@ -184,31 +185,50 @@ def row_attention(cfg: ModelConfig, blk, layer: dict, q: jax.Array, q_pos: jax.A
 
 # ---- the step ----------------------------------------------------------------------------------
 
-class Step(struct.PyTreeNode):
-    """What every block of one step needs: the rows, their positions and where the step writes."""
+class Group(struct.PyTreeNode):
+    """Rows of one shape in a step: b rows of T tokens (prompt chunks, or T = 1 decode rows),
+    their positions and where they write."""
 
     rows: Rows
-    pos: jax.Array  # [B, T] absolute positions of the step's tokens
-    page: jax.Array  # [B T] write targets (`targets`)
-    off: jax.Array  # [B T]
+    pos: jax.Array  # [b, T] absolute positions of the tokens
+    page: jax.Array  # [b T] write targets (`targets`)
+    off: jax.Array  # [b T]
+
+    @classmethod
+    def of(cls, rows: Rows, T: int, pool: "PagedKV") -> "Group":
+        page, off = targets(rows, T, pool.page_size, pool.n_pages)
+        return cls(rows, rows.start[:, None] + jnp.arange(T, dtype=jnp.int32)[None], page, off)
+
+    @property
+    def size(self) -> int:
+        return self.pos.shape[0] * self.pos.shape[1]
 
     @property
     def length(self) -> jax.Array:
-        """[B] each row's positions after the step."""
+        """[b] each row's positions after the step."""
         return self.rows.start + self.rows.n_new
 
 
-def block(x: jax.Array, blk, cfg: ModelConfig, s: Step, store: dict, index, window: int):
-    """One transformer block on the step's streams x [B T, D]: its K/V written into the pages,
-    then each row's queries attend to the row's pages. Returns (x', store)."""
-    B, T = s.pos.shape
-    h, q, k, v = tf.qkv_heads(x, blk, cfg, s.pos.reshape(-1))
-    store = write(store, cfg.storage.pack(h, k, v), s.page, s.off, index)
+def block(x: jax.Array, blk, cfg: ModelConfig, groups: tuple, store: dict, index, window: int):
+    """One transformer block on the step's streams x [N, D] (the groups' tokens one after
+    another): the step's K/V written into the pages, then each row's queries attend to the row's
+    pages. Returns (x', store)."""
+    pos = jnp.concatenate([g.pos.reshape(-1) for g in groups])
+    h, q, k, v = tf.qkv_heads(x, blk, cfg, pos)
+    page = jnp.concatenate([g.page for g in groups])
+    off = jnp.concatenate([g.off for g in groups])
+    store = write(store, cfg.storage.pack(h, k, v), page, off, index)
     layer = read(store, index)
     H, _, hd = q.shape
-    q = q.astype(jnp.float32).reshape(H, B, T, hd).transpose(1, 0, 2, 3)
-    a = jax.vmap(lambda *r: row_attention(cfg, blk, layer, *r, window))(q, s.pos, s.rows.pages, s.length)
-    return tf.block_out(x, a.transpose(1, 0, 2, 3).reshape(H, B * T, hd), blk, cfg), store
+    q = q.astype(jnp.float32)
+    outs, at = [], 0
+    for g in groups:
+        b, T = g.pos.shape
+        qg = q[:, at:at + b * T].reshape(H, b, T, hd).transpose(1, 0, 2, 3)
+        a = jax.vmap(lambda *r: row_attention(cfg, blk, layer, *r, window))(qg, g.pos, g.rows.pages, g.length)
+        outs.append(a.transpose(1, 0, 2, 3).reshape(H, b * T, hd))
+        at += b * T
+    return tf.block_out(x, jnp.concatenate(outs, axis=1), blk, cfg), store
 
 
 def embed(params: Params, tokens: jax.Array, pos: jax.Array) -> jax.Array:
@@ -219,32 +239,44 @@ def embed(params: Params, tokens: jax.Array, pos: jax.Array) -> jax.Array:
     return x + params.wpe[jnp.minimum(pos, params.wpe.shape[0] - 1)]
 
 
+def as_groups(rows, tokens) -> tuple[tuple, tuple]:
+    """One group (Rows, tokens [b, T]) or several ((Rows, ...), (tokens, ...)) -> two tuples."""
+    if isinstance(rows, Rows):
+        return (rows,), (tokens,)
+    return tuple(rows), tuple(tokens)
+
+
 @tf.exact
-def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows: Rows, tokens: jax.Array, loops: int,
-            window: int, exit: tf.Exit | None = None, seeds: jax.Array | None = None):
-    """One step: tokens [B, T] of B rows (row b's first rows.n_new[b] real, at positions
-    rows.start[b] + t) through every layer at depth `loops`, their K/V written into the rows'
-    pages. seeds [B] uint32: injection models' initial states (None: 0). Returns (the streams
-    the logits come from [B, T, D], the pool)."""
-    B, T = tokens.shape
+def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops: int, window: int,
+            exit: tf.Exit | None = None, seeds=None):
+    """One step: groups of rows, each `Rows` [b, R] with its tokens [b, T] (row i's first
+    n_new[i] real, at positions start[i] + t), through every layer at depth `loops`, their K/V
+    written into the rows' pages. `rows`, `tokens` (and `seeds`: [b] uint32 each, the injection
+    models' initial states; None: 0) are one group or tuples of groups. Returns (the streams the
+    logits come from, [b, T, D] per group (a tuple for tuples), the pool)."""
+    single = isinstance(rows, Rows)
+    rows, tokens = as_groups(rows, tokens)
     if pool.passes < loops:
         raise ValueError(f"a pool of {pool.passes} passes cannot run loops={loops}")
-    pos = rows.start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
-    page, off = targets(rows, T, pool.page_size, pool.n_pages)
-    s = Step(rows, pos, page, off)
-    x = embed(params, tokens.reshape(-1), pos.reshape(-1))
+    groups = tuple(Group.of(r, t.shape[1], pool) for r, t in zip(rows, tokens))
+    pos = jnp.concatenate([g.pos.reshape(-1) for g in groups])
+    x = embed(params, jnp.concatenate([t.reshape(-1) for t in tokens]), pos)
     inject = rec.injected(cfg)
     if inject and cfg.embed_scale != 1.0:
         x = x * cfg.embed_scale
 
     pre = []
     for blk, store in zip(params.pre, pool.pre):
-        x, store = block(x, blk, cfg, s, store, None, window)
+        x, store = block(x, blk, cfg, groups, store, None, window)
         pre.append(store)
     e = None
     if inject:
-        sd = jnp.zeros((B,), jnp.uint32) if seeds is None else seeds
-        e, x = x, jax.vmap(lambda seed, p: rec.initial_state(cfg, seed, p))(sd, pos).reshape(B * T, -1)
+        seeds = (seeds,) if single else (seeds or (None,) * len(groups))
+        states = []
+        for g, sd in zip(groups, seeds):
+            sd = jnp.zeros(g.pos.shape[:1], jnp.uint32) if sd is None else sd
+            states.append(jax.vmap(lambda seed, p: rec.initial_state(cfg, seed, p))(sd, g.pos).reshape(g.size, -1))
+        e, x = x, jnp.concatenate(states)
     gated = exit is not None and cfg.early_exit_gate
 
     def one_pass(i, carry):
@@ -252,7 +284,7 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows: Rows, tokens:
         if e is not None:
             x = rec.pass_input(params, x, e)
         for j, blk in enumerate(params.loop):
-            x, stack = block(x, blk, cfg, s, stack, (i, j), window)
+            x, stack = block(x, blk, cfg, groups, stack, (i, j), window)
         if cfg.pass_norm:
             x = tf.final_norm(params, cfg, x)
         if gated:
@@ -264,10 +296,15 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows: Rows, tokens:
     y = tf.final_norm(params, cfg, x) if cfg.norm_before_coda else x
     post = []
     for blk, store in zip(params.post, pool.post):
-        y, store = block(y, blk, cfg, s, store, None, window)
+        y, store = block(y, blk, cfg, groups, store, None, window)
         post.append(store)
     out = sel.pick(x) if gated else y
-    return out.reshape(B, T, -1), pool.replace(pre=tuple(pre), loop=loop, post=tuple(post))
+    outs, at = [], 0
+    for g in groups:
+        outs.append(out[at:at + g.size].reshape(*g.pos.shape, -1))
+        at += g.size
+    pool = pool.replace(pre=tuple(pre), loop=loop, post=tuple(post))
+    return (outs[0] if single else tuple(outs)), pool
 
 
 def last_logits(params: Params, cfg: ModelConfig, x: jax.Array, rows: Rows) -> jax.Array:
