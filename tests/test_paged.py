@@ -221,6 +221,19 @@ def test_page_book_match_share_and_evict():
     assert book.alloc(6) is not None and book.indexed() == set()  # the cache gave its pages back
 
 
+def test_partial_last_page_of_a_finished_request_is_matched_to_the_token():
+    book = PageBook(n_pages=4, page_size=4)
+    written = [5, 6, 7, 8, 9, 10]  # a finished request: one full page and two tokens of the next
+    pages = book.alloc(3)
+    book.insert(written, pages, partial=True)
+    book.release(pages)
+    assert book.indexed() == set(pages[:2]) and book.free == 2
+    assert book.match([5, 6, 7, 8, 9, 10, 11]) == pages[:1]
+    assert book.match_tail([5, 6, 7, 8, 9, 10, 11], 1) == (pages[1], 2)  # both tokens
+    assert book.match_tail([5, 6, 7, 8, 9, 4], 1) == (pages[1], 1)  # the first only
+    assert book.match_tail([5, 6, 7, 8, 3], 1) is None and book.match_tail([1, 2, 3, 4, 9], 1) is None
+
+
 def test_page_book_refuses_misuse():
     book = PageBook(n_pages=2, page_size=4)
     with pytest.raises(RuntimeError, match="page 0 is free"):
@@ -261,7 +274,14 @@ def test_page_accounting_property(ops):
             toks = [vocab[(k * 7 + i * (k + 1)) % 2] for i in range(n)]
             shared = book.match(toks[:-1])  # at least the last token is computed
             book.retain(shared)
+            tail = book.match_tail(toks[:-1], len(shared))  # a partial page: copied into the first own page
+            if tail is not None:
+                book.retain([tail[0]])
+                assert tail[0] in book.indexed() and 0 < tail[1] < P_
             own = book.alloc(book.pages_for(n) - len(shared))
+            if tail is not None:
+                book.release([tail[0]])
+                assert own is None or tail[0] not in own  # held while the copy is made
             if own is None:
                 book.release(shared)  # waits: nothing kept
                 continue
@@ -289,8 +309,8 @@ def test_page_accounting_property(ops):
             if copy is not None:
                 assert writable(reqs[-1], len(r["tokens"]))
         elif op in ("cancel", "finish") and r is not None:
-            if op == "finish":
-                book.insert(r["tokens"], r["pages"])
+            if op == "finish":  # its partial last page too: no one writes it again
+                book.insert(r["tokens"], r["pages"], partial=True)
             reqs.remove(r)
             book.release(r["pages"])
         elif op == "evict":

@@ -1,5 +1,5 @@
-"""The serving engine: continuous batching over the prefix store equals `model.generate`,
-request by request, whatever else is in flight."""
+"""The serving engine: continuous batching over page pools with shared prefixes equals
+`model.generate`, request by request, whatever else is in flight."""
 
 import threading
 import time
@@ -12,7 +12,7 @@ import tinyloop_jax as tl
 from tinyloop_jax.serving import Cancelled, QueueFull, RequestTimeout
 
 
-ENGINE = dict(max_batch=4, prefill_chunk=16, prefix_slots=2)  # one set of shapes: the tests share programs
+ENGINE = dict(max_batch=4, prefill_chunk=16)  # one set of shapes: the tests share programs
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
-    # small chunks and pool so that prompts take several chunks and prefixes compete for slots
+    # small chunks, so that prompts take several steps beside the decoding rows
     with tl.Engine(model, **ENGINE) as eng:
         assert eng.warmup() > 0
         yield eng
@@ -80,7 +80,7 @@ def test_many_threads_equal_generate(model, engine):
     assert s["prefix_hit_rate"] > 0.3 and s["prefix_tokens_reused"] > 0  # first arrivals of a prompt miss
     assert s["mean_batch_size"] > 1.5  # requests really shared steps
     assert s["running"] == 0 and s["queue_depth"] == 0
-    assert len(engine.store) > 0  # prompts prefilled into pool slots went into the store
+    assert s["pages"][3]["cached"] > 0  # the prompts' pages stay in the pool for later prompts
 
 
 def test_join_mid_run(model, engine):
@@ -108,7 +108,7 @@ def test_cancel_and_timeout(model, engine):
     with pytest.raises(Cancelled, match="cancelled"):
         h.result()
     assert h.finish_reason == "cancelled" and len(first) + len(rest) < 90
-    t = engine.submit(p, max_tokens=90, timeout=0.05)
+    t = engine.submit(p, max_tokens=90, timeout=1e-6)  # past its deadline before a step can run
     with pytest.raises(RequestTimeout, match="deadline"):
         t.result()
     assert engine.generate(p, max_tokens=5) == model.generate(p, max_tokens=5)  # still serving
@@ -158,18 +158,44 @@ def test_async_face(model, engine):
     assert streamed[0] == results[0][4:]
 
 
-def test_rows_move_between_capacities(model):
-    """Rows of 16 positions; a request needing more moves the batch to the whole context while it
-    runs (the others keep their tokens), and back once it is done; a long prompt goes into a
-    pool slot."""
+def test_steps_mix_prompt_chunks_with_decode_rows_and_tables_follow_lengths(model):
+    """A long prompt's chunks run in the same steps as the other rows' decode tokens, and each
+    step's page tables are as long as its longest row needs (not the context)."""
     rng = np.random.default_rng(3)
-    work = [(rng.integers(0, 128, 2), dict(max_tokens=14)),  # needs 16
-            (rng.integers(0, 128, 12), dict(max_tokens=8)),  # needs 20: the batch grows, then moves back
-            (rng.integers(0, 128, 50), dict(max_tokens=5))]  # a long prompt: into a pool slot
-    with tl.Engine(model, **dict(ENGINE, max_batch=2), row_capacity=16) as eng:
-        handles = [eng.submit(p, **kw) for p, kw in work]  # one prompt chunk per iteration: staggered starts
+    work = [(rng.integers(0, 128, 2), dict(max_tokens=14)),
+            (rng.integers(0, 128, 12), dict(max_tokens=8)),
+            (rng.integers(0, 128, 70), dict(max_tokens=5))]  # five chunks of 16
+    with tl.Engine(model, **dict(ENGINE, max_batch=2)) as eng:
+        handles = [eng.submit(p, **kw) for p, kw in work]
         for (p, kw), h in zip(work, handles):
             assert h.result() == model.generate(p, **kw)
-        assert any(k[0] == "reshape" and k[5] > k[3] for k in eng.programs)  # grew to the context...
-        assert any(k[0] == "reshape" and k[5] < k[3] for k in eng.programs)  # ...and moved back
-        assert any(k[0] == "prefill_slot" for k in eng.programs)
+        steps = [k for k in eng.programs if k[0] == "step"]
+        assert any(bd > 0 and T > 0 for _, _, bd, T, _ in steps)  # chunks beside decode rows
+        assert {R for *_, R in steps} == {4, 8}  # 64 positions, then 128 for the long prompt
+
+
+HUGINN = dict(vocab_size=128, d_model=32, n_heads=4, block="llama", intermediate_size=48, n_pre_blocks=1,
+              loop_blocks=2, n_post_blocks=1, default_loops=3, max_seq_len=128, norm_placement="normed_residual",
+              injection="concat_adapter", embed_scale=4.0, norm_before_coda=True, rope_pairing="adjacent",
+              attention_bias=True, kv_mode="fp16")
+
+
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_engine_equals_generate_for_looped_families(family):
+    """Ouro's layout (GQA, 2 loop blocks, sandwich norms, its exit pick) and Huginn's (injection,
+    drawn initial states: each request's from its own seed, not 0), several requests in flight."""
+    from conftest import ouro_model
+    model = ouro_model("int8") if family == "ouro" else tl.Model.random(tl.ModelConfig(**HUGINN), seed=3)
+    rng = np.random.default_rng(11)
+    system = rng.integers(0, 128, 37)
+    work = [(np.concatenate([system, rng.integers(0, 128, 4 + i)]), dict(max_tokens=5 + i, seed=7 * i + 1))
+            for i in range(4)]
+    work[1][1].update(temperature=0.9, top_p=0.8)
+    with tl.Engine(model, **ENGINE) as eng:
+        handles = [eng.submit(p, **kw) for p, kw in work]
+        for (p, kw), h in zip(work, handles):
+            assert h.result() == model.generate(p, **kw), kw
+        assert eng.stats()["prefix_tokens_reused"] > 0
+    if family == "huginn":  # the seed reaches the initial states: another seed, other tokens
+        p, kw = work[0]
+        assert any(model.generate(p, **dict(kw, seed=s)) != model.generate(p, **kw) for s in (2, 3, 4))

@@ -1,7 +1,8 @@
-"""The serving engine cannot be knocked over: bounded depths and memory, a `stats()` that other
-threads may call at any time, a failed device step that fails its rows only, one bucketing rule
-for store entries (no compile after warmup), a batch that shrinks as rows leave, and bad values
-refused at `submit` with errors that name them."""
+"""The serving engine cannot be knocked over: bounded depths and memory (a request that finds no
+free page waits, one that can never fit is refused), a `stats()` that other threads may call at
+any time, a failed device step that fails its rows only, store entries loaded into pages with
+nothing compiled after warmup, decode steps sized to the rows, and bad values refused at
+`submit` with errors that name them."""
 
 import gc
 import sys
@@ -15,9 +16,11 @@ from conftest import tiny_config, tiny_model
 
 import tinyloop_jax as tl
 from tinyloop_jax.serving import MemoryBudgetError
-from tinyloop_jax.serving import programs as P
+from tinyloop_jax.decoding.sampling import MAX_LOGIT_BIAS
+from tinyloop_jax.serving import step as S
 
-ENGINE = dict(max_batch=4, prefill_chunk=16, prefix_slots=2)  # the shapes of test_serving: shared programs
+ENGINE = dict(max_batch=4, prefill_chunk=16)  # the shapes of test_serving: shared programs
+P = 16  # tokens per page
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +33,16 @@ def live_bytes() -> int:
     return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted())
 
 
-def lane_need(model, loops: int, row_capacity: int) -> int:
-    """A lane's least footprint, from the model's own cache arithmetic (not the engine's): its
-    pool (2 slots of the context) and one row (its segment, seen and counts)."""
-    c = model.config()
-    return (model.cache_nbytes(2 * c["max_seq_len"], loops) + model.cache_nbytes(row_capacity, loops)
-            + 5 * c["vocab_size"])
+def page_bytes(model, loops: int) -> int:
+    """One page's bytes from the model's own cache arithmetic (not the engine's): P positions of
+    every cache layer."""
+    return model.cache_nbytes(P, loops) - 4 * P - 4  # less the dense segment's position record
+
+
+def rows_bytes(model, rows: int = 4) -> int:
+    """Request rows: seen (bool) and counts (int32) per token, the last token, the knobs (the
+    logit bias's (id, value) pairs and a few scalars)."""
+    return rows * (5 * model.config()["vocab_size"] + 4 + 8 * MAX_LOGIT_BIAS + 64)
 
 
 # ---- bad values ------------------------------------------------------------------------------
@@ -55,13 +62,31 @@ def test_depth_and_length_limits_are_value_errors(model):
         assert eng.max_loops == max(64, 16 * model.config()["default_loops"])
 
 
-def test_a_lane_that_cannot_fit_the_budget_is_refused_at_submit(model):
-    need = lane_need(model, 3, 128)
-    with tl.Engine(model, **ENGINE, memory_budget=need // 2) as eng:
+def test_a_request_whose_pages_cannot_fit_the_budget_is_refused_at_submit(model):
+    budget = rows_bytes(model) + 2 * page_bytes(model, 3)  # the request rows and two pages
+    with tl.Engine(model, **ENGINE, memory_budget=budget) as eng:
         with pytest.raises(MemoryBudgetError, match="memory_budget"):
-            eng.submit([1, 2, 3], max_tokens=3)
+            eng.submit(list(range(1, 30)), max_tokens=8)  # 37 positions: three pages
+        assert eng.generate([1, 2, 3], max_tokens=3) == model.generate([1, 2, 3], max_tokens=3)  # one page fits
         assert isinstance(MemoryBudgetError("x"), RuntimeError)
-        assert eng.stats().get("requests", 0) == 0
+        assert eng.stats()["requests"] == 1
+
+
+def test_a_request_without_free_pages_waits_then_runs(model):
+    """A pool of 6 pages: a request holding 4 of them leaves 2; the next needs 3, waits in the
+    queue (never an out-of-memory), and runs once the first is done; pages cached by the first
+    are evicted for it."""
+    budget = rows_bytes(model) + 6 * page_bytes(model, 3)
+    rng = np.random.default_rng(9)
+    a, b = rng.integers(0, 128, 50), rng.integers(0, 128, 30)
+    with tl.Engine(model, **ENGINE, memory_budget=budget) as eng:
+        ha = eng.submit(a, max_tokens=12)  # 62 positions: 4 pages
+        hb = eng.submit(b, max_tokens=12)  # 42 positions: 3 pages
+        assert ha.result() == model.generate(a, max_tokens=12)
+        assert hb.result() == model.generate(b, max_tokens=12)
+        s = eng.stats()
+        assert s["pages"][3]["total"] == 6 and s["memory_waits"] >= 1
+        assert hb.first_token_at > ha.finished_at - 1e-3  # b started after a left
 
 
 # ---- memory: lanes within one budget -----------------------------------------------------------
@@ -78,7 +103,7 @@ def sweep(eng, model, depths, results, errors):
 def test_a_depth_sweep_stays_within_the_memory_budget(model):
     """Lanes are made per depth and evicted (least recently used, idle) to stay within one budget
     shared by every lane's pool, rows and store; the engine's count agrees with the live arrays."""
-    budget = int(2.5 * lane_need(model, 6, 128))  # two deep lanes, or a few shallow ones
+    budget = rows_bytes(model) + 8 * page_bytes(model, 6)  # a pool of 8 deep pages, or more shallow ones
     base = live_bytes()
     with tl.Engine(model, **ENGINE, memory_budget=budget) as eng:
         results, errors, peak = {}, [], []
@@ -126,7 +151,7 @@ def test_stats_is_safe_while_new_depths_arrive(model):
     sys.setswitchinterval(1e-4)
     try:
         with tl.Engine(model, **ENGINE) as eng:
-            eng.scheduler.lanes = SlowDict()  # a reader that iterates the lanes is paused mid-way
+            eng.batcher.depths = SlowDict()  # a reader that iterates the depths is paused mid-way
             results, errors, done = {}, [], threading.Event()
 
             def hammer():
@@ -160,24 +185,31 @@ def test_stats_is_safe_while_new_depths_arrive(model):
 
 # ---- a failed step -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("program", ["decode_step", "prefill_chunk", "prefill_slot", "load_slot"])
+@pytest.mark.parametrize("program", ["step", "admit", "load_entry"])
 def test_a_step_failing_after_dispatch_fails_its_rows_only(model, monkeypatch, program):
     """The program runs (its donated buffers are gone), then raises: the rows it served fail, the
-    lane's buffers are rebuilt (the pool too), and the next requests equal `generate`."""
-    real, fired = getattr(P, program), []
+    depth's pool and rows are made anew, and the next requests equal `generate`."""
+    real_programs, fired = S.programs, []
 
-    def once(*a, **kw):
-        out = real(*a, **kw)
-        if not fired:
-            fired.append(True)
-            raise RuntimeError("injected failure")
-        return out
+    def programs():
+        made = real_programs()
+        real = made[program]
+
+        def once(*a, **kw):
+            out = real(*a, **kw)  # dispatched: its donated buffers are gone
+            if not fired:
+                fired.append(True)
+                raise RuntimeError("injected failure")
+            return out
+        return dict(made, **{program: once})
 
     rng = np.random.default_rng(7)
-    # long prompts go into pool slots (load_slot, prefill_slot), short ones into their rows (prefill_chunk)
-    prompts = [rng.integers(0, 128, 40), rng.integers(0, 128, 12), rng.integers(0, 128, 40)]
-    with tl.Engine(model, **ENGINE) as eng:
-        monkeypatch.setattr(P, program, once)
+    system = rng.integers(0, 128, 40)
+    store = tl.PrefixStore(model)
+    store.prefix_for(system)  # a store entry: loaded into pages (load_entry) by the first prompt on it
+    prompts = [np.concatenate([system, [1, 2]]), rng.integers(0, 128, 12), rng.integers(0, 128, 40)]
+    monkeypatch.setattr(S, "programs", programs)
+    with tl.Engine(model, **ENGINE, store=store) as eng:
         first = [eng.submit(p, max_tokens=4) for p in prompts]
         outcomes = []
         for h in first:
@@ -198,28 +230,32 @@ def test_a_step_failing_after_dispatch_fails_its_rows_only(model, monkeypatch, p
 
 # ---- programs ----------------------------------------------------------------------------------
 
-def test_a_user_store_with_unbucketed_entries_compiles_nothing_after_warmup():
-    """A PrefixStore's entries take `cache.bucket` capacities (384 for a 300-token prompt, not a
-    power of two); warmup covers them, so serving that store compiles nothing."""
+def test_a_user_store_is_read_through_pages_and_compiles_nothing_after_warmup():
+    """A PrefixStore's entry (capacity 384 for a 300-token prompt) is loaded into pages once
+    (warmup compiled its load) and read by every prompt on it, whole pages at a time."""
     model = tl.Model.random(tiny_config(max_seq_len=512), seed=1)
     rng = np.random.default_rng(4)
     system = rng.integers(0, 128, 300)
     store = tl.PrefixStore(model)
     entry = store.prefix_for(system)
     assert entry.cache.capacity == 384
-    with tl.Engine(model, max_batch=2, prefill_chunk=16, prefix_slots=2, store=store) as eng:
-        assert eng.warmup() > 0
+    before = np.asarray(entry.cache.loop["k"]).copy()
+    with tl.Engine(model, max_batch=2, prefill_chunk=16, store=store) as eng:
+        assert eng.warmup() > 0 and eng.store is store
         for q in range(3):
             p = np.concatenate([system, rng.integers(0, 128, 3 + q)])
             h = eng.submit(p, max_tokens=4)
             assert h.result() == model.generate(p, max_tokens=4)
-            assert h.prefix_tokens == 300
-        assert eng.stats()["compiles_after_warmup"] == 0, eng.programs
+            assert h.prefix_tokens == 300 // P * P
+        s = eng.stats()
+        assert s["compiles_after_warmup"] == 0, eng.programs
+        assert s["prefix_pool_loads"] == 1  # loaded once, then read from the pool's pages
+    np.testing.assert_array_equal(np.asarray(entry.cache.loop["k"]), before)  # the entry is never written
 
 
-def test_the_batch_shrinks_to_its_rows_bucket(model):
-    """Rows leave: the batch moves to the smallest bucket holding the rows left (the others keep
-    their tokens), so one long request does not keep decoding a 4-row batch."""
+def test_decode_steps_are_sized_to_the_rows(model):
+    """Rows leave: the next steps decode the rows left in a smaller bucket, so one long request
+    does not keep decoding a 4-row batch."""
     rng = np.random.default_rng(5)
     work = [(rng.integers(0, 128, 6), dict(max_tokens=40))] + [(rng.integers(0, 128, 6), dict(max_tokens=2))
                                                              for _ in range(3)]
@@ -227,34 +263,15 @@ def test_the_batch_shrinks_to_its_rows_bucket(model):
         handles = [eng.submit(p, **kw) for p, kw in work]
         for (p, kw), h in zip(work, handles):
             assert h.result() == model.generate(p, **kw)
-        shrunk = {(k[2], k[4]) for k in eng.programs if k[0] == "reshape" and k[4] < k[2]}
-        assert shrunk, eng.programs
-        assert any(k[0] == "decode" and k[2] == 1 for k in eng.programs)
-
-
-def test_a_store_hit_without_a_free_slot_is_counted(model):
-    """A prompt the store holds, arriving while every pool slot is read by a running row, is
-    prefilled again (no wait): the tokens recomputed are counted, never silent."""
-    rng = np.random.default_rng(6)
-    a, b = rng.integers(0, 128, 40), rng.integers(0, 128, 40)
-    with tl.Engine(model, **dict(ENGINE, prefix_slots=1)) as eng:
-        assert eng.generate(a, max_tokens=2) == model.generate(a, max_tokens=2)  # a: in slot 0 and the store
-        long = eng.submit(b, max_tokens=60)  # b: takes slot 0 and holds it
-        next(iter(long.stream()))
-        q = np.concatenate([a, [1, 2, 3]])
-        h = eng.submit(q, max_tokens=3)
-        assert h.result() == model.generate(q, max_tokens=3)
-        s = eng.stats()
-        assert not long.done and h.prefix_tokens == 0
-        assert s["requests_prefix_no_slot"] == 1 and s["prefix_tokens_recomputed"] == 40
-        long.cancel()
+        decode_rows = {k[2] for k in eng.programs if k[0] == "step"}
+        assert 1 in decode_rows and max(decode_rows) >= 2, eng.programs
 
 
 # ---- counters ----------------------------------------------------------------------------------
 
 def test_prefix_cache_and_pass_counters_per_depth(model):
     """In tokens, per depth, as vLLM counts them: every prompt token is a prefix-cache query, each
-    one served from a cached prefix a hit; every position run is a token computed, at `loops`
+    one served from cached pages a hit; every position run is a token computed, at `loops`
     passes each (a request's first token comes from its prompt's last position)."""
     rng = np.random.default_rng(8)
     system = rng.integers(0, 128, 40)
@@ -267,11 +284,11 @@ def test_prefix_cache_and_pass_counters_per_depth(model):
         hc = eng.submit(b[:10], max_tokens=2, loops=2)
         hc.result()
         s = eng.stats()
-    assert hb.prefix_tokens == 40 and ha.prefix_tokens == hc.prefix_tokens == 0  # b reads a's pooled system prompt
+    assert hb.prefix_tokens == 32 and ha.prefix_tokens == hc.prefix_tokens == 0  # b reads a's two full pages
     d3, d2 = s["depths"][3], s["depths"][2]
-    assert (d3["prefix_cache_queries"], d3["prefix_cache_hits"]) == (42 + 43, 40)
-    assert d3["tokens_computed"] == (42 + 3) + (43 - 40 + 2) and d3["passes"] == 3 * d3["tokens_computed"]
+    assert (d3["prefix_cache_queries"], d3["prefix_cache_hits"]) == (42 + 43, 32)
+    assert d3["tokens_computed"] == (42 + 3) + (43 - 32 + 2) and d3["passes"] == 3 * d3["tokens_computed"]
     assert (d2["prefix_cache_queries"], d2["prefix_cache_hits"], d2["tokens_computed"]) == (10, 0, 10 + 1)
-    assert s["prefix_cache_queries"] == 95 and s["prefix_cache_hits"] == 40
+    assert s["prefix_cache_queries"] == 95 and s["prefix_cache_hits"] == 32
     assert s["passes_per_token"] == (3 * d3["tokens_computed"] + 2 * d2["tokens_computed"]) / (
         d3["tokens_computed"] + d2["tokens_computed"])

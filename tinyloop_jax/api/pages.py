@@ -14,7 +14,9 @@ Every holder of a page counts one reference: a request reading or writing it, a 
 reference is free. A page only the index holds is *cached*: it serves later matches and is
 evicted, least recently used first and leaves before their parents, when `alloc` needs room.
 A request writes only pages it allocated and no one else holds, so a shared page is never
-written; a request that continues from a partial page it shares copies it first (`fork`).
+written; a request that continues from a partial page copies it first (`fork`, `match_tail`:
+the partial last page of a finished request is indexed too, so a chat's next turn reads the
+previous one to the token).
 """
 
 from __future__ import annotations
@@ -127,12 +129,38 @@ class PageBook:
             out.append(node.page)
         return out
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
-        """Index tokens' full pages: pages[i] holds tokens[i P:(i + 1) P] (held by the caller).
-        A chunk already indexed keeps its page; a new one is indexed with a reference of the
-        index's own. Returns how many pages were newly indexed."""
+    def match_tail(self, tokens: Sequence[int], n_full: int) -> tuple[int, int] | None:
+        """After the first n_full pages of tokens (a `match`), an indexed partial page whose
+        tokens begin the rest of `tokens`: (its page, how many of its tokens match), the longest
+        such; None if none matches a token. A reader copies the page before writing after it
+        (it is shared)."""
+        P = self.page_size
+        node = self._root
+        for c in self._chunks(tokens)[:n_full]:
+            node = node.children.get(c)
+            if node is None:
+                return None
+        rest, best = [int(x) for x in tokens[n_full * P:(n_full + 1) * P]], None
+        for key, child in node.children.items():
+            if len(key) < P:
+                k = next((i for i, (a, b) in enumerate(zip(key, rest)) if a != b), min(len(key), len(rest)))
+                if k and (best is None or k > best[1]):
+                    best = (child, k)
+        if best is None:
+            return None
+        best[0].used = next(self._clock)
+        return best[0].page, best[1]
+
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], partial: bool = False) -> int:
+        """Index tokens' full pages: pages[i] holds tokens[i P:(i + 1) P] (held by the caller);
+        with `partial`, the last page too if it is partial (a page no one will write again:
+        later readers copy it). A chunk already indexed keeps its page; a new one is indexed with
+        a reference of the index's own. Returns how many pages were newly indexed."""
         node, now, added = self._root, next(self._clock), 0
-        for c, p in zip(self._chunks(tokens), pages):
+        chunks = self._chunks(tokens)
+        if partial and len(tokens) % self.page_size and len(pages) > len(chunks):
+            chunks.append(tuple(int(x) for x in tokens[len(chunks) * self.page_size:]))
+        for c, p in zip(chunks, pages):
             child = node.children.get(c)
             if child is None:
                 if p in self._nodes:  # a page indexed elsewhere cannot hold these tokens too
@@ -145,6 +173,8 @@ class PageBook:
                 added += 1
             child.used = now
             node = child
+            if len(c) < self.page_size:
+                break
         return added
 
     def evict(self, n: int) -> int:

@@ -6,27 +6,30 @@ loop (a background thread).
     for tok in h.stream(): ...                        # tokens as they are emitted
     h.result()                                        # == model.generate(prompt_ids, max_tokens=64)
 
-Each iteration of the loop, per depth (a *lane*: requests at one `loops` share programs,
-prefixes and a store):
+Each iteration of the loop, per depth (requests at one `loops` share a page pool and programs):
 
-  1. waiting requests join free rows of the batch; each is matched against the prefix pool and
-     the store (the longest cached prefix it shares is read, never recomputed);
-  2. prompt chunks of the requests still prefilling, oldest first, up to `prefill_chunk` tokens
-     (several short prompt rests, or one chunk of a long prompt), so a long prompt delays the
-     running rows by one chunk per step, never by its whole length;
-     after its last chunk the request emits its first token and its prompt goes into the store;
-  3. one decode step for every row past its prompt; rows that hit a stop sequence, their
-     max_tokens, a cancel or their deadline leave at once and their row is free.
+  1. waiting requests join free request rows; each prompt's full pages already in the pool (any
+     earlier prompt's, indexed by their tokens) are read, never recomputed; pages for the rest
+     and for max_tokens are taken from the free and the cached pages (a request that finds none
+     waits at the head of the queue);
+  2. one step: the next chunk (up to `prefill_chunk` tokens) of the oldest request still
+     prefilling, and one token for every request past its prompt, in one program over the
+     pages; a chunk's full pages are shareable at once; after its last chunk a request
+     emits its first token;
+  3. rows that hit a stop sequence, their max_tokens, a cancel or their deadline leave at once;
+     their pages are free, their prompt's pages stay cached for later prompts.
 
 Stop sequences, max_tokens and the per-request bookkeeping run on the host between steps;
 token choice runs on the device with the same `select_tokens` as `generate`, so a greedy
 output equals `model.generate` token for token and a seeded sample is reproducible
 whatever else is in flight (each row draws with its own seed and token index).
 
-The parts: this module is the driver (the thread, the queue, the public face); `scheduler`
-places requests into rows and runs an iteration; `lane` and `pool` are its bookkeeping as plain
-data with pure functions; `runner` and `programs` are the device side, over one `BatchState`
-per lane; `handles` is what a caller holds; `app` serves it over HTTP.
+The parts: this module is the driver (the thread, the queue, the public face); `batcher` places
+requests into request rows and pages (`api.pages.PageBook`) and runs an iteration; `step` holds
+its device programs over a page pool (`model.paged`); `handles` is what a caller holds; `app`
+serves it over HTTP. Requests with an adaptive-depth exit rule still run on the engine before
+pages (`scheduler`, `lane`, `pool`, `runner`, `programs`) until adaptive depth runs on pages
+(docs/engine-plan.md).
 """
 
 from __future__ import annotations
@@ -37,46 +40,51 @@ import time
 
 from .handles import Cancelled, Handle, MemoryBudgetError, QueueFull, RequestTimeout
 from .lane import Limits
+from .batcher import Batcher
 from .scheduler import Scheduler
 from ..api import validation as check
 from ..api.store import PrefixStore
 from ..model import adaptive as ad
 from ..model.cache import free_bytes
 
+DEFAULT_KV_MEMORY = 1 << 30  # "auto": at most this many bytes of pages (or half the free memory)
+
 __all__ = ["Engine", "Handle", "MemoryBudgetError", "QueueFull", "RequestTimeout", "Cancelled"]
 
 
-class Engine:
-    """Continuous batching over a `PrefixStore`, thread-safe, one device loop.
+def add(total: dict, more: dict) -> None:
+    """total[k] += more[k] for every k (zeros kept: a counter that exists reads 0, not absent)."""
+    for k, v in more.items():
+        total[k] = total.get(k, 0) + v
 
-    max_batch: rows decoded together (all depths). store: the PrefixStore at the model's
-    default depth (default: a new one of `store_bytes`); other depths get their own. max_queue:
-    requests waiting beyond the running ones (then `submit` raises `QueueFull`). timeout:
-    default per-request deadline in seconds (None: none). prefill_chunk: prompt tokens per
-    chunk. prefix_slots / prefix_capacity: the pool of shared prefixes a step reads (G slots of
-    Cp positions; default Cp: the model's context); a prompt whose uncached rest is longer
-    than 32 tokens (or a chunk, if smaller) is prefilled into a free slot. row_capacity:
-    positions of a row's own segment (default min(context, 256)); the batch moves to the
-    model's whole context while a row needs more, and back. insert_prompts: add the prompts
-    prefilled into a pool slot to the store. prefix_cache=False: no store
-    and no pool (every prompt prefilled whole into its row; the baseline of
-    scripts/bench_serve.py).
+
+class Engine:
+    """Continuous batching over page pools with shared prefixes, thread-safe, one device loop.
+
+    max_batch: request rows per depth (the decode step's largest batch). max_queue: requests
+    waiting beyond the running ones (then `submit` raises `QueueFull`). timeout: default
+    per-request deadline in seconds (None: none). prefill_chunk: prompt tokens per step.
+    page_size: tokens per page (a power of two, 16-256). prefix_cache=False: no prompt reads
+    another's pages (every prompt prefilled whole; the baseline of scripts/bench_serve.py).
 
     Bounds: max_loops, the deepest `loops` a request may ask (default 64, or 16 x the model's
-    default depth if more): each depth is a lane with its own programs, pool and store.
-    max_lanes: depths held at once (default 8): a new depth evicts the least recently used idle
-    lane, its programs with it (a depth's programs hold megabytes outside the memory budget).
-    memory_budget: bytes for every lane's pool, rows and store together ("auto": half of what
-    the device has free when the engine starts, no bound where that is unknown; None: no bound); idle
-    lanes are evicted, least recently used first, to make room, a request waits while busy lanes
-    hold it, and one that cannot fit even alone is refused at `submit` (`MemoryBudgetError`).
-    overlap: the loop dispatches decode step t + 1 before it reads step t's tokens, so stop
-    checks, streaming and HTTP run while the device computes (False: the device waits for the
-    host every step; the baseline of scripts/bench_serve.py).
+    default depth if more): each depth has its own pool and programs. max_lanes: depths held at
+    once (default 8): a new depth evicts the least recently used idle one. memory_budget: bytes
+    for every depth's pages and request rows ("auto": half of what the device has free, at most
+    1 GiB; None: each pool holds max_batch requests at the whole context); a request waits
+    while its pages are not free (cached pages are evicted, least recently used first, to make
+    room), and one that cannot fit even alone is refused at `submit` (`MemoryBudgetError`).
+    overlap: the loop dispatches step t + 1 before it reads step t's tokens, so stop checks,
+    streaming and HTTP run while the device computes (False: the device waits for the host
+    every step).
+
+    Requests with an adaptive-depth exit rule run on the engine before pages (its `store`,
+    prefix_slots, prefix_capacity, row_capacity, store_bytes and insert_prompts apply to them
+    only) until adaptive depth runs on pages.
     """
 
     def __init__(self, model, max_batch: int = 16, store: PrefixStore | None = None, *, max_queue: int = 256,
-                 timeout: float | None = None, prefill_chunk: int = 64, prefix_slots: int = 8,
+                 timeout: float | None = None, prefill_chunk: int = 64, page_size: int = 16, prefix_slots: int = 8,
                  prefix_capacity: int | None = None, row_capacity: int | None = None, store_bytes: int = 512 << 20,
                  insert_prompts: bool = True, prefix_cache: bool = True, max_loops: int | None = None,
                  memory_budget: int | str | None = "auto", max_lanes: int = 8, overlap: bool = True):
@@ -89,9 +97,11 @@ class Engine:
                             prefix_slots=prefix_slots, max_loops=max_loops, max_lanes=max_lanes).items():
             if check.integer(v, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+        if check.integer(page_size, "page_size") < 16 or page_size > 256 or page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two in 16..256, got {page_size}")
         if memory_budget == "auto":
             free = free_bytes()
-            memory_budget = None if free is None else free // 2
+            memory_budget = DEFAULT_KV_MEMORY if free is None else min(free // 2, DEFAULT_KV_MEMORY)
         elif memory_budget is not None and check.integer(memory_budget, "memory_budget") < 1:
             raise ValueError(f"memory_budget must be >= 1 bytes or None, got {memory_budget}")
         self.max_loops, self.memory_budget = max_loops, memory_budget
@@ -105,19 +115,19 @@ class Engine:
         self.limits = Limits.of(max_batch, prefill_chunk, prefix_slots, c.max_seq_len, prefix_capacity, row_capacity,
                                 prefix_cache)
         self.work_mode = c.storage.working
-        # h modes: rows hold float32 K/V, which cannot be stored back in h form; such an engine
-        # reads the store but does not add to it
         self.insert_prompts = insert_prompts and prefix_cache and self.work_mode == c.storage
-        self.prefix_cache = prefix_cache  # False: every prompt is prefilled whole (a baseline)
+        self.prefix_cache = prefix_cache
         self.store_bytes = store_bytes
         self._queue: collections.deque[Handle] = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
-        self._jobs: list = []  # work for the loop thread (warmup)
+        self._jobs: list = []  # work for the loop thread
         self.warming = False  # a background warmup is running
         self._stats = collections.Counter()  # this side's counters (under _cv)
         self._ttft: collections.deque = collections.deque(maxlen=2048)
         # the batch side, on the loop thread only (other threads read its published `_view`)
+        self.batcher = Batcher(model, max_batch, prefill_chunk, collections.Counter(), self._first_token,
+                               memory_budget, overlap, max_lanes, page_size, prefix_cache, store)
         self.scheduler = Scheduler(model, self.limits, store, store_bytes, self.insert_prompts, self.work_mode,
                                    collections.Counter(), self._first_token, memory_budget, overlap, max_lanes)
         self._view: dict = {}
@@ -126,6 +136,10 @@ class Engine:
         self._started = time.perf_counter()
         self._thread = threading.Thread(target=self._loop, name="tinyloop-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def _sides(self) -> tuple:
+        return self.batcher, self.scheduler
 
     # ---- public ------------------------------------------------------------------------------
 
@@ -139,8 +153,8 @@ class Engine:
         their exits, the prompt runs every pass, and `handle.depths` gives the passes run per
         emitted token.
         Bad arguments raise here (ValueError / RuntimeError) and nothing is queued; a full
-        queue raises `QueueFull`; a depth whose lane cannot fit the memory budget even alone,
-        `MemoryBudgetError`."""
+        queue raises `QueueFull`; a request whose pages cannot fit the memory budget even
+        alone, `MemoryBudgetError`."""
         c = self.model.weights.config
         prompt = check.tokens(prompt, c.vocab_size)
         params = check.sampling_params(c.vocab_size, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
@@ -155,11 +169,20 @@ class Engine:
         if len(prompt) + params.max_tokens > c.max_seq_len:
             raise RuntimeError(f"prompt + max_tokens is {len(prompt) + params.max_tokens} tokens, longer than "
                                f"max_seq_len={c.max_seq_len}")
-        least = self.scheduler.least_bytes(loops, len(prompt), params.max_tokens)
-        if self.memory_budget is not None and least > self.memory_budget:
-            raise MemoryBudgetError(f"a request at loops={loops} needs {least / 2**20:.2f} MiB (its lane's pool and "
-                                    f"one row), more than this engine's memory_budget={self.memory_budget} bytes; "
-                                    "lower loops or max_tokens")
+        if policy is None:
+            b = self.batcher
+            need, have = b.need_pages(len(prompt), params.max_tokens), b.pool_pages(loops)
+            if need > have or b.depth_nbytes(loops) > (self.memory_budget or b.depth_nbytes(loops)):
+                raise MemoryBudgetError(f"a request of {len(prompt)} + {params.max_tokens} tokens at loops={loops} "
+                                        f"needs {need} pages of {b.page_nbytes(loops) / 2**10:.1f} KiB; "
+                                        f"memory_budget={self.memory_budget} bytes holds {have}; lower loops or "
+                                        "max_tokens")
+        else:
+            least = self.scheduler.least_bytes(loops, len(prompt), params.max_tokens)
+            if self.memory_budget is not None and least > self.memory_budget:
+                raise MemoryBudgetError(f"a request at loops={loops} needs {least / 2**20:.2f} MiB (its lane's pool "
+                                        f"and one row), more than this engine's memory_budget={self.memory_budget} "
+                                        "bytes; lower loops or max_tokens")
         timeout = self.timeout if timeout is None else timeout
         if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -182,54 +205,38 @@ class Engine:
         return self.submit(prompt, **kw).result()
 
     def warmup(self, loops: int | None = None, background: bool = False) -> int:
-        """Compile the step programs of every batch bucket at `loops` (default depth) now, so
-        serving compiles nothing for them later. Returns the number of programs compiled.
-
-        background=True returns at once (0) and compiles on a thread of its own, running the
-        programs on a scratch lane of the same shapes (its buffers, the size of one lane, are
-        held until it ends and are outside the memory budget): requests are served meanwhile,
-        a program one needs first being compiled for it. `warming` says whether it still runs."""
+        """Compile every step program at `loops` (default depth) now, ahead of time (nothing is
+        allocated or run), so serving compiles nothing for them later. Returns the number of
+        programs compiled. background=True returns at once (0) and compiles on a thread of its
+        own while requests are served; `warming` says whether it still runs."""
         loops = self.model.weights.config.default_loops if loops is None else check.loops(loops)
         if loops > self.max_loops:
             raise ValueError(f"loops={loops} is above this engine's max_loops={self.max_loops}")
-        if background:
-            def run():
-                try:
-                    self.scheduler.warmup_scratch(loops)
-                finally:
-                    self.warming = False
+        if not background:
+            n = self.batcher.warmup(loops)
+            self._publish_programs()
+            return n
 
-            self.warming = True
-            threading.Thread(target=run, name="tinyloop-warmup", daemon=True).start()
-            return 0
-        done = threading.Event()
-        box: dict = {}
-
-        def job():
+        def run():
             try:
-                box["n"] = self.scheduler.warmup(loops)
-            except BaseException as e:  # noqa: BLE001 - reported to the caller
-                box["e"] = e
-            self._publish()
-            done.set()
+                self.batcher.warmup(loops)
+            finally:
+                self.warming = False
+                self._publish_programs()
 
-        with self._cv:
-            self._jobs.append(job)
-            self._cv.notify_all()
-        done.wait()
-        if "e" in box:
-            raise box["e"]
-        return box["n"]
+        self.warming = True
+        threading.Thread(target=run, name="tinyloop-warmup", daemon=True).start()
+        return 0
 
     def stats(self) -> dict:
         """Counters: requests (submitted, finished by reason, rejected, failed), tokens in/out,
-        prefix hits / tokens reused / tokens recomputed for want of a pool slot, queue depth,
-        running rows, batch size per step, time to first token (p50/p99 of recent requests),
-        tokens per second, compiles after warmup, lanes (held, evicted) and the bytes they hold
-        against the memory budget; per depth (`depths`: loops -> counters, in tokens, as vLLM
-        counts them) prefix-cache queries and hits, positions computed and the loop passes they
-        took, and their sums over depths (with `passes_per_token`). Any thread may call it: the
-        batch side is a copy the loop thread publishes after each iteration."""
+        prefix hits and tokens reused, queue depth, running rows, batch size per step, time to
+        first token (p50/p99 of recent requests), tokens per second, compiles after warmup,
+        depths held (`lanes`, evicted) and the bytes they hold against the memory budget, pages
+        per depth (total, free, cached); per depth (`depths`: loops -> counters, in tokens, as
+        vLLM counts them) prefix-cache queries and hits, positions computed and the loop passes
+        they took, and their sums over depths (with `passes_per_token`). Any thread may call it:
+        the batch side is a copy the loop thread publishes after each iteration."""
         with self._cv:
             s = dict(self._view)
             for k, v in self._stats.items():
@@ -246,7 +253,8 @@ class Engine:
         s["ttft_p50_s"] = ttft[len(ttft) // 2] if ttft else 0.0
         s["ttft_p99_s"] = ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else 0.0
         s["memory_budget"] = self.memory_budget
-        s["depths"] = depths = {loops: dict(d) for loops, d in s.get("depths", {}).items()}
+        depths = s.get("depths", {})
+        s["depths"] = depths
         for name in ("prefix_cache_queries", "prefix_cache_hits", "tokens_computed", "passes"):
             s[name] = sum(d.get(name, 0) for d in depths.values())
         s["passes_per_token"] = s["passes"] / s["tokens_computed"] if s["tokens_computed"] else 0.0
@@ -254,14 +262,16 @@ class Engine:
 
     @property
     def programs(self) -> set:
-        """The shape keys of the device programs run so far, e.g. ("decode", loops, B, Co, S)."""
+        """The shape keys of the device programs run so far, e.g. ("step", loops, decode rows,
+        chunk length, page-table length)."""
         with self._cv:
             return set(self._programs)
 
     @property
     def store(self) -> PrefixStore | None:
-        """The store of the default depth (created with the first request if none was given)."""
-        return self.scheduler.default_store
+        """The PrefixStore given to the engine (its entries serve prompts, loaded into pages once),
+        else that of adaptive-depth requests at the default depth (None until one runs)."""
+        return self.batcher.store if self.batcher.store is not None else self.scheduler.default_store
 
     def close(self) -> None:
         """Stop the loop; queued and running requests fail with RuntimeError."""
@@ -291,22 +301,33 @@ class Engine:
         with self._cv:
             self._ttft.append(h.first_token_at - h.submitted)
 
+    def _publish_programs(self) -> None:
+        programs = frozenset(self.batcher.programs) | frozenset(self.scheduler.runner.programs)
+        with self._cv:
+            self._programs = programs
+
     def _publish(self) -> None:
         """The loop thread's copy of the batch side, for `stats()` and `programs` (other threads
-        never read the lanes the loop mutates)."""
-        view = self.scheduler.snapshot()
-        programs = self._programs
-        if view["programs"] != len(programs):
-            programs = frozenset(self.scheduler.runner.programs)
+        never read the structures the loop mutates)."""
+        a, b = self.batcher.snapshot(), self.scheduler.snapshot()
+        view, depths = {}, {}
+        for side in (a, b):
+            add(view, {k: v for k, v in side.items() if isinstance(v, int)})
+            for loops, d in side["depths"].items():
+                add(depths.setdefault(loops, {}), d)
+        view["depths"], view["pages"] = depths, a["pages"]
+        if view["programs"] != len(self._programs):
+            self._publish_programs()
         with self._cv:
-            self._view, self._programs = view, programs
+            self._view = view
 
     # ---- the loop ----------------------------------------------------------------------------
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._closed or self._queue or self._jobs or self.scheduler.busy())
+                self._cv.wait_for(lambda: self._closed or self._queue or self._jobs
+                                  or any(side.busy() for side in self._sides))
                 if self._closed:
                     break
                 jobs, self._jobs = self._jobs, []
@@ -315,9 +336,11 @@ class Engine:
             try:
                 self._expire()
                 self._admit()
-                self.scheduler.step()  # a failed program fails its lane's rows there
+                for side in self._sides:
+                    side.step()  # a failed program fails its depth's rows there
             except Exception as e:  # noqa: BLE001 - anything else fails every row, never the loop
-                self.scheduler.fail_all(e)
+                for side in self._sides:
+                    side.fail_all(e)
             self._publish()
             self._finish()
         err = RuntimeError("engine is closed")
@@ -326,13 +349,15 @@ class Engine:
         for h in pending:
             h.finish("error", err)
         self._finish()
-        self.scheduler.close(err)
+        for side in self._sides:
+            side.close(err)
 
     def _finish(self) -> None:
         """Requests that left the batch end now (after `_publish`: a caller woken by its result
         reads stats that count it)."""
-        for h, reason, error in self.scheduler.take_finished():
-            h.finish(reason, error)
+        for side in self._sides:
+            for h, reason, error in side.take_finished():
+                h.finish(reason, error)
 
     def _expire(self) -> None:
         """Cancelled and timed-out requests leave (queued or running)."""
@@ -347,17 +372,19 @@ class Engine:
                 else:
                     keep.append(h)
             self._queue = keep
-        self.scheduler.expire(now)
+        for side in self._sides:
+            side.expire(now)
 
     def _admit(self) -> None:
-        """Queued requests join the batch, oldest first, while it has room."""
-        while self.scheduler.running() < self.max_batch:
+        """Queued requests join the batch, oldest first, while there is room."""
+        while True:
             with self._cv:
                 if not self._queue:
                     return
                 h = self._queue.popleft()
+            side = self.batcher if h.policy is None else self.scheduler
             try:
-                if not self.scheduler.place(h):  # it waits for a pool slot, at the head of the queue
+                if side.running() >= self.max_batch or not side.place(h):  # it waits, at the head of the queue
                     with self._cv:
                         self._queue.appendleft(h)
                     return

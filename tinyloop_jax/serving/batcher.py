@@ -1,0 +1,490 @@
+"""`Batcher`: the engine's loop over page pools, on the loop thread only — requests placed into
+request rows with page tables, one step per iteration mixing a prompt chunk with every decode
+row, tokens read back and rows leaving. One `Depth` per `loops` (its pool, its `PageBook`, its
+request rows); the device work is `step`'s programs.
+
+    admission   the prompt's full pages already in the pool are read (`PageBook.match`), pages
+                for the rest and for max_tokens are allocated (cached pages evicted, least
+                recently used first); none free: the request waits at the head of the queue
+    a step      the oldest prefilling row's next chunk (up to `chunk` tokens) + every decoding
+                row's next token, one program; a chunk's full pages are indexed as soon as the
+                step is dispatched, so the next request with that prefix reads them
+    leaving     a row's pages are released; the full pages of its prompt and output stay cached
+                (a chat's next turn reads them)
+
+Memory: every depth's pool and request rows count against one `memory_budget`; a new depth
+first evicts idle depths (least recently used), and a request waits while busy depths hold
+the room (or fails with `MemoryBudgetError` when nothing can free it).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Callable
+
+import jax
+import numpy as np
+
+from . import step as S
+from .handles import Handle, MemoryBudgetError
+from ..api.pages import PageBook
+from ..decoding.sampling import Request, SamplingParams
+from ..model import paged
+from ..model.cache import bucket
+
+MIN_TABLE = 4  # page-table entries of the smallest program (64 tokens at P = 16)
+
+
+def pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Row counts programs are compiled for: powers of two below max_batch, and max_batch."""
+    return sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch} | {max_batch})
+
+
+@dataclass
+class Row:
+    handle: Handle
+    slot: int  # its request row
+    pages: list  # its page table: shared pages first, then its own
+    fed: int  # prompt positions in the pages
+    decoding: bool = False
+    ahead: int = 0  # tokens a dispatched step chose for it that the host has not read yet
+    left: bool = False  # it left (a step still in flight chose a token for it: discarded)
+
+
+@dataclass
+class Depth:
+    """One depth's pool, pages and rows (`pool` and `state` are the device side)."""
+
+    loops: int
+    exit: object  # tf.Exit or None
+    pool: paged.PagedKV
+    book: PageBook
+    state: S.RowState
+    rows: dict = field(default_factory=dict)  # request row -> Row
+    prefilling: collections.deque = field(default_factory=collections.deque)  # rows with prompt left, FIFO
+    used: int = 0  # tick of its last admission
+    inflight: tuple | None = None  # the dispatched step not read yet
+
+
+class Batcher:
+    """Request rows of every depth over one model. max_batch: request rows per depth (and the
+    decode group's largest bucket); chunk: prompt tokens per step; page_size: tokens per page;
+    memory_budget: bytes for every depth's pool and rows (None: each pool holds max_batch rows
+    at the whole context); overlap: a step's tokens are read after the next step is dispatched."""
+
+    def __init__(self, model, max_batch: int, chunk: int, stats: collections.Counter,
+                 on_first_token: Callable[[Handle], None], memory_budget: int | None = None, overlap: bool = True,
+                 max_lanes: int = 8, page_size: int = paged.PAGE_SIZE, prefix_cache: bool = True, store=None):
+        self.model, self.max_batch, self.chunk = model, max_batch, bucket(chunk)
+        self.prefix_cache = prefix_cache  # False: no prompt reads another's pages
+        self.store = store  # a PrefixStore whose entries are loaded into pages when they serve a prompt
+        self.stats, self._on_first_token = stats, on_first_token
+        self.memory_budget, self.overlap, self.max_lanes, self.page_size = memory_budget, overlap, max_lanes, page_size
+        self.depths: dict[int, Depth] = {}
+        self._jits: dict[int, dict] = {}  # loops -> its programs (`step.programs`), dropped with the depth
+        self.programs: set = set()  # shape keys of the programs run
+        self.warm = False
+        self.compiles_after_warmup = 0
+        self._tick = 0
+        self.depth_counts: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.finished: list = []
+
+    # ---- sizes -----------------------------------------------------------------------------
+
+    @property
+    def cfg(self):
+        return self.model.weights.config
+
+    def page_nbytes(self, loops: int) -> int:
+        c = self.cfg
+        return paged.page_nbytes(c.storage, c.n_cache_layers(loops), c.n_kv_heads, self.page_size, c.head_dim,
+                                 c.d_model)
+
+    def rows_nbytes(self) -> int:
+        """Bytes of a depth's request rows (`step.RowState`)."""
+        if not hasattr(self, "_rows_nbytes"):
+            shapes = jax.eval_shape(lambda: S.empty_rows(self.max_batch, self.cfg.vocab_size))
+            self._rows_nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+        return self._rows_nbytes
+
+    def max_pages(self) -> int:
+        """Pages that hold every request row at the whole context: more is never needed."""
+        return self.max_batch * -(-self.cfg.max_seq_len // self.page_size)
+
+    def need_pages(self, n_prompt: int, max_tokens: int) -> int:
+        return -(-(n_prompt + max_tokens) // self.page_size)
+
+    def pool_pages(self, loops: int) -> int:
+        """Pages of a depth's pool: what the budget holds beside the request rows, up to
+        `max_pages` (the same for every engine of this model and budget, so warmup's programs
+        are the ones serving runs)."""
+        if self.memory_budget is None:
+            return self.max_pages()
+        return max(0, min(self.max_pages(), (self.memory_budget - self.rows_nbytes()) // self.page_nbytes(loops)))
+
+    def depth_nbytes(self, loops: int) -> int:
+        return self.pool_pages(loops) * self.page_nbytes(loops) + self.rows_nbytes()
+
+    def least_bytes(self, loops: int, n_prompt: int, max_tokens: int) -> int:
+        """The least a request needs in a depth of its own: its pages and the request rows."""
+        return self.need_pages(n_prompt, max_tokens) * self.page_nbytes(loops) + self.rows_nbytes()
+
+    def memory_bytes(self) -> int:
+        return sum(d.pool.nbytes + self.rows_nbytes() for d in self.depths.values())
+
+    # ---- depths ------------------------------------------------------------------------------
+
+    def running(self) -> int:
+        return sum(len(d.rows) for d in self.depths.values())
+
+    def busy(self) -> bool:
+        return any(d.rows for d in self.depths.values())
+
+    def _evict_idle(self, extra: int, keep: int | None, lanes: int) -> bool:
+        """Drop idle depths (least recently used first) until `extra` bytes and `lanes` more
+        depths fit. False: they do not, with every idle depth gone."""
+        def full():
+            over = len(self.depths) + lanes > self.max_lanes
+            return over or (self.memory_budget is not None and self.memory_bytes() + extra > self.memory_budget)
+        while full():
+            idle = [d for d in self.depths.values() if not d.rows and d.loops != keep]
+            if not idle:
+                return False
+            self.forget(min(idle, key=lambda d: d.used).loops)
+            self.stats["lanes_evicted"] += 1
+        return True
+
+    def jits(self, loops: int) -> dict:
+        """The depth's programs (made on first use)."""
+        if loops not in self._jits:
+            self._jits[loops] = S.programs()
+        return self._jits[loops]
+
+    def forget(self, loops: int) -> None:
+        """Drop a depth: its pool, rows and programs (what they compiled is freed; a depth that
+        returns loads them from the persistent compilation cache, or compiles)."""
+        self.depths.pop(loops, None)
+        self._jits.pop(loops, None)
+
+    def depth(self, loops: int) -> Depth | None:
+        """The depth's pool and rows (made on first use, `pool_pages` pages); None: busy depths
+        hold the room (the request waits). MemoryBudgetError: it can never fit."""
+        d = self.depths.get(loops)
+        if d is not None:
+            return d
+        need = self.depth_nbytes(loops)
+        if not self._evict_idle(need, None, 1):
+            if not self.busy():
+                raise MemoryBudgetError(f"a pool at loops={loops} ({need / 2**20:.2f} MiB) does not fit "
+                                        f"memory_budget={self.memory_budget} bytes beside the depths that stay; lower "
+                                        "loops, or raise the budget")
+            self.stats["memory_waits"] += 1
+            return None
+        n_pages = self.pool_pages(loops)
+        pool = jax.jit(lambda: paged.empty(self.cfg, loops, n_pages, self.page_size))()
+        d = Depth(loops, self.model.exit_for(loops), pool, PageBook(n_pages, self.page_size),
+                  jax.jit(S.empty_rows, static_argnums=(0, 1))(self.max_batch, self.cfg.vocab_size))
+        self.depths[loops] = d
+        return d
+
+    # ---- admission ---------------------------------------------------------------------------
+
+    def place(self, h: Handle) -> bool:
+        """Give a request a request row and its pages; False: it waits (no pages free now)."""
+        n, max_tokens = len(h.prompt), h.params.max_tokens
+        d = self.depth(h.loops)
+        if d is None:
+            return False
+        slot = next((i for i in range(self.max_batch) if i not in d.rows), None)
+        if slot is None:
+            return False
+        need = self.need_pages(n, max_tokens)
+        if need > d.book.n_pages:
+            if d.rows:
+                return False
+            raise MemoryBudgetError(f"a request of {n} + {max_tokens} tokens needs {need} pages; the pool at "
+                                    f"loops={h.loops} holds {d.book.n_pages} within memory_budget="
+                                    f"{self.memory_budget} bytes")
+        # at least the last token is computed (its logits)
+        shared = d.book.match(h.prompt[:n - 1]) if self.prefix_cache else []
+        d.book.retain(shared)
+        try:
+            shared = self._from_store(d, h.prompt, shared)
+        except Exception as e:
+            self.fail_depth(d, e)  # its donated pool is gone: the depth is made anew for the next request
+            raise
+        tail = d.book.match_tail(h.prompt[:n - 1], len(shared)) if self.prefix_cache else None
+        if tail is not None:
+            d.book.retain([tail[0]])  # not evicted for this request's own pages: it is copied into the first
+        own = d.book.alloc(need - len(shared))
+        if own is None:
+            d.book.release(shared + ([tail[0]] if tail else []))
+            self.stats["memory_waits"] += 1
+            return False
+        extra = 0
+        if tail is not None:  # a partial page that begins the rest: copied, then continued
+            try:
+                d.pool = self._run(("copy", d.loops), self.jits(d.loops)["copy_pages"], d.pool,
+                                   np.asarray([tail[0]], np.int32), np.asarray([own[0]], np.int32))
+            except Exception as e:
+                d.book.release(shared + own + [tail[0]])
+                self.fail_depth(d, e)
+                raise
+            d.book.release([tail[0]])
+            extra = tail[1]
+        seen = np.zeros((self.cfg.vocab_size,), bool)
+        seen[h.prompt] = True
+        req = Request.from_params([h.params], stops=False, logit_bias=True, sampled=True)
+        try:
+            d.state = self._run(("admit", d.loops), self.jits(d.loops)["admit"], d.state, np.int32(slot), seen, req)
+        except Exception as e:
+            d.book.release(shared + own)
+            self.fail_depth(d, e)
+            raise
+        self._tick += 1
+        d.used = self._tick
+        hit = len(shared) * self.page_size + extra
+        h.prefix_tokens = hit
+        counts = self.depth_counts[d.loops]
+        counts["prefix_cache_queries"] += n
+        counts["prefix_cache_hits"] += hit
+        self.stats["requests_prefix_hit" if hit else "requests_prefix_miss"] += 1
+        self.stats["prefix_tokens_reused"] += hit
+        row = d.rows[slot] = Row(h, slot, shared + own, hit)
+        d.prefilling.append(row)
+        return True
+
+    def _from_store(self, d: Depth, prompt, shared: list) -> list:
+        """`shared` (retained pages of the prompt's first full pages), extended with pages loaded
+        from the store's entry when it holds more of the prompt (then indexed: later prompts read
+        them in the pool)."""
+        store = self.store
+        if store is None or not self.prefix_cache or store.loops != d.loops:
+            return shared
+        entry, k = store.lookup(prompt)
+        full = min(k, len(prompt) - 1) // self.page_size
+        if entry is None or full <= len(shared) or entry.cache.kv_mode != self.cfg.storage:
+            return shared
+        new = d.book.alloc(full - len(shared))
+        if new is None:
+            return shared
+        pages = shared + new
+        R = pow2(len(pages), MIN_TABLE)
+        table = np.zeros((R,), np.int32)
+        table[:len(pages)] = pages
+        d.pool = self._run(("load", d.loops, entry.cache.capacity, R), self.jits(d.loops)["load_entry"], d.pool,
+                           entry.cache, table, np.int32(len(shared) * self.page_size),
+                           np.int32(full * self.page_size))
+        d.book.insert(prompt[:full * self.page_size], pages)
+        store.touch(entry)
+        self.stats["prefix_pool_loads"] += 1
+        return pages
+
+    def _run(self, key: tuple, program, *args, **kw):
+        if key not in self.programs:
+            self.programs.add(key)
+            if self.warm:
+                self.compiles_after_warmup += 1
+        return program(*args, **kw)
+
+    # ---- one iteration -----------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Per depth: one step (a prompt chunk and every decode row). A depth whose program fails
+        fails its rows (`fail_depth`); the others go on."""
+        for d in list(self.depths.values()):
+            try:
+                self._step(d)
+            except Exception as e:  # noqa: BLE001 - the depth's device state is gone, not the loop
+                self.fail_depth(d, e)
+
+    def _step(self, d: Depth) -> None:
+        prev, d.inflight = d.inflight, None
+        P = self.page_size
+        chunk = None
+        if d.prefilling:
+            r = d.prefilling[0]
+            n = min(self.chunk, len(r.handle.prompt) - r.fed)
+            chunk = (r, n, r.fed + n == len(r.handle.prompt))
+        decoding = [r for r in d.rows.values()
+                    if r.decoding and len(r.handle.tokens) + r.ahead < r.handle.params.max_tokens]
+        if chunk is not None or decoding:
+            lengths = [r.fed + len(r.handle.tokens) + r.ahead for r in decoding]  # positions after the step
+            if chunk is not None:
+                lengths.append(chunk[0].fed + chunk[1])
+            R = pow2(-(-max(lengths) // P), MIN_TABLE)
+            chunks = decodes = None
+            T = bd = 0
+            if chunk is not None:
+                r, n, final = chunk
+                T = bucket(n)
+                chunks = S.make_chunks([r.pages], [r.handle.prompt[r.fed:r.fed + n]], [r.fed], [r.slot], [final], T,
+                                       R, 1)
+            if decoding:
+                bd = next(b for b in batch_buckets(self.max_batch) if b >= len(decoding))
+                starts = [r.fed + len(r.handle.tokens) + r.ahead - 1 for r in decoding]
+                decodes = S.make_decodes([r.pages for r in decoding], starts, [r.slot for r in decoding],
+                                         [len(r.handle.tokens) + r.ahead for r in decoding], R, bd)
+            w = self.model.weights
+            ctok, dtok, d.pool, d.state = self._run(("step", d.loops, bd, T, R), self.jits(d.loops)["step"], w.params,
+                                                    w.config, d.pool, d.state, chunks, decodes, loops=d.loops,
+                                                    exit=d.exit)
+            self.stats["steps"] += 1
+            counts = self.depth_counts[d.loops]
+            ran = []
+            if chunk is not None:
+                r, n, final = chunk
+                r.fed += n
+                if self.prefix_cache:  # its full pages: shareable from now on
+                    d.book.insert(r.handle.prompt[:r.fed], r.pages)
+                self.stats["prefill_chunks"] += 1
+                counts["tokens_computed"] += n
+                counts["passes"] += n * d.loops
+                if final:
+                    d.prefilling.popleft()
+                    r.decoding = True
+                    r.ahead += 1
+                    ran.append((r, 0, ctok))
+            for i, r in enumerate(decoding):
+                r.ahead += 1
+                ran.append((r, i, dtok))
+            if decoding:
+                self.stats["decode_steps"] += 1
+                self.stats["batch_rows"] += len(decoding)
+                counts["tokens_computed"] += len(decoding)
+                counts["passes"] += len(decoding) * d.loops
+            if self.overlap:
+                d.inflight = ran
+            else:
+                self._read(d, ran)
+        if prev is not None:
+            self._read(d, prev)
+
+    def _read(self, d: Depth, ran: list) -> None:
+        """The tokens of a dispatched step (waits for it), emitted for the rows still in."""
+        host = {}
+        for r, i, tok in ran:
+            r.ahead -= 1
+            if r.left:
+                continue
+            if id(tok) not in host:
+                host[id(tok)] = np.asarray(tok)
+            self._emit(d, r, int(host[id(tok)][i]))
+
+    def _emit(self, d: Depth, r: Row, t: int) -> None:
+        h, s = r.handle, r.handle.params
+        h.emit(t)
+        self.stats["tokens_out"] += 1
+        if len(h.tokens) == 1:
+            self._on_first_token(h)
+        tail = tuple(h.tokens[-max((len(q) for q in s.stop_sequences), default=0):])
+        stop = next((q for q in s.stop_sequences if len(q) <= len(tail) and tail[len(tail) - len(q):] == q), None)
+        if stop is not None:
+            h.stop_matched = list(stop)
+            self.release(d, r, "stop")
+        elif len(h.tokens) >= s.max_tokens:
+            self.release(d, r, "length")
+
+    # ---- leaving -----------------------------------------------------------------------------
+
+    def release(self, d: Depth, r: Row, reason: str, error: BaseException | None = None) -> None:
+        """Row r leaves (its request finishes with `reason`): its pages and request row are free
+        (its prompt's pages stay cached in the index)."""
+        if r.left:
+            return
+        r.left = True
+        if d.rows.get(r.slot) is r:
+            del d.rows[r.slot]
+            if r.decoding and self.prefix_cache:  # prompt and output whose K/V are written (each emitted
+                # token but the last was fed): a later turn of the chat reads them
+                d.book.insert(list(r.handle.prompt) + r.handle.tokens[:-1], r.pages, partial=True)
+            d.book.release(r.pages)
+        if r in d.prefilling:
+            d.prefilling.remove(r)
+        self.finished.append((r.handle, reason, error))
+        self.stats[f"finished_{reason}"] += 1
+
+    def take_finished(self) -> list:
+        out, self.finished = self.finished, []
+        return out
+
+    def expire(self, now: float) -> None:
+        for d in self.depths.values():
+            for r in list(d.rows.values()):
+                why = r.handle.overdue(now)
+                if why:
+                    self.release(d, r, *why)
+
+    def fail_depth(self, d: Depth, e: Exception) -> None:
+        """A program of the depth failed (after taking its donated buffers, maybe): its rows fail
+        and the depth is dropped (the next request at its depth makes it anew)."""
+        err = RuntimeError(f"the batch step failed: {e}")
+        for r in list(d.rows.values()):
+            self.release(d, r, "error", err)
+        self.forget(d.loops)
+        self.stats["step_failures"] += 1
+
+    def fail_all(self, e: Exception) -> None:
+        for d in list(self.depths.values()):
+            self.fail_depth(d, e)
+
+    def close(self, err: BaseException) -> None:
+        for d in self.depths.values():
+            for r in list(d.rows.values()):
+                r.handle.finish("error", err)
+        self.depths.clear()
+        self._jits.clear()
+
+    # ---- warmup ------------------------------------------------------------------------------
+
+    def step_shapes(self, loops: int) -> list[tuple[int, int, int]]:
+        """Every (decode rows, chunk length, page-table length) a depth's steps can have."""
+        tables = sorted({pow2(n, MIN_TABLE) for n in range(1, -(-self.cfg.max_seq_len // self.page_size) + 1)})
+        chunk_sizes = sorted({bucket(n) for n in range(1, self.chunk + 1)})
+        return [(bd, T, R) for R in tables for bd in [0] + batch_buckets(self.max_batch) for T in [0] + chunk_sizes
+                if bd or T]
+
+    def warmup(self, loops: int) -> int:
+        """Compile every program of a depth's steps (ahead of time: nothing is allocated or run,
+        so any thread may call it while the loop serves); returns how many were new."""
+        w, c, P = self.model.weights, self.cfg, self.page_size
+        n_pages = self.pool_pages(loops)
+        pool = jax.eval_shape(lambda: paged.empty(c, loops, n_pages, P))
+        state = jax.eval_shape(lambda: S.empty_rows(self.max_batch, c.vocab_size))
+        new = set()
+        for bd, T, R in self.step_shapes(loops):
+            key = ("step", loops, bd, T, R)
+            if key in self.programs:
+                continue
+            chunks = S.make_chunks([], [], [], [], [], T, R, 1) if T else None
+            decodes = S.make_decodes([], [], [], [], R, bd) if bd else None
+            self.jits(loops)["step"].lower(w.params, c, pool, state, chunks, decodes, loops=loops,
+                                     exit=self.model.exit_for(loops)).compile()
+            new.add(key)
+        if ("admit", loops) not in self.programs:
+            req = Request.from_params([SamplingParams()], stops=False, logit_bias=True, sampled=True)
+            self.jits(loops)["admit"].lower(state, np.int32(0), np.zeros((c.vocab_size,), bool), req).compile()
+            new.add(("admit", loops))
+        if self.store is not None and self.store.loops == loops:  # loads of the store's entries
+            for e in self.store.entries():
+                R = pow2(-(-len(e.prompt) // P), MIN_TABLE)
+                key = ("load", loops, e.cache.capacity, R)
+                if key not in self.programs and key not in new:
+                    self.jits(loops)["load_entry"].lower(pool, e.cache, np.zeros((R,), np.int32), np.int32(0),
+                                                         np.int32(0)).compile()
+                    new.add(key)
+        self.programs |= new
+        self.warm = True
+        return len(new)
+
+    def snapshot(self) -> dict:
+        return dict(self.stats, running=self.running(), lanes=len(self.depths), memory_bytes=self.memory_bytes(),
+                    programs=len(self.programs), compiles_after_warmup=self.compiles_after_warmup,
+                    depths={loops: dict(c) for loops, c in self.depth_counts.items()},
+                    pages={loops: dict(total=d.book.n_pages, free=d.book.free, cached=d.book.cached())
+                           for loops, d in self.depths.items()})

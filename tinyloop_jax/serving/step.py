@@ -1,0 +1,184 @@
+"""The engine's device programs over a page pool (`model.paged`): one step feeds a group of
+prompt chunks and a group of decode rows together and chooses their next tokens; `admit`
+packs a request's row once.
+
+    pool   PagedKV       every cache layer of one depth, in pages (read and written by the step)
+    state  RowState      M request rows: tokens seen, tokens emitted per id, last token, knobs
+
+A row of the step names its request row (`slot`); a decode row's input is that request's last
+token, kept on the device, so the host can dispatch step t + 1 before it reads step t's
+tokens. Static arguments are shapes only: one program per (decode rows, chunk length, page
+table length) bucket, whatever the requests are.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Annotated
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from ..decoding.sampling import Request, select_tokens
+from ..model import paged
+from ..model import transformer as tf
+from ..model.config import ModelConfig
+from ..model.params import Params
+
+
+FILLER = 1 << 30  # the request row of a filler row: past every state, so its writes are dropped
+
+
+@struct.dataclass
+class RowState:
+    """M request rows (a row of the step reads and writes its request's row by `slot`)."""
+
+    seen: Annotated[jax.Array, "bool[M, V]"]  # the prompt's tokens and those emitted and fed
+    counts: Annotated[jax.Array, "int32[M, V]"]  # emitted tokens fed so far, per id (OpenAI penalties)
+    last: Annotated[jax.Array, "int32[M]"]  # the last token chosen (a decode row's next input)
+    req: Request  # [M] the knobs (stops are checked on the host)
+
+
+def empty_rows(rows: int, vocab: int) -> RowState:
+    req = Request.make(rows, 0.0, 0, 1.0, 1.0, max_tokens=1, carry_bias=True, sampled=True)
+    return RowState(jnp.zeros((rows, vocab), bool), jnp.zeros((rows, vocab), jnp.int32), jnp.zeros((rows,), jnp.int32),
+                    jax.tree.map(jnp.asarray, req))
+
+
+@struct.dataclass
+class Chunks:
+    """The step's prompt chunks: b rows of T tokens (host numpy)."""
+
+    rows: paged.Rows  # [b, R]
+    tokens: Annotated[jax.Array, "int32[b, T]"]
+    slot: Annotated[jax.Array, "int32[b]"]  # request rows (FILLER: none)
+    final: Annotated[jax.Array, "bool[b]"]  # the prompt's last chunk: the first token is chosen
+
+
+@struct.dataclass
+class Decodes:
+    """The step's decode rows: b rows of one token each, the request's last (host numpy)."""
+
+    rows: paged.Rows  # [b, R] (n_new 1; 0 for filler)
+    slot: Annotated[jax.Array, "int32[b]"]  # request rows (FILLER: none)
+    steps: Annotated[jax.Array, "int32[b]"]  # the token's index in the output (its sampling key)
+
+
+def _take(tree, slot):
+    return jax.tree.map(lambda a: jnp.take(a, slot, axis=0, mode="clip"), tree)
+
+
+def _put(tree, slot, value):
+    return jax.tree.map(lambda a, v: a.at[slot].set(v, mode="drop"), tree, value)
+
+
+def admit(state: RowState, slot: jax.Array, seen: jax.Array, req: Request) -> RowState:
+    """Request row `slot` <- a new request: its prompt's tokens seen [V], nothing emitted, its
+    knobs req [1]."""
+    return state.replace(seen=state.seen.at[slot].set(seen, mode="drop"), counts=state.counts.at[slot].set(0, mode="drop"),
+                         req=_put(state.req, slot[None], req))
+
+
+def step(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: RowState, chunks: Chunks | None,
+         decodes: Decodes | None, loops: int, exit: tf.Exit | None = None):
+    """One step: the chunks' tokens and each decode row's last token through the model at depth
+    `loops`, written into the pages; then a token for every decode row and every final chunk.
+    Returns (chunk tokens [b], decode tokens [b'] (None for an absent group), pool, state)."""
+    groups, tokens, seeds = [], [], []
+    if chunks is not None:
+        groups.append(chunks.rows)
+        tokens.append(chunks.tokens)
+        seeds.append(_take(state.req.seed, chunks.slot))
+    if decodes is not None:
+        groups.append(decodes.rows)
+        tokens.append(_take(state.last, decodes.slot)[:, None])
+        seeds.append(_take(state.req.seed, decodes.slot))
+    xs, pool = paged.forward(params, cfg, pool, tuple(groups), tuple(tokens), loops, 0, exit, tuple(seeds))
+    out = []
+    if chunks is not None:
+        logits = paged.last_logits(params, cfg, xs[0], chunks.rows)
+        tok = select_tokens(logits, _take(state.seen, chunks.slot), _take(state.req, chunks.slot), jnp.int32(0))
+        state = state.replace(last=state.last.at[jnp.where(chunks.final, chunks.slot, state.last.shape[0])].set(
+            tok, mode="drop"))
+        out.append(tok)
+    else:
+        out.append(None)
+    if decodes is not None:
+        s = decodes.slot
+        fed = _take(state.last, s)
+        # the fed token joins seen / counts first (a filler row's slot M drops its writes)
+        seen = state.seen.at[s, fed].set(True, mode="drop")
+        counts = state.counts.at[s, fed].add(1, mode="drop")
+        logits = tf.lm_head(params, cfg, xs[-1][:, 0])
+        tok = select_tokens(logits, _take(seen, s), _take(state.req, s), decodes.steps, _take(counts, s))
+        state = state.replace(seen=seen, counts=counts, last=state.last.at[s].set(tok, mode="drop"))
+        out.append(tok)
+    else:
+        out.append(None)
+    return out[0], out[1], pool, state
+
+
+def load_entry(pool: paged.PagedKV, seg, pages: jax.Array, start: jax.Array, n: jax.Array) -> paged.PagedKV:
+    """Positions [start, n) of a dense prefix segment (a `PrefixCache`'s, `model.cache.KVCache`,
+    position p in slot p) written into the pages pages [R] (position p: page pages[p // P]), every
+    layer, stored values as they are."""
+    C, P = seg.capacity, pool.page_size
+    p = jnp.arange(C, dtype=jnp.int32)
+    page = jnp.where((p >= start) & (p < n), pages[jnp.clip(p // P, 0, pages.shape[0] - 1)], pool.n_pages)
+    off = p % P
+    put = lambda store, layer: paged.write(store, layer, page, off)  # noqa: E731
+    loop = {k: a.at[:, :, :, page, off].set(seg.loop[k][:a.shape[0]].astype(a.dtype), mode="drop")
+            for k, a in pool.loop.items()}
+    return pool.replace(pre=tuple(put(a, b) for a, b in zip(pool.pre, seg.pre)), loop=loop,
+                        post=tuple(put(a, b) for a, b in zip(pool.post, seg.post)))
+
+
+copy_pages = paged.copy_pages
+
+JIT_OPTIONS = dict(load_entry=dict(donate_argnames=("pool",)), copy_pages=dict(donate_argnames=("pool",)),
+                   step=dict(static_argnames=("cfg", "loops"), donate_argnames=("pool", "state")),
+                   admit=dict(donate_argnames=("state",)))
+
+
+def programs() -> dict:
+    """A new set of the engine's jitted programs (name -> program) over new function objects:
+    JAX keeps a program's trace, lowering and executable in caches keyed (weakly) by the
+    function, so what one set compiled is freed with it (a depth's programs hold megabytes)."""
+    out = {}
+    for name, opts in JIT_OPTIONS.items():
+        fn = globals()[name]  # looked up now: a test may stand another in
+
+        @functools.wraps(fn)
+        def fresh(*args, fn=fn, **kwargs):
+            return fn(*args, **kwargs)
+        out[name] = jax.jit(fresh, **opts)
+    return out
+
+
+def make_chunks(tables: list, tokens: list, starts: list, slots: list, finals: list, T: int, R: int,
+                rows: int) -> Chunks:
+    """Host arrays of a chunk group padded to `rows` rows of T tokens and R page entries."""
+    tok = np.zeros((rows, T), np.int32)
+    for i, t in enumerate(tokens):
+        tok[i, :len(t)] = t
+    return Chunks(_rows(tables, starts, [len(t) for t in tokens], R, rows), tok, _pad(slots, rows, FILLER),
+                  np.asarray(list(finals) + [False] * (rows - len(finals)), bool))
+
+
+def make_decodes(tables: list, starts: list, slots: list, steps: list, R: int, rows: int) -> Decodes:
+    """Host arrays of a decode group padded to `rows` rows and R page entries."""
+    return Decodes(_rows(tables, starts, [1] * len(tables), R, rows), _pad(slots, rows, FILLER),
+                   _pad(steps, rows, 0))
+
+
+def _pad(values: list, rows: int, fill: int) -> np.ndarray:
+    return np.asarray(list(values) + [fill] * (rows - len(values)), np.int32)
+
+
+def _rows(tables: list, starts: list, n_new: list, R: int, rows: int) -> paged.Rows:
+    table = np.zeros((rows, R), np.int32)
+    for i, t in enumerate(tables):
+        table[i, :len(t)] = t[:R]
+    return paged.Rows(table, _pad(starts, rows, 0), _pad(n_new, rows, 0))
