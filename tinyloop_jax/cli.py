@@ -271,8 +271,8 @@ def cmd_serve(args) -> None:
     edge = edge_options(args)  # (checked before the model loads)
     model, tok = _model_and_tokenizer(args)
     name = args.name or os.path.basename(os.path.normpath(args.model or BUNDLED))
-    # shared prefixes up to --prefix-capacity positions per pool slot (a real model's whole context,
-    # e.g. SmolLM2's 8192, would make the pool alone gigabytes and its programs slow to build)
+    # --prefix-capacity: the slots of adaptive-depth requests' lanes (the engine before pages; a real
+    # model's whole context, e.g. SmolLM2's 8192, would make that pool alone gigabytes)
     context = model.config()["max_seq_len"]
     engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue, timeout=args.timeout,
                     prefix_capacity=min(context, args.prefix_capacity), max_loops=args.max_loops,
@@ -362,16 +362,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=16)
     s.add_argument("--max-queue", type=int, default=256)
     s.add_argument("--prefix-capacity", type=int, default=2048,
-                   help="positions of each shared-prefix pool slot (at most the model's context)")
+                   help="adaptive-depth requests: positions of each shared-prefix pool slot (at most the model's "
+                        "context)")
     s.add_argument("--timeout", type=float, default=None, help="per-request deadline in seconds")
     s.add_argument("--max-loops", type=int, default=None,
                    help="the deepest `loops` a request may ask (default 64, or 16 x the model's depth)")
     s.add_argument("--max-lanes", type=int, default=8,
                    help="depths served at once (each holds its compiled programs); a new depth evicts the least "
                         "recently used idle one (default 8)")
-    s.add_argument("--memory-budget", type=_bytes, default="auto",
-                   help="bytes for every depth's pool, rows and prefix store together, e.g. 2G (default auto: "
-                        "half the free memory at start; none: no bound); idle depths are evicted to make room")
+    s.add_argument("--memory-budget", "--kv-memory", dest="memory_budget", type=_bytes, default="auto",
+                   help="bytes for every depth's KV pages and request rows together, e.g. 512M (default auto: half "
+                        "the free memory at start, at most 1G; none: each depth's pool holds max-batch requests at "
+                        "the whole context); cached pages and idle depths are evicted to make room, and a request "
+                        "waits while its pages are not free")
     s.add_argument("--name", default=None, help="the model name clients send (default: the folder's name)")
     s.add_argument("--log-level", default="info")
     s.add_argument("--api-key", default=os.environ.get("TINYLOOP_API_KEY"),

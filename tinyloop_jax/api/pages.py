@@ -43,7 +43,7 @@ class PageBook:
         self.n_pages, self.page_size = n_pages, page_size
         self.refs = [0] * n_pages
         self._free = list(range(n_pages - 1, -1, -1))  # a stack: low ids first
-        self._root = _Node(-1, None, ())
+        self._roots: dict = {}  # namespace -> the root of its tree
         self._nodes: dict[int, _Node] = {}  # indexed page -> its node
         self._clock = itertools.count(1)
 
@@ -62,7 +62,7 @@ class PageBook:
     def cached(self) -> int:
         """Pages eviction can free: indexed pages only the index holds, with nothing held below
         them (a child still read keeps its parents)."""
-        order, stack = [], [self._root]
+        order, stack = [], list(self._roots.values())
         while stack:  # parents before children; walked backwards, children come first
             node = stack.pop()
             order.append(node)
@@ -70,9 +70,9 @@ class PageBook:
         whole, n = {}, 0
         for node in reversed(order):
             ok = all(whole[id(c)] for c in node.children.values())
-            ok = ok and (node is self._root or self.refs[node.page] == 1)
+            ok = ok and (node.parent is None or self.refs[node.page] == 1)
             whole[id(node)] = ok
-            n += ok and node is not self._root
+            n += ok and node.parent is not None
         return n
 
     def available(self) -> int:
@@ -117,10 +117,16 @@ class PageBook:
         t = [int(x) for x in tokens]
         return [tuple(t[i:i + P]) for i in range(0, len(t) - P + 1, P)]
 
-    def match(self, tokens: Sequence[int]) -> list[int]:
+    def _root(self, ns) -> _Node:
+        if ns not in self._roots:
+            self._roots[ns] = _Node(-1, None, ())
+        return self._roots[ns]
+
+    def match(self, tokens: Sequence[int], ns=None) -> list[int]:
         """The pages holding the longest run of tokens' full pages the index knows (not retained:
-        the caller retains what it keeps). Marks them used."""
-        node, out, now = self._root, [], next(self._clock)
+        the caller retains what it keeps). Marks them used. `ns`: the namespace (pages whose
+        contents depend on more than the tokens, e.g. a seed, are indexed under it)."""
+        node, out, now = self._root(ns), [], next(self._clock)
         for c in self._chunks(tokens):
             node = node.children.get(c)
             if node is None:
@@ -129,13 +135,13 @@ class PageBook:
             out.append(node.page)
         return out
 
-    def match_tail(self, tokens: Sequence[int], n_full: int) -> tuple[int, int] | None:
+    def match_tail(self, tokens: Sequence[int], n_full: int, ns=None) -> tuple[int, int] | None:
         """After the first n_full pages of tokens (a `match`), an indexed partial page whose
         tokens begin the rest of `tokens`: (its page, how many of its tokens match), the longest
         such; None if none matches a token. A reader copies the page before writing after it
         (it is shared)."""
         P = self.page_size
-        node = self._root
+        node = self._root(ns)
         for c in self._chunks(tokens)[:n_full]:
             node = node.children.get(c)
             if node is None:
@@ -151,12 +157,12 @@ class PageBook:
         best[0].used = next(self._clock)
         return best[0].page, best[1]
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int], partial: bool = False) -> int:
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], partial: bool = False, ns=None) -> int:
         """Index tokens' full pages: pages[i] holds tokens[i P:(i + 1) P] (held by the caller);
         with `partial`, the last page too if it is partial (a page no one will write again:
         later readers copy it). A chunk already indexed keeps its page; a new one is indexed with
         a reference of the index's own. Returns how many pages were newly indexed."""
-        node, now, added = self._root, next(self._clock), 0
+        node, now, added = self._root(ns), next(self._clock), 0
         chunks = self._chunks(tokens)
         if partial and len(tokens) % self.page_size and len(pages) > len(chunks):
             chunks.append(tuple(int(x) for x in tokens[len(chunks) * self.page_size:]))

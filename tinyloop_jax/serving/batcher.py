@@ -31,6 +31,7 @@ from .handles import Handle, MemoryBudgetError
 from ..api.pages import PageBook
 from ..decoding.sampling import Request, SamplingParams
 from ..model import paged
+from ..model import recurrence as rec
 from ..model.cache import bucket
 
 MIN_TABLE = 4  # page-table entries of the smallest program (64 tokens at P = 16)
@@ -211,14 +212,15 @@ class Batcher:
                                     f"loops={h.loops} holds {d.book.n_pages} within memory_budget="
                                     f"{self.memory_budget} bytes")
         # at least the last token is computed (its logits)
-        shared = d.book.match(h.prompt[:n - 1]) if self.prefix_cache else []
+        ns = self.namespace(h)
+        shared = d.book.match(h.prompt[:n - 1], ns) if self.prefix_cache else []
         d.book.retain(shared)
         try:
-            shared = self._from_store(d, h.prompt, shared)
+            shared = self._from_store(d, h, shared)
         except Exception as e:
             self.fail_depth(d, e)  # its donated pool is gone: the depth is made anew for the next request
             raise
-        tail = d.book.match_tail(h.prompt[:n - 1], len(shared)) if self.prefix_cache else None
+        tail = d.book.match_tail(h.prompt[:n - 1], len(shared), ns) if self.prefix_cache else None
         if tail is not None:
             d.book.retain([tail[0]])  # not evicted for this request's own pages: it is copied into the first
         own = d.book.alloc(need - len(shared))
@@ -259,14 +261,22 @@ class Batcher:
         d.prefilling.append(row)
         return True
 
-    def _from_store(self, d: Depth, prompt, shared: list) -> list:
+    def namespace(self, h: Handle):
+        """Under which name a request's pages are indexed: its seed when the K/V depend on it
+        (Huginn's initial loop states are drawn from the request's seed), else None (shared)."""
+        c = self.cfg
+        return h.params.seed if rec.injected(c) and rec.state_std(c) > 0 else None
+
+    def _from_store(self, d: Depth, h: Handle, shared: list) -> list:
         """`shared` (retained pages of the prompt's first full pages), extended with pages loaded
         from the store's entry when it holds more of the prompt (then indexed: later prompts read
         them in the pool)."""
-        store = self.store
+        store, prompt = self.store, h.prompt
         if store is None or not self.prefix_cache or store.loops != d.loops:
             return shared
         entry, k = store.lookup(prompt)
+        if entry is not None and entry.seed != (self.namespace(h) or 0) and self.namespace(h) is not None:
+            return shared  # its states were drawn from another seed
         full = min(k, len(prompt) - 1) // self.page_size
         if entry is None or full <= len(shared) or entry.cache.kv_mode != self.cfg.storage:
             return shared
@@ -280,7 +290,7 @@ class Batcher:
         d.pool = self._run(("load", d.loops, entry.cache.capacity, R), self.jits(d.loops)["load_entry"], d.pool,
                            entry.cache, table, np.int32(len(shared) * self.page_size),
                            np.int32(full * self.page_size))
-        d.book.insert(prompt[:full * self.page_size], pages)
+        d.book.insert(prompt[:full * self.page_size], pages, ns=self.namespace(h))
         store.touch(entry)
         self.stats["prefix_pool_loads"] += 1
         return pages
@@ -341,7 +351,7 @@ class Batcher:
                 r, n, final = chunk
                 r.fed += n
                 if self.prefix_cache:  # its full pages: shareable from now on
-                    d.book.insert(r.handle.prompt[:r.fed], r.pages)
+                    d.book.insert(r.handle.prompt[:r.fed], r.pages, ns=self.namespace(r.handle))
                 self.stats["prefill_chunks"] += 1
                 counts["tokens_computed"] += n
                 counts["passes"] += n * d.loops
@@ -402,7 +412,8 @@ class Batcher:
             del d.rows[r.slot]
             if r.decoding and self.prefix_cache:  # prompt and output whose K/V are written (each emitted
                 # token but the last was fed): a later turn of the chat reads them
-                d.book.insert(list(r.handle.prompt) + r.handle.tokens[:-1], r.pages, partial=True)
+                d.book.insert(list(r.handle.prompt) + r.handle.tokens[:-1], r.pages, partial=True,
+                              ns=self.namespace(r.handle))
             d.book.release(r.pages)
         if r in d.prefilling:
             d.prefilling.remove(r)
@@ -470,6 +481,10 @@ class Batcher:
             req = Request.from_params([SamplingParams()], stops=False, logit_bias=True, sampled=True)
             self.jits(loops)["admit"].lower(state, np.int32(0), np.zeros((c.vocab_size,), bool), req).compile()
             new.add(("admit", loops))
+        if ("copy", loops) not in self.programs:
+            one = np.zeros((1,), np.int32)
+            self.jits(loops)["copy_pages"].lower(pool, one, one).compile()
+            new.add(("copy", loops))
         if self.store is not None and self.store.loops == loops:  # loads of the store's entries
             for e in self.store.entries():
                 R = pow2(-(-len(e.prompt) // P), MIN_TABLE)
