@@ -248,12 +248,13 @@ def as_groups(rows, tokens) -> tuple[tuple, tuple]:
 
 @tf.exact
 def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops: int, window: int,
-            exit: tf.Exit | None = None, seeds=None):
+            exit: tf.Exit | None = None, seeds=None, keep_state: bool = False):
     """One step: groups of rows, each `Rows` [b, R] with its tokens [b, T] (row i's first
     n_new[i] real, at positions start[i] + t), through every layer at depth `loops`, their K/V
     written into the rows' pages. `rows`, `tokens` (and `seeds`: [b] uint32 each, the injection
     models' initial states; None: 0) are one group or tuples of groups. Returns (the streams the
-    logits come from, [b, T, D] per group (a tuple for tuples), the pool)."""
+    logits come from, [b, T, D] per group (a tuple for tuples), the pool); keep_state: also the
+    streams after the last pass (before the coda; injection models: the loop state), the same way."""
     single = isinstance(rows, Rows)
     rows, tokens = as_groups(rows, tokens)
     if pool.passes < loops:
@@ -298,13 +299,18 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
     for blk, store in zip(params.post, pool.post):
         y, store = block(y, blk, cfg, groups, store, None, window)
         post.append(store)
-    out = sel.pick(x) if gated else y
+    pool = pool.replace(pre=tuple(pre), loop=loop, post=tuple(post))
+    out = split(sel.pick(x) if gated else y, groups, single)
+    return (out, pool, split(x, groups, single)) if keep_state else (out, pool)
+
+
+def split(x: jax.Array, groups: tuple, single: bool):
+    """The step's streams [N, D] back into the groups' [b, T, D] (one array for one group)."""
     outs, at = [], 0
     for g in groups:
-        outs.append(out[at:at + g.size].reshape(*g.pos.shape, -1))
+        outs.append(x[at:at + g.size].reshape(*g.pos.shape, -1))
         at += g.size
-    pool = pool.replace(pre=tuple(pre), loop=loop, post=tuple(post))
-    return (outs[0] if single else tuple(outs)), pool
+    return outs[0] if single else tuple(outs)
 
 
 def last_logits(params: Params, cfg: ModelConfig, x: jax.Array, rows: Rows) -> jax.Array:

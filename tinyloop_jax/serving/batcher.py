@@ -30,6 +30,7 @@ from . import step as S
 from .handles import Handle, MemoryBudgetError
 from ..api.pages import PageBook
 from ..decoding.sampling import Request, SamplingParams
+from ..model import adaptive as ad
 from ..model import paged
 from ..model import recurrence as rec
 from ..model.cache import bucket
@@ -70,6 +71,7 @@ class Depth:
     prefilling: collections.deque = field(default_factory=collections.deque)  # rows with prompt left, FIFO
     used: int = 0  # tick of its last admission
     inflight: tuple | None = None  # the dispatched step not read yet
+    adaptive: bool = False  # a request with an exit rule came in: decode rows take the adaptive-depth step
 
 
 class Batcher:
@@ -106,10 +108,14 @@ class Batcher:
         return paged.page_nbytes(c.storage, c.n_cache_layers(loops), c.n_kv_heads, self.page_size, c.head_dim,
                                  c.d_model)
 
+    def _empty_rows(self) -> S.RowState:
+        c = self.cfg
+        return S.empty_rows(self.max_batch, c.vocab_size, c.d_model, c.compute_dtype)
+
     def rows_nbytes(self) -> int:
         """Bytes of a depth's request rows (`step.RowState`)."""
         if not hasattr(self, "_rows_nbytes"):
-            shapes = jax.eval_shape(lambda: S.empty_rows(self.max_batch, self.cfg.vocab_size))
+            shapes = jax.eval_shape(self._empty_rows)
             self._rows_nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
         return self._rows_nbytes
 
@@ -189,7 +195,7 @@ class Batcher:
         n_pages = self.pool_pages(loops)
         pool = jax.jit(lambda: paged.empty(self.cfg, loops, n_pages, self.page_size))()
         d = Depth(loops, self.model.exit_for(loops), pool, PageBook(n_pages, self.page_size),
-                  jax.jit(S.empty_rows, static_argnums=(0, 1))(self.max_batch, self.cfg.vocab_size))
+                  jax.jit(self._empty_rows)())
         self.depths[loops] = d
         return d
 
@@ -242,8 +248,10 @@ class Batcher:
         seen = np.zeros((self.cfg.vocab_size,), bool)
         seen[h.prompt] = True
         req = Request.from_params([h.params], stops=False, logit_bias=True, sampled=True)
+        pol = jax.tree.map(np.asarray, ad.EVERY_PASS if h.policy is None else h.policy)
         try:
-            d.state = self._run(("admit", d.loops), self.jits(d.loops)["admit"], d.state, np.int32(slot), seen, req)
+            d.state = self._run(("admit", d.loops), self.jits(d.loops)["admit"], d.state, np.int32(slot), seen, req,
+                                pol)
         except Exception as e:
             d.book.release(shared + own)
             self.fail_depth(d, e)
@@ -259,6 +267,7 @@ class Batcher:
         self.stats["prefix_tokens_reused"] += hit
         row = d.rows[slot] = Row(h, slot, shared + own, hit)
         d.prefilling.append(row)
+        d.adaptive |= h.policy is not None
         return True
 
     def namespace(self, h: Handle):
@@ -323,6 +332,7 @@ class Batcher:
             chunk = (r, n, r.fed + n == len(r.handle.prompt))
         decoding = [r for r in d.rows.values()
                     if r.decoding and len(r.handle.tokens) + r.ahead < r.handle.params.max_tokens]
+        ran = []
         if chunk is not None or decoding:
             lengths = [r.fed + len(r.handle.tokens) + r.ahead for r in decoding]  # positions after the step
             if chunk is not None:
@@ -340,13 +350,19 @@ class Batcher:
                 starts = [r.fed + len(r.handle.tokens) + r.ahead - 1 for r in decoding]
                 decodes = S.make_decodes([r.pages for r in decoding], starts, [r.slot for r in decoding],
                                          [len(r.handle.tokens) + r.ahead for r in decoding], R, bd)
-            w = self.model.weights
-            ctok, dtok, d.pool, d.state = self._run(("step", d.loops, bd, T, R), self.jits(d.loops)["step"], w.params,
-                                                    w.config, d.pool, d.state, chunks, decodes, loops=d.loops,
-                                                    exit=d.exit)
+            w, jits = self.model.weights, self.jits(d.loops)
+            dtok = passes = None
+            if d.adaptive and decodes is not None:  # the decode rows' passes stop at their exits
+                if chunks is not None:
+                    ctok, _, d.pool, d.state = self._run(("step", d.loops, 0, T, R), jits["step"], w.params, w.config,
+                                                         d.pool, d.state, chunks, None, loops=d.loops, exit=d.exit)
+                dtok, passes, d.pool, d.state = self._run(("step_adaptive", d.loops, bd, R), jits["step_adaptive"],
+                                                          w.params, w.config, d.pool, d.state, decodes, loops=d.loops)
+            else:
+                ctok, dtok, d.pool, d.state = self._run(("step", d.loops, bd, T, R), jits["step"], w.params, w.config,
+                                                        d.pool, d.state, chunks, decodes, loops=d.loops, exit=d.exit)
             self.stats["steps"] += 1
             counts = self.depth_counts[d.loops]
-            ran = []
             if chunk is not None:
                 r, n, final = chunk
                 r.fed += n
@@ -359,15 +375,19 @@ class Batcher:
                     d.prefilling.popleft()
                     r.decoding = True
                     r.ahead += 1
-                    ran.append((r, 0, ctok))
+                    if r.handle.policy is not None:  # the prompt ran every pass
+                        r.handle.depths.append(d.loops)
+                    ran.append((r, 0, ctok, None))
             for i, r in enumerate(decoding):
                 r.ahead += 1
-                ran.append((r, i, dtok))
+                ran.append((r, i, dtok, passes))
             if decoding:
                 self.stats["decode_steps"] += 1
                 self.stats["batch_rows"] += len(decoding)
                 counts["tokens_computed"] += len(decoding)
-                counts["passes"] += len(decoding) * d.loops
+                if passes is None:  # adaptive: counted when read
+                    counts["passes"] += len(decoding) * d.loops
+        if ran:
             if self.overlap:
                 d.inflight = ran
             else:
@@ -376,15 +396,26 @@ class Batcher:
             self._read(d, prev)
 
     def _read(self, d: Depth, ran: list) -> None:
-        """The tokens of a dispatched step (waits for it), emitted for the rows still in."""
+        """The tokens of a dispatched step (waits for it), emitted for the rows still in; with
+        adaptive depth the passes each decode row ran are counted and kept."""
         host = {}
-        for r, i, tok in ran:
+
+        def get(a):
+            if id(a) not in host:
+                host[id(a)] = np.asarray(a)
+            return host[id(a)]
+
+        counts = self.depth_counts[d.loops]
+        for r, i, tok, passes in ran:
             r.ahead -= 1
-            if r.left:
-                continue
-            if id(tok) not in host:
-                host[id(tok)] = np.asarray(tok)
-            self._emit(d, r, int(host[id(tok)][i]))
+            if passes is not None:
+                p = int(get(passes)[i])
+                counts["passes"] += p
+                counts["passes_skipped"] += d.loops - p
+                if not r.left and r.handle.policy is not None:
+                    r.handle.depths.append(p)
+            if not r.left:
+                self._emit(d, r, int(get(tok)[i]))
 
     def _emit(self, d: Depth, r: Row, t: int) -> None:
         h, s = r.handle, r.handle.params
@@ -466,7 +497,7 @@ class Batcher:
         w, c, P = self.model.weights, self.cfg, self.page_size
         n_pages = self.pool_pages(loops)
         pool = jax.eval_shape(lambda: paged.empty(c, loops, n_pages, P))
-        state = jax.eval_shape(lambda: S.empty_rows(self.max_batch, c.vocab_size))
+        state = jax.eval_shape(self._empty_rows)
         new = set()
         for bd, T, R in self.step_shapes(loops):
             key = ("step", loops, bd, T, R)
@@ -479,7 +510,8 @@ class Batcher:
             new.add(key)
         if ("admit", loops) not in self.programs:
             req = Request.from_params([SamplingParams()], stops=False, logit_bias=True, sampled=True)
-            self.jits(loops)["admit"].lower(state, np.int32(0), np.zeros((c.vocab_size,), bool), req).compile()
+            pol = jax.tree.map(np.asarray, ad.EVERY_PASS)
+            self.jits(loops)["admit"].lower(state, np.int32(0), np.zeros((c.vocab_size,), bool), req, pol).compile()
             new.add(("admit", loops))
         if ("copy", loops) not in self.programs:
             one = np.zeros((1,), np.int32)

@@ -382,7 +382,7 @@ class Engine:
                 if not self._queue:
                     return
                 h = self._queue.popleft()
-            side = self.batcher if h.policy is None else self.scheduler
+            side = self.batcher
             try:
                 if side.running() >= self.max_batch or not side.place(h):  # it waits, at the head of the queue
                     with self._cv:

@@ -22,7 +22,9 @@ import numpy as np
 from flax import struct
 
 from ..decoding.sampling import Request, select_tokens
+from ..model import adaptive as ad
 from ..model import paged
+from ..model import paged_adaptive as pa
 from ..model import transformer as tf
 from ..model.config import ModelConfig
 from ..model.params import Params
@@ -39,12 +41,15 @@ class RowState:
     counts: Annotated[jax.Array, "int32[M, V]"]  # emitted tokens fed so far, per id (OpenAI penalties)
     last: Annotated[jax.Array, "int32[M]"]  # the last token chosen (a decode row's next input)
     req: Request  # [M] the knobs (stops are checked on the host)
+    pol: ad.Policy  # [M] the exit rules (adaptive depth; kind NONE: every pass)
+    warm: Annotated[jax.Array, "[M, D]"]  # each request's last loop state (continuous compute)
 
 
-def empty_rows(rows: int, vocab: int) -> RowState:
+def empty_rows(rows: int, vocab: int, d_model: int, dtype=jnp.float32) -> RowState:
     req = Request.make(rows, 0.0, 0, 1.0, 1.0, max_tokens=1, carry_bias=True, sampled=True)
+    pol = jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (rows,)), ad.EVERY_PASS)
     return RowState(jnp.zeros((rows, vocab), bool), jnp.zeros((rows, vocab), jnp.int32), jnp.zeros((rows,), jnp.int32),
-                    jax.tree.map(jnp.asarray, req))
+                    jax.tree.map(jnp.asarray, req), pol, jnp.zeros((rows, d_model), dtype))
 
 
 @struct.dataclass
@@ -74,11 +79,12 @@ def _put(tree, slot, value):
     return jax.tree.map(lambda a, v: a.at[slot].set(v, mode="drop"), tree, value)
 
 
-def admit(state: RowState, slot: jax.Array, seen: jax.Array, req: Request) -> RowState:
+def admit(state: RowState, slot: jax.Array, seen: jax.Array, req: Request, pol: ad.Policy) -> RowState:
     """Request row `slot` <- a new request: its prompt's tokens seen [V], nothing emitted, its
-    knobs req [1]."""
-    return state.replace(seen=state.seen.at[slot].set(seen, mode="drop"), counts=state.counts.at[slot].set(0, mode="drop"),
-                         req=_put(state.req, slot[None], req))
+    knobs req [1], its exit rule pol []."""
+    return state.replace(seen=state.seen.at[slot].set(seen, mode="drop"),
+                         counts=state.counts.at[slot].set(0, mode="drop"), req=_put(state.req, slot[None], req),
+                         pol=_put(state.pol, slot[None], jax.tree.map(lambda a: jnp.asarray(a)[None], pol)))
 
 
 def step(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: RowState, chunks: Chunks | None,
@@ -95,29 +101,49 @@ def step(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: RowState,
         groups.append(decodes.rows)
         tokens.append(_take(state.last, decodes.slot)[:, None])
         seeds.append(_take(state.req.seed, decodes.slot))
-    xs, pool = paged.forward(params, cfg, pool, tuple(groups), tuple(tokens), loops, 0, exit, tuple(seeds))
-    out = []
+    xs, pool, states = paged.forward(params, cfg, pool, tuple(groups), tuple(tokens), loops, 0, exit, tuple(seeds),
+                                     keep_state=True)
+    ctok = dtok = None
     if chunks is not None:
-        logits = paged.last_logits(params, cfg, xs[0], chunks.rows)
-        tok = select_tokens(logits, _take(state.seen, chunks.slot), _take(state.req, chunks.slot), jnp.int32(0))
-        state = state.replace(last=state.last.at[jnp.where(chunks.final, chunks.slot, state.last.shape[0])].set(
-            tok, mode="drop"))
-        out.append(tok)
-    else:
-        out.append(None)
+        ctok, state = _first_tokens(params, cfg, state, chunks, xs[0], states[0])
     if decodes is not None:
-        s = decodes.slot
-        fed = _take(state.last, s)
-        # the fed token joins seen / counts first (a filler row's slot M drops its writes)
-        seen = state.seen.at[s, fed].set(True, mode="drop")
-        counts = state.counts.at[s, fed].add(1, mode="drop")
-        logits = tf.lm_head(params, cfg, xs[-1][:, 0])
-        tok = select_tokens(logits, _take(seen, s), _take(state.req, s), decodes.steps, _take(counts, s))
-        state = state.replace(seen=seen, counts=counts, last=state.last.at[s].set(tok, mode="drop"))
-        out.append(tok)
-    else:
-        out.append(None)
-    return out[0], out[1], pool, state
+        dtok, state = _next_tokens(state, decodes, tf.lm_head(params, cfg, xs[-1][:, 0]))
+    return ctok, dtok, pool, state
+
+
+def _first_tokens(params, cfg, state: RowState, chunks: Chunks, x: jax.Array, loop_state: jax.Array):
+    """The chunks' first tokens (meaningful for final chunks, which keep them as `last`, and
+    their last loop state as `warm`)."""
+    logits = paged.last_logits(params, cfg, x, chunks.rows)
+    tok = select_tokens(logits, _take(state.seen, chunks.slot), _take(state.req, chunks.slot), jnp.int32(0))
+    at = jnp.where(chunks.final, chunks.slot, FILLER)
+    last = jnp.maximum(chunks.rows.n_new - 1, 0)
+    warm = jnp.take_along_axis(loop_state, last[:, None, None], axis=1)[:, 0]
+    return tok, state.replace(last=state.last.at[at].set(tok, mode="drop"),
+                              warm=state.warm.at[at].set(warm.astype(state.warm.dtype), mode="drop"))
+
+
+def _next_tokens(state: RowState, decodes: Decodes, logits: jax.Array):
+    """Each decode row's next token from its logits [b, V]: its fed token joins seen / counts
+    first (a filler row's slot drops its writes)."""
+    s = decodes.slot
+    fed = _take(state.last, s)
+    seen = state.seen.at[s, fed].set(True, mode="drop")
+    counts = state.counts.at[s, fed].add(1, mode="drop")
+    tok = select_tokens(logits, _take(seen, s), _take(state.req, s), decodes.steps, _take(counts, s))
+    return tok, state.replace(seen=seen, counts=counts, last=state.last.at[s].set(tok, mode="drop"))
+
+
+def step_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: RowState, decodes: Decodes,
+                  loops: int):
+    """The decode rows' next tokens with adaptive depth: each row's passes stop at its exit (its
+    request's `pol`; kind NONE: every pass). Returns (tokens [b], passes run [b], pool, state)."""
+    s = decodes.slot
+    out = pa.forward_decode(params, cfg, pool, decodes.rows, _take(state.last, s), loops, _take(state.pol, s),
+                            _take(state.req.seed, s), _take(state.warm, s))
+    tok, state = _next_tokens(state, decodes, out.logits)
+    return tok, out.depth, out.pool, state.replace(warm=state.warm.at[s].set(out.state.astype(state.warm.dtype),
+                                                                               mode="drop"))
 
 
 def load_entry(pool: paged.PagedKV, seg, pages: jax.Array, start: jax.Array, n: jax.Array) -> paged.PagedKV:
@@ -138,6 +164,7 @@ def load_entry(pool: paged.PagedKV, seg, pages: jax.Array, start: jax.Array, n: 
 copy_pages = paged.copy_pages
 
 JIT_OPTIONS = dict(load_entry=dict(donate_argnames=("pool",)), copy_pages=dict(donate_argnames=("pool",)),
+                   step_adaptive=dict(static_argnames=("cfg", "loops"), donate_argnames=("pool", "state")),
                    step=dict(static_argnames=("cfg", "loops"), donate_argnames=("pool", "state")),
                    admit=dict(donate_argnames=("state",)))
 

@@ -1,0 +1,126 @@
+"""Adaptive depth on pages: b decode rows, one token each, whose passes stop at their exits
+(`adaptive`'s criteria and rules, on `paged`'s pool).
+
+The pass loop is a `lax.while_loop` whose trip count is data: rows that exited keep their
+state (masked) until the last row exits; the coda runs at checks that need logits (its K/V
+written only for the rows that needed it); at the end the passes a row skipped take, in its
+page, the K/V of its last computed pass of the same loop block — what a token that exited
+offers the later tokens that run deeper (the reference's rule, as `adaptive.fill_skipped`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from . import adaptive as ad
+from . import paged
+from . import recurrence as rec
+from . import transformer as tf
+from .config import ModelConfig
+from .params import Params
+
+
+class Out(NamedTuple):
+    logits: jax.Array  # [b, V] next-token logits
+    pool: paged.PagedKV
+    depth: jax.Array  # [b] int32 passes run
+    state: jax.Array  # [b, D] the state where each row stopped (continuous compute)
+
+
+def fill_skipped(stack: dict, page: jax.Array, off: jax.Array, depth: jax.Array, loops: int) -> dict:
+    """Passes depth[i]..loops-1 of row i's token (at page[i], off[i]) take pass depth[i]-1's K/V."""
+    def one(a):  # [L, k, lead, NP, P, w]
+        col = a[:, :, :, page, off]  # [L, k, lead, b, w]
+        last = jnp.take_along_axis(col, jnp.maximum(depth - 1, 0)[None, None, None, :, None], axis=0)
+        p = jnp.arange(a.shape[0])[:, None, None, None, None]
+        col = jnp.where((p >= depth[None, None, None, :, None]) & (p < loops), last, col)
+        return a.at[:, :, :, page, off].set(col, mode="drop")
+    return {n: one(a) for n, a in stack.items()}
+
+
+@tf.exact
+def forward_decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, tokens: jax.Array,
+                   loops: int, pol: ad.Policy, seeds: jax.Array, warm: jax.Array | None = None) -> Out:
+    """Decode rows tokens [b] (at rows.start, n_new 1; 0: a filler row) with adaptive depth: pol
+    [b] each row's exit rule (kind NONE: every pass), seeds [b] uint32 (initial states), warm
+    [b, D]: the state a continuous-compute row starts from."""
+    b, V = tokens.shape[0], cfg.vocab_size
+    g = paged.Group.of(rows, 1, pool)
+    groups, pos = (g,), g.pos.reshape(-1)
+    x = paged.embed(params, tokens, pos)
+    inject = rec.injected(cfg)
+    if inject and cfg.embed_scale != 1.0:
+        x = x * cfg.embed_scale
+    pre = []
+    for blk, store in zip(params.pre, pool.pre):
+        x, store = paged.block(x, blk, cfg, groups, store, None, 0)
+        pre.append(store)
+    e, s = None, x
+    if inject:
+        e, s = x, jax.vmap(lambda sd, p: rec.initial_state(cfg, sd, p[None])[0])(seeds, pos)
+        if warm is not None:
+            s = jnp.where(pol.warm[:, None], warm.astype(s.dtype), s)
+    judge = jax.vmap(lambda a: ad.Judge.start(a[None], V))(s)
+    valid = jnp.ones((b, 1), bool)
+    vm = jax.vmap
+
+    def coda_logits(x, post, need):
+        """The coda (its K/V kept only where `need`) and the logits [b, V]."""
+        old = [{n: a[:, g.page, g.off] for n, a in store.items()} for store in post]
+        y, new = (tf.final_norm(params, cfg, x) if cfg.norm_before_coda else x), []
+        for blk, store in zip(params.post, post):
+            y, store = paged.block(y, blk, cfg, groups, store, None, 0)
+            new.append(store)
+        keep = lambda n, o: jnp.where(need[None, :, None], n, o)  # noqa: E731
+        new = [paged.write(store, {n: keep(store[n][:, g.page, g.off], o[n]) for n in store}, g.page, g.off)
+               for store, o in zip(new, old)]
+        return tf.lm_head(params, cfg, y), tuple(new)
+
+    def gate_prob(x):
+        return tf.gate(params, x) if cfg.early_exit_gate else jnp.zeros((b,), jnp.float32)
+
+    class Carry(NamedTuple):
+        i: jax.Array
+        s: jax.Array
+        stack: dict
+        post: tuple
+        active: jax.Array
+        depth: jax.Array
+        judge: ad.Judge
+        logits: jax.Array
+        have: jax.Array
+
+    def body(c: Carry) -> Carry:
+        x = rec.pass_input(params, c.s, e) if inject else c.s
+        stack = c.stack
+        for j, blk in enumerate(params.loop):
+            x, stack = paged.block(x, blk, cfg, groups, stack, (c.i, j), 0)
+        s_new = tf.final_norm(params, cfg, x) if cfg.pass_norm else x
+        last = c.i == loops - 1
+        check = c.active & vm(lambda p: ad.is_check(p, c.i))(pol)
+        gp = gate_prob(s_new)
+        quick = vm(lambda p, j, a, v, q, k: ad.quick_exit(p, j, last, a, v, q, k))(pol, c.judge, s_new[:, None], valid,
+                                                                                  gp, check)
+        need = check & (jnp.isin(pol.kind, jnp.array(ad.LOGIT_KINDS)) | quick)
+        logits, post = jax.lax.cond(jnp.any(need), lambda p: coda_logits(s_new, p, need), lambda p: (c.logits, p),
+                                    c.post)
+        leave, judge = vm(lambda p, j, a, v, q, lg, k: ad.judge_pass(p, j, c.i, last, a, v, q, lg, k))(
+            pol, c.judge, s_new[:, None], valid, gp, logits, check)
+        judge = jax.tree.map(lambda n, o: jnp.where(c.active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o), judge,
+                             c.judge)
+        return Carry(c.i + 1, jnp.where(c.active[:, None], s_new, c.s), stack, post, c.active & ~leave,
+                     jnp.where(c.active, c.i + 1, c.depth), judge, jnp.where(need[:, None], logits, c.logits),
+                     c.have | need)
+
+    c = Carry(jnp.int32(0), s, pool.loop, pool.post, rows.n_new > 0, jnp.zeros((b,), jnp.int32), judge,
+              jnp.zeros((b, V), jnp.float32), jnp.zeros((b,), bool))
+    c = jax.lax.while_loop(lambda c: (c.i < loops) & jnp.any(c.active), body, c)
+    final = ~c.have  # rows that never computed logits: the last pass's
+    logits, post = jax.lax.cond(jnp.any(final), lambda p: coda_logits(c.s, p, final), lambda p: (c.logits, p),
+                                c.post)
+    logits = jnp.where(final[:, None], logits, c.logits)
+    stack = fill_skipped(c.stack, g.page, g.off, c.depth, loops)
+    return Out(logits, pool.replace(pre=tuple(pre), loop=stack, post=post), c.depth, c.s)
