@@ -45,7 +45,11 @@ SYSTEM = ("You are the assistant of a public library. You answer questions about
           "quiet zones: no phone calls, no food, drinks only in closed bottles. Laptops are welcome and the "
           "wireless network is open to everyone. Printing costs ten cents a page in black and white and fifty in "
           "colour. Lost cards are replaced for two euros. Answer briefly and politely, in one or two sentences, "
-          "and say when you do not know.")
+          "and say when you do not know. The library also lends museum passes, two at a time for one week, and "
+          "laptops for use inside the building only, against an identity card. Group visits for schools are "
+          "booked by email at least two weeks ahead. The garden behind the main building is open in summer; "
+          "readers may take books there but not films or games. The basement holds the local archive, open "
+          "on Tuesday and Friday mornings by appointment.")
 QUESTION = "Can I borrow five films at once, and what happens if I return one late?"
 
 
@@ -164,7 +168,7 @@ def paged_step_time(model, rows: int, live: int, steps: int) -> float:
     loops = c.default_loops
     per_row = -(-(live + steps + 2) // P)
     pool = jax.jit(lambda: paged.empty(c, loops, rows * per_row, P))()
-    state = jax.jit(S.empty_rows, static_argnums=(0, 1))(16, c.vocab_size)
+    state = jax.jit(S.empty_rows, static_argnums=(0, 1, 2))(16, c.vocab_size, c.d_model)
     program = S.programs()["step"]
     bd = next(b for b in batch_buckets(16) if b >= rows)
     tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]
