@@ -11,9 +11,9 @@ engine before pages and the engine on pages.
    (`tinyloop serve`'s app, the official openai client streaming a chat completion). Medians of
    --repeats runs after a warm-up run of each.
 2. A decode step's time (median of --steps) for B rows (1, 4, 16) of L live tokens each (64, 512,
-   2048): the old lane engine's `decode_step` (rows of the engine's default shapes: 256 positions,
-   the whole context once a row needs more; the pool of 8 slots read as it reads it) against
-   the paged step (every row's pages; page tables as long as the rows need).
+   2048): the paged step (every row's pages; page tables as long as the rows need). The engine
+   before pages (its lanes' `decode_step`) was measured beside it by this script at commit
+   5f03f68, the last that had it; docs/benchmarks.md keeps that table.
 """
 
 from __future__ import annotations
@@ -126,39 +126,6 @@ def http_decode_rate(model, tok, messages, n: int, repeats: int) -> tuple[float,
 
 # ---- step time: rows x live tokens -------------------------------------------------------------
 
-def old_step_time(model, rows: int, live: int, steps: int) -> float:
-    """The lane engine's decode step for `rows` rows holding `live` tokens each (in their own
-    segments; the default shapes: 256 positions a row, the whole context once a row needs more;
-    8 pool slots of the context, one read as a copy as `lane.decode_rows` reads an unused pool)."""
-    from tinyloop_jax.serving import programs as P
-    from tinyloop_jax.serving.lane import Lane, Limits
-    from tinyloop_jax.serving.pool import PrefixPool
-    from tinyloop_jax.serving.runner import Runner
-    c = model.weights.config
-    limits = Limits.of(16, 64, 8, c.max_seq_len, None, None, True)
-    runner = Runner(model.weights, limits, c.storage.working)
-    loops = c.default_loops
-    lane = Lane(loops, None, model.exit_for(loops), PrefixPool(limits.slots), runner.empty_state(loops))
-    cap = limits.row_capacity if live + steps <= limits.row_capacity else limits.max_capacity
-    runner.reshape(lane, rows, cap)
-    s = lane.state
-    own = s.own.replace(pos=jnp.where(jnp.arange(cap)[None] < live, jnp.arange(cap)[None], -1) * jnp.ones((rows, 1),
-                                                                                                          jnp.int32),
-                        length=jnp.full((rows,), live, jnp.int32))
-    lane.state = s.replace(own=own)
-    z = np.zeros((rows,), np.int32)
-    dr = P.DecodeRows(np.zeros((1,), np.int32), z - 1, z, np.ones((rows,), bool), z)
-    times = []
-    for i in range(steps + 2):
-        t = time.perf_counter()
-        tok, _ = runner.decode(lane, dr)
-        jax.block_until_ready(tok)
-        if i >= 2:
-            times.append(time.perf_counter() - t)
-    runner.close()
-    return statistics.median(times)
-
-
 def paged_step_time(model, rows: int, live: int, steps: int) -> float:
     """The paged engine's step for `rows` decode rows of `live` tokens each, pages of their own."""
     from tinyloop_jax.model import paged
@@ -221,13 +188,12 @@ def main():
     if not args.skip_steps:
         rows, lives = [int(x) for x in args.rows.split(",")], [int(x) for x in args.live.split(",")]
         lines += ["", f"A decode step's time, ms (median of {args.steps} steps): B rows of L live tokens each.", "",
-                  "| B | L | engine before pages | engine on pages | ratio |", "|---|---|---|---|---|"]
+                  "| B | L | engine on pages |", "|---|---|---|"]
         for b in rows:
             for live in lives:
-                old = old_step_time(model, b, live, args.steps)
                 new = paged_step_time(model, b, live, args.steps)
-                print(f"B={b} L={live}: old {old * 1e3:.1f} ms, paged {new * 1e3:.1f} ms", flush=True)
-                lines.append(f"| {b} | {live} | {old * 1e3:.1f} | {new * 1e3:.1f} | {old / new:.2f}x |")
+                print(f"B={b} L={live}: paged {new * 1e3:.1f} ms", flush=True)
+                lines.append(f"| {b} | {live} | {new * 1e3:.1f} |")
                 jax.clear_caches()
     body = "\n".join(["## The engine on pages (issue 45, `scripts/bench_engine.py`)", "", f"`{command()}`", ""]
                      + lines)

@@ -2,19 +2,18 @@
 prompts + unique questions, and now and then a long prompt with no cached prefix.
 
 Arms (the same requests, in the same process, one after another):
-  engine     Engine(max_batch=16) with the prefix store (the server as shipped)
+  engine     Engine(max_batch=16) with prefix sharing by pages (the server as shipped)
   sync       the same engine reading each decode step's tokens before dispatching the next
              (overlap=False: the loop before issue 22)
   batch1     the same server with max_batch=1 (one request at a time, still prefix-cached)
-  nostore    max_batch=16, no prefix store (every prompt prefilled whole)
-  unchunked  max_batch=16 with the store, whole prompts in one prefill program (no chunking)
+  nostore    max_batch=16, no prefix sharing (every prompt prefilled whole)
 
 Reported per arm: throughput (emitted tokens / wall time), time to first token (TTFT) p50/p99
 for the short (system-prompt) requests and for the long ones, the gaps between a stream's
 tokens (inter-token latency) p50/p99, request latency p50/p99, and
 whether every greedy output equals the engine arm's, and wall ms per decode step against the
 decode program's own time (`step_floor`). Each arm first serves one request per
-system prompt (untimed: compiles, and the store holds the hot prompts, as in steady state).
+system prompt (untimed: compiles, and the pool holds the hot prompts' pages, as in steady state).
 
     python scripts/bench_serve.py                       # bundled model and a GPT-2-small shape
     python scripts/bench_serve.py --models bundled --requests 48
@@ -30,6 +29,7 @@ import sys
 import threading
 import time
 
+import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -155,33 +155,35 @@ def pct(xs, q) -> float:
 
 
 ARMS = dict(engine=dict(max_batch=16), sync=dict(max_batch=16, overlap=False), batch1=dict(max_batch=1),
-            nostore=dict(max_batch=16, prefix_cache=False), unchunked=dict(max_batch=16, prefill_chunk=None),
-            rows64=dict(max_batch=16, row_capacity=64))  # rows of 64 positions, the whole context when one needs more
+            nostore=dict(max_batch=16, prefix_cache=False))
 
 
-def step_floor(model, kw, rows: int = 16, n: int = 48) -> tuple[float, float]:
-    """The engine's decode program alone on a batch of `rows` active rows (reading every pool
-    slot, as a busy step does): ms per step dispatched back to back (the device's time: no host
-    work between steps), and ms per step when each step's tokens are read before the next."""
-    from tinyloop_jax.serving import programs as P
-    from tinyloop_jax.serving.lane import Lane
-    from tinyloop_jax.serving.pool import PrefixPool
-    from tinyloop_jax.serving.runner import Runner
+def step_floor(model, kw, rows: int = 16, n: int = 48, live: int = 64) -> tuple[float, float]:
+    """The engine's step program alone on `rows` decode rows of `live` tokens each: ms per step
+    dispatched back to back (the device's time: no host work between steps), and ms per step
+    when each step's tokens are read before the next."""
+    from tinyloop_jax.model import paged
+    from tinyloop_jax.serving import step as S
+    from tinyloop_jax.serving.batcher import MIN_TABLE, pow2
 
-    eng = tl.Engine(model, **kw)
-    runner, lim = Runner(model.weights, eng.limits, eng.work_mode), eng.limits
-    loops = model.weights.config.default_loops
-    eng.close()
-    zeros = np.zeros((rows,), np.int32)
-    batch = P.DecodeRows(np.arange(lim.slots, dtype=np.int32), zeros, zeros, np.ones((rows,), bool), zeros)
+    c, P = model.weights.config, paged.PAGE_SIZE
+    loops = c.default_loops
+    per_row = -(-(live + 2 * n + 4) // P)
     out = []
     for sync in (False, True):
-        lane = Lane(loops, None, model.exit_for(loops), PrefixPool(lim.slots), runner.empty_state(loops))
-        runner.reshape(lane, rows, lim.row_capacity)
-        np.asarray(runner.decode(lane, batch)[0])  # compiled, warm
+        pool = jax.jit(lambda: paged.empty(c, loops, rows * per_row, P))()
+        state = jax.jit(S.empty_rows, static_argnums=(0, 1, 2))(rows, c.vocab_size, c.d_model)
+        program = S.programs()["step"]
+        tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]
+        R = pow2(per_row, MIN_TABLE)
+        dec = S.make_decodes(tables, [live] * rows, list(range(rows)), [1] * rows, R, rows)
+        _, tok, pool, state = program(model.weights.params, c, pool, state, None, dec, loops=loops,
+                                      exit=model.exit_for(loops))
+        np.asarray(tok)  # compiled, warm
         t = time.perf_counter()
         for _ in range(n):
-            tok, _ = runner.decode(lane, batch)
+            _, tok, pool, state = program(model.weights.params, c, pool, state, None, dec, loops=loops,
+                                          exit=model.exit_for(loops))
             if sync:
                 np.asarray(tok)
         np.asarray(tok)
@@ -197,16 +199,14 @@ def run_model(name: str, args) -> str:
         cfg = tl.ModelConfig(vocab_size=50257, d_model=768, n_heads=12, n_pre_blocks=11, default_loops=1,
                              max_seq_len=1024)
         model, tok = tl.Model.random(cfg, seed=0), IdsTokenizer()
-        extra = dict(prefix_capacity=512, row_capacity=128)  # system prompts <= 512 tokens; rests + answers < 128
+        extra = {}
     c = model.weights.config
     rng = np.random.default_rng(0)
     n = args.requests if name == "bundled" else args.gpt2_requests
     prompts, warm = workload(name, model, n, rng)
     rows, ref = [], None
     for arm in (args.arms if name == "bundled" else args.gpt2_arms):
-        kw = dict(ARMS[arm], prefix_slots=args.prefix_slots, **extra)
-        if kw.get("prefill_chunk", 1) is None:
-            kw["prefill_chunk"] = c.max_seq_len
+        kw = dict(ARMS[arm], **extra)
         print(f"[{name}] {arm}: {kw}", file=sys.stderr, flush=True)
         srv = Server(model, tok, **kw)
         try:
@@ -240,10 +240,10 @@ def run_model(name: str, args) -> str:
         print(f"  {r['tps']:.1f} tok/s, ttft p50 {r['ttft50']:.3f} p99 {r['ttft99']:.3f} s, "
               f"itl p99 {r['itl99'] * 1e3:.0f} ms, batch {r['batch']:.1f}, {r['step']:.1f} ms/step, "
               f"same {same}", file=sys.stderr, flush=True)
-    floor, synced = step_floor(model, dict(ARMS["engine"], prefix_slots=args.prefix_slots, **extra))
+    floor, synced = step_floor(model, dict(ARMS["engine"], **extra))
     base = next((r for r in rows if r["arm"] == "batch1"), None)
     lines = [f"**{name}** (loops={c.default_loops}, context {c.max_seq_len}, {n} requests, "
-             f"{args.clients} clients, max_tokens {args.max_tokens}, prefix slots {args.prefix_slots}"
+             f"{args.clients} clients, max_tokens {args.max_tokens}"
              + (f", {extra}" if extra else "") + ")", "",
              "| arm | tok/s | vs batch1 | TTFT p50 / p99 (s), system-prompt requests | TTFT p50 / p99 (s), "
              "long prompts | inter-token p50 / p99 (ms) | latency p50 / p99 (s) | mean batch | prefix hits | "
@@ -266,15 +266,12 @@ def run_model(name: str, args) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="bundled,gpt2-small")
-    ap.add_argument("--arms", default="engine,batch1,nostore,unchunked")
+    ap.add_argument("--arms", default="engine,batch1,nostore")
     ap.add_argument("--requests", type=int, default=96, help="requests per arm, bundled model")
     ap.add_argument("--gpt2-requests", type=int, default=32, help="requests per arm, GPT-2 shape")
-    # unchunked on the GPT-2 shape compiles a prefill program per prompt bucket up to 1024 for
-    # every batch bucket: LLVM ran out of memory maps on this machine before it finished
     ap.add_argument("--gpt2-arms", default="engine,batch1,nostore")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--prefix-slots", type=int, default=8)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     args.arms, args.gpt2_arms = args.arms.split(","), args.gpt2_arms.split(",")

@@ -160,7 +160,7 @@ def test_engine_requests_with_mixed_criteria_equal_generate():
             (prompt_of(12, seed=62), dict(exit_criterion="latent-diff", exit_threshold=0.3)),
             (prompt_of(7, seed=63), dict(exit_criterion="entropy-diff", exit_threshold=1e-2, continuous_compute=True)),
             (prompt_of(9, seed=60), dict(exit_criterion="argmax-stability", exit_threshold=2, min_steps=1))]
-    with tl.Engine(m, max_batch=4, prefill_chunk=16, prefix_slots=2) as eng:
+    with tl.Engine(m, max_batch=4, prefill_chunk=16) as eng:
         handles = [eng.submit(p, max_tokens=8, loops=loops, **kw) for p, kw in work]
         got = [(h.result(), h.depths) for h in handles]
         stats = eng.stats()

@@ -52,8 +52,7 @@ def text_of(tok, answer: list[int]) -> str:
 @pytest.fixture(scope="module")
 def server(smollm2):
     model, tok = smollm2
-    s = Server(model, eos=tok.eos_token_ids, tok=tok, name="smollm2", max_batch=1, prefix_slots=2,
-               prefix_capacity=256)
+    s = Server(model, eos=tok.eos_token_ids, tok=tok, name="smollm2", max_batch=1)
     yield s
     s.close()
 

@@ -167,7 +167,7 @@ def test_every_decode_path_applies_them_alike(model):
              dict(temperature=0.9, top_k=20, seed=5, frequency_penalty=1.2, logit_bias={20: 2.5})]
     prefix = model.build_prefix_cache(prompt[:16])
     store = tl.PrefixStore(model)
-    with tl.Engine(model, max_batch=4, prefill_chunk=16, prefix_slots=2) as eng:
+    with tl.Engine(model, max_batch=4, prefill_chunk=16) as eng:
         for kw in knobs:
             want = model.generate(prompt, max_tokens=10, **kw)
             assert model.generate_batch([prompt, prompt[:20]], max_tokens=10, seeds=[kw.get("seed", 0)] * 2,

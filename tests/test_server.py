@@ -294,15 +294,15 @@ def rss_bytes(pid: int) -> int:
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the server's RSS from /proc")
 def test_a_loops_sweep_over_http_stays_within_the_memory_budget(model, tmp_path):
     """A client sweeping `loops` from 1 to 64 against `tinyloop serve --max-lanes 3 --memory-budget
-    16M`: every depth is a lane (pool, rows, store, and its compiled programs, ~37 MiB a depth
-    here); every request is answered, the lanes' bytes stay within the budget, idle lanes are
+    16M`: every depth is a lane (a page pool, request rows, and its compiled programs); every
+    request is answered, the lanes' bytes stay within the budget, idle lanes are
     evicted with their programs, so the server's RSS stops growing once 3 lanes are held (it
     grew by every depth's programs before), and it keeps serving. 8 depths spread over 1..64,
     the deepest included (each depth compiles its programs: a few seconds)."""
     model.save(str(tmp_path / "tiny"))
     budget = 16 << 20
-    proc, port, get = start_serve(tmp_path / "tiny", "--max-batch", "1", "--prefix-capacity", "64",
-                                  "--memory-budget", "16M", "--max-loops", "64", "--max-lanes", "3")
+    proc, port, get = start_serve(tmp_path / "tiny", "--max-batch", "1", "--memory-budget", "16M", "--max-loops", "64",
+                                  "--max-lanes", "3")
 
     def metric(name: str) -> float:
         return float(next(line.split()[-1] for line in get("/metrics").splitlines() if line.startswith(name)))

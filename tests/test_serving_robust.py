@@ -41,8 +41,9 @@ def page_bytes(model, loops: int) -> int:
 
 def rows_bytes(model, rows: int = 4) -> int:
     """Request rows: seen (bool) and counts (int32) per token, the last token, the knobs (the
-    logit bias's (id, value) pairs and a few scalars)."""
-    return rows * (5 * model.config()["vocab_size"] + 4 + 8 * MAX_LOGIT_BIAS + 64)
+    logit bias's (id, value) pairs and a few scalars), the exit rule, the last loop state."""
+    c = model.config()
+    return rows * (5 * c["vocab_size"] + 4 + 8 * MAX_LOGIT_BIAS + 64 + 24 + 4 * c["d_model"])
 
 
 # ---- bad values ------------------------------------------------------------------------------

@@ -271,12 +271,8 @@ def cmd_serve(args) -> None:
     edge = edge_options(args)  # (checked before the model loads)
     model, tok = _model_and_tokenizer(args)
     name = args.name or os.path.basename(os.path.normpath(args.model or BUNDLED))
-    # --prefix-capacity: the slots of adaptive-depth requests' lanes (the engine before pages; a real
-    # model's whole context, e.g. SmolLM2's 8192, would make that pool alone gigabytes)
-    context = model.config()["max_seq_len"]
     engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue, timeout=args.timeout,
-                    prefix_capacity=min(context, args.prefix_capacity), max_loops=args.max_loops,
-                    memory_budget=args.memory_budget, max_lanes=args.max_lanes)
+                    max_loops=args.max_loops, memory_budget=args.memory_budget, max_lanes=args.max_lanes)
     # programs compile in the background (a real model's take minutes) while requests are served,
     # each compiling what it needs first; /health says `warming` until they are all built
     engine.warmup(background=True)
@@ -361,9 +357,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-batch", type=int, default=16)
     s.add_argument("--max-queue", type=int, default=256)
-    s.add_argument("--prefix-capacity", type=int, default=2048,
-                   help="adaptive-depth requests: positions of each shared-prefix pool slot (at most the model's "
-                        "context)")
     s.add_argument("--timeout", type=float, default=None, help="per-request deadline in seconds")
     s.add_argument("--max-loops", type=int, default=None,
                    help="the deepest `loops` a request may ask (default 64, or 16 x the model's depth)")

@@ -2,7 +2,8 @@
 
 `qmatmul.cc` is an XLA FFI custom call: x [..., K] float32 @ a weight kept in GGUF's q8_0 /
 q4_0 / q4_1 blocks (qarray's layout) -> [..., N] float32, reading the packed bytes once per
-call. XLA:CPU has no such dot: it writes the dequantized float32 matrix and reads it again, or
+call. `paged_attention.cc` is another: a step's queries against each row's live KV pages only
+(`model.paged`'s reference gathers a row's whole page table). XLA:CPU has no such dot: it writes the dequantized float32 matrix and reads it again, or
 hoists that copy out of the decode loop (docs/benchmarks.md, issue 23).
 
 Built like a JIT extension (torch's `cpp_extension.load`, Triton): `g++ -O3 -march=native`
@@ -30,8 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qmatmul.cc")
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = [os.path.join(HERE, "qmatmul.cc"), os.path.join(HERE, "paged_attention.cc")]
+SOURCE = SOURCES[0]
 TARGET = "tinyloop_qmatmul"
+PAGED_TARGET = "tinyloop_paged_attention"
+PAGE_FORMATS = {"fp32": 0, "fp16": 1, "int8": 2, "int4": 3}
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
 FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 
@@ -52,9 +57,9 @@ def library_path() -> str:
     from ..formats.hub import home
 
     import jaxlib
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + " ".join(FLAGS).encode() + jaxlib.__version__.encode()
-                             + _cpu().encode()).hexdigest()[:16]
+    text = b"".join(open(src, "rb").read() for src in SOURCES)
+    key = hashlib.sha256(text + " ".join(FLAGS).encode() + jaxlib.__version__.encode()
+                         + _cpu().encode()).hexdigest()[:16]
     return os.path.join(home(), "native", f"qmatmul-{key}.so")
 
 
@@ -72,12 +77,12 @@ def build() -> str:
     os.close(fd)
     try:
         try:
-            r = subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp],
+            r = subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), *SOURCES, "-o", tmp],
                                capture_output=True, text=True)
         except OSError as e:
             raise RuntimeError(f"cannot run the C++ compiler {cxx!r}: {e}") from e
         if r.returncode:
-            raise RuntimeError(f"building {SOURCE} failed:\n{r.stderr[-2000:]}")
+            raise RuntimeError(f"building {' '.join(SOURCES)} failed:\n{r.stderr[-2000:]}")
         os.replace(tmp, out)  # whole or not at all: another process may be building it too
     finally:
         if os.path.exists(tmp):
@@ -94,6 +99,8 @@ def available() -> bool:
             try:
                 lib = ctypes.cdll.LoadLibrary(build())
                 jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.TinyloopQMatmul), platform="cpu")
+                jax.ffi.register_ffi_target(PAGED_TARGET, jax.ffi.pycapsule(lib.TinyloopPagedAttention),
+                                            platform="cpu")
                 _state["ok"] = True
             except (OSError, RuntimeError) as e:
                 warnings.warn(f"packed weights fall back to XLA's dequantize + dot: {e}", RuntimeWarning)
@@ -136,3 +143,19 @@ def qmatmul(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array | None, fmt: 
     if (fmt, n) not in _kernels:
         _kernels[fmt, n] = _kernel(fmt, n, dense)
     return _kernels[fmt, n](x, q, d, d if m is None else m)
+
+
+def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, ks: jax.Array | None, vs: jax.Array | None,
+                    table: jax.Array, start: jax.Array, n_new: jax.Array, layer: jax.Array, fmt: str, window: int,
+                    kv_heads: int) -> jax.Array:
+    """Each row's queries q [b, T, H, hd] (pre-scaled; query t at position start[r] + t, real for
+    t < n_new[r]) against its live pages only: k, v a layer's pages [.., KV, NP, P, w] (or a
+    stack of layers, `layer` [] int32 choosing one of its leading entries), ks, vs their
+    per-token scales (int formats), table [b, R] -> float32 [b, T, H, hd] (see
+    paged_attention.cc). Call only where `available()`."""
+    if ks is None:
+        ks = vs = jnp.zeros((1,), jnp.float32)
+    i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+    return jax.ffi.ffi_call(PAGED_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q.astype(jnp.float32), k, v, ks, vs, i32(table), i32(start), i32(n_new), i32(layer).reshape(1),
+        fmt=np.int32(PAGE_FORMATS[fmt]), window=np.int32(window), kv_heads=np.int32(kv_heads))

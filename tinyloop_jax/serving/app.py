@@ -17,7 +17,7 @@
 OpenAI's presence_penalty, frequency_penalty and logit_bias are taken by both completion routes.
 A prompt's n (best_of) choices are engine requests of their own with seeds `protocol.choice_seed`;
 the others are submitted once the first one's prompt is prefilled, so a long prompt, pooled by
-then, is read from its pool slot rather than prefilled again. Log-probabilities (`logprobs`,
+then, is read from its pages rather than prefilled again. Log-probabilities (`logprobs`,
 `echo`; chat's `logprobs` / `top_logprobs`) come from `Model.score` of prompt + completion once a
 choice is complete, on a worker thread: the raw logits' log-softmax, recomputed, so a cached
 prefix changes nothing; they are not available with `stream`.
@@ -73,7 +73,7 @@ def make_app(engine: Engine, tokenizer, model_name: str = "tinyloop", eos: list[
     async def submit_all(req) -> list[list]:
         """Every prompt's best_of candidates as engine requests (None for each when max_tokens is
         0: echo only). A prompt's other candidates are submitted once the first one's prompt is
-        prefilled: a long prompt is then in a pool slot, and they read it there (one prefill)."""
+        prefilled: its pages are then in the pool, and they read them there (one prefill)."""
         if req.submit["max_tokens"] == 0:
             return [[None] * req.best_of for _ in req.prompts]
         groups = []
@@ -81,7 +81,7 @@ def make_app(engine: Engine, tokenizer, model_name: str = "tinyloop", eos: list[
             for p in req.prompts:
                 groups.append([engine.submit(prompt=p, seed=choice_seed(req.seed, 0), **req.submit)])
             if req.best_of > 1:
-                await asyncio.gather(*(g[0].aprefilled() for g in groups if len(g[0].prompt) > engine.limits.long_rest))
+                await asyncio.gather(*(g[0].aprefilled() for g in groups))
                 for g, p in zip(groups, req.prompts):
                     g += [engine.submit(prompt=p, seed=choice_seed(req.seed, j), **req.submit)
                           for j in range(1, req.best_of)]

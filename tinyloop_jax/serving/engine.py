@@ -27,9 +27,7 @@ whatever else is in flight (each row draws with its own seed and token index).
 The parts: this module is the driver (the thread, the queue, the public face); `batcher` places
 requests into request rows and pages (`api.pages.PageBook`) and runs an iteration; `step` holds
 its device programs over a page pool (`model.paged`); `handles` is what a caller holds; `app`
-serves it over HTTP. Requests with an adaptive-depth exit rule still run on the engine before
-pages (`scheduler`, `lane`, `pool`, `runner`, `programs`) until adaptive depth runs on pages
-(docs/engine-plan.md).
+serves it over HTTP.
 """
 
 from __future__ import annotations
@@ -39,9 +37,7 @@ import threading
 import time
 
 from .handles import Cancelled, Handle, MemoryBudgetError, QueueFull, RequestTimeout
-from .lane import Limits
 from .batcher import Batcher
-from .scheduler import Scheduler
 from ..api import validation as check
 from ..api.store import PrefixStore
 from ..model import adaptive as ad
@@ -50,12 +46,6 @@ from ..model.cache import free_bytes
 DEFAULT_KV_MEMORY = 1 << 30  # "auto": at most this many bytes of pages (or half the free memory)
 
 __all__ = ["Engine", "Handle", "MemoryBudgetError", "QueueFull", "RequestTimeout", "Cancelled"]
-
-
-def add(total: dict, more: dict) -> None:
-    """total[k] += more[k] for every k (zeros kept: a counter that exists reads 0, not absent)."""
-    for k, v in more.items():
-        total[k] = total.get(k, 0) + v
 
 
 class Engine:
@@ -76,17 +66,13 @@ class Engine:
     room), and one that cannot fit even alone is refused at `submit` (`MemoryBudgetError`).
     overlap: the loop dispatches step t + 1 before it reads step t's tokens, so stop checks,
     streaming and HTTP run while the device computes (False: the device waits for the host
-    every step).
-
-    Requests with an adaptive-depth exit rule run on the engine before pages (its `store`,
-    prefix_slots, prefix_capacity, row_capacity, store_bytes and insert_prompts apply to them
-    only) until adaptive depth runs on pages.
+    every step). store: a `PrefixStore` at the model's default depth whose entries serve prompts
+    (each loaded into pages once, then read there).
     """
 
     def __init__(self, model, max_batch: int = 16, store: PrefixStore | None = None, *, max_queue: int = 256,
-                 timeout: float | None = None, prefill_chunk: int = 64, page_size: int = 16, prefix_slots: int = 8,
-                 prefix_capacity: int | None = None, row_capacity: int | None = None, store_bytes: int = 512 << 20,
-                 insert_prompts: bool = True, prefix_cache: bool = True, max_loops: int | None = None,
+                 timeout: float | None = None, prefill_chunk: int = 64, page_size: int = 16,
+                 prefix_cache: bool = True, max_loops: int | None = None,
                  memory_budget: int | str | None = "auto", max_lanes: int = 8, overlap: bool = True):
         self.model = model
         c = model.weights.config
@@ -94,7 +80,7 @@ class Engine:
             raise ValueError("Engine runs on one device; this model is placed on a mesh")
         max_loops = max(64, 16 * c.default_loops) if max_loops is None else max_loops
         for name, v in dict(max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk,
-                            prefix_slots=prefix_slots, max_loops=max_loops, max_lanes=max_lanes).items():
+                            max_loops=max_loops, max_lanes=max_lanes).items():
             if check.integer(v, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
         if check.integer(page_size, "page_size") < 16 or page_size > 256 or page_size & (page_size - 1):
@@ -112,12 +98,7 @@ class Engine:
                 raise ValueError(f"the engine serves full-context prefixes; store has cache_window="
                                  f"{store.cache_window}")
         self.max_batch, self.max_queue, self.timeout = max_batch, max_queue, timeout
-        self.limits = Limits.of(max_batch, prefill_chunk, prefix_slots, c.max_seq_len, prefix_capacity, row_capacity,
-                                prefix_cache)
-        self.work_mode = c.storage.working
-        self.insert_prompts = insert_prompts and prefix_cache and self.work_mode == c.storage
         self.prefix_cache = prefix_cache
-        self.store_bytes = store_bytes
         self._queue: collections.deque[Handle] = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
@@ -128,18 +109,12 @@ class Engine:
         # the batch side, on the loop thread only (other threads read its published `_view`)
         self.batcher = Batcher(model, max_batch, prefill_chunk, collections.Counter(), self._first_token,
                                memory_budget, overlap, max_lanes, page_size, prefix_cache, store)
-        self.scheduler = Scheduler(model, self.limits, store, store_bytes, self.insert_prompts, self.work_mode,
-                                   collections.Counter(), self._first_token, memory_budget, overlap, max_lanes)
         self._view: dict = {}
         self._programs: frozenset = frozenset()
         self._publish()
         self._started = time.perf_counter()
         self._thread = threading.Thread(target=self._loop, name="tinyloop-engine", daemon=True)
         self._thread.start()
-
-    @property
-    def _sides(self) -> tuple:
-        return self.batcher, self.scheduler
 
     # ---- public ------------------------------------------------------------------------------
 
@@ -169,20 +144,12 @@ class Engine:
         if len(prompt) + params.max_tokens > c.max_seq_len:
             raise RuntimeError(f"prompt + max_tokens is {len(prompt) + params.max_tokens} tokens, longer than "
                                f"max_seq_len={c.max_seq_len}")
-        if policy is None:
-            b = self.batcher
-            need, have = b.need_pages(len(prompt), params.max_tokens), b.pool_pages(loops)
-            if need > have or b.depth_nbytes(loops) > (self.memory_budget or b.depth_nbytes(loops)):
-                raise MemoryBudgetError(f"a request of {len(prompt)} + {params.max_tokens} tokens at loops={loops} "
-                                        f"needs {need} pages of {b.page_nbytes(loops) / 2**10:.1f} KiB; "
-                                        f"memory_budget={self.memory_budget} bytes holds {have}; lower loops or "
-                                        "max_tokens")
-        else:
-            least = self.scheduler.least_bytes(loops, len(prompt), params.max_tokens)
-            if self.memory_budget is not None and least > self.memory_budget:
-                raise MemoryBudgetError(f"a request at loops={loops} needs {least / 2**20:.2f} MiB (its lane's pool "
-                                        f"and one row), more than this engine's memory_budget={self.memory_budget} "
-                                        "bytes; lower loops or max_tokens")
+        b = self.batcher
+        need, have = b.need_pages(len(prompt), params.max_tokens), b.pool_pages(loops)
+        if need > have or b.depth_nbytes(loops) > (self.memory_budget or b.depth_nbytes(loops)):
+            raise MemoryBudgetError(f"a request of {len(prompt)} + {params.max_tokens} tokens at loops={loops} needs "
+                                    f"{need} pages of {b.page_nbytes(loops) / 2**10:.1f} KiB; memory_budget="
+                                    f"{self.memory_budget} bytes holds {have}; lower loops or max_tokens")
         timeout = self.timeout if timeout is None else timeout
         if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -269,9 +236,8 @@ class Engine:
 
     @property
     def store(self) -> PrefixStore | None:
-        """The PrefixStore given to the engine (its entries serve prompts, loaded into pages once),
-        else that of adaptive-depth requests at the default depth (None until one runs)."""
-        return self.batcher.store if self.batcher.store is not None else self.scheduler.default_store
+        """The PrefixStore given to the engine (its entries serve prompts, loaded into pages once)."""
+        return self.batcher.store
 
     def close(self) -> None:
         """Stop the loop; queued and running requests fail with RuntimeError."""
@@ -279,7 +245,6 @@ class Engine:
             self._closed = True
             self._cv.notify_all()
         self._thread.join()
-        self.scheduler.runner.close()  # its depths' programs, unless another engine holds them
 
     def __enter__(self):
         return self
@@ -302,20 +267,14 @@ class Engine:
             self._ttft.append(h.first_token_at - h.submitted)
 
     def _publish_programs(self) -> None:
-        programs = frozenset(self.batcher.programs) | frozenset(self.scheduler.runner.programs)
+        programs = frozenset(self.batcher.programs)
         with self._cv:
             self._programs = programs
 
     def _publish(self) -> None:
         """The loop thread's copy of the batch side, for `stats()` and `programs` (other threads
         never read the structures the loop mutates)."""
-        a, b = self.batcher.snapshot(), self.scheduler.snapshot()
-        view, depths = {}, {}
-        for side in (a, b):
-            add(view, {k: v for k, v in side.items() if isinstance(v, int)})
-            for loops, d in side["depths"].items():
-                add(depths.setdefault(loops, {}), d)
-        view["depths"], view["pages"] = depths, a["pages"]
+        view = self.batcher.snapshot()
         if view["programs"] != len(self._programs):
             self._publish_programs()
         with self._cv:
@@ -326,8 +285,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._closed or self._queue or self._jobs
-                                  or any(side.busy() for side in self._sides))
+                self._cv.wait_for(lambda: self._closed or self._queue or self._jobs or self.batcher.busy())
                 if self._closed:
                     break
                 jobs, self._jobs = self._jobs, []
@@ -336,11 +294,9 @@ class Engine:
             try:
                 self._expire()
                 self._admit()
-                for side in self._sides:
-                    side.step()  # a failed program fails its depth's rows there
+                self.batcher.step()  # a failed program fails its depth's rows there
             except Exception as e:  # noqa: BLE001 - anything else fails every row, never the loop
-                for side in self._sides:
-                    side.fail_all(e)
+                self.batcher.fail_all(e)
             self._publish()
             self._finish()
         err = RuntimeError("engine is closed")
@@ -349,15 +305,13 @@ class Engine:
         for h in pending:
             h.finish("error", err)
         self._finish()
-        for side in self._sides:
-            side.close(err)
+        self.batcher.close(err)
 
     def _finish(self) -> None:
         """Requests that left the batch end now (after `_publish`: a caller woken by its result
         reads stats that count it)."""
-        for side in self._sides:
-            for h, reason, error in side.take_finished():
-                h.finish(reason, error)
+        for h, reason, error in self.batcher.take_finished():
+            h.finish(reason, error)
 
     def _expire(self) -> None:
         """Cancelled and timed-out requests leave (queued or running)."""
@@ -372,8 +326,7 @@ class Engine:
                 else:
                     keep.append(h)
             self._queue = keep
-        for side in self._sides:
-            side.expire(now)
+        self.batcher.expire(now)
 
     def _admit(self) -> None:
         """Queued requests join the batch, oldest first, while there is room."""
@@ -382,9 +335,8 @@ class Engine:
                 if not self._queue:
                     return
                 h = self._queue.popleft()
-            side = self.batcher
             try:
-                if side.running() >= self.max_batch or not side.place(h):  # it waits, at the head of the queue
+                if self.batcher.running() >= self.max_batch or not self.batcher.place(h):  # it waits, at the head
                     with self._cv:
                         self._queue.appendleft(h)
                     return

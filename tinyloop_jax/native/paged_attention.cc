@@ -1,0 +1,218 @@
+// Paged attention for XLA:CPU: each row's queries attend to its own live pages only (an XLA FFI
+// custom call beside qmatmul.cc). The XLA reference (tinyloop_jax/model/paged.py) gathers a
+// row's whole page table, live or not; here a row of L live positions reads L keys and values,
+// whatever the table's length, so a step's time follows its rows' tokens.
+//
+//   q      [b, T, H, hd] float32, pre-scaled by hd^-0.5; query t of row r is at position
+//          start[r] + t, real for t < n_new[r] (the others come back as zeros)
+//   k, v   one cache layer's pages, or the loop stack with `layer` selecting (pass, block):
+//          [layers.., KV, NP, P, w] in fp32 / fp16 / int8 / int4 (two per byte, low nibble the
+//          even channel, value - 8), with ks, vs [layers.., KV, NP, P, 1] float32 per-token scales
+//          for the int formats (unused otherwise)
+//   table  [b, R] int32: position p of row r is in page table[r, p / P], offset p % P
+//   out    [b, T, H, hd] float32
+//
+// Query head h reads key/value head h / (H / KV). A query at p_q sees keys p with
+// p <= p_q, p > p_q - window (window > 0) — causal within the step's own tokens, which the
+// step wrote before this call. One online softmax per (query, head); (row, KV head) pairs are
+// shared out over XLA's thread pool.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+enum Fmt : int32_t { kF32 = 0, kF16 = 1, kI8 = 2, kI4 = 3 };
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t f;
+  if (exp == 0) {
+    if (man == 0) {
+      f = sign;
+    } else {  // subnormal: normalize
+      int e = -1;
+      uint32_t m = man;
+      do { ++e; m <<= 1; } while ((m & 0x400) == 0);
+      f = sign | ((127 - 15 - e) << 23) | ((m & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    f = sign | 0x7f800000u | (man << 13);
+  } else {
+    f = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float out;
+  std::memcpy(&out, &f, 4);
+  return out;
+#endif
+}
+
+struct Layer {
+  const uint8_t* data;  // this layer's [KV, NP, P, w] stored values
+  const float* scale;   // this layer's [KV, NP, P] scales (int formats)
+};
+
+struct Job {
+  const float* q;
+  float* out;
+  Layer k, v;
+  const int32_t *table, *start, *n_new;
+  int64_t b, T, H, hd, KV, NP, P, R, width;
+  int32_t fmt, window;
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+// Position p's stored values of head g as floats (hd of them) into `dst`.
+inline void load(const Job& j, const Layer& L, int64_t g, int64_t page, int64_t off, float* dst) {
+  const int64_t idx = (g * j.NP + page) * j.P + off;
+  switch (j.fmt) {
+    case kF32:
+      std::memcpy(dst, L.data + idx * j.width * 4, j.hd * 4);
+      break;
+    case kF16: {
+      const uint16_t* s = reinterpret_cast<const uint16_t*>(L.data) + idx * j.width;
+      for (int64_t c = 0; c < j.hd; ++c) dst[c] = half_to_float(s[c]);
+      break;
+    }
+    case kI8: {
+      const int8_t* s = reinterpret_cast<const int8_t*>(L.data) + idx * j.width;
+      const float d = L.scale[idx];
+      for (int64_t c = 0; c < j.hd; ++c) dst[c] = d * static_cast<float>(s[c]);
+      break;
+    }
+    default: {  // int4
+      const uint8_t* s = L.data + idx * j.width;
+      const float d = L.scale[idx];
+      for (int64_t c = 0; c < j.width; ++c) {
+        dst[2 * c] = d * static_cast<float>(static_cast<int>(s[c] & 15) - 8);
+        dst[2 * c + 1] = d * static_cast<float>(static_cast<int>(s[c] >> 4) - 8);
+      }
+    }
+  }
+}
+
+// Row r, KV head g: every real query of the row, for the G query heads of g.
+void unit(const Job& j, int64_t r, int64_t g) {
+  const int64_t G = j.H / j.KV, hd = j.hd, T = j.T;
+  const int64_t n = std::clamp<int64_t>(j.n_new[r], 0, T), s0 = j.start[r];
+  const int64_t len = s0 + n;  // live positions after the step
+  std::vector<float> kb(hd), vb(hd), m(T * G, -INFINITY), l(T * G, 0.f), acc(T * G * hd, 0.f), sc(T * G);
+  const int64_t lo = j.window > 0 ? std::max<int64_t>(0, s0 - j.window + 1) : 0;
+  for (int64_t p = lo; p < len; ++p) {
+    const int64_t e = p / j.P;
+    if (e >= j.R) break;
+    const int64_t page = j.table[r * j.R + e];
+    if (page < 0 || page >= j.NP) continue;
+    load(j, j.k, g, page, p % j.P, kb.data());
+    load(j, j.v, g, page, p % j.P, vb.data());
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t pq = s0 + t;
+      if (p > pq || (j.window > 0 && p <= pq - j.window)) continue;
+      for (int64_t a = 0; a < G; ++a) {
+        const float* qv = j.q + ((r * T + t) * j.H + g * G + a) * hd;
+        float s = 0.f;
+        for (int64_t c = 0; c < hd; ++c) s += qv[c] * kb[c];
+        const int64_t i = t * G + a;
+        float* o = acc.data() + i * hd;
+        if (s > m[i]) {
+          const float f = std::exp(m[i] - s);  // 0 on the first key (m = -inf)
+          l[i] = l[i] * f + 1.f;
+          for (int64_t c = 0; c < hd; ++c) o[c] = o[c] * f + vb[c];
+          m[i] = s;
+        } else {
+          const float w = std::exp(s - m[i]);
+          l[i] += w;
+          for (int64_t c = 0; c < hd; ++c) o[c] += w * vb[c];
+        }
+      }
+    }
+  }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t a = 0; a < G; ++a) {
+      float* dst = j.out + ((r * T + t) * j.H + g * G + a) * hd;
+      const int64_t i = t * G + a;
+      const float inv = (t < n && l[i] > 0.f) ? 1.f / l[i] : 0.f;
+      for (int64_t c = 0; c < hd; ++c) dst[c] = acc[i * hd + c] * inv;
+    }
+}
+
+void work(Job* j) {
+  const int64_t units = j->b * j->KV;
+  for (int64_t u; (u = j->next.fetch_add(1)) < units;) {
+    unit(*j, u / j->KV, u % j->KV);
+    j->done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                          ffi::Buffer<ffi::F32> ks, ffi::Buffer<ffi::F32> vs, ffi::Buffer<ffi::S32> table,
+                          ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::S32> n_new, ffi::Buffer<ffi::S32> layer,
+                          ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int32_t window, int32_t kv_heads) {
+  if (fmt < kF32 || fmt > kI4) return ffi::Error::InvalidArgument("paged_attention: unknown format");
+  const auto qd = q.dimensions(), kd = k.dimensions(), td = table.dimensions();
+  if (qd.size() != 4 || kd.size() < 4 || td.size() != 2)
+    return ffi::Error::InvalidArgument("paged_attention: q [b, T, H, hd], k [.., KV, NP, P, w], table [b, R]");
+  auto job = std::make_shared<Job>();  // helpers the pool starts late still find it
+  Job& j = *job;
+  j.b = qd[0], j.T = qd[1], j.H = qd[2], j.hd = qd[3];
+  j.KV = kv_heads, j.NP = kd[kd.size() - 3], j.P = kd[kd.size() - 2], j.width = kd.back(), j.R = td[1];
+  j.fmt = fmt, j.window = window;
+  if (j.KV < 1 || kd[kd.size() - 4] != j.KV || j.H % j.KV || td[0] != j.b
+      || j.width != (fmt == kI4 ? j.hd / 2 : j.hd))
+    return ffi::Error::InvalidArgument("paged_attention: shapes do not agree");
+  const int64_t per_layer = j.KV * j.NP * j.P;  // positions (and scales) of one layer
+  int64_t layers = 1;
+  for (size_t i = 0; i + 4 < kd.size(); ++i) layers *= kd[i];
+  const int64_t li = layer.typed_data()[0];
+  if (li < 0 || li >= layers) return ffi::Error::InvalidArgument("paged_attention: layer out of range");
+  const int64_t item = fmt == kF32 ? 4 : fmt == kF16 ? 2 : 1;
+  const bool scaled = fmt == kI8 || fmt == kI4;
+  j.k = Layer{static_cast<const uint8_t*>(k.untyped_data()) + li * per_layer * j.width * item,
+              scaled ? ks.typed_data() + li * per_layer : nullptr};
+  j.v = Layer{static_cast<const uint8_t*>(v.untyped_data()) + li * per_layer * j.width * item,
+              scaled ? vs.typed_data() + li * per_layer : nullptr};
+  j.q = q.typed_data(), j.out = out->typed_data();
+  j.table = table.typed_data(), j.start = start.typed_data(), j.n_new = n_new.typed_data();
+  const int64_t units = j.b * j.KV;
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1) - 1, units - 1);
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([job] { work(job.get()); });
+  work(job.get());
+  while (j.done.load(std::memory_order_acquire) < units) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TinyloopPagedAttention, PagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("fmt")
+                                  .Attr<int32_t>("window")
+                                  .Attr<int32_t>("kv_heads"));
