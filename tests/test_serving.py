@@ -159,8 +159,10 @@ def test_async_face(model, engine):
 
 
 def test_steps_mix_prompt_chunks_with_decode_rows_and_tables_follow_lengths(model):
-    """A long prompt's chunks run in the same steps as the other rows' decode tokens, and each
-    step's page tables are as long as its longest row needs (not the context)."""
+    """A long prompt's chunks run in the same steps as the other rows' decode tokens; attention
+    reads the rows' live pages: the native kernel whatever the table's length (one program for
+    the whole context), the XLA reference tables as long as the step's longest row needs."""
+    from tinyloop_jax.model import paged
     rng = np.random.default_rng(3)
     work = [(rng.integers(0, 128, 2), dict(max_tokens=14)),
             (rng.integers(0, 128, 12), dict(max_tokens=8)),
@@ -171,7 +173,9 @@ def test_steps_mix_prompt_chunks_with_decode_rows_and_tables_follow_lengths(mode
             assert h.result() == model.generate(p, **kw)
         steps = [k for k in eng.programs if k[0] == "step"]
         assert any(bd > 0 and T > 0 for _, _, bd, T, _ in steps)  # chunks beside decode rows
-        assert {R for *_, R in steps} == {4, 8}  # 64 positions, then 128 for the long prompt
+        tables = {R for *_, R in steps}
+        # 64 positions, then 128 for the long prompt; or the context's 8 pages (the kernel)
+        assert tables == ({8} if paged.native_attention(model.weights.config) else {4, 8})
 
 
 HUGINN = dict(vocab_size=128, d_model=32, n_heads=4, block="llama", intermediate_size=48, n_pre_blocks=1,
@@ -208,3 +212,21 @@ def test_engine_equals_generate_for_looped_families(family):
     if family == "huginn":  # the seed reaches the initial states: another seed, other tokens
         p, kw = work[0]
         assert any(model.generate(p, **dict(kw, seed=s)) != model.generate(p, **kw) for s in (2, 3, 4))
+
+
+def test_engine_cache_window_equals_generate(model, engine):
+    """cache_window per request, beside requests without one: each equals `generate` with the
+    same window. Pages written under a window are read only by requests with that window (their
+    K/V went through that attention)."""
+    rng = np.random.default_rng(21)
+    system = rng.integers(0, 128, 40)
+    work = [(np.concatenate([system, rng.integers(0, 128, 3 + i)]), dict(max_tokens=9, cache_window=w))
+            for i, w in enumerate([12, 0, 12, 20])]
+    first = engine.submit(work[0][0], **work[0][1])
+    assert first.result() == model.generate(work[0][0], **work[0][1])
+    handles = [engine.submit(p, **kw) for p, kw in work[1:]]
+    for (p, kw), h in zip(work[1:], handles):
+        assert h.result() == model.generate(p, **kw), kw
+    assert [h.prefix_tokens for h in handles] == [0, 40, 0]  # only the same window reads the first's pages
+    with pytest.raises(ValueError, match="cache_window"):
+        engine.submit([1, 2, 3], cache_window=-1)

@@ -136,10 +136,10 @@ class PageBook:
         return out
 
     def match_tail(self, tokens: Sequence[int], n_full: int, ns=None) -> tuple[int, int] | None:
-        """After the first n_full pages of tokens (a `match`), an indexed partial page whose
-        tokens begin the rest of `tokens`: (its page, how many of its tokens match), the longest
-        such; None if none matches a token. A reader copies the page before writing after it
-        (it is shared)."""
+        """After the first n_full pages of tokens (a `match`), the indexed page (partial, or full
+        but matching only in part) whose tokens share the longest start with the rest of
+        `tokens`: (its page, how many of its tokens match); None if none matches a token. A
+        reader copies the page before writing after it (it is shared)."""
         P = self.page_size
         node = self._root(ns)
         for c in self._chunks(tokens)[:n_full]:
@@ -148,10 +148,9 @@ class PageBook:
                 return None
         rest, best = [int(x) for x in tokens[n_full * P:(n_full + 1) * P]], None
         for key, child in node.children.items():
-            if len(key) < P:
-                k = next((i for i, (a, b) in enumerate(zip(key, rest)) if a != b), min(len(key), len(rest)))
-                if k and (best is None or k > best[1]):
-                    best = (child, k)
+            k = next((i for i, (a, b) in enumerate(zip(key, rest)) if a != b), min(len(key), len(rest)))
+            if k and (best is None or k > best[1]):
+                best = (child, k)
         if best is None:
             return None
         best[0].used = next(self._clock)

@@ -19,11 +19,14 @@ import jax.numpy as jnp
 NEG = -1e30  # finite "minus infinity": a fully masked row gives numbers, not NaN
 
 
-def visible(key_pos: jax.Array, q_pos: jax.Array, window: int) -> jax.Array:
+def visible(key_pos: jax.Array, q_pos: jax.Array, window) -> jax.Array:
     """Is the key at absolute position key_pos visible to the query at q_pos? Broadcasts
     (key_pos [C] with q_pos [] -> [C]; key_pos [1, C] with q_pos [T, 1] -> [T, C]). Empty slots
-    hold position -1 and are never visible."""
+    hold position -1 and are never visible. window: an int (static), or a traced int32 [] (a
+    request's own, in a batch of others; <= 0: none)."""
     ok = (key_pos >= 0) & (key_pos <= q_pos)
+    if not isinstance(window, int):
+        return ok & ((window <= 0) | (key_pos > q_pos - window))
     if window > 0:
         ok &= key_pos > q_pos - window
     return ok

@@ -25,6 +25,7 @@ runtime — prefill, decode, a batch, the serving engine — is this step with o
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import jax
@@ -33,6 +34,7 @@ import numpy as np
 from flax import struct
 
 from . import cache as kvc
+from .. import native
 from . import qarray
 from . import recurrence as rec
 from . import transformer as tf
@@ -86,15 +88,17 @@ class Rows:
     pages: Annotated[jax.Array, "int32[B, R]"]  # page tables (entries past a row's pages: any id, never read)
     start: Annotated[jax.Array, "int32[B]"]  # positions the row holds before the step
     n_new: Annotated[jax.Array, "int32[B]"]  # tokens fed this step (0: an idle row)
+    window: Annotated[jax.Array, "int32[B]"] | None = None  # each row's cache_window (0: none); None: the step's
 
     @classmethod
-    def make(cls, pages, start, n_new) -> "Rows":
+    def make(cls, pages, start, n_new, window=None) -> "Rows":
         """From host lists (pages: one list per row, padded here with 0 to the longest)."""
         R = max(1, max(len(p) for p in pages))
         table = np.zeros((len(pages), R), np.int32)
         for i, p in enumerate(pages):
             table[i, :len(p)] = p
-        return cls(table, np.asarray(start, np.int32), np.asarray(n_new, np.int32))
+        return cls(table, np.asarray(start, np.int32), np.asarray(n_new, np.int32),
+                   None if window is None else np.asarray(window, np.int32))
 
 
 # ---- the pool ----------------------------------------------------------------------------------
@@ -174,9 +178,10 @@ def gather(layer: dict, pages: jax.Array) -> dict:
 
 
 def row_attention(cfg: ModelConfig, blk, layer: dict, q: jax.Array, q_pos: jax.Array, pages: jax.Array,
-                  length: jax.Array, window: int) -> jax.Array:
+                  length: jax.Array, window) -> jax.Array:
     """The XLA reference of paged attention for one row: q [H, T, hd] at q_pos [T] over its
-    pages [R] of layer (positions < length are live) -> [H, T, hd]. Any backend."""
+    pages [R] of layer (positions < length are live; window: static, or the row's traced) ->
+    [H, T, hd]. Any backend."""
     stored = gather(layer, pages)
     key_pos = jnp.arange(pages.shape[0] * next(iter(layer.values())).shape[2], dtype=jnp.int32)
     k, v = tf.read_kv(cfg, stored, blk, cfg.storage, key_pos)  # h modes: K/V rebuilt, K rotated at key_pos
@@ -209,6 +214,14 @@ class Group(struct.PyTreeNode):
         return self.rows.start + self.rows.n_new
 
 
+def native_attention(cfg: ModelConfig) -> bool:
+    """Attention reads only live pages through the native kernel (`native.paged_attention`):
+    XLA:CPU on one device, K/V stored as such (h modes rebuild K/V from h: the XLA reference);
+    `TINYLOOP_PAGED_KERNEL=0` keeps the reference (a benchmark's other arm)."""
+    return (cfg.mesh is None and os.environ.get("TINYLOOP_PAGED_KERNEL", "1") != "0" and not cfg.storage.h and cfg.storage.format.name in native.PAGE_FORMATS
+            and native.available())
+
+
 def block(x: jax.Array, blk, cfg: ModelConfig, groups: tuple, store: dict, index, window: int):
     """One transformer block on the step's streams x [N, D] (the groups' tokens one after
     another): the step's K/V written into the pages, then each row's queries attend to the row's
@@ -218,17 +231,34 @@ def block(x: jax.Array, blk, cfg: ModelConfig, groups: tuple, store: dict, index
     page = jnp.concatenate([g.page for g in groups])
     off = jnp.concatenate([g.off for g in groups])
     store = write(store, cfg.storage.pack(h, k, v), page, off, index)
-    layer = read(store, index)
     H, _, hd = q.shape
     q = q.astype(jnp.float32)
+    kernel = native_attention(cfg)
+    layer = None if kernel else read(store, index)
     outs, at = [], 0
     for g in groups:
         b, T = g.pos.shape
-        qg = q[:, at:at + b * T].reshape(H, b, T, hd).transpose(1, 0, 2, 3)
-        a = jax.vmap(lambda *r: row_attention(cfg, blk, layer, *r, window))(qg, g.pos, g.rows.pages, g.length)
+        qg = q[:, at:at + b * T].reshape(H, b, T, hd).transpose(1, 0, 2, 3)  # [b, H, T, hd]
+        win = jnp.full((b,), window, jnp.int32) if g.rows.window is None else g.rows.window  # [b]
+        if kernel:  # the stack itself and the layer's index: no copy of the layer
+            i = 0 if index is None else index[0] * len(cfg_loop(store)) + index[1]
+            a = native.paged_attention((qg * hd ** -0.5).transpose(0, 2, 1, 3), store["k"], store["v"],
+                                       store.get("ks"), store.get("vs"), g.rows.pages, g.rows.start, g.rows.n_new,
+                                       jnp.asarray(i, jnp.int32), cfg.storage.format.name, win,
+                                       cfg.n_kv_heads).transpose(0, 2, 1, 3)
+        elif g.rows.window is None:
+            a = jax.vmap(lambda *r: row_attention(cfg, blk, layer, *r, window))(qg, g.pos, g.rows.pages, g.length)
+        else:  # each row's own window, traced
+            a = jax.vmap(lambda *r: row_attention(cfg, blk, layer, *r[:-1], r[-1]))(qg, g.pos, g.rows.pages, g.length,
+                                                                                   win)
         outs.append(a.transpose(1, 0, 2, 3).reshape(H, b * T, hd))
         at += b * T
     return tf.block_out(x, jnp.concatenate(outs, axis=1), blk, cfg), store
+
+
+def cfg_loop(store: dict) -> range:
+    """The loop blocks of a loop stack's arrays [L, k, ...]."""
+    return range(next(iter(store.values())).shape[1])
 
 
 def embed(params: Params, tokens: jax.Array, pos: jax.Array) -> jax.Array:

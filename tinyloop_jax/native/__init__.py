@@ -37,7 +37,7 @@ SOURCE = SOURCES[0]
 TARGET = "tinyloop_qmatmul"
 PAGED_TARGET = "tinyloop_paged_attention"
 PAGE_FORMATS = {"fp32": 0, "fp16": 1, "int8": 2, "int4": 3}
-FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w", "-fopenmp-simd", "-fno-math-errno"]
 FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 
 _lock = threading.Lock()
@@ -146,16 +146,17 @@ def qmatmul(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array | None, fmt: 
 
 
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, ks: jax.Array | None, vs: jax.Array | None,
-                    table: jax.Array, start: jax.Array, n_new: jax.Array, layer: jax.Array, fmt: str, window: int,
+                    table: jax.Array, start: jax.Array, n_new: jax.Array, layer: jax.Array, fmt: str, window,
                     kv_heads: int) -> jax.Array:
     """Each row's queries q [b, T, H, hd] (pre-scaled; query t at position start[r] + t, real for
     t < n_new[r]) against its live pages only: k, v a layer's pages [.., KV, NP, P, w] (or a
     stack of layers, `layer` [] int32 choosing one of its leading entries), ks, vs their
-    per-token scales (int formats), table [b, R] -> float32 [b, T, H, hd] (see
-    paged_attention.cc). Call only where `available()`."""
+    per-token scales (int formats), table [b, R], window an int or [b] (each row's; <= 0: none)
+    -> float32 [b, T, H, hd] (see paged_attention.cc). Call only where `available()`."""
     if ks is None:
         ks = vs = jnp.zeros((1,), jnp.float32)
     i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+    windows = jnp.broadcast_to(i32(window), (q.shape[0],))
     return jax.ffi.ffi_call(PAGED_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q.astype(jnp.float32), k, v, ks, vs, i32(table), i32(start), i32(n_new), i32(layer).reshape(1),
-        fmt=np.int32(PAGE_FORMATS[fmt]), window=np.int32(window), kv_heads=np.int32(kv_heads))
+        q.astype(jnp.float32), k, v, ks, vs, i32(table), i32(start), i32(n_new), windows, i32(layer).reshape(1),
+        fmt=np.int32(PAGE_FORMATS[fmt]), kv_heads=np.int32(kv_heads))

@@ -12,13 +12,14 @@
 //   table  [b, R] int32: position p of row r is in page table[r, p / P], offset p % P
 //   out    [b, T, H, hd] float32
 //
-// Query head h reads key/value head h / (H / KV). A query at p_q sees keys p with
-// p <= p_q, p > p_q - window (window > 0) — causal within the step's own tokens, which the
-// step wrote before this call. One online softmax per (query, head); (row, KV head) pairs are
+// Query head h reads key/value head h / (H / KV). A query at p_q of row r sees keys p with
+// p <= p_q, p > p_q - windows[r] (windows[r] > 0) — causal within the step's own tokens, which
+// the step wrote before this call. One online softmax per (query, head); (row, KV head) pairs are
 // shared out over XLA's thread pool.
 
 #include <algorithm>
 #include <atomic>
+#include <vector>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -64,6 +65,27 @@ inline float half_to_float(uint16_t h) {
 #endif
 }
 
+// exp(x) for x <= 0 (softmax weights), branch-free so that `omp simd` loops vectorize it:
+// x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial (relative error ~2e-7), 2^n in the
+// exponent bits; below -87 it is 0.
+#pragma omp declare simd
+inline float exp_neg(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::nearbyint(x * 1.44269504f);
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  float p = 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return x <= -87.f ? 0.f : p * scale;
+}
+
 struct Layer {
   const uint8_t* data;  // this layer's [KV, NP, P, w] stored values
   const float* scale;   // this layer's [KV, NP, P] scales (int formats)
@@ -73,74 +95,113 @@ struct Job {
   const float* q;
   float* out;
   Layer k, v;
-  const int32_t *table, *start, *n_new;
+  const int32_t *table, *start, *n_new, *windows;
   int64_t b, T, H, hd, KV, NP, P, R, width;
-  int32_t fmt, window;
+  int32_t fmt;
   std::atomic<int64_t> next{0}, done{0};
 };
 
-// Position p's stored values of head g as floats (hd of them) into `dst`.
-inline void load(const Job& j, const Layer& L, int64_t g, int64_t page, int64_t off, float* dst) {
-  const int64_t idx = (g * j.NP + page) * j.P + off;
+// Positions [off, off + n) of page `page`, head g, as floats: dst [n, hd].
+void load_block(const Job& j, const Layer& L, int64_t g, int64_t page, int64_t off, int64_t n,
+                float* __restrict dst) {
+  const int64_t idx = (g * j.NP + page) * j.P + off, hd = j.hd;
   switch (j.fmt) {
     case kF32:
-      std::memcpy(dst, L.data + idx * j.width * 4, j.hd * 4);
+      std::memcpy(dst, L.data + idx * j.width * 4, n * hd * 4);
       break;
     case kF16: {
       const uint16_t* s = reinterpret_cast<const uint16_t*>(L.data) + idx * j.width;
-      for (int64_t c = 0; c < j.hd; ++c) dst[c] = half_to_float(s[c]);
+      int64_t c = 0;
+#if defined(__F16C__)
+      for (; c + 8 <= n * hd; c += 8)
+        _mm256_storeu_ps(dst + c, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + c))));
+#endif
+      for (; c < n * hd; ++c) dst[c] = half_to_float(s[c]);
       break;
     }
     case kI8: {
       const int8_t* s = reinterpret_cast<const int8_t*>(L.data) + idx * j.width;
-      const float d = L.scale[idx];
-      for (int64_t c = 0; c < j.hd; ++c) dst[c] = d * static_cast<float>(s[c]);
+      for (int64_t t = 0; t < n; ++t) {
+        const float d = L.scale[idx + t];
+        for (int64_t c = 0; c < hd; ++c) dst[t * hd + c] = d * static_cast<float>(s[t * hd + c]);
+      }
       break;
     }
     default: {  // int4
       const uint8_t* s = L.data + idx * j.width;
-      const float d = L.scale[idx];
-      for (int64_t c = 0; c < j.width; ++c) {
-        dst[2 * c] = d * static_cast<float>(static_cast<int>(s[c] & 15) - 8);
-        dst[2 * c + 1] = d * static_cast<float>(static_cast<int>(s[c] >> 4) - 8);
+      for (int64_t t = 0; t < n; ++t) {
+        const float d = L.scale[idx + t];
+        for (int64_t c = 0; c < j.width; ++c) {
+          const uint8_t b = s[t * j.width + c];
+          dst[t * hd + 2 * c] = d * static_cast<float>(static_cast<int>(b & 15) - 8);
+          dst[t * hd + 2 * c + 1] = d * static_cast<float>(static_cast<int>(b >> 4) - 8);
+        }
       }
     }
   }
 }
 
-// Row r, KV head g: every real query of the row, for the G query heads of g.
-void unit(const Job& j, int64_t r, int64_t g) {
-  const int64_t G = j.H / j.KV, hd = j.hd, T = j.T;
+// Row r, KV head g: every real query of the row, for the G query heads of g, a page of keys at a
+// time (one online-softmax rescale per page).
+void unit(const Job& j, int64_t r, int64_t g, std::vector<float>& buf) {
+  const int64_t G = j.H / j.KV, hd = j.hd, T = j.T, P = j.P;
   const int64_t n = std::clamp<int64_t>(j.n_new[r], 0, T), s0 = j.start[r];
   const int64_t len = s0 + n;  // live positions after the step
-  std::vector<float> kb(hd), vb(hd), m(T * G, -INFINITY), l(T * G, 0.f), acc(T * G * hd, 0.f), sc(T * G);
-  const int64_t lo = j.window > 0 ? std::max<int64_t>(0, s0 - j.window + 1) : 0;
-  for (int64_t p = lo; p < len; ++p) {
-    const int64_t e = p / j.P;
-    if (e >= j.R) break;
+  const int64_t window = j.windows[r];
+  buf.resize(2 * P * hd + T * G * (hd + 2) + P);
+  float* kb = buf.data();
+  float* vb = kb + P * hd;
+  float* acc = vb + P * hd;
+  float* m = acc + T * G * hd;
+  float* l = m + T * G;
+  float* sc = l + T * G;
+  std::fill(acc, acc + T * G * hd, 0.f);
+  std::fill(m, m + T * G, -INFINITY);
+  std::fill(l, l + T * G, 0.f);
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, s0 - window + 1) : 0;
+  for (int64_t e = lo / P; e * P < len && e < j.R; ++e) {
     const int64_t page = j.table[r * j.R + e];
     if (page < 0 || page >= j.NP) continue;
-    load(j, j.k, g, page, p % j.P, kb.data());
-    load(j, j.v, g, page, p % j.P, vb.data());
+    const int64_t p0 = std::max(e * P, lo), p1 = std::min(e * P + P, len);  // keys [p0, p1)
+    const int64_t nk = p1 - p0;
+    load_block(j, j.k, g, page, p0 - e * P, nk, kb);
+    load_block(j, j.v, g, page, p0 - e * P, nk, vb);
     for (int64_t t = 0; t < n; ++t) {
       const int64_t pq = s0 + t;
-      if (p > pq || (j.window > 0 && p <= pq - j.window)) continue;
+      const int64_t a0 = window > 0 ? std::max(p0, pq - window + 1) : p0, a1 = std::min(p1, pq + 1);
+      if (a0 >= a1) continue;
       for (int64_t a = 0; a < G; ++a) {
-        const float* qv = j.q + ((r * T + t) * j.H + g * G + a) * hd;
-        float s = 0.f;
-        for (int64_t c = 0; c < hd; ++c) s += qv[c] * kb[c];
+        const float* __restrict qv = j.q + ((r * T + t) * j.H + g * G + a) * hd;
         const int64_t i = t * G + a;
-        float* o = acc.data() + i * hd;
-        if (s > m[i]) {
-          const float f = std::exp(m[i] - s);  // 0 on the first key (m = -inf)
-          l[i] = l[i] * f + 1.f;
-          for (int64_t c = 0; c < hd; ++c) o[c] = o[c] * f + vb[c];
-          m[i] = s;
-        } else {
-          const float w = std::exp(s - m[i]);
-          l[i] += w;
-          for (int64_t c = 0; c < hd; ++c) o[c] += w * vb[c];
+        float mb = -INFINITY;
+        const int64_t nq = a1 - a0;
+        for (int64_t p = 0; p < nq; ++p) {
+          const float* __restrict kp = kb + (a0 - p0 + p) * hd;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t c = 0; c < hd; ++c) s += qv[c] * kp[c];
+          sc[p] = s;
+          mb = std::max(mb, s);
         }
+        float* __restrict o = acc + i * hd;
+        const float mn = std::max(m[i], mb);
+        const float f = std::exp(m[i] - mn);  // 0 on the first keys (m = -inf)
+        float li = l[i] * f;
+#pragma omp simd
+        for (int64_t c = 0; c < hd; ++c) o[c] *= f;
+#pragma omp simd reduction(+ : li)
+        for (int64_t p = 0; p < nq; ++p) {
+          sc[p] = exp_neg(sc[p] - mn);
+          li += sc[p];
+        }
+        for (int64_t p = 0; p < nq; ++p) {
+          const float w = sc[p];
+          const float* __restrict vp = vb + (a0 - p0 + p) * hd;
+#pragma omp simd
+          for (int64_t c = 0; c < hd; ++c) o[c] += w * vp[c];
+        }
+        l[i] = li;
+        m[i] = mn;
       }
     }
   }
@@ -155,16 +216,18 @@ void unit(const Job& j, int64_t r, int64_t g) {
 
 void work(Job* j) {
   const int64_t units = j->b * j->KV;
+  thread_local std::vector<float> buf;
   for (int64_t u; (u = j->next.fetch_add(1)) < units;) {
-    unit(*j, u / j->KV, u % j->KV);
+    unit(*j, u / j->KV, u % j->KV, buf);
     j->done.fetch_add(1, std::memory_order_release);
   }
 }
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                           ffi::Buffer<ffi::F32> ks, ffi::Buffer<ffi::F32> vs, ffi::Buffer<ffi::S32> table,
-                          ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::S32> n_new, ffi::Buffer<ffi::S32> layer,
-                          ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int32_t window, int32_t kv_heads) {
+                          ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::S32> n_new, ffi::Buffer<ffi::S32> windows,
+                          ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int32_t fmt,
+                          int32_t kv_heads) {
   if (fmt < kF32 || fmt > kI4) return ffi::Error::InvalidArgument("paged_attention: unknown format");
   const auto qd = q.dimensions(), kd = k.dimensions(), td = table.dimensions();
   if (qd.size() != 4 || kd.size() < 4 || td.size() != 2)
@@ -173,7 +236,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   Job& j = *job;
   j.b = qd[0], j.T = qd[1], j.H = qd[2], j.hd = qd[3];
   j.KV = kv_heads, j.NP = kd[kd.size() - 3], j.P = kd[kd.size() - 2], j.width = kd.back(), j.R = td[1];
-  j.fmt = fmt, j.window = window;
+  j.fmt = fmt;
   if (j.KV < 1 || kd[kd.size() - 4] != j.KV || j.H % j.KV || td[0] != j.b
       || j.width != (fmt == kI4 ? j.hd / 2 : j.hd))
     return ffi::Error::InvalidArgument("paged_attention: shapes do not agree");
@@ -190,8 +253,15 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
               scaled ? vs.typed_data() + li * per_layer : nullptr};
   j.q = q.typed_data(), j.out = out->typed_data();
   j.table = table.typed_data(), j.start = start.typed_data(), j.n_new = n_new.typed_data();
+  j.windows = windows.typed_data();
   const int64_t units = j.b * j.KV;
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1) - 1, units - 1);
+  // helpers only where the work outweighs handing it out (a decode row's few hundred keys do not)
+  int64_t keys = 0;
+  for (int64_t r = 0; r < j.b; ++r) keys += (j.start[r] + j.n_new[r]) * std::max<int64_t>(j.n_new[r], 1);
+  const int64_t work_items = keys * j.H * j.hd;
+  const int64_t helpers = work_items < (int64_t{1} << 18)
+                              ? 0
+                              : std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1) - 1, units - 1);
   for (int64_t h = 0; h < helpers; ++h) pool.Schedule([job] { work(job.get()); });
   work(job.get());
   while (j.done.load(std::memory_order_acquire) < units) std::this_thread::yield();
@@ -212,7 +282,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TinyloopPagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("fmt")
-                                  .Attr<int32_t>("window")
                                   .Attr<int32_t>("kv_heads"));

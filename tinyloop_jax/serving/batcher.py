@@ -271,10 +271,12 @@ class Batcher:
         return True
 
     def namespace(self, h: Handle):
-        """Under which name a request's pages are indexed: its seed when the K/V depend on it
-        (Huginn's initial loop states are drawn from the request's seed), else None (shared)."""
+        """Under which name a request's pages are indexed: what its K/V depend on beside the
+        tokens — its seed (Huginn's initial loop states are drawn from it) and its cache_window
+        (the attention every layer's input went through) — or None (shared by all)."""
         c = self.cfg
-        return h.params.seed if rec.injected(c) and rec.state_std(c) > 0 else None
+        seed = h.params.seed if rec.injected(c) and rec.state_std(c) > 0 else None
+        return (seed, h.cache_window) if h.cache_window else seed
 
     def _from_store(self, d: Depth, h: Handle, shared: list) -> list:
         """`shared` (retained pages of the prompt's first full pages), extended with pages loaded
@@ -282,6 +284,8 @@ class Batcher:
         them in the pool)."""
         store, prompt = self.store, h.prompt
         if store is None or not self.prefix_cache or store.loops != d.loops:
+            return shared
+        if h.cache_window:  # store entries attend to the whole context
             return shared
         entry, k = store.lookup(prompt)
         if entry is not None and entry.seed != (self.namespace(h) or 0) and self.namespace(h) is not None:
@@ -337,19 +341,20 @@ class Batcher:
             lengths = [r.fed + len(r.handle.tokens) + r.ahead for r in decoding]  # positions after the step
             if chunk is not None:
                 lengths.append(chunk[0].fed + chunk[1])
-            R = pow2(-(-max(lengths) // P), MIN_TABLE)
+            R = self.table_len(max(lengths))
             chunks = decodes = None
             T = bd = 0
             if chunk is not None:
                 r, n, final = chunk
                 T = bucket(n)
                 chunks = S.make_chunks([r.pages], [r.handle.prompt[r.fed:r.fed + n]], [r.fed], [r.slot], [final], T,
-                                       R, 1)
+                                       R, 1, [r.handle.cache_window])
             if decoding:
                 bd = next(b for b in batch_buckets(self.max_batch) if b >= len(decoding))
                 starts = [r.fed + len(r.handle.tokens) + r.ahead - 1 for r in decoding]
                 decodes = S.make_decodes([r.pages for r in decoding], starts, [r.slot for r in decoding],
-                                         [len(r.handle.tokens) + r.ahead for r in decoding], R, bd)
+                                         [len(r.handle.tokens) + r.ahead for r in decoding], R, bd,
+                                         [r.handle.cache_window for r in decoding])
             w, jits = self.model.weights, self.jits(d.loops)
             dtok = passes = None
             if d.adaptive and decodes is not None:  # the decode rows' passes stop at their exits
@@ -484,9 +489,19 @@ class Batcher:
 
     # ---- warmup ------------------------------------------------------------------------------
 
+    def table_len(self, positions: int) -> int:
+        """Page-table entries of a step whose longest row holds `positions`: the whole context's
+        when attention reads only live pages (the native kernel: one program for every length),
+        else a power of two (the XLA reference reads every entry)."""
+        whole = -(-self.cfg.max_seq_len // self.page_size)
+        if paged.native_attention(self.cfg):
+            return whole
+        return min(pow2(-(-positions // self.page_size), MIN_TABLE), pow2(whole, MIN_TABLE))
+
     def step_shapes(self, loops: int) -> list[tuple[int, int, int]]:
         """Every (decode rows, chunk length, page-table length) a depth's steps can have."""
-        tables = sorted({pow2(n, MIN_TABLE) for n in range(1, -(-self.cfg.max_seq_len // self.page_size) + 1)})
+        whole = -(-self.cfg.max_seq_len // self.page_size)
+        tables = sorted({self.table_len(n * self.page_size) for n in range(1, whole + 1)})
         chunk_sizes = sorted({bucket(n) for n in range(1, self.chunk + 1)})
         return [(bd, T, R) for R in tables for bd in [0] + batch_buckets(self.max_batch) for T in [0] + chunk_sizes
                 if bd or T]

@@ -122,8 +122,11 @@ class Engine:
                repetition_penalty: float = 1.0, stop_sequences=(), seed: int = 0, loops: int | None = None,
                timeout: float | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                logit_bias=None, exit_criterion: str | None = None, exit_threshold: float | None = None,
-               min_steps: int = 0, check_every: int = 1, continuous_compute: bool = False) -> Handle:
+               min_steps: int = 0, check_every: int = 1, continuous_compute: bool = False,
+               cache_window: int = 0) -> Handle:
         """Queue a request (the arguments of `model.generate`); returns its `Handle` at once.
+        cache_window > 0: every query attends to the last cache_window positions only, as
+        `generate(cache_window=...)` (the pages outside the window are kept).
         With an exit_criterion (adaptive depth, `model.adaptive`) its tokens stop looping at
         their exits, the prompt runs every pass, and `handle.depths` gives the passes run per
         emitted token.
@@ -139,6 +142,7 @@ class Engine:
         loops = c.default_loops if loops is None else check.loops(loops)
         if loops > self.max_loops:
             raise ValueError(f"loops={loops} is above this engine's max_loops={self.max_loops}")
+        cache_window = check.cache_window(cache_window)
         policy = ad.make_policy(c, loops, exit_criterion, exit_threshold, min_steps, check_every, continuous_compute)
         policy = None if exit_criterion is None else policy
         if len(prompt) + params.max_tokens > c.max_seq_len:
@@ -154,7 +158,7 @@ class Engine:
         if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         h = Handle(prompt, params, loops, None if timeout is None else time.perf_counter() + timeout, self._cancelled,
-                   policy)
+                   policy, cache_window)
         with self._cv:
             if self._closed:
                 raise RuntimeError("engine is closed")

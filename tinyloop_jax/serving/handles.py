@@ -42,9 +42,10 @@ class Handle:
     _ids = itertools.count()
 
     def __init__(self, prompt: np.ndarray, params: SamplingParams, loops: int, deadline: float | None,
-                 on_cancel: Callable[["Handle"], None] = lambda h: None, policy=None):
+                 on_cancel: Callable[["Handle"], None] = lambda h: None, policy=None, cache_window: int = 0):
         self.id = next(Handle._ids)
         self.prompt, self.params, self.loops, self.deadline = prompt, params, loops, deadline
+        self.cache_window = cache_window  # > 0: every query attends to the last cache_window positions only
         self.policy = policy  # adaptive depth: the request's exit rule (`model.adaptive.Policy`), or None
         self.depths: list[int] = []  # with a policy: the passes run for each emitted token
         self.tokens: list[int] = []

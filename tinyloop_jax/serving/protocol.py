@@ -179,6 +179,8 @@ def parse_common(body, model_name: str, eos: list[int], prompts: list[list[int]]
     if not _bool(body, "ignore_eos", False):
         kw["stop_sequences"] = [[e] for e in eos]
     kw.update(parse_adaptive(body))
+    if body.get("cache_window") is not None:  # an extra: sliding-window attention, as generate's
+        kw["cache_window"] = _int(body, "cache_window", None)
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise BadRequest("stream_options must be an object", "stream_options")
@@ -301,6 +303,7 @@ def _named(param: str, check_value, *args):
 
 # Engine.submit's keyword -> the engine's own check of it (api/validation)
 _SUBMIT_CHECKS = dict(max_tokens=check.max_tokens, temperature=check.temperature, top_k=check.top_k,
+                      cache_window=check.cache_window,
                       top_p=check.top_p, repetition_penalty=check.repetition_penalty, seed=check.seed,
                       presence_penalty=lambda v: check.penalty(v, "presence_penalty"),
                       frequency_penalty=lambda v: check.penalty(v, "frequency_penalty"))

@@ -185,18 +185,20 @@ def programs() -> dict:
 
 
 def make_chunks(tables: list, tokens: list, starts: list, slots: list, finals: list, T: int, R: int,
-                rows: int) -> Chunks:
-    """Host arrays of a chunk group padded to `rows` rows of T tokens and R page entries."""
+                rows: int, windows: list = ()) -> Chunks:
+    """Host arrays of a chunk group padded to `rows` rows of T tokens and R page entries
+    (windows: each row's cache_window, 0 for none)."""
     tok = np.zeros((rows, T), np.int32)
     for i, t in enumerate(tokens):
         tok[i, :len(t)] = t
-    return Chunks(_rows(tables, starts, [len(t) for t in tokens], R, rows), tok, _pad(slots, rows, FILLER),
+    return Chunks(_rows(tables, starts, [len(t) for t in tokens], R, rows, windows), tok, _pad(slots, rows, FILLER),
                   np.asarray(list(finals) + [False] * (rows - len(finals)), bool))
 
 
-def make_decodes(tables: list, starts: list, slots: list, steps: list, R: int, rows: int) -> Decodes:
+def make_decodes(tables: list, starts: list, slots: list, steps: list, R: int, rows: int,
+                 windows: list = ()) -> Decodes:
     """Host arrays of a decode group padded to `rows` rows and R page entries."""
-    return Decodes(_rows(tables, starts, [1] * len(tables), R, rows), _pad(slots, rows, FILLER),
+    return Decodes(_rows(tables, starts, [1] * len(tables), R, rows, windows), _pad(slots, rows, FILLER),
                    _pad(steps, rows, 0))
 
 
@@ -204,8 +206,8 @@ def _pad(values: list, rows: int, fill: int) -> np.ndarray:
     return np.asarray(list(values) + [fill] * (rows - len(values)), np.int32)
 
 
-def _rows(tables: list, starts: list, n_new: list, R: int, rows: int) -> paged.Rows:
+def _rows(tables: list, starts: list, n_new: list, R: int, rows: int, windows: list = ()) -> paged.Rows:
     table = np.zeros((rows, R), np.int32)
     for i, t in enumerate(tables):
         table[i, :len(t)] = t[:R]
-    return paged.Rows(table, _pad(starts, rows, 0), _pad(n_new, rows, 0))
+    return paged.Rows(table, _pad(starts, rows, 0), _pad(n_new, rows, 0), _pad(list(windows), rows, 0))
