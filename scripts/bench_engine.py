@@ -11,7 +11,7 @@ engine before pages and the engine on pages.
    (`tinyloop serve`'s app, the official openai client streaming a chat completion). Medians of
    --repeats runs after a warm-up run of each.
 2. A decode step's time (median of --steps) for B rows (1, 4, 16) of L live tokens each (64, 512,
-   2048): the paged step (every row's pages; page tables as long as the rows need). The engine
+   2048): the paged step with the native attention kernel and with the XLA reference. The engine
    before pages (its lanes' `decode_step`) was measured beside it by this script at commit
    5f03f68, the last that had it; docs/benchmarks.md keeps that table.
 """
@@ -187,14 +187,22 @@ def main():
              f"{http_ttft:.3f} s |"]
     if not args.skip_steps:
         rows, lives = [int(x) for x in args.rows.split(",")], [int(x) for x in args.live.split(",")]
-        lines += ["", f"A decode step's time, ms (median of {args.steps} steps): B rows of L live tokens each.", "",
-                  "| B | L | engine on pages |", "|---|---|---|"]
+        lines += ["", f"A decode step's time, ms (median of {args.steps} steps): B rows of L live tokens each; "
+                  "attention by the native kernel (each row's live pages) and by the XLA reference (a gather of "
+                  "each row's page table, `TINYLOOP_PAGED_KERNEL=0`), back to back.", "",
+                  "| B | L | native kernel | XLA reference | reference / kernel |", "|---|---|---|---|---|"]
         for b in rows:
             for live in lives:
-                new = paged_step_time(model, b, live, args.steps)
-                print(f"B={b} L={live}: paged {new * 1e3:.1f} ms", flush=True)
-                lines.append(f"| {b} | {live} | {new * 1e3:.1f} |")
+                times = {}
+                for arm in ("1", "0"):
+                    os.environ["TINYLOOP_PAGED_KERNEL"] = arm
+                    jax.clear_caches()
+                    times[arm] = paged_step_time(model, b, live, args.steps)
+                os.environ.pop("TINYLOOP_PAGED_KERNEL")
                 jax.clear_caches()
+                k, r = times["1"], times["0"]
+                print(f"B={b} L={live}: kernel {k * 1e3:.1f} ms, reference {r * 1e3:.1f} ms", flush=True)
+                lines.append(f"| {b} | {live} | {k * 1e3:.1f} | {r * 1e3:.1f} | {r / k:.2f}x |")
     body = "\n".join(["## The engine on pages (issue 45, `scripts/bench_engine.py`)", "", f"`{command()}`", ""]
                      + lines)
     print(body)

@@ -203,6 +203,19 @@ def slot_values(post: tuple, slots: jax.Array) -> tuple:
                  for e in post)
 
 
+class Carry(NamedTuple):
+    """The adaptive pass loop's carry (per row: a leading row axis on each array)."""
+    i: jax.Array  # [] passes run
+    s: jax.Array  # the streams (the loop state) after the row's last pass
+    stack: dict  # the loop stack's cache layers
+    post: tuple  # the coda's
+    active: jax.Array  # the row has not exited
+    depth: jax.Array  # passes the row ran
+    judge: Judge
+    logits: jax.Array  # the last check's logits
+    have: jax.Array  # logits were computed (a check of a logit criterion, or an exit)
+
+
 class Step(NamedTuple):
     """What `forward_rows` returns, per row (leading N axis)."""
     logits: jax.Array  # [N, V] next-token logits after each row's last real token
@@ -261,17 +274,6 @@ def forward_rows(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: j
         if not cfg.early_exit_gate:
             return jnp.zeros(x.shape[:-2], jnp.float32)
         return vm(lambda x, i: tf.gate(params, jax.lax.dynamic_index_in_dim(x, i, axis=0, keepdims=False)))(x, last)
-
-    class Carry(NamedTuple):
-        i: jax.Array
-        s: jax.Array
-        stack: dict
-        post: tuple
-        active: jax.Array
-        depth: jax.Array
-        judge: Judge
-        logits: jax.Array
-        have: jax.Array  # logits were computed (a check of a logit criterion, or an exit)
 
     def body(c: Carry) -> Carry:
         s_new, stack = vm(lambda s, e, st, ch, o, ra: tf.loop_pass(params, cfg, c.i, s, e, st, ch, seg(ra), o,

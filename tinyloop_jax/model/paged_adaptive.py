@@ -82,18 +82,7 @@ def forward_decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: 
     def gate_prob(x):
         return tf.gate(params, x) if cfg.early_exit_gate else jnp.zeros((b,), jnp.float32)
 
-    class Carry(NamedTuple):
-        i: jax.Array
-        s: jax.Array
-        stack: dict
-        post: tuple
-        active: jax.Array
-        depth: jax.Array
-        judge: ad.Judge
-        logits: jax.Array
-        have: jax.Array
-
-    def body(c: Carry) -> Carry:
+    def body(c: ad.Carry) -> ad.Carry:
         x = rec.pass_input(params, c.s, e) if inject else c.s
         stack = c.stack
         for j, blk in enumerate(params.loop):
@@ -111,11 +100,11 @@ def forward_decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: 
             pol, c.judge, s_new[:, None], valid, gp, logits, check)
         judge = jax.tree.map(lambda n, o: jnp.where(c.active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o), judge,
                              c.judge)
-        return Carry(c.i + 1, jnp.where(c.active[:, None], s_new, c.s), stack, post, c.active & ~leave,
+        return ad.Carry(c.i + 1, jnp.where(c.active[:, None], s_new, c.s), stack, post, c.active & ~leave,
                      jnp.where(c.active, c.i + 1, c.depth), judge, jnp.where(need[:, None], logits, c.logits),
                      c.have | need)
 
-    c = Carry(jnp.int32(0), s, pool.loop, pool.post, rows.n_new > 0, jnp.zeros((b,), jnp.int32), judge,
+    c = ad.Carry(jnp.int32(0), s, pool.loop, pool.post, rows.n_new > 0, jnp.zeros((b,), jnp.int32), judge,
               jnp.zeros((b, V), jnp.float32), jnp.zeros((b,), bool))
     c = jax.lax.while_loop(lambda c: (c.i < loops) & jnp.any(c.active), body, c)
     final = ~c.have  # rows that never computed logits: the last pass's
