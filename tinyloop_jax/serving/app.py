@@ -317,8 +317,8 @@ class _Collector:
                   ttft_p50_s="time to first token, median of recent requests (s)",
                   ttft_p99_s="time to first token, p99 of recent requests (s)",
                   tokens_per_second="tokens emitted per second since start",
-                  lanes="depths with a lane (pool, rows, store) now",
-                  memory_bytes="bytes the lanes' pools, rows and stores hold (within the memory budget)")
+                  lanes="depths held now (each a page pool, request rows and programs)",
+                  memory_bytes="bytes the depths' page pools and request rows hold (within the memory budget)")
 
     # per depth (label `loops`), in tokens, as vLLM names its prefix-cache counters
     DEPTH_COUNTERS = dict(prefix_cache_queries="prompt tokens looked up in cached prefixes",
