@@ -43,7 +43,7 @@ from ..api.store import PrefixStore
 from ..model import adaptive as ad
 from ..model.cache import free_bytes
 
-DEFAULT_KV_MEMORY = 1 << 30  # "auto": at most this many bytes of pages (or half the free memory)
+DEFAULT_KV_MEMORY = 512 << 20  # "auto": at most this many bytes of pages (or half the free memory)
 
 __all__ = ["Engine", "Handle", "MemoryBudgetError", "QueueFull", "RequestTimeout", "Cancelled"]
 
@@ -61,7 +61,7 @@ class Engine:
     default depth if more): each depth has its own pool and programs. max_lanes: depths held at
     once (default 8): a new depth evicts the least recently used idle one. memory_budget: bytes
     for every depth's pages and request rows ("auto": half of what the device has free, at most
-    1 GiB; None: each pool holds max_batch requests at the whole context); a request waits
+    512 MiB; None: each pool holds max_batch requests at the whole context); a request waits
     while its pages are not free (cached pages are evicted, least recently used first, to make
     room), and one that cannot fit even alone is refused at `submit` (`MemoryBudgetError`).
     overlap: the loop dispatches step t + 1 before it reads step t's tokens, so stop checks,
