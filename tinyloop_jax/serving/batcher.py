@@ -346,10 +346,10 @@ class Batcher:
             T = bd = 0
             if chunk is not None:
                 r, n, final = chunk
-                T = bucket(n)
+                T = next(t for t in self.chunk_sizes() if t >= n)
                 chunks = S.make_chunks([r.pages], [r.handle.prompt[r.fed:r.fed + n]], [r.fed], [r.slot], [final], T,
                                        R, 1, [r.handle.cache_window])
-            if decoding:
+            if decoding or not d.adaptive:  # (a chunk alone: beside one filler decode row, one program fewer)
                 bd = next(b for b in batch_buckets(self.max_batch) if b >= len(decoding))
                 starts = [r.fed + len(r.handle.tokens) + r.ahead - 1 for r in decoding]
                 decodes = S.make_decodes([r.pages for r in decoding], starts, [r.slot for r in decoding],
@@ -357,7 +357,7 @@ class Batcher:
                                          [r.handle.cache_window for r in decoding])
             w, jits = self.model.weights, self.jits(d.loops)
             dtok = passes = None
-            if d.adaptive and decodes is not None:  # the decode rows' passes stop at their exits
+            if d.adaptive and decoding:  # the decode rows' passes stop at their exits
                 if chunks is not None:
                     ctok, _, d.pool, d.state = self._run(("step", d.loops, 0, T, R), jits["step"], w.params, w.config,
                                                          d.pool, d.state, chunks, None, loops=d.loops, exit=d.exit)
@@ -502,9 +502,12 @@ class Batcher:
         """Every (decode rows, chunk length, page-table length) a depth's steps can have."""
         whole = -(-self.cfg.max_seq_len // self.page_size)
         tables = sorted({self.table_len(n * self.page_size) for n in range(1, whole + 1)})
-        chunk_sizes = sorted({bucket(n) for n in range(1, self.chunk + 1)})
-        return [(bd, T, R) for R in tables for bd in [0] + batch_buckets(self.max_batch) for T in [0] + chunk_sizes
-                if bd or T]
+        return [(bd, T, R) for R in tables for bd in batch_buckets(self.max_batch) for T in [0] + self.chunk_sizes()]
+
+    def chunk_sizes(self) -> list[int]:
+        """A prompt chunk's padded lengths: 16 and the whole chunk (a short rest pays for 16
+        tokens, a longer one for the chunk: each length is every decode bucket's program)."""
+        return sorted({bucket(16), self.chunk})
 
     def warmup(self, loops: int) -> int:
         """Compile every program of a depth's steps (ahead of time: nothing is allocated or run,
