@@ -505,9 +505,10 @@ class Batcher:
         return [(bd, T, R) for R in tables for bd in batch_buckets(self.max_batch) for T in [0] + self.chunk_sizes()]
 
     def chunk_sizes(self) -> list[int]:
-        """A prompt chunk's padded lengths: 16 and the whole chunk (a short rest pays for 16
-        tokens, a longer one for the chunk: each length is every decode bucket's program)."""
-        return sorted({bucket(16), self.chunk})
+        """A prompt chunk's padded lengths: 32 and the whole chunk (a question after a cached
+        system prompt pays for 32 tokens, a longer rest for the chunk: each length is a program
+        for every decode bucket, so few lengths keep warmup short)."""
+        return sorted({min(32, self.chunk), self.chunk})
 
     def warmup(self, loops: int) -> int:
         """Compile every program of a depth's steps (ahead of time: nothing is allocated or run,
