@@ -29,8 +29,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import tinyloop_jax as tl  # noqa: E402
 from _report import command, machine, write_section  # noqa: E402

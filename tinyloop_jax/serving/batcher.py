@@ -328,7 +328,6 @@ class Batcher:
 
     def _step(self, d: Depth) -> None:
         prev, d.inflight = d.inflight, None
-        P = self.page_size
         chunk = None
         if d.prefilling:
             r = d.prefilling[0]
