@@ -397,3 +397,35 @@ def test_paged_step_xla_reference_path_equals_the_kernel_path(monkeypatch):
         np.testing.assert_allclose(np.stack(reference["fp32"].logits[b]), np.stack(kernel["fp32"].logits[b]),
                                    atol=1e-5, rtol=1e-5)
         assert_logits_close(np.stack(reference["int8"].logits[b]), np.stack(kernel["int8"].logits[b]))
+
+
+@pytest.mark.parametrize("mode", ["fp32", "int4-h"])
+def test_reuse_equals_recompute_and_the_position_reset_control_fails(mode):
+    """Seed 000's pair on pages: a prefix prefilled once into pages, then a suffix fed at
+    positions len(prefix).. by a row whose table starts with the prefix's pages, gives the
+    next-token logits of a from-scratch forward of prefix + suffix; the same path with the
+    suffix's positions reset to 0 (on copies of the prefix's pages: it writes where the prefix
+    is) must not."""
+    m = tiny_model(mode)
+    prefix, suffix = prompt_of(24, seed=1), prompt_of(5, seed=2)
+    full = np.asarray(tf.forward_seq(m.weights.params, m.weights.config,
+                                     jnp.asarray(np.concatenate([prefix, suffix])), 3))[-1]
+
+    def last_logits(start: int, table: list, d: Driver) -> np.ndarray:
+        d.tables[0], d.fed[0] = table, [0] * start
+        d.step({0: suffix})
+        return np.asarray(d.logits[0][-1])
+
+    d = Driver(m, rows=1, n_pages=8, loops=3)
+    d.tables[0] = [2, 5]
+    d.step({0: prefix[:16]})
+    d.step({0: prefix[16:]})
+    full_page = d.page_bytes([2])
+    d.pool = paged._copy_pages(d.pool, jnp.asarray([2, 5]), jnp.asarray([6, 7]))  # copies for the control
+    # the suffix continues in page 5, the prefix's partial page (the engine would copy a shared one)
+    reuse = last_logits(len(prefix), [2, 5], d)
+    np.testing.assert_allclose(reuse, full, **CLOSE)
+    reset = last_logits(0, [6, 7], d)
+    assert not np.allclose(reset, full, **CLOSE)
+    for before, after in zip(full_page, d.page_bytes([2])):
+        np.testing.assert_array_equal(before, after)  # the prefix's full page was only read
