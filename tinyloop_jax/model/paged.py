@@ -352,13 +352,3 @@ def last_logits(params: Params, cfg: ModelConfig, x: jax.Array, rows: Rows) -> j
 @jax.jit
 def _copy_pages(pool: PagedKV, src: jax.Array, dst: jax.Array) -> PagedKV:
     return copy_pages(pool, src, dst)
-
-
-def step_logits(params: Params, cfg: ModelConfig, pool: PagedKV, rows: Rows, tokens: jax.Array, loops: int,
-                window: int = 0, exit: tf.Exit | None = None, seeds: jax.Array | None = None):
-    """`forward` then `last_logits`: (logits [B, V], pool)."""
-    x, pool = forward(params, cfg, pool, rows, tokens, loops, window, exit, seeds)
-    return last_logits(params, cfg, x, rows), pool
-
-
-step = jax.jit(step_logits, static_argnames=("cfg", "loops", "window"), donate_argnames=("pool",))

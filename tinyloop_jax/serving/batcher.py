@@ -137,10 +137,6 @@ class Batcher:
     def depth_nbytes(self, loops: int) -> int:
         return self.pool_pages(loops) * self.page_nbytes(loops) + self.rows_nbytes()
 
-    def least_bytes(self, loops: int, n_prompt: int, max_tokens: int) -> int:
-        """The least a request needs in a depth of its own: its pages and the request rows."""
-        return self.need_pages(n_prompt, max_tokens) * self.page_nbytes(loops) + self.rows_nbytes()
-
     def memory_bytes(self) -> int:
         return sum(d.pool.nbytes + self.rows_nbytes() for d in self.depths.values())
 

@@ -150,7 +150,7 @@ class Engine:
                                f"max_seq_len={c.max_seq_len}")
         b = self.batcher
         need, have = b.need_pages(len(prompt), params.max_tokens), b.pool_pages(loops)
-        if need > have or b.depth_nbytes(loops) > (self.memory_budget or b.depth_nbytes(loops)):
+        if need > have or (self.memory_budget is not None and b.depth_nbytes(loops) > self.memory_budget):
             raise MemoryBudgetError(f"a request of {len(prompt)} + {params.max_tokens} tokens at loops={loops} needs "
                                     f"{need} pages of {b.page_nbytes(loops) / 2**10:.1f} KiB; memory_budget="
                                     f"{self.memory_budget} bytes holds {have}; lower loops or max_tokens")
