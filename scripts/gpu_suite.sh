@@ -19,6 +19,7 @@ steps=(
   # name            seconds  command
   "parity           90  python scripts/gpu_parity.py"
   "int4_kernel      90  python scripts/gpu_check.py --write"
+  "paged_kernel     90  python scripts/gpu_paged.py --write"
   "ouro_decode     150  python scripts/bench_ouro_shape.py --dtype bfloat16 --modes fp16,int4 --section bench_ouro_shape_gpu"
   "serve           120  python scripts/bench_serve.py --models bundled --arms engine,batch1 --requests 48 --no-write"
 )

@@ -348,15 +348,26 @@ def _pages_in(fmt: str, rng, shape):
     return np.asarray(quant.pack_int4(q) if bits == 4 else q), np.asarray(scale), values
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "fp16", "int8", "int4"])
-def test_native_paged_attention_matches_the_reference(fmt):
-    """The kernel reads each row's live pages only and gives what `attention` gives over the row's
-    gathered pages: lengths from 1 to several pages + 1, grouped-query heads, a window, queries of
-    a chunk (causal among themselves) and of decode rows, a layer picked out of a stack."""
+def _paged_kernel(kernel: str):
+    """The native CPU kernel, or the Pallas GPU kernel in interpret mode: one signature."""
     from tinyloop_jax import native
-    from tinyloop_jax.model.attention import attention
+    from tinyloop_jax.model import paged_pallas
+    if kernel == "interpret":
+        return functools.partial(paged_pallas.paged_attention, interpret=True)
     if not native.available():
         pytest.skip("the native kernels do not run here (no C++ compiler, or not XLA:CPU on one device)")
+    return native.paged_attention
+
+
+@pytest.mark.parametrize("kernel", ["native", "interpret"])
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "int8", "int4"])
+def test_paged_attention_kernels_match_the_reference(kernel, fmt):
+    """Each kernel reads each row's live pages only and gives what `attention` gives over the
+    row's gathered pages: lengths from 1 to several pages + 1, grouped-query heads, a window,
+    queries of a chunk (causal among themselves) and of decode rows, a layer picked out of a
+    stack, every stored format."""
+    from tinyloop_jax.model.attention import attention
+    run = _paged_kernel(kernel)
     rng = np.random.default_rng(3)
     KV, NP, H, hd, T = 2, 12, 6, 8, 5
     k, ks, kf = _pages_in(fmt, rng, (3, KV, NP, P, hd))
@@ -367,8 +378,8 @@ def test_native_paged_attention_matches_the_reference(fmt):
     rows = paged.Rows.make(list(table), start, n_new)
     q = rng.normal(size=(4, T, H, hd)).astype(np.float32)
     for window, layer in ((0, 0), (0, 2), (7, 1)):
-        got = np.asarray(native.paged_attention(q * hd ** -0.5, k, v, ks, vs, rows.pages, start, n_new,
-                                                jnp.int32(layer), fmt, window, KV))
+        got = np.asarray(run(q * hd ** -0.5, k, v, ks, vs, rows.pages, start, n_new, jnp.int32(layer), fmt,
+                             window, KV))
         for r in range(4):
             pages = np.asarray(table[r])
             kr, vr = (a[layer][:, pages].reshape(KV, -1, hd) for a in (kf, vf))
@@ -381,22 +392,77 @@ def test_native_paged_attention_matches_the_reference(fmt):
             assert not got[r, n:].any()  # padding queries: zeros
 
 
-def test_paged_step_xla_reference_path_equals_the_kernel_path(monkeypatch):
-    """With the native kernels off (`TINYLOOP_NATIVE=0`: other backends, meshes) the step takes the
-    XLA reference (a gather of each row's pages) and gives the same logits (fp32: to float
-    rounding; int8: within `assert_logits_close`, a stored value may round one step apart)."""
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "int8", "int4"])
+def test_pallas_paged_attention_lowers_for_cuda(fmt):
+    """Without a GPU, lower the Pallas kernel for CUDA at SmolLM2's shapes (3 KV heads of 9 query
+    heads, hd 64; decode rows and a 32-token chunk; a loop stack): Triton must accept it (tiles
+    of powers of two, supported ops) and the module carries one Triton call of ours."""
+    from jax import export
+    from tinyloop_jax.model import paged_pallas
+    S = jax.ShapeDtypeStruct
+    b, H, KV, hd, NP, R = 16, 9, 3, 64, 512, 128
+    stored = {"fp32": jnp.float32, "fp16": jnp.float16, "int8": jnp.int8, "int4": jnp.uint8}[fmt]
+    kv = S((4, 2, KV, NP, P, hd // 2 if fmt == "int4" else hd), stored)
+    scales = S((4, 2, KV, NP, P, 1), jnp.float32) if fmt in ("int8", "int4") else None
+    for T in (1, 32):
+        f = jax.jit(lambda q, k, v, ks, vs, t, s, n, l, w: paged_pallas.paged_attention(
+            q, k, v, ks, vs, t, s, n, l, fmt, w, KV))
+        text = export.export(f, platforms=["cuda"], disabled_checks=[
+            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+            S((b, T, H, hd), jnp.float32), kv, kv, scales, scales, S((b, R), jnp.int32), S((b,), jnp.int32),
+            S((b,), jnp.int32), S((), jnp.int32), S((b,), jnp.int32)).mlir_module()
+        assert text.count("xla.gpu.triton") == 1 and "tinyloop_paged_attention" in text
+
+
+@pytest.mark.slow
+def test_gpu_paged_script_runs_interpreted():
+    """scripts/gpu_paged.py is only run for real on a GPU; keep it working here, interpreted."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "scripts/gpu_paged.py", "--interpret", "--quick"], cwd=root,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "| int4 | 2 | 40 |" in r.stdout
+
+
+def test_unknown_paged_kernel_is_an_error(monkeypatch):
+    monkeypatch.setenv("TINYLOOP_PAGED_KERNEL", "cuda")
+    with pytest.raises(ValueError, match="TINYLOOP_PAGED_KERNEL='cuda'"):
+        paged.attention_kernel(tiny_model("fp32").weights.config)
+
+
+def test_paged_step_xla_reference_path_equals_the_kernel_paths(monkeypatch):
+    """The step through the XLA reference (a gather of each row's pages: other backends, meshes;
+    here with the native kernels off, `TINYLOOP_NATIVE=0`), through the native kernel and
+    through the Pallas kernel (interpreted) gives the same logits (fp32: to float rounding;
+    int8 / int4: within `assert_logits_close`, a stored value may round one step apart)."""
     from tinyloop_jax import native
-    kernel = {m: _ragged_session(tiny_model(m), loops=3) for m in ("fp32", "int8")}
+    modes = ("fp32", "int8", "int4")
+
+    def session(**env):
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        jax.clear_caches()  # the kernel is chosen when a step is traced
+        try:
+            return {m: _ragged_session(tiny_model(m), loops=3) for m in modes}
+        finally:
+            for name in env:
+                monkeypatch.delenv(name)
+            jax.clear_caches()
+
+    arms = {"native": session(), "pallas": session(TINYLOOP_PAGED_KERNEL="interpret")}
     monkeypatch.setenv("TINYLOOP_NATIVE", "0")
     assert not native.available()
-    jax.clear_caches()  # the programs above were traced with the kernel
-    reference = {m: _ragged_session(tiny_model(m), loops=3) for m in ("fp32", "int8")}
+    reference = session()
     monkeypatch.delenv("TINYLOOP_NATIVE")
-    jax.clear_caches()
-    for b in range(3):
-        np.testing.assert_allclose(np.stack(reference["fp32"].logits[b]), np.stack(kernel["fp32"].logits[b]),
-                                   atol=1e-5, rtol=1e-5)
-        assert_logits_close(np.stack(reference["int8"].logits[b]), np.stack(kernel["int8"].logits[b]))
+    for arm in arms.values():
+        for b in range(3):
+            np.testing.assert_allclose(np.stack(reference["fp32"].logits[b]), np.stack(arm["fp32"].logits[b]),
+                                       atol=1e-5, rtol=1e-5)
+            for m in modes[1:]:
+                assert_logits_close(np.stack(reference[m].logits[b]), np.stack(arm[m].logits[b]))
 
 
 @pytest.mark.parametrize("mode", ["fp32", "int4-h"])

@@ -19,12 +19,13 @@ tables, where each row starts, how many of its T tokens are real — a prompt ch
 token, or none); a step mixes a group of prompt chunks with a group of T = 1 decode rows, all
 their tokens one [N, D] stream for the matmuls (the weights are read once per step for every
 row); each block writes the step's K/V into the pages first, then each row attends to its own
-pages. Attention here is the XLA reference: a gather of the row's R pages. Every path of the
-runtime — prefill, decode, a batch, the serving engine — is this step with other `Rows`.
+pages: through a kernel that reads only live pages (`attention_kernel`: the native CPU one, or
+the Pallas GPU one in `paged_pallas`), else the XLA reference, a gather of the row's R pages.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Annotated
 
@@ -35,7 +36,7 @@ from flax import struct
 
 from . import cache as kvc
 from .. import native
-from . import qarray
+from . import paged_pallas, qarray
 from . import recurrence as rec
 from . import transformer as tf
 from .attention import attention
@@ -214,12 +215,29 @@ class Group(struct.PyTreeNode):
         return self.rows.start + self.rows.n_new
 
 
-def native_attention(cfg: ModelConfig) -> bool:
-    """Attention reads only live pages through the native kernel (`native.paged_attention`):
-    XLA:CPU on one device, K/V stored as such (h modes rebuild K/V from h: the XLA reference);
-    `TINYLOOP_PAGED_KERNEL=0` keeps the reference (a benchmark's other arm)."""
-    return (cfg.mesh is None and os.environ.get("TINYLOOP_PAGED_KERNEL", "1") != "0" and not cfg.storage.h and cfg.storage.format.name in native.PAGE_FORMATS
-            and native.available())
+PAGED_KERNELS = ("auto", "native", "pallas", "interpret", "xla")
+
+
+def attention_kernel(cfg: ModelConfig) -> str:
+    """How a step's attention runs: "native" (the CPU kernel, `native.paged_attention`),
+    "pallas" (the GPU kernel, `paged_pallas`), "interpret" (that kernel interpreted: tests), or
+    "xla" (the reference: a gather of each row's pages). The kernels read only live pages; they
+    need K/V stored as such (h modes rebuild K/V from h: the reference) on one device.
+    `TINYLOOP_PAGED_KERNEL` = auto (default: the kernel of the backend) | one of the above
+    (`0`: xla, a benchmark's other arm); read when a step is traced."""
+    want = os.environ.get("TINYLOOP_PAGED_KERNEL", "auto")
+    want = {"0": "xla", "1": "auto"}.get(want, want)
+    if want not in PAGED_KERNELS:
+        raise ValueError(f"TINYLOOP_PAGED_KERNEL={want!r}; valid: {', '.join(PAGED_KERNELS)}")
+    if want == "xla" or cfg.mesh is not None or cfg.storage.h or cfg.storage.format.name not in native.PAGE_FORMATS:
+        return "xla"
+    if want == "auto":
+        if native.available():
+            return "native"
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    if want == "native" and not native.available():
+        return "xla"
+    return want
 
 
 def block(x: jax.Array, blk, cfg: ModelConfig, groups: tuple, store: dict, index, window: int):
@@ -233,19 +251,20 @@ def block(x: jax.Array, blk, cfg: ModelConfig, groups: tuple, store: dict, index
     store = write(store, cfg.storage.pack(h, k, v), page, off, index)
     H, _, hd = q.shape
     q = q.astype(jnp.float32)
-    kernel = native_attention(cfg)
-    layer = None if kernel else read(store, index)
+    kernel = attention_kernel(cfg)
+    layer = None if kernel != "xla" else read(store, index)
     outs, at = [], 0
     for g in groups:
         b, T = g.pos.shape
         qg = q[:, at:at + b * T].reshape(H, b, T, hd).transpose(1, 0, 2, 3)  # [b, H, T, hd]
         win = jnp.full((b,), window, jnp.int32) if g.rows.window is None else g.rows.window  # [b]
-        if kernel:  # the stack itself and the layer's index: no copy of the layer
+        if kernel != "xla":  # the stack itself and the layer's index: no copy of the layer
             i = 0 if index is None else index[0] * len(cfg_loop(store)) + index[1]
-            a = native.paged_attention((qg * hd ** -0.5).transpose(0, 2, 1, 3), store["k"], store["v"],
-                                       store.get("ks"), store.get("vs"), g.rows.pages, g.rows.start, g.rows.n_new,
-                                       jnp.asarray(i, jnp.int32), cfg.storage.format.name, win,
-                                       cfg.n_kv_heads).transpose(0, 2, 1, 3)
+            run = (native.paged_attention if kernel == "native" else
+                   functools.partial(paged_pallas.paged_attention, interpret=kernel == "interpret"))
+            a = run((qg * hd ** -0.5).transpose(0, 2, 1, 3), store["k"], store["v"], store.get("ks"),
+                    store.get("vs"), g.rows.pages, g.rows.start, g.rows.n_new, jnp.asarray(i, jnp.int32),
+                    cfg.storage.format.name, win, cfg.n_kv_heads).transpose(0, 2, 1, 3)
         elif g.rows.window is None:
             a = jax.vmap(lambda *r: row_attention(cfg, blk, layer, *r, window))(qg, g.pos, g.rows.pages, g.length)
         else:  # each row's own window, traced

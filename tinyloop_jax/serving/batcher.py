@@ -486,10 +486,10 @@ class Batcher:
 
     def table_len(self, positions: int) -> int:
         """Page-table entries of a step whose longest row holds `positions`: the whole context's
-        when attention reads only live pages (the native kernel: one program for every length),
+        when attention reads only live pages (a kernel: one program for every length),
         else a power of two (the XLA reference reads every entry)."""
         whole = -(-self.cfg.max_seq_len // self.page_size)
-        if paged.native_attention(self.cfg):
+        if paged.attention_kernel(self.cfg) != "xla":
             return whole
         return min(pow2(-(-positions // self.page_size), MIN_TABLE), pow2(whole, MIN_TABLE))
 
