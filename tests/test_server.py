@@ -158,6 +158,8 @@ def test_concurrent_clients_equal_sequential(server):
     (dict(prompt="hi", exit_criterion="kl", check_every=0), "check_every"),
     (dict(prompt="hi", exit_criterion="kl", exit_threshold=-1), "exit_threshold"),
     (dict(prompt="hi", model="gpt-4"), "gpt-4"),
+    (dict(prompt="hi", draft_loops=99), "draft_loops"),
+    (dict(prompt="hi", draft_loops=1, lookahead=0), "lookahead"),
     (dict(max_tokens=3), "prompt"),
 ])
 def test_bad_requests_are_400(server, body, param):
@@ -180,6 +182,15 @@ def test_adaptive_depth_extras_equal_generate(model, server):
     assert after - before == skipped
     metrics = urllib.request.urlopen(server.url + "/metrics").read().decode()
     assert "tinyloop_passes_skipped_total" in metrics
+
+
+def test_speculative_extras_equal_generate(model, server):
+    """draft_loops / lookahead as extras: the completion equals `generate` (greedy: plain
+    decoding's tokens)."""
+    ids = TOK.encode("The \"for\" statement\n")
+    r = complete(server, "The \"for\" statement\n", max_tokens=9, ignore_eos=True,
+                 extra_body=dict(draft_loops=1, lookahead=3))
+    assert r.choices[0].token_ids == model.generate(ids, max_tokens=9)[len(ids):]
 
 
 def test_malformed_json_and_client_errors(server):

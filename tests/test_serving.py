@@ -230,3 +230,36 @@ def test_engine_cache_window_equals_generate(model, engine):
     assert [h.prefix_tokens for h in handles] == [0, 40, 0]  # only the same window reads the first's pages
     with pytest.raises(ValueError, match="cache_window"):
         engine.submit([1, 2, 3], cache_window=-1)
+
+
+def test_engine_speculative_decoding_equals_generate(model, engine):
+    """draft_loops / lookahead as `generate`'s: drafts at a shallow depth over the request's own
+    pages, verified at full depth in one chunk — greedy, the same tokens as plain decoding, with
+    plain, windowed and sampled requests in flight (a stop sequence cutting a round exactly)."""
+    rng = np.random.default_rng(31)
+    system = rng.integers(0, 128, 35)
+    work = [(np.concatenate([system, rng.integers(0, 128, 3 + i)]), kw) for i, kw in enumerate([
+        dict(max_tokens=13, draft_loops=1, lookahead=3), dict(max_tokens=9),
+        dict(max_tokens=11, draft_loops=2, lookahead=2), dict(max_tokens=10, draft_loops=1, lookahead=3,
+                                                              cache_window=12),
+        dict(max_tokens=8, draft_loops=1, lookahead=4, temperature=0.8, seed=5),
+        dict(max_tokens=12, draft_loops=model.weights.config.default_loops, lookahead=3)])]
+    ref = model.generate(work[0][0], **{k: v for k, v in work[0][1].items() if k not in ("draft_loops", "lookahead")})
+    work.append((work[0][0], dict(work[0][1], stop_sequences=[ref[len(work[0][0]) + 5:][:2]])))
+    handles = [engine.submit(p, **kw) for p, kw in work]
+    for (p, kw), h in zip(work, handles):
+        out = h.result()
+        if kw.get("temperature"):
+            assert len(out) == len(p) + kw["max_tokens"] and h.drafted > 0
+            continue
+        plain = {k: v for k, v in kw.items() if k not in ("draft_loops", "lookahead")}
+        assert out == model.generate(p, **plain) == model.generate(p, **kw), kw
+        if "draft_loops" in kw:
+            assert h.drafted > 0 and 0 <= h.accepted <= h.drafted
+    assert handles[-1].finish_reason == "stop" and len(handles[-1].tokens) < 13  # (equal to generate's, above)
+    assert handles[5].accepted == handles[5].drafted > 0  # drafts at full depth: every one kept
+    assert engine.stats()["speculative_rounds"] > 0
+    with pytest.raises(ValueError, match="draft_loops=9 must not exceed"):
+        engine.submit([1, 2, 3], draft_loops=9)
+    with pytest.raises(ValueError, match="exit_criterion"):
+        engine.submit([1, 2, 3], draft_loops=1, exit_criterion="kl", exit_threshold=1e-3)

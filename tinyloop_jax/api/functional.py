@@ -34,6 +34,7 @@ from ..decoding.programs import DecodeState
 from ..model.params import Weights
 from .prefix import PrefixCache, prefix_at_depth  # noqa: F401 - prefix_at_depth is part of this API
 from ..decoding.sampling import Request
+from ..decoding.speculative import Speculation
 from ..model.transformer import Exit
 
 
@@ -42,12 +43,6 @@ class Adaptive(NamedTuple):
     may exit too (else they run every pass, so a prefix serves any rule)."""
     policy: ad.Policy  # [N]
     in_prefill: bool = False
-
-
-class Speculation(NamedTuple):
-    """Self-speculative decoding: draft `lookahead` tokens at depth `draft_loops`."""
-    draft_loops: int
-    lookahead: int
 
 
 def pad(tokens, size: int | None = None) -> np.ndarray:

@@ -197,17 +197,6 @@ class Model:
         suffix = np.zeros((0,), np.int32) if suffix is None else self._tokens(suffix, "suffix", allow_empty=True)
         return loops, window, suffix
 
-    @staticmethod
-    def _speculation(draft_loops, lookahead, loops) -> F.Speculation | None:
-        if draft_loops is None:
-            return None
-        d, k = check.loops(draft_loops), check.integer(lookahead, "lookahead")
-        if d > loops:
-            raise ValueError(f"draft_loops={d} must not exceed loops={loops}")
-        if k < 1:
-            raise ValueError(f"lookahead must be >= 1, got {k}")
-        return F.Speculation(d, k)
-
     def _adaptive(self, n: int, loops: int, criterion, threshold, min_steps, check_every, in_prefill, continuous,
                   speculation, exit_at_step, prefix: bool = False) -> F.Adaptive | None:
         """The call's adaptive depth (`model.adaptive`), checked; None without an exit_criterion."""
@@ -304,7 +293,7 @@ class Model:
                                 repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed,
                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                 logit_bias=logit_bias)
-        spec = self._speculation(draft_loops, lookahead, loops)
+        spec = check.speculation(draft_loops, lookahead, loops)
         ada = self._adaptive(1, loops, exit_criterion, exit_threshold, min_steps, check_every, exit_in_prefill,
                              continuous_compute, spec, exit_at_step)
         ex = None if ada else self.exit_for(loops, exit_at_step, exit_threshold)
@@ -354,7 +343,7 @@ class Model:
                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                 logit_bias=logit_bias)
         req = Request.from_params([params])
-        spec = self._speculation(draft_loops, lookahead, loops)
+        spec = check.speculation(draft_loops, lookahead, loops)
         ada = self._adaptive(1, loops, exit_criterion, exit_threshold, min_steps, check_every, exit_in_prefill,
                              continuous_compute, spec, exit_at_step, prefix=True)
         ex = None if ada else self.exit_for(loops, exit_at_step, exit_threshold)

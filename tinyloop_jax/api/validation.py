@@ -8,6 +8,7 @@ import numbers
 import numpy as np
 
 from ..decoding.sampling import MAX_LOGIT_BIAS, SamplingParams
+from ..decoding.speculative import Speculation
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -57,6 +58,18 @@ def loops(value) -> int:
 
 def cache_window(value) -> int:
     return _bounded(value, "cache_window", integer, lambda v: v >= 0, ">= 0")
+
+
+def speculation(draft_loops, lookahead, loops_: int) -> Speculation | None:
+    """Self-speculative decoding's knobs, checked against the request's depth (None: off)."""
+    if draft_loops is None:
+        return None
+    d, k = loops(draft_loops), integer(lookahead, "lookahead")
+    if d > loops_:
+        raise ValueError(f"draft_loops={d} must not exceed loops={loops_}")
+    if k < 1:
+        raise ValueError(f"lookahead must be >= 1, got {k}")
+    return Speculation(d, k)
 
 
 def max_tokens(value) -> int:

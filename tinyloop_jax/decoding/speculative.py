@@ -36,6 +36,12 @@ from .sampling import Request, distribution
 DRAFT_STREAM = 1
 
 
+class Speculation(NamedTuple):
+    """Self-speculative decoding: draft `lookahead` tokens at depth `draft_loops`."""
+    draft_loops: int
+    lookahead: int
+
+
 class Drafting(NamedTuple):
     """The carry of one round's draft loop (N rows, k drafts, vocabulary V)."""
     own: KVCache  # the rows' segments, the drafts written at depth d

@@ -206,7 +206,7 @@ class Batcher:
         slot = next((i for i in range(self.max_batch) if i not in d.rows), None)
         if slot is None:
             return False
-        need = self.need_pages(n, max_tokens)
+        need = self.need_pages(n, max_tokens + (h.speculation.lookahead if h.speculation else 0))
         if need > d.book.n_pages:
             if d.rows:
                 return False
@@ -329,8 +329,8 @@ class Batcher:
             r = d.prefilling[0]
             n = min(self.chunk, len(r.handle.prompt) - r.fed)
             chunk = (r, n, r.fed + n == len(r.handle.prompt))
-        decoding = [r for r in d.rows.values()
-                    if r.decoding and len(r.handle.tokens) + r.ahead < r.handle.params.max_tokens]
+        decoding = [r for r in d.rows.values() if r.decoding and r.handle.speculation is None
+                    and len(r.handle.tokens) + r.ahead < r.handle.params.max_tokens]
         ran = []
         if chunk is not None or decoding:
             lengths = [r.fed + len(r.handle.tokens) + r.ahead for r in decoding]  # positions after the step
@@ -392,8 +392,41 @@ class Batcher:
                 d.inflight = ran
             else:
                 self._read(d, ran)
+        self._speculate(d)
         if prev is not None:
             self._read(d, prev)
+
+    def _speculate(self, d: Depth) -> None:
+        """One speculative round for every speculating row whose last token is read (rows with the
+        same draft depth and lookahead in one program), read at once: how many tokens a round
+        emits decides where the next one starts."""
+        groups = collections.defaultdict(list)
+        for r in d.rows.values():
+            if r.decoding and r.handle.speculation is not None and r.ahead == 0 and not r.left:
+                groups[r.handle.speculation].append(r)
+        counts = self.depth_counts[d.loops]
+        for spec, rows in groups.items():
+            k = spec.lookahead
+            starts = [r.fed + len(r.handle.tokens) - 1 for r in rows]  # where the last token is fed
+            R, bd = self.table_len(max(starts) + k + 1), next(b for b in batch_buckets(self.max_batch) if b >= len(rows))
+            decodes = S.make_decodes([r.pages for r in rows], starts, [r.slot for r in rows],
+                                     [len(r.handle.tokens) for r in rows], R, bd, [r.handle.cache_window for r in rows])
+            w = self.model.weights
+            tokens, kept, d.pool, d.state = self._run(
+                ("speculate", d.loops, spec, bd, R), self.jits(d.loops)["step_speculative"], w.params, w.config,
+                d.pool, d.state, decodes, loops=d.loops, draft_loops=spec.draft_loops, lookahead=k, exit=d.exit)
+            tokens, kept = np.asarray(tokens), np.asarray(kept)
+            self.stats["speculative_rounds"] += 1
+            self.stats["batch_rows"] += len(rows)
+            counts["tokens_computed"] += len(rows) * (k + 1)
+            counts["passes"] += len(rows) * (k * spec.draft_loops + (k + 1) * d.loops)
+            for i, r in enumerate(rows):
+                r.handle.drafted += k
+                r.handle.accepted += int(kept[i])
+                for t in tokens[i, :kept[i] + 1]:
+                    if r.left:  # a stop or max_tokens cut the round: the rest is discarded
+                        break
+                    self._emit(d, r, int(t))
 
     def _read(self, d: Depth, ran: list) -> None:
         """The tokens of a dispatched step (waits for it), emitted for the rows still in; with

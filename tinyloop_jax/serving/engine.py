@@ -123,10 +123,13 @@ class Engine:
                timeout: float | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                logit_bias=None, exit_criterion: str | None = None, exit_threshold: float | None = None,
                min_steps: int = 0, check_every: int = 1, continuous_compute: bool = False,
-               cache_window: int = 0) -> Handle:
+               cache_window: int = 0, draft_loops: int | None = None, lookahead: int = 4) -> Handle:
         """Queue a request (the arguments of `model.generate`); returns its `Handle` at once.
         cache_window > 0: every query attends to the last cache_window positions only, as
         `generate(cache_window=...)` (the pages outside the window are kept).
+        draft_loops=d: self-speculative decoding as `generate`'s — `lookahead` tokens drafted at
+        depth d over the request's pages, verified at `loops` in one chunk (greedy: the same
+        tokens); `handle.drafted` / `handle.accepted` count the drafts.
         With an exit_criterion (adaptive depth, `model.adaptive`) its tokens stop looping at
         their exits, the prompt runs every pass, and `handle.depths` gives the passes run per
         emitted token.
@@ -145,11 +148,16 @@ class Engine:
         cache_window = check.cache_window(cache_window)
         policy = ad.make_policy(c, loops, exit_criterion, exit_threshold, min_steps, check_every, continuous_compute)
         policy = None if exit_criterion is None else policy
-        if len(prompt) + params.max_tokens > c.max_seq_len:
-            raise RuntimeError(f"prompt + max_tokens is {len(prompt) + params.max_tokens} tokens, longer than "
+        spec = check.speculation(draft_loops, lookahead, loops)
+        if spec is not None and policy is not None:
+            raise ValueError("draft_loops (speculative decoding) does not go with exit_criterion")
+        ahead = 0 if spec is None else spec.lookahead  # a verify chunk writes this far past the last token
+        if len(prompt) + params.max_tokens + ahead > c.max_seq_len:
+            raise RuntimeError(f"prompt + max_tokens{' + lookahead' if ahead else ''} is "
+                               f"{len(prompt) + params.max_tokens + ahead} tokens, longer than "
                                f"max_seq_len={c.max_seq_len}")
         b = self.batcher
-        need, have = b.need_pages(len(prompt), params.max_tokens), b.pool_pages(loops)
+        need, have = b.need_pages(len(prompt), params.max_tokens + ahead), b.pool_pages(loops)
         if need > have or (self.memory_budget is not None and b.depth_nbytes(loops) > self.memory_budget):
             raise MemoryBudgetError(f"a request of {len(prompt)} + {params.max_tokens} tokens at loops={loops} needs "
                                     f"{need} pages of {b.page_nbytes(loops) / 2**10:.1f} KiB; memory_budget="
@@ -158,7 +166,7 @@ class Engine:
         if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         h = Handle(prompt, params, loops, None if timeout is None else time.perf_counter() + timeout, self._cancelled,
-                   policy, cache_window)
+                   policy, cache_window, spec)
         with self._cv:
             if self._closed:
                 raise RuntimeError("engine is closed")

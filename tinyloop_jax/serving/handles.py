@@ -42,12 +42,15 @@ class Handle:
     _ids = itertools.count()
 
     def __init__(self, prompt: np.ndarray, params: SamplingParams, loops: int, deadline: float | None,
-                 on_cancel: Callable[["Handle"], None] = lambda h: None, policy=None, cache_window: int = 0):
+                 on_cancel: Callable[["Handle"], None] = lambda h: None, policy=None, cache_window: int = 0,
+                 speculation=None):
         self.id = next(Handle._ids)
         self.prompt, self.params, self.loops, self.deadline = prompt, params, loops, deadline
         self.cache_window = cache_window  # > 0: every query attends to the last cache_window positions only
         self.policy = policy  # adaptive depth: the request's exit rule (`model.adaptive.Policy`), or None
         self.depths: list[int] = []  # with a policy: the passes run for each emitted token
+        self.speculation = speculation  # self-speculative decoding (`decoding.speculative.Speculation`), or None
+        self.drafted = self.accepted = 0  # with speculation: drafts made and kept
         self.tokens: list[int] = []
         self.finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "timeout" | "error"
         self.stop_matched: list[int] | None = None  # the stop sequence that ended it

@@ -151,8 +151,8 @@ def choice_seed(seed: int, j: int) -> int:
 def parse_common(body, model_name: str, eos: list[int], prompts: list[list[int]], max_tokens: int,
                  logprobs: int | None = None, echo: bool = False) -> Parsed:
     """What completions and chat completions share: model, n / best_of, sampling knobs, OpenAI's
-    penalties and logit_bias, the extras (top_k, repetition_penalty, loops, ignore_eos), stop,
-    stream."""
+    penalties and logit_bias, stop, stream, and the extras (top_k, repetition_penalty, loops,
+    ignore_eos, the adaptive-depth knobs, cache_window, draft_loops / lookahead)."""
     model = body.get("model", model_name)
     if model is not None and model != model_name:
         raise BadRequest(f"model {model!r} is not served here; this server serves {model_name!r}", "model")
@@ -181,6 +181,9 @@ def parse_common(body, model_name: str, eos: list[int], prompts: list[list[int]]
     kw.update(parse_adaptive(body))
     if body.get("cache_window") is not None:  # an extra: sliding-window attention, as generate's
         kw["cache_window"] = _int(body, "cache_window", None)
+    if body.get("draft_loops") is not None:  # extras: self-speculative decoding, as generate's
+        kw["draft_loops"] = _int(body, "draft_loops", None)
+        kw["lookahead"] = _int(body, "lookahead", 4)
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise BadRequest("stream_options must be an object", "stream_options")

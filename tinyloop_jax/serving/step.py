@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ..decoding.sampling import Request, select_tokens
+from ..decoding.sampling import Request, distribution, select_tokens
+from ..decoding.speculative import DRAFT_STREAM, accept, draw, fold_in
 from ..model import adaptive as ad
 from ..model import paged
 from ..model import paged_adaptive as pa
@@ -146,6 +147,51 @@ def step_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: 
                                                                                mode="drop"))
 
 
+def step_speculative(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: RowState, decodes: Decodes,
+                     loops: int, draft_loops: int, lookahead: int, exit: tf.Exit | None = None):
+    """One round of self-speculative decoding (`decoding.speculative`) for the decode rows, on
+    their pages: `lookahead` = k tokens drafted at depth `draft_loops` (passes 0..d-1 of the
+    same pages: a pass's K/V depend only on its input), [last, d_1 .. d_k] verified as one chunk
+    at depth `loops`, the acceptance rule (greedy: exactly plain decoding's tokens). Rollback is
+    the host's length: positions past the kept tokens are written again by the next round.
+    decodes.steps: tokens each row emitted (round keys: fold_in(keys(steps), DRAFT_STREAM)).
+    Returns (tokens [b, k + 1]: d_1 .. d_a then the next token, kept a [b], pool, state)."""
+    s, rows, k = decodes.slot, decodes.rows, lookahead
+    b, idx = s.shape[0], jnp.arange(s.shape[0])
+    req, seeds, last = _take(state.req, s), _take(state.req.seed, s), _take(state.last, s)
+    seen0, counts0 = _take(state.seen, s), _take(state.counts, s)
+    V = seen0.shape[-1]
+    keys = fold_in(req.keys(decodes.steps), DRAFT_STREAM)
+
+    def draft(j, c):  # one token at depth d, at position start + j
+        pool, tok, seen, counts, drafts, qs = c
+        seen, counts = seen.at[idx, tok].set(True), counts + jax.nn.one_hot(tok, V, dtype=jnp.int32)
+        x, pool = paged.forward(params, cfg, pool, rows.replace(start=rows.start + j), tok[:, None], draft_loops, 0,
+                                seeds=seeds)
+        q = distribution(tf.lm_head(params, cfg, x[:, 0]), seen, req, counts)
+        tok = jax.vmap(draw)(fold_in(keys, j), q)
+        return pool, tok, seen, counts, drafts.at[:, j].set(tok), qs.at[:, j].set(q)
+
+    pool, _, _, _, drafts, qs = jax.lax.fori_loop(0, k, draft, (pool, last, seen0, counts0, jnp.zeros((b, k), jnp.int32),
+                                                              jnp.zeros((b, k, V), jnp.float32)))
+    chunk = jnp.concatenate([last[:, None], drafts], axis=1)  # [b, k + 1], at start .. start + k
+    x, pool = paged.forward(params, cfg, pool, rows.replace(n_new=rows.n_new * (k + 1)), chunk, loops, 0, exit,
+                            seeds)
+    fed = jnp.cumsum(jax.nn.one_hot(chunk, V, dtype=jnp.int32), axis=1)  # seen / counts after each chunk prefix
+    per_pos = jax.tree.map(lambda a: jnp.repeat(a, k + 1, axis=0), req)
+    ps = distribution(tf.lm_head(params, cfg, x).reshape(b * (k + 1), V), (seen0[:, None] | (fed > 0)).reshape(b * (k + 1), V),
+                      per_pos, (counts0[:, None] + fed).reshape(b * (k + 1), V)).reshape(b, k + 1, V)
+    a, nxt = jax.vmap(accept)(fold_in(keys, k), ps, qs, drafts)
+    kept = jnp.arange(k)[None] < a[:, None]  # last and the kept drafts were fed; nxt is the next input
+    seen = seen0.at[idx, last].set(True).at[idx[:, None], jnp.where(kept, drafts, last[:, None])].set(True)
+    counts = (counts0 + jax.nn.one_hot(last, V, dtype=jnp.int32)
+              + jnp.sum(jax.nn.one_hot(drafts, V, dtype=jnp.int32) * kept[..., None], axis=1))
+    tokens = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1).at[idx, a].set(nxt)
+    state = state.replace(seen=state.seen.at[s].set(seen, mode="drop"), counts=state.counts.at[s].set(counts, mode="drop"),
+                          last=state.last.at[s].set(nxt, mode="drop"))
+    return tokens, a, pool, state
+
+
 def load_entry(pool: paged.PagedKV, seg, pages: jax.Array, start: jax.Array, n: jax.Array) -> paged.PagedKV:
     """Positions [start, n) of a dense prefix segment (a `PrefixCache`'s, `model.cache.KVCache`,
     position p in slot p) written into the pages pages [R] (position p: page pages[p // P]), every
@@ -166,6 +212,8 @@ copy_pages = paged.copy_pages
 JIT_OPTIONS = dict(load_entry=dict(donate_argnames=("pool",)), copy_pages=dict(donate_argnames=("pool",)),
                    step_adaptive=dict(static_argnames=("cfg", "loops"), donate_argnames=("pool", "state")),
                    step=dict(static_argnames=("cfg", "loops"), donate_argnames=("pool", "state")),
+                   step_speculative=dict(static_argnames=("cfg", "loops", "draft_loops", "lookahead"),
+                                         donate_argnames=("pool", "state")),
                    admit=dict(donate_argnames=("state",)))
 
 
