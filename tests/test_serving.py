@@ -187,7 +187,8 @@ HUGINN = dict(vocab_size=128, d_model=32, n_heads=4, block="llama", intermediate
 @pytest.mark.parametrize("family", ["ouro", "huginn"])
 def test_engine_equals_generate_for_looped_families(family):
     """Ouro's layout (GQA, 2 loop blocks, sandwich norms, its exit pick) and Huginn's (injection,
-    drawn initial states: each request's from its own seed, not 0), several requests in flight."""
+    drawn initial states: each request's from its own seed, not 0), several requests in flight,
+    one of them speculative."""
     from conftest import ouro_model
     model = ouro_model("int8") if family == "ouro" else tl.Model.random(tl.ModelConfig(**HUGINN), seed=3)
     rng = np.random.default_rng(11)
@@ -195,6 +196,7 @@ def test_engine_equals_generate_for_looped_families(family):
     work = [(np.concatenate([system, rng.integers(0, 128, 4 + i)]), dict(max_tokens=5 + i, seed=7 * i + 1))
             for i in range(4)]
     work[1][1].update(temperature=0.9, top_p=0.8)
+    work[3][1].update(draft_loops=1, lookahead=2)  # self-speculative: drafts at one pass
     with tl.Engine(model, **ENGINE) as eng:
         first = eng.submit(work[0][0], **work[0][1])
         next(iter(first.stream()))  # its prompt is in the pages: the others read the system prompt there
