@@ -165,6 +165,23 @@ def save_load(single: tl.Model, m: tl.Model) -> None:
         ok("model saved from the mesh", tl.Model.load(os.path.join(d, "model")).fingerprint == single.fingerprint)
 
 
+def engines(tag: str, single: tl.Model, m: tl.Model) -> None:
+    """The serving engine on the mesh (pages split by KV heads over 'model', the step's rows
+    over 'data') gives the single-device engine's tokens: shared-prefix requests in flight
+    together, a sampled one and a speculative one among them."""
+    work = [(np.concatenate([PROMPT, np.asarray(s, np.int32)]), dict(max_tokens=5 + i, seed=i))
+            for i, s in enumerate(SUFFIXES * 2)]
+    work[1][1].update(temperature=0.7)
+    work[3][1].update(draft_loops=1, lookahead=2)
+    out = []
+    for model in (single, m):
+        with tl.Engine(model, max_batch=4, prefill_chunk=16) as eng:
+            out.append([h.result() for h in [eng.submit(p, **kw) for p, kw in work]])
+            pool = eng.batcher.depths[model.weights.config.default_loops].pool
+    split = not m.weights.config.storage.splits_heads or "model" in str(next(iter(pool.loop.values())).sharding.spec)
+    ok(f"{tag} engine", out[0] == out[1] and split, (out, next(iter(pool.loop.values())).sharding))
+
+
 def main() -> None:
     # (4x2 is 2x4 with the axes' sizes swapped: `python mesh_checks.py 4x2` runs it)
     shapes = [tuple(int(x) for x in s.split("x")) for s in sys.argv[1:]] or [(1, 4), (2, 4), (8, 1)]
@@ -175,6 +192,8 @@ def main() -> None:
         m = tl.Model.random(GPT2, seed=0, mesh=sharding.make_mesh(d, mm))
         ok(f"{tag} fingerprint", m.fingerprint == gpt2.fingerprint)
         same_calls(tag, gpt2, m, full=i == 1)
+        if i == 1:
+            engines(tag, gpt2, m)
         warm_calls(tag, m)
         shards(tag, m)
         if mm > 1 and d > 1:
@@ -186,9 +205,12 @@ def main() -> None:
         a, b = many.build_prefix_cache(PROMPT[:12]), one.build_prefix_cache(PROMPT[:12])
         ok(f"gpt2 2x4 {mode}", many.generate_batch_from_prefix_cache(a, SUFFIXES[:2], max_tokens=5)
            == one.generate_batch_from_prefix_cache(b, SUFFIXES[:2], max_tokens=5))
+        if mode == "int4-h":
+            engines(f"gpt2 2x4 {mode}", one, many)
     ouro = tl.Model.random(OURO, seed=0)
     m = tl.Model.random(OURO, seed=0, mesh=sharding.make_mesh(2, 4))
     same_calls("ouro 2x4", ouro, m, full=True)
+    engines("ouro 2x4", ouro, m)
     warm_calls("ouro 2x4", m)
     shards("ouro 2x4", m)
     collectives("ouro 2x4", m)

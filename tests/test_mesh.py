@@ -29,7 +29,8 @@ def test_mesh_checks_on_8_fake_devices():
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     lines = r.stdout.split("\n")
     for want in ("ok gpt2 8x1 own K shard", "ok ouro 2x4 collectives", "ok indivisible heads", "ok int4 weights 2x4",
-                 "ok prefix saved on the mesh, loaded on one device", "ok gpt2 2x4 warm calls trace nothing"):
+                 "ok prefix saved on the mesh, loaded on one device", "ok gpt2 2x4 warm calls trace nothing",
+                 "ok gpt2 2x4 engine", "ok ouro 2x4 engine", "ok gpt2 2x4 int4-h engine"):
         assert any(ln.startswith(want) for ln in lines), want
 
 

@@ -175,7 +175,7 @@ def test_steps_mix_prompt_chunks_with_decode_rows_and_tables_follow_lengths(mode
         assert any(bd > 0 and T > 0 for _, _, bd, T, _ in steps)  # chunks beside decode rows
         tables = {R for *_, R in steps}
         # 64 positions, then 128 for the long prompt; or the context's 8 pages (the kernel)
-        assert tables == ({8} if paged.native_attention(model.weights.config) else {4, 8})
+        assert tables == ({8} if paged.attention_kernel(model.weights.config) != "xla" else {4, 8})
 
 
 HUGINN = dict(vocab_size=128, d_model=32, n_heads=4, block="llama", intermediate_size=48, n_pre_blocks=1,

@@ -129,8 +129,38 @@ def empty(cfg: ModelConfig, passes: int, n_pages: int, page_size: int = PAGE_SIZ
     kvc.check_fits(need, f"a page pool of {n_pages} pages x {page_size} tokens x {layers} layers ({mode})")
     shapes = page_shapes(mode, cfg.n_kv_heads, n_pages, page_size, cfg.head_dim, cfg.d_model)
     layer = lambda lead=(): {n: jnp.zeros(lead + s, d) for n, (s, d) in shapes.items()}  # noqa: E731
-    return PagedKV(pre=tuple(layer() for _ in range(cfg.n_pre_blocks)), loop=layer((passes, cfg.loop_blocks)),
-                   kv_mode=mode, post=tuple(layer() for _ in range(cfg.n_post_blocks)))
+    return placed(PagedKV(pre=tuple(layer() for _ in range(cfg.n_pre_blocks)), loop=layer((passes, cfg.loop_blocks)),
+                          kv_mode=mode, post=tuple(layer() for _ in range(cfg.n_post_blocks))), cfg.mesh)
+
+
+def placed(pool: PagedKV, mesh) -> PagedKV:
+    """The pool laid out on a ('data', 'model') mesh (inside a program: a sharding constraint):
+    every page split by KV heads over 'model' (h modes store h, no head axis: replicated),
+    whole on every 'data' row group (any row may read any page). None: as it is."""
+    if mesh is None:
+        return pool
+    from jax.sharding import NamedSharding
+
+    from . import sharding
+
+    heads = pool.kv_mode.splits_heads
+
+    def put(a, head_axis):
+        spec = sharding.cache_spec(a.shape, False, head_axis if heads else None, mesh)
+        return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
+    layer = lambda e: {n: put(a, 0) for n, a in e.items()}  # noqa: E731
+    return pool.replace(pre=tuple(map(layer, pool.pre)), post=tuple(map(layer, pool.post)),
+                        loop={n: put(a, 2) for n, a in pool.loop.items()})
+
+
+def over_data(x: jax.Array, mesh) -> jax.Array:
+    """The step's token streams [N, D] split over 'data' (rows of a batch on their devices;
+    GSPMD carries the split through the blocks), when 'data' divides N."""
+    if mesh is None or x.shape[0] % mesh.shape["data"]:
+        return x
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec("data", None)))
 
 
 def copy_pages(pool: PagedKV, src: jax.Array, dst: jax.Array) -> PagedKV:
@@ -310,7 +340,7 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
         raise ValueError(f"a pool of {pool.passes} passes cannot run loops={loops}")
     groups = tuple(Group.of(r, t.shape[1], pool) for r, t in zip(rows, tokens))
     pos = jnp.concatenate([g.pos.reshape(-1) for g in groups])
-    x = embed(params, jnp.concatenate([t.reshape(-1) for t in tokens]), pos)
+    x = over_data(embed(params, jnp.concatenate([t.reshape(-1) for t in tokens]), pos), cfg.mesh)
     inject = rec.injected(cfg)
     if inject and cfg.embed_scale != 1.0:
         x = x * cfg.embed_scale
@@ -326,7 +356,7 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
         for g, sd in zip(groups, seeds):
             sd = jnp.zeros(g.pos.shape[:1], jnp.uint32) if sd is None else sd
             states.append(jax.vmap(lambda seed, p: rec.initial_state(cfg, seed, p))(sd, g.pos).reshape(g.size, -1))
-        e, x = x, jnp.concatenate(states)
+        e, x = x, over_data(jnp.concatenate(states), cfg.mesh)
     gated = exit is not None and cfg.early_exit_gate
 
     def one_pass(i, carry):
@@ -348,7 +378,7 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
     for blk, store in zip(params.post, pool.post):
         y, store = block(y, blk, cfg, groups, store, None, window)
         post.append(store)
-    pool = pool.replace(pre=tuple(pre), loop=loop, post=tuple(post))
+    pool = placed(pool.replace(pre=tuple(pre), loop=loop, post=tuple(post)), cfg.mesh)
     out = split(sel.pick(x) if gated else y, groups, single)
     return (out, pool, split(x, groups, single)) if keep_state else (out, pool)
 

@@ -1,5 +1,6 @@
-"""`Engine`: continuous batching of independent requests over the prefix store, on one device
-loop (a background thread).
+"""`Engine`: continuous batching of independent requests over the prefix store, driven by one
+loop (a background thread) — on one device, or on the model's ('data', 'model') mesh (pages
+split by KV heads over 'model', the step's rows over 'data').
 
     engine = tl.Engine(model, max_batch=16)
     h = engine.submit(prompt_ids, max_tokens=64)      # returns at once
@@ -16,6 +17,8 @@ Each iteration of the loop, per depth (requests at one `loops` share a page pool
      prefilling, and one token for every request past its prompt, in one program over the
      pages; a chunk's full pages are shareable at once; after its last chunk a request
      emits its first token;
+  2b. a request with draft_loops runs a speculative round instead (drafts at a shallow depth
+     over its pages, verified in one chunk), read at once;
   3. rows that hit a stop sequence, their max_tokens, a cancel or their deadline leave at once;
      their pages are free, their prompt's pages stay cached for later prompts.
 
@@ -76,8 +79,6 @@ class Engine:
                  memory_budget: int | str | None = "auto", max_lanes: int = 8, overlap: bool = True):
         self.model = model
         c = model.weights.config
-        if c.mesh is not None:
-            raise ValueError("Engine runs on one device; this model is placed on a mesh")
         max_loops = max(64, 16 * c.default_loops) if max_loops is None else max_loops
         for name, v in dict(max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk,
                             max_loops=max_loops, max_lanes=max_lanes).items():
