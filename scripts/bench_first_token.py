@@ -19,7 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tinyloop_jax as tl  # noqa: E402
-from tinyloop_jax.decoding import programs as P  # noqa: E402
+from tinyloop_jax.decoding import paged_decode as P  # noqa: E402
 
 
 def decode_call(mode: str):

@@ -28,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _report  # noqa: E402
 
 import tinyloop_jax as tl  # noqa: E402
+from tinyloop_jax.decoding import paged_decode  # noqa: E402
+from tinyloop_jax.model import paged  # noqa: E402
 from tinyloop_jax.model import cache as kvc  # noqa: E402
 from tinyloop_jax.decoding import programs as engine  # noqa: E402
 from tinyloop_jax.api import functional as F  # noqa: E402
@@ -69,40 +71,40 @@ def decode_speed(model, prompt, suffix, repeats):
 
 
 def h_rebuild(model, prompt, suffix, repeats):
-    """One h-mode request two ways: (a) the stored h passed straight into the decode loop, so K/V
-    are rebuilt from h inside the loop's program (XLA hoists the loop-invariant prefix part; the
-    own segment is re-projected every step); (b) what Model does: rebuild the prefix once per
-    call (`engine.materialize`) and keep the request's own K/V in float32. Returns times, bytes."""
+    """One h-mode request two ways, over the call's pages (`decoding.paged_decode`): (a) a pool
+    of stored h, K/V rebuilt from h inside the decode loop's program at every step; (b) what
+    Model does: a float32 K/V pool, the prefix rebuilt into it once per call
+    (`engine.materialize`), the request's own K/V kept in float32. Returns times, bytes."""
     cfg, w = model.weights.config, model.weights
     loops, new = cfg.default_loops, 33
     pre = model.build_prefix_cache(prompt)
     req = tl.Request.make(1, max_tokens=new)
+    lay = paged_decode.layout(len(prompt), len(suffix) + new, 1)
 
-    def program(ro, own):
-        own = jax.tree.map(lambda a: a[None], own)  # one request row
-        logits, seen, own = engine.prefill_rows(w.params, cfg, jnp.asarray(F.pad(suffix))[None],
-                                                jnp.array([len(suffix)]), jnp.array([len(prompt)]), ro, own,
-                                                pre.logits, pre.seen,
-                                                jnp.asarray(engine.token_mask([suffix], cfg.vocab_size)), loops=loops,
-                                                window=0)
-        args = (w.params, cfg, ro, own, logits, seen, req)
+    def program(mode):
+        pool = paged_decode.load_prefix(w.params, cfg, paged.empty(cfg, loops, lay.n_pages, kv_mode=mode), pre.cache,
+                                        len(prompt), lay)
+        rows = paged.Rows(lay.tables, np.int32([len(prompt)]), np.int32([len(suffix)]))
+        logits, pool = paged_decode.prefill(w.params, cfg, pool, rows, jnp.asarray(F.pad(suffix))[None], pre.logits,
+                                            loops=loops, window=0)
+        seen = jnp.asarray(engine.token_mask([suffix], cfg.vocab_size)) | pre.seen
+        args = (w.params, cfg, pool, paged.Rows(lay.tables, np.int32([len(prompt) + len(suffix)]), np.int32([1])),
+                engine.first_tokens(logits, seen, req), seen, req)
         return args, dict(loops=loops, window=0, out_len=kvc.bucket(new, minimum=8))
 
-    def in_loop():
-        args, kw = program((pre.cache,), F.empty_cache(w, len(suffix) + new, loops, start=len(prompt)))
-        state = engine.decode(*args, **kw)
+    def run(mode):
+        args, kw = program(mode)
+        state = paged_decode.decode(*args, **kw)
         return np.asarray(state.tokens)[0, : int(state.n[0])].tolist()
 
-    def per_call():
-        return model.generate_from_prefix_cache(pre, suffix=suffix, max_tokens=new)[-new:]
-
+    in_loop, per_call = partial(run, cfg.storage), partial(run, cfg.storage.working)
     assert in_loop() == per_call(), "the two h-mode paths emitted different tokens"
     t_loop, t_call = (_report.median_time(f, repeats) for f in (in_loop, per_call))
     mat = engine.materialize(w.params, cfg, pre.cache, passes=loops)
     temp = {}
-    for name, ro, mode in (("loop", (pre.cache,), None), ("call", (mat,), "fp32")):
-        args, kw = program(ro, F.empty_cache(w, len(suffix) + new, loops, start=len(prompt), kv_mode=mode))
-        temp[name] = engine.decode.lower(*args, **kw).compile().memory_analysis().temp_size_in_bytes
+    for name, mode in (("loop", cfg.storage), ("call", cfg.storage.working)):
+        args, kw = program(mode)
+        temp[name] = paged_decode.decode.lower(*args, **kw).compile().memory_analysis().temp_size_in_bytes
     return t_loop, t_call, pre.nbytes, mat.nbytes, temp
 
 
@@ -153,10 +155,11 @@ def main():
         lines.append(f"| {m} | {nbytes[m] / 2**20:.2f} | {ratio} | {formula[m] / 1e6:.1f} | {speed[m]:.1f} | "
                      f"{kl:.2e} | {100 * top1:.2f}% | {bpb:.4f} | {ppl:+.3f}% |")
     lines += ["", "### h modes: when K/V are rebuilt", "",
-              f"One request ({P}-token prefix, 8-token suffix, 32 greedy tokens) served two ways, same tokens "
-              "checked. *in the loop*: stored h passed into the decode loop, K/V re-projected inside its "
-              "program. *once per call* (what `Model` does): the prefix's K/V rebuilt once before decoding "
-              "(`engine.materialize`, float32) and the request's own K/V kept in float32 while it runs. "
+              f"One request ({P}-token prefix, 8-token suffix, 32 greedy tokens) served two ways over the "
+              "call's pages, same tokens checked. *in the loop*: a pool of stored h, K/V re-projected inside "
+              "the decode loop's program at every step. *once per call* (what `Model` does): a float32 K/V "
+              "pool, the prefix's K/V rebuilt into it once (`engine.materialize`), the request's own K/V kept "
+              "in float32 while it runs. "
               "Scratch = XLA `memory_analysis()` temp of the decode program.", "",
               "| mode | prefix at rest MiB | in the loop ms | once per call ms | speedup | in-loop scratch MiB "
               "| per-call rebuilt prefix MiB | per-call scratch MiB |",

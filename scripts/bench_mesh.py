@@ -4,8 +4,8 @@
     python scripts/bench_mesh.py --quick    # tiny shapes, nothing written
 
 Runs with 8 fake CPU devices (set before JAX starts). Nothing is allocated at full size: the
-weights, a shared prefix and the requests' own segments are abstract arrays with the shardings
-`tinyloop_jax.model.sharding` gives them, the decode loop (`engine.decode`) is compiled for them, and
+weights and a call's page pool (a shared prefix's pages, the requests' own) are abstract arrays with the
+shardings `tinyloop_jax.model.sharding` gives them, the decode loop (`paged_decode.decode`) is compiled for them, and
 per-device bytes come from the shard shapes and the compiled program's `memory_analysis()`.
 Collectives are counted in the compiled HLO. Fake devices share 2 cores, so no speed is claimed.
 """
@@ -29,9 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _report  # noqa: E402
 
 import tinyloop_jax as tl  # noqa: E402
-from tinyloop_jax.decoding import programs as engine  # noqa: E402
-from tinyloop_jax.model import sharding  # noqa: E402
-from tinyloop_jax.model.cache import KVCache  # noqa: E402
+from tinyloop_jax.decoding import paged_decode  # noqa: E402
+from tinyloop_jax.model import paged, sharding  # noqa: E402
 from tinyloop_jax.model.kv_modes import kv_mode as parse_kv_mode  # noqa: E402
 from tinyloop_jax.model.params import Shape, param_shapes  # noqa: E402
 from tinyloop_jax.decoding.sampling import Request  # noqa: E402
@@ -68,22 +67,19 @@ def weights(cfg, mesh):
     return jax.tree.map(lambda a, s: abstract(a.shape, a.dtype, s, mesh), layout, specs)
 
 
-def segment(cfg, mesh, kv_mode, capacity, passes, batch=None):
-    """An abstract segment placed as `cache.empty` places it."""
-    lead = () if batch is None else (batch,)
+def pool(cfg, mesh, kv_mode, n_pages, passes):
+    """An abstract page pool placed as `paged.placed` places it: pages split by KV heads over
+    'model' (h modes: replicated), whole on every 'data' group."""
     mode = parse_kv_mode(kv_mode)
-    heads = mode.splits_heads
-    shapes = mode.layer_shapes(cfg.n_kv_heads, capacity, cfg.head_dim, cfg.d_model)
+    shapes = paged.page_shapes(mode, cfg.n_kv_heads, n_pages, paged.PAGE_SIZE, cfg.head_dim, cfg.d_model)
 
-    def arr(shape, dtype, head_axis=None):
-        spec = sharding.cache_spec(shape, batch is not None, head_axis if heads else None, mesh)
-        return abstract(shape, dtype, spec, mesh)
-    layer = lambda: {n: arr(lead + s, d, len(lead)) for n, (s, d) in shapes.items()}  # noqa: E731
-    return KVCache(pre=tuple(layer() for _ in range(cfg.n_pre_blocks)),
-                   loop={n: arr(lead + (passes, cfg.loop_blocks) + s, d, len(lead) + 2)
-                         for n, (s, d) in shapes.items()},
-                   pos=arr(lead + (capacity,), jnp.int32), length=arr(lead, jnp.int32), kv_mode=kv_mode,
-                   post=tuple(layer() for _ in range(cfg.n_post_blocks)))
+    def arr(shape, dtype, head_axis):
+        return abstract(shape, dtype, sharding.cache_spec(shape, False, head_axis if mode.splits_heads else None,
+                                                           mesh), mesh)
+    layer = lambda: {n: arr(s, d, 0) for n, (s, d) in shapes.items()}  # noqa: E731
+    return paged.PagedKV(pre=tuple(layer() for _ in range(cfg.n_pre_blocks)),
+                         loop={n: arr((passes, cfg.loop_blocks) + s, d, 2) for n, (s, d) in shapes.items()},
+                         kv_mode=mode, post=tuple(layer() for _ in range(cfg.n_post_blocks)))
 
 
 def measure(name, shape, d, m, args):
@@ -91,31 +87,29 @@ def measure(name, shape, d, m, args):
     cfg = tl.ModelConfig(**shape, kv_mode=args.kv_mode, mesh=mesh)
     loops, n = cfg.default_loops, args.requests
     w = weights(cfg, mesh)
-    prefix = segment(cfg, mesh, args.kv_mode, args.prefix, loops)
-    own = segment(cfg, mesh, args.kv_mode, args.own, loops, batch=n)
+    lay = paged_decode.layout(args.prefix, args.own, n)
+    pages = pool(cfg, mesh, args.kv_mode, lay.n_pages, loops)
     rep = lambda shape, dt: abstract(shape, dt, jax.sharding.PartitionSpec(), mesh)  # noqa: E731
     req = Request.make(n, max_tokens=args.own // 2)
-    lowered = engine.decode.lower(w, cfg, (prefix,), own, rep((n, cfg.vocab_size), jnp.float32),
-                                  rep((n, cfg.vocab_size), jnp.bool_), req, loops=loops, window=0,
-                                  out_len=args.own // 2)
+    rows = paged.Rows(lay.tables, np.full((n,), args.prefix, np.int32), np.ones((n,), np.int32))
+    lowered = paged_decode.decode.lower(w, cfg, pages, rows, rep((n,), jnp.int32), rep((n, cfg.vocab_size), jnp.bool_),
+                                        req, loops=loops, window=0, out_len=args.own // 2)
     compiled = lowered.compile()
     text = compiled.as_text()
     ops = Counter(re.findall(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", text))
     blocks = cfg.n_pre_blocks + cfg.loop_blocks + cfg.n_post_blocks
     mem = compiled.memory_analysis()
-    return dict(model=name, mesh=f"{d}x{m}", weights=per_device(w), weights_total=total(w), prefix=per_device(prefix),
-                prefix_total=total(prefix), own=per_device(own), own_total=total(own),
-                temp=getattr(mem, "temp_size_in_bytes", 0), args_mem=getattr(mem, "argument_size_in_bytes", 0),
-                all_reduce=ops["all-reduce"], all_gather=ops["all-gather"],
-                other=ops["reduce-scatter"] + ops["all-to-all"],
-                blocks=blocks)
+    return dict(model=name, mesh=f"{d}x{m}", weights=per_device(w), weights_total=total(w), pool=per_device(pages),
+                pool_total=total(pages), temp=getattr(mem, "temp_size_in_bytes", 0),
+                args_mem=getattr(mem, "argument_size_in_bytes", 0), all_reduce=ops["all-reduce"],
+                all_gather=ops["all-gather"], other=ops["reduce-scatter"] + ops["all-to-all"], blocks=blocks)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kv-mode", default="fp16")
     ap.add_argument("--prefix", type=int, default=1024, help="shared prefix slots")
-    ap.add_argument("--own", type=int, default=128, help="own-segment slots per request")
+    ap.add_argument("--own", type=int, default=128, help="own positions per request")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
@@ -132,15 +126,15 @@ def main():
             print(r, flush=True)
     mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
     lines = [f"Command: `{_report.command()}`  ", f"Machine: {_report.machine()} (8 fake CPU devices)  ",
-             f"Mesh 'data' x 'model'; KV mode {args.kv_mode}; a {args.prefix}-slot shared prefix; "
-             f"{args.requests} requests' own segments of {args.own} slots. Per device (MiB) and, in brackets, the "
-             "share of the one-device size; collectives in the compiled decode loop (`blocks`: blocks in its "
-             "program, the pass body holding the loop stack once).", "",
-             "| model | mesh | weights | prefix | own segments | XLA temp | all-reduce | all-gather | blocks |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"Mesh 'data' x 'model'; KV mode {args.kv_mode}; the call's page pool: a {args.prefix}-token "
+             f"shared prefix's pages and {args.requests} requests' own pages for {args.own} positions each. Per "
+             "device (MiB) and, in brackets, the share of the one-device size; collectives in the compiled decode "
+             "loop over the pages (`blocks`: blocks in its program, the pass body holding the loop stack once).",
+             "", "| model | mesh | weights | page pool | XLA temp | all-reduce | all-gather | blocks |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         share = lambda k: f"{mib(r[k])} ({r[k] / r[k + '_total']:.0%})"  # noqa: E731
-        lines.append(f"| {r['model']} | {r['mesh']} | {share('weights')} | {share('prefix')} | {share('own')} | "
+        lines.append(f"| {r['model']} | {r['mesh']} | {share('weights')} | {share('pool')} | "
                      f"{mib(r['temp'])} | {r['all_reduce']} | {r['all_gather']} | {r['blocks']} |")
     text = "\n".join(lines)
     print(text)

@@ -12,7 +12,8 @@ import tinyloop_jax as tl
 from tinyloop_jax.model import cache as kvc
 from tinyloop_jax.decoding import programs as engine
 from tinyloop_jax.api import functional as F
-from tinyloop_jax.decoding import speculative
+from tinyloop_jax.decoding import paged_decode
+from tinyloop_jax.model import paged
 from conftest import prompt_of, tiny_config, tiny_model
 from reference import forward as ref_forward
 
@@ -27,7 +28,8 @@ def programs(model, loops: int) -> dict:
     w = model.weights
     p, c = w.params, w.config
     own = kvc.empty(c.kv_mode, c.n_pre_blocks, loops, c.n_heads, 16, c.head_dim)
-    rows = kvc.empty(c.kv_mode, c.n_pre_blocks, loops, c.n_heads, 16, c.head_dim, batch=2)
+    pool = paged.empty(c, loops, 4)
+    rows = paged.Rows.make([[0, 1], [2, 3]], [5, 5], [5, 5])
     tokens, n = jnp.zeros((16,), jnp.int32), jnp.int32(5)
     logits, seen = jnp.zeros((2, c.vocab_size)), jnp.zeros((2, c.vocab_size), bool)
     req = tl.Request.make(2, max_tokens=8)
@@ -36,12 +38,10 @@ def programs(model, loops: int) -> dict:
         "prefill": engine.prefill.lower(p, c, tokens, n, jnp.int32(0), (), own, **kw),
         "prefill_prefix": engine.prefill_prefix.lower(p, c, tokens, n, jnp.int32(0), seen[0], own, **kw,
                                                       keep_state=True),
-        "prefill_rows": engine.prefill_rows.lower(p, c, jnp.zeros((2, 16), jnp.int32), jnp.full((2,), 5),
-                                                  jnp.zeros((2,), jnp.int32), (own,), rows, logits[0], seen[0], seen,
-                                                  **kw),
-        "decode": engine.decode.lower(p, c, (own,), rows, logits, seen, req, **kw, out_len=8),
-        "speculative": speculative.decode.lower(p, c, (own,), rows, logits, seen, req, **kw, out_len=8,
-                                                draft_loops=1, lookahead=2),
+        "prefill_rows": paged_decode.prefill.lower(p, c, pool, rows, jnp.zeros((2, 16), jnp.int32), logits[0], **kw),
+        "decode": paged_decode.decode.lower(p, c, pool, rows, jnp.zeros((2,), jnp.int32), seen, req, **kw, out_len=8),
+        "speculative": paged_decode.decode_speculative.lower(p, c, pool, rows, jnp.zeros((2,), jnp.int32), seen, req,
+                                                             **kw, out_len=8, draft_loops=1, lookahead=2),
         "continue_depth": engine.continue_depth.lower(p, c, jnp.zeros((16, c.d_model)), n,
                                                       kvc.empty(c.kv_mode, 0, loops, c.n_heads, 16, c.head_dim),
                                                       **kw),
@@ -71,13 +71,13 @@ def test_loops_256_generates_and_equals_numpy():
 
 def test_a_depth_that_cannot_fit_is_refused_before_anything_is_built():
     model = tiny_model("fp32")
-    before = engine.prefill_prefix._cache_size() + engine.decode._cache_size()
+    before = engine.prefill_prefix._cache_size() + paged_decode.decode._cache_size()
     for call in (lambda: model.generate(prompt_of(8), max_tokens=4, loops=10**9),
                  lambda: model.build_prefix_cache(prompt_of(8), loops=10**9),
                  lambda: model.generate_batch([prompt_of(8)] * 3, max_tokens=4, loops=10**9)):
         with pytest.raises(RuntimeError, match="out of memory.*loops=1000000000"):
             call()
-    assert engine.prefill_prefix._cache_size() + engine.decode._cache_size() == before  # nothing compiled
+    assert engine.prefill_prefix._cache_size() + paged_decode.decode._cache_size() == before  # nothing compiled
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import tinyloop_jax as tl
-from tinyloop_jax.decoding import programs as engine
-from tinyloop_jax.api import functional as F
+from tinyloop_jax.decoding import paged_decode
+from tinyloop_jax.model import paged
 from conftest import prompt_of
 
 CLOSE = dict(atol=1e-3, rtol=1e-2)
@@ -34,7 +34,9 @@ def test_batched_greedy_equals_separate_calls(mode_models, mode, window):
 
 @pytest.mark.parametrize("mode", tl.KV_MODES)
 def test_batched_logits_match_separate_prefills(mode_models, mode):
-    """The batched prefill's per-request next-token logits == one request at a time."""
+    """The batched prefill over the call's pages (the prefix's loaded once, its partial page
+    copied per row): per-request next-token logits == one request at a time over the dense
+    prefix (`next_token_logits_from_prefix`)."""
     model = mode_models[mode]
     w, cfg = model.weights, model.weights.config
     prefix = model.build_prefix_cache(prompt_of(20, seed=1), loops=2)
@@ -43,11 +45,11 @@ def test_batched_logits_match_separate_prefills(mode_models, mode):
     tokens = np.zeros((len(suffixes), 16), np.int32)
     for i, s in enumerate(suffixes):
         tokens[i, :len(s)] = s
-    ro = (prefix.cache,)
-    own = F.empty_cache(w, 16, 2, start=20, batch=len(suffixes))
-    logits, _, _ = engine.prefill_rows(w.params, cfg, jnp.asarray(tokens), jnp.asarray(lens),
-                                       jnp.full((len(lens),), 20), ro, own, prefix.logits, prefix.seen,
-                                       jnp.asarray(engine.token_mask(suffixes, cfg.vocab_size)), loops=2, window=0)
+    lay = paged_decode.layout(20, 16, len(suffixes))
+    pool = paged_decode.load_prefix(w.params, cfg, paged_decode.empty_pool(cfg, 2, lay.n_pages), prefix.cache,
+                                    20, lay)
+    rows = paged.Rows(lay.tables, np.full(len(lens), 20, np.int32), lens)
+    logits, _ = paged_decode.prefill(w.params, cfg, pool, rows, jnp.asarray(tokens), prefix.logits, loops=2, window=0)
     for i, s in enumerate(suffixes):
         np.testing.assert_allclose(np.asarray(logits[i]), model.next_token_logits_from_prefix(prefix, s), **CLOSE)
 
@@ -86,20 +88,23 @@ def test_generate_batch_of_unrelated_prompts(mode_models, mode, window):
 
 
 def test_prefix_is_not_copied_per_request(mode_models):
-    """XLA's memory analysis of the batched decode program: its scratch stays far below N
-    copies of the prefix (the prefix is an argument, read by one matmul per layer)."""
+    """A call's pool holds the prefix's full pages once, shared by every row's table, and the
+    batched decode program's scratch stays far below one copy of the prefix (XLA's memory
+    analysis)."""
     model = mode_models["fp32"]
     w, cfg = model.weights, model.weights.config
     prefix = model.build_prefix_cache(prompt_of(120, seed=0), loops=3)
     N = 8
-    own = F.empty_cache(w, 24, 3, start=120, batch=N)
-    compiled = engine.decode.lower(
-        w.params, cfg, (prefix.cache,), own, jnp.zeros((N, cfg.vocab_size)), jnp.zeros((N, cfg.vocab_size), bool),
+    lay = paged_decode.layout(120, 24, N)
+    assert lay.shared == 7 and (lay.tables[:, :7] == np.arange(7)).all() and lay.n_pages < N * 7
+    pool = paged_decode.empty_pool(cfg, 3, lay.n_pages)
+    compiled = paged_decode.decode.lower(
+        w.params, cfg, pool, paged.Rows(lay.tables, np.full(N, 120, np.int32), np.ones(N, np.int32)),
+        jnp.zeros((N,), jnp.int32), jnp.zeros((N, cfg.vocab_size), bool),
         tl.Request.make(N, top_k=0, seeds=list(range(N)), max_tokens=16), loops=3, window=0, out_len=16).compile()
     mem = compiled.memory_analysis()
     assert mem.temp_size_in_bytes < prefix.nbytes, (mem.temp_size_in_bytes, prefix.nbytes)
-    assert mem.argument_size_in_bytes < prefix.nbytes + own.nbytes + sum(
-        x.nbytes for x in jax.tree.leaves(w.params)) + 2**20
+    assert mem.argument_size_in_bytes < pool.nbytes + sum(x.nbytes for x in jax.tree.leaves(w.params)) + 2**20
 
 
 def test_prefix_unchanged_and_bad_batches(mode_models):

@@ -205,7 +205,7 @@ def test_one_program_for_every_value(model):
     """Different penalties and biases reuse the compiled decode program: a batch with a logit
     bias compiles its variant once (a batch without one leaves the bias step out), then every
     bias value and penalty runs one of the two."""
-    from tinyloop_jax.decoding import programs
+    from tinyloop_jax.decoding import paged_decode as programs
 
     prompt = prompt_of(8, seed=6)
     model.generate(prompt, max_tokens=5, presence_penalty=0.5)

@@ -8,8 +8,8 @@ import pytest
 
 import tinyloop_jax as tl
 from tinyloop_jax.decoding import programs as engine
-from tinyloop_jax.api import functional as F
-from tinyloop_jax.decoding import speculative
+from tinyloop_jax.decoding import paged_decode, speculative
+from tinyloop_jax.model import paged
 from conftest import prompt_of
 
 
@@ -41,29 +41,31 @@ def test_greedy_from_prefix_with_stops_and_windows(models, mode, window):
                                             draft_loops=2, lookahead=4) == want
 
 
-def test_cache_after_run_equals_plain_cache(models):
+def test_pages_after_run_equal_plain_decoding_pages(models):
+    """After a speculative run the row's pages hold, at every position it fed, what plain
+    decoding's hold: rejected drafts' K/V were written again by the next round's verify."""
     model = models["fp32"]
     w, cfg = model.weights, model.weights.config
     prefix = model.build_prefix_cache(prompt_of(16, seed=5), loops=3)
+    lay = paged_decode.layout(16, 15 + 4, 1)
     outs = {}
     for name in ("plain", "spec"):
-        own = F.empty_cache(w, 40, 3, start=16, batch=1)
-        args = (w.params, cfg, (prefix.cache,), own, prefix.logits[None], prefix.seen[None],
-                tl.Request.make(1, max_tokens=15))
+        pool = paged_decode.load_prefix(w.params, cfg, paged_decode.empty_pool(cfg, 3, lay.n_pages), prefix.cache,
+                                        16, lay)
+        args = (w.params, cfg, pool, paged.Rows(lay.tables, np.int32([16]), np.int32([1])),
+                engine.first_tokens(prefix.logits[None], prefix.seen[None], tl.Request.make(1, max_tokens=15)),
+                prefix.seen[None], tl.Request.make(1, max_tokens=15))
         kw = dict(loops=3, window=0, out_len=16)
-        res = engine.decode(*args, **kw) if name == "plain" else speculative.decode(*args, **kw, draft_loops=1,
-                                                                                   lookahead=3)
-        outs[name] = res
+        outs[name] = (paged_decode.decode(*args, **kw) if name == "plain"
+                      else paged_decode.decode_speculative(*args, **kw, draft_loops=1, lookahead=3))
     s1, s2 = outs["plain"], outs["spec"]
     assert int(s1.n[0]) == int(s2.n[0]) == 15 and np.array_equal(np.asarray(s1.tokens), np.asarray(s2.tokens))
-    c1, c2 = jax.tree.map(lambda a: a[0], s1.own), jax.tree.map(lambda a: a[0], s2.own)
-    assert int(c1.length) == int(c2.length) == 16 + 14
-    assert np.array_equal(np.asarray(c1.pos), np.asarray(c2.pos))
-    valid = np.asarray(c1.pos) >= 0
-    for a, b in ((c1.layer(i), c2.layer(i)) for i in range(c1.n_layers)):
-        for name in a:
-            np.testing.assert_allclose(np.asarray(a[name])[:, valid], np.asarray(b[name])[:, valid], atol=1e-4,
-                                       rtol=1e-4)
+    assert int(s2.accepted[0]) > 0  # drafts were kept (and some rejected: the pages were written twice)
+    pos = np.arange(16 + 14)  # the prefix and every emitted token but the last
+    page, off = lay.tables[0][pos // 16], pos % 16
+    for a, b in zip(jax.tree.leaves(s1.own), jax.tree.leaves(s2.own)):
+        np.testing.assert_allclose(np.asarray(a)[..., page, off, :], np.asarray(b)[..., page, off, :], atol=1e-4,
+                                   rtol=1e-4)
 
 
 def test_acceptance_rule_preserves_the_target_distribution():

@@ -26,9 +26,8 @@ import numpy as np
 
 from ..model import adaptive as ad
 from ..model import cache as kvc
-from ..decoding import programs
-from ..model import sharding
-from ..decoding import speculative
+from ..decoding import paged_decode, programs
+from ..model import paged, sharding
 from ..model.cache import KVCache
 from ..decoding.programs import DecodeState
 from ..model.params import Weights
@@ -169,7 +168,9 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
            cache_window: int | None = None, speculation: Speculation | None = None,
            exit: Exit | None = None, adaptive: Adaptive | None = None) -> DecodeState:
     """N requests, each = prefix (shared, read once per step for all; or none) + its suffix
-    (possibly empty when there is a prefix) + up to request.max_tokens new tokens.
+    (possibly empty when there is a prefix) + up to request.max_tokens new tokens: the call's
+    pages (`decoding.paged_decode`), the suffixes prefilled as one group of chunks, then the
+    on-device decode loop over the paged step.
 
     loops / cache_window default to the prefix's. Returns the final `DecodeState` (on device):
     row i emitted tokens[i, :n[i]] (on a mesh, rows past len(suffixes) are filler)."""
@@ -186,32 +187,37 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
     lens = np.array([len(s) for s in suffixes], np.int32)
     max_new = int(np.max(request.max_tokens))
     c.check_positions(P + int(lens.max()) + max_new - 1, "decoding")  # the last emitted token is never fed
-    ro, work_mode = call_segments(weights, prefix, loops)
-    room, ring = own_room(int(lens.max()), max_new, window, speculation)
-    own = empty_cache(weights, room, loops, ring, start=P, kv_mode=work_mode, batch=N)
     prior_logits = prefix.logits if prefix is not None else jnp.zeros((c.vocab_size,), jnp.float32)
     if prefix is not None and c.early_exit_gate:  # the prefix's logits with this call's exit
         prior_logits = programs.prefix_logits(weights.params, c, prefix.depth_states, loops=loops, exit=exit)
     prior_seen = prefix.seen if prefix is not None else jnp.zeros((c.vocab_size,), bool)
     if adaptive is not None:
+        ro, work_mode = call_segments(weights, prefix, loops)
+        room, ring = own_room(int(lens.max()), max_new, window, speculation)
+        own = empty_cache(weights, room, loops, ring, start=P, kv_mode=work_mode, batch=N)
         return decode_adaptive(weights, prefix, suffixes, request, loops, window, ro, own, prior_logits, prior_seen,
                                lens, adaptive)
+    lay = paged_decode.layout(P, own_room(int(lens.max()), max_new, 0, speculation)[0], N)
+    pool = paged_decode.empty_pool(c, loops, lay.n_pages)
+    if prefix is not None:
+        pool = paged_decode.load_prefix(weights.params, c, pool, prefix.cache, P, lay)
+    seen = jnp.asarray(programs.token_mask(suffixes, c.vocab_size)) | prior_seen
     if lens.max() > 0:
         tokens = np.stack([pad(s, kvc.bucket(int(lens.max()))) for s in suffixes])
-        logits, seen, own = programs.prefill_rows(weights.params, c, jnp.asarray(tokens), jnp.asarray(lens),
-                                                jnp.full((N,), P, jnp.int32), ro, own, prior_logits, prior_seen,
-                                                jnp.asarray(programs.token_mask(suffixes, c.vocab_size)), loops=loops,
-                                                window=window, exit=exit, seeds=request.seed)
+        rows = paged.Rows(lay.tables, np.full((N,), P, np.int32), lens)
+        logits, pool = paged_decode.prefill(weights.params, c, pool, rows, jnp.asarray(tokens), prior_logits,
+                                            loops=loops, window=window, exit=exit, seeds=request.seed)
     else:
         logits = jnp.broadcast_to(prior_logits, (N, c.vocab_size))
-        seen = jnp.broadcast_to(prior_seen, (N, c.vocab_size))
-    args = (weights.params, c, ro, own, programs.first_tokens(logits, seen, request), seen, request)
+    rows = paged.Rows(lay.tables, P + lens, np.ones((N,), np.int32))  # where each first emitted token is fed
+    args = (weights.params, c, pool, rows, programs.first_tokens(logits, seen, request), seen, request)
     # the output buffer in the own segment's buckets (16 and up): calls that differ only in a
     # max_tokens of 16 or less share one program (it was 8 and 16, one compile each)
     kw = dict(loops=loops, window=window, out_len=kvc.bucket(max_new), exit=exit)
     if speculation is None:
-        return programs.decode(*args, **kw)
-    return speculative.decode(*args, **kw, draft_loops=speculation.draft_loops, lookahead=speculation.lookahead)
+        return paged_decode.decode(*args, **kw)
+    return paged_decode.decode_speculative(*args, **kw, draft_loops=speculation.draft_loops,
+                                           lookahead=speculation.lookahead)
 
 
 def decode_adaptive(weights: Weights, prefix: PrefixCache | None, suffixes: list, request: Request, loops: int,
@@ -243,11 +249,11 @@ def decode_adaptive(weights: Weights, prefix: PrefixCache | None, suffixes: list
 def generate(weights: Weights, prompts: list, request: Request, loops: int | None = None, cache_window: int = 0,
              speculation: Speculation | None = None, exit: Exit | None = None,
              adaptive: Adaptive | None = None) -> DecodeState:
-    """N unrelated prompts: one prompt is built as a prefix and decoded (`decode`); several are
-    decoded together, each prompt its own segment (and so is one whose prompt may exit early)."""
+    """N unrelated prompts, decoded together (`decode` without a prefix); with adaptive depth
+    one prompt is built as a prefix first (unless it may exit early)."""
     loops = weights.config.default_loops if loops is None else loops
     check_fits(weights, [len(p) for p in prompts], request, loops, cache_window, speculation)
-    if len(prompts) == 1 and not (adaptive is not None and adaptive.in_prefill):
+    if len(prompts) == 1 and adaptive is not None and not adaptive.in_prefill:
         prefix = build_prefix(weights, prompts[0], loops, cache_window, exit=exit, seed=int(request.seed[0]))
         return decode(weights, prefix, [np.zeros((0,), np.int32)], request, loops, cache_window, speculation, exit,
                       adaptive)
@@ -257,24 +263,12 @@ def generate(weights: Weights, prompts: list, request: Request, loops: int | Non
 def check_fits(weights: Weights, prompt_lens: list, request: Request, loops: int, cache_window: int,
                speculation: Speculation | None = None, prefix_len: int = 0) -> None:
     """RuntimeError, before anything is allocated or compiled, if the caches of this call
-    cannot fit in the memory free now: N requests of prompt_lens tokens (after a prefix of
-    prefix_len, or for one prompt without a prefix, the prompt's own prefix segment)."""
+    cannot fit in the memory free now: N requests of prompt_lens tokens after a prefix of
+    prefix_len, in the call's pages (`paged_decode.layout`)."""
     c = weights.config
-    work = c.storage.working  # own segments of h modes hold float32 K/V
-
-    def nbytes(kv_mode, n_tokens: int, window: int) -> int:
-        return kvc.cache_nbytes(kv_mode, c.n_cache_layers(loops), c.n_kv_heads,
-                                kvc.segment_capacity(n_tokens, window), c.head_dim, c.d_model)
-
-    need, lens = 0, list(prompt_lens)
-    if len(lens) == 1 and prefix_len == 0:  # generate(prompt): the prompt becomes a prefix segment
-        prefix_len, lens = lens[0], [0]
-        need += nbytes(c.kv_mode, prefix_len, cache_window)
-    if prefix_len and work != c.storage:  # the call-scoped float32 rebuild of an h-mode prefix
-        need += nbytes(work, prefix_len, cache_window)
-    room, ring = own_room(max(lens), int(np.max(request.max_tokens)), cache_window, speculation)
-    need += len(lens) * nbytes(work, room, ring)
-    kvc.check_fits(need, f"the KV caches of {len(lens)} request(s) at loops={loops} "
+    room = own_room(max(prompt_lens), int(np.max(request.max_tokens)), 0, speculation)[0]
+    need = paged_decode.pool_nbytes(c, loops, paged_decode.layout(prefix_len, room, len(prompt_lens)))
+    kvc.check_fits(need, f"the KV caches of {len(prompt_lens)} request(s) at loops={loops} "
                          f"({c.n_cache_layers(loops)} layers, {c.kv_mode})")
 
 

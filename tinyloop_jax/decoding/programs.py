@@ -1,4 +1,6 @@
-"""Jitted programs: chunked prefill, the on-device decode loop, and the prefix operations.
+"""Jitted programs over dense segments: chunked prefill (prefixes), scoring, the adaptive-depth
+decode loop, the prefix operations; and the decode loops' carry (`DecodeState`) and emit
+rule, which the paged loops (`paged_decode`) share.
 
 Programs take the segment they write (`own`) as a donated argument, so XLA updates its buffers
 in place; read-only segments (`ro`, a shared prefix) are plain arguments and never written.
@@ -163,22 +165,6 @@ def prefill_prefix(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid:
                       state=out.x if keep_state else None)
 
 
-@partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("own",))
-def prefill_rows(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
-                 ro: tuple, own: KVCache, prior_logits: jax.Array, prior_seen: jax.Array, seen: jax.Array, loops: int,
-                 window: int, exit: tf.Exit | None = None, seeds: jax.Array | None = None):
-    """N requests' own tokens after shared segments: tokens [N, T] (row i real up to n_valid[i],
-    possibly 0; seen [N, V] their `token_mask`), start_pos [N]; prior_logits [V], prior_seen [V]:
-    what the shared segments end with; seeds [N] (see `forward_rows`). Returns (logits [N, V]
-    (prior_logits for empty rows), seen [N, V] (with prior_seen), new own)."""
-    x, own = forward_rows(params, cfg, tokens, n_valid, start_pos, ro, rows_in_loop(own), loops, window, exit,
-                          seeds)
-    own = rows_out_of_loop(own)
-    logits = jax.vmap(lambda x, n: tf.last_logits(params, cfg, x, n))(x, n_valid)
-    logits = jnp.where((n_valid > 0)[:, None], logits, prior_logits)
-    return logits, seen | prior_seen, own
-
-
 # ---- the decode loop -------------------------------------------------------------------------
 
 @struct.dataclass
@@ -249,28 +235,6 @@ def feed(state: DecodeState, tok: jax.Array) -> tuple[jax.Array, jax.Array]:
     # would cost an all-reduce per step, and XLA:CPU runs one as a loop over the rows
     hot = jax.nn.one_hot(tok, state.counts.shape[-1], dtype=jnp.int32)
     return state.seen | (hot > 0), state.counts + hot
-
-
-@partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len"), donate_argnames=("own",))
-def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first: jax.Array, seen: jax.Array,
-           req: Request, loops: int, window: int, out_len: int, exit: tf.Exit | None = None) -> DecodeState:
-    """Emit up to req.max_tokens (<= out_len) tokens for each of N requests as one
-    `lax.while_loop` on device. first [N]: each row's first token (`first_tokens`), or [N, V]:
-    the next-token logits after each prompt, to choose it from; seen [N, V]: each prompt's
-    tokens. Token i is chosen from the logits token i-1 produced, so n tokens cost n-1 forward
-    steps. A finished row keeps stepping (its output masked) so the batch keeps one shape; the
-    loop ends when every row is done."""
-
-    def step(state: DecodeState) -> DecodeState:
-        seen, counts = feed(state, state.last)
-        N = state.last.shape[0]
-        x, own = forward_rows(params, cfg, state.last[:, None], jnp.ones((N,), jnp.int32), row_lengths(state.own), ro,
-                              state.own, loops, window, exit, req.seed)
-        tok = select_tokens(tf.lm_head(params, cfg, x[:, 0]), seen, req, state.step + 1, counts)
-        return emit(state.replace(seen=seen, counts=counts, own=own, step=state.step + 1), tok, req)
-
-    state = jax.lax.while_loop(lambda s: ~is_done(s), step, start(first, seen, rows_in_loop(own), req, out_len))
-    return state.replace(own=rows_out_of_loop(state.own))
 
 
 # ---- adaptive depth --------------------------------------------------------------------------

@@ -8,26 +8,24 @@ depth-L cache are exactly a depth-d cache. One round, for every row:
     accept  the standard speculative-sampling rule (Leviathan et al. 2023; Chen et al. 2023):
             d_j kept with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection a token
             is drawn from norm(max(0, p_j - q_j)); if all k are kept, a bonus token from p_k;
-    rollback  the positions after the kept ones are dropped from the cache (`cache.rollback`).
+    rollback  the positions after the kept ones are left to be written again (the row's length
+              is the host's, or the loop's count of emitted tokens).
 
 Greedy decoding is the same rule with one-hot distributions (argmax), so it emits exactly
 the tokens of plain greedy decoding at depth L; with sampling the output distribution is that
-of plain sampling at depth L. The loop carries the same `DecodeState` as plain decoding.
+of plain sampling at depth L. One round over a page pool is `round_paged`: the `Model` path's
+loop (`paged_decode.decode_speculative`) and the engine's step (`serving.step`) run it.
 """
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Annotated, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from ..model import transformer as tf
-from ..model.cache import KVCache
 from ..model.config import ModelConfig
-from .programs import (DecodeState, emit, feed, forward_rows, is_done, rollback_rows, row_lengths, rows_in_loop,
-                     rows_out_of_loop, start)
 from ..model.params import Params
 from .sampling import Request, distribution
 
@@ -40,16 +38,6 @@ class Speculation(NamedTuple):
     """Self-speculative decoding: draft `lookahead` tokens at depth `draft_loops`."""
     draft_loops: int
     lookahead: int
-
-
-class Drafting(NamedTuple):
-    """The carry of one round's draft loop (N rows, k drafts, vocabulary V)."""
-    own: KVCache  # the rows' segments, the drafts written at depth d
-    tok: Annotated[jax.Array, "int32[N]"]  # the token fed next (the last draft)
-    seen: Annotated[jax.Array, "bool[N, V]"]  # tokens fed so far
-    counts: Annotated[jax.Array, "int32[N, V]"]  # emitted tokens fed so far, per token
-    drafts: Annotated[jax.Array, "int32[N, k]"]  # the drafts so far
-    qs: Annotated[jax.Array, "float32[N, k, V]"]  # the distribution each draft was drawn from
 
 
 def fold_in(keys: jax.Array, data) -> jax.Array:
@@ -76,63 +64,45 @@ def accept(key: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Array) -> tup
     return a.astype(jnp.int32), draw(kr, resid / jnp.sum(resid))
 
 
-@partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len", "draft_loops", "lookahead"),
-         donate_argnames=("own",))
-def decode(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first: jax.Array, seen: jax.Array,
-           req: Request, loops: int, window: int, out_len: int, draft_loops: int, lookahead: int,
-           exit: tf.Exit | None = None) -> DecodeState:
-    """Like `programs.decode` (`first` as there), in rounds of `lookahead` drafts at depth
-    `draft_loops`. `own` needs room for lookahead + 1 positions past the last emitted token.
-    `state.step` counts rounds and `state.accepted` the drafts kept per row."""
-    k = lookahead
-    N = first.shape[0]
-    rows, ones = jnp.arange(N), jnp.ones((N,), jnp.int32)
+def round_paged(params: Params, cfg: ModelConfig, pool, rows, last: jax.Array, seen: jax.Array, counts: jax.Array,
+                req: Request, keys: jax.Array, loops: int, draft_loops: int, lookahead: int, window: int = 0,
+                exit: tf.Exit | None = None):
+    """One round for N rows over a page pool (`model.paged`): rows (`paged.Rows`: start = where
+    each row's last token is fed, n_new 1, or 0 for a row that only idles) and their last
+    tokens [N], seen / counts [N, V] before it, keys [N] the round's. k = lookahead drafts at
+    depth `draft_loops` (passes 0..d-1 of the same pages), [last, d_1 .. d_k] verified as one
+    chunk at `loops`, the acceptance rule. Rollback is the caller's length: positions past the
+    kept tokens are written again by the next round. Returns (tokens [N, k + 1]: d_1 .. d_a
+    then the next token, a [N], seen and counts with last and the kept drafts fed, pool)."""
+    from ..model import paged
 
-    def round_(state: DecodeState) -> DecodeState:
-        keys = fold_in(req.keys(state.step), DRAFT_STREAM)
-        V = state.seen.shape[-1]
+    k, N, V = lookahead, last.shape[0], seen.shape[-1]
+    idx = jnp.arange(N)
 
-        def draft(j, c: Drafting) -> Drafting:  # one token at depth d: passes 0..d-1 of the same caches, in place
-            seen, counts = c.seen.at[rows, c.tok].set(True), c.counts + jax.nn.one_hot(c.tok, V, dtype=jnp.int32)
-            x, own = forward_rows(params, cfg, c.tok[:, None], ones, row_lengths(c.own), ro, c.own, draft_loops,
-                                  window, seeds=req.seed)
-            q = distribution(tf.lm_head(params, cfg, x[:, 0]), seen, req, counts)
-            tok = jax.vmap(draw)(fold_in(keys, j), q)
-            return Drafting(own, tok, seen, counts, c.drafts.at[:, j].set(tok), c.qs.at[:, j].set(q))
+    def draft(j, c):  # one token at depth d, at position start + j
+        pool, tok, seen_d, counts_d, drafts, qs = c
+        seen_d = seen_d.at[idx, tok].set(True)
+        counts_d = counts_d + jax.nn.one_hot(tok, V, dtype=jnp.int32)
+        x, pool = paged.forward(params, cfg, pool, rows.replace(start=rows.start + j), tok[:, None], draft_loops,
+                                window, seeds=req.seed)
+        q = distribution(tf.lm_head(params, cfg, x[:, 0]), seen_d, req, counts_d)
+        tok = jax.vmap(draw)(fold_in(keys, j), q)
+        return pool, tok, seen_d, counts_d, drafts.at[:, j].set(tok), qs.at[:, j].set(q)
 
-        d = jax.lax.fori_loop(0, k, draft, Drafting(state.own, state.last, state.seen, state.counts,
-                                                    jnp.zeros((N, k), jnp.int32), jnp.zeros((N, k, V), jnp.float32)))
-        drafts, qs = d.drafts, d.qs
-        # Keep the buffers the draft wrote (no copy of the cache per round) but not its positions:
-        # those slots are masked again and the verify rewrites them (a window's ring has room for
-        # lookahead + 1 extra slots, so no position the verify needs was overwritten).
-        own = d.own.replace(pos=state.own.pos, length=state.own.length)
-        # verify all of them in one chunk at full depth
-        chunk = jnp.concatenate([state.last[:, None], drafts], axis=1)  # [N, k+1]
-        at = row_lengths(own)
-        x, own = forward_rows(params, cfg, chunk, ones * (k + 1), at, ro, own, loops, window, exit, req.seed)
-        # the target distribution after each prefix of the chunk: seen and counts grow by one chunk token a position
-        fed = jnp.cumsum(jax.nn.one_hot(chunk, V, dtype=jnp.int32), axis=1)  # [N, k+1, V]
-        seen_v, counts_v = state.seen[:, None] | (fed > 0), state.counts[:, None] + fed
-        per_pos = jax.tree.map(lambda a: jnp.repeat(a, k + 1, axis=0), req)
-        ps = distribution(tf.lm_head(params, cfg, x).reshape(N * (k + 1), V), seen_v.reshape(N * (k + 1), V),
-                          per_pos, counts_v.reshape(N * (k + 1), V)).reshape(N, k + 1, V)
-        a, nxt = jax.vmap(accept)(fold_in(keys, k), ps, qs, drafts)
-        own = rollback_rows(own, at + 1 + a)  # y and the kept drafts stay; the rest is dropped
-        # `seen` and `counts` hold the tokens fed so far (as in plain decoding): y and the kept drafts, not nxt
-        kept = jnp.arange(k) < a[:, None]  # [N, k]
-        seen, counts = feed(state, state.last)
-        seen = seen.at[rows[:, None], jnp.where(kept, drafts, state.last[:, None])].set(True)
-        counts = counts + jnp.sum(jax.nn.one_hot(drafts, V, dtype=jnp.int32) * kept[..., None], axis=1)
-        state = state.replace(seen=seen, counts=counts, own=own, step=state.step + 1,
-                              accepted=state.accepted + jnp.where(state.done, 0, a))
-        # emit d_1 .. d_a, then nxt, one at a time so that stops and max_tokens cut exactly
-        emitted = jnp.concatenate([drafts, jnp.zeros((N, 1), jnp.int32)], axis=1).at[rows, a].set(nxt)
-        return jax.lax.fori_loop(0, k + 1, lambda j, s: emit(s, emitted[:, j], req, hold=j > a), state)
-
-    start_at = own.length
-    state = jax.lax.while_loop(lambda s: ~is_done(s), round_, start(first, seen, rows_in_loop(own), req,
-                                                                    out_len))
-    # a stop or max_tokens may cut a round after drafts were kept: hold exactly what plain
-    # decoding holds, every emitted token but the last
-    return state.replace(own=rows_out_of_loop(rollback_rows(state.own, start_at + state.n - 1)))
+    pool, _, _, _, drafts, qs = jax.lax.fori_loop(0, k, draft, (pool, last, seen, counts, jnp.zeros((N, k), jnp.int32),
+                                                              jnp.zeros((N, k, V), jnp.float32)))
+    chunk = jnp.concatenate([last[:, None], drafts], axis=1)  # [N, k + 1] at start .. start + k
+    x, pool = paged.forward(params, cfg, pool, rows.replace(n_new=rows.n_new * (k + 1)), chunk, loops, window, exit,
+                            req.seed)
+    fed = jnp.cumsum(jax.nn.one_hot(chunk, V, dtype=jnp.int32), axis=1)  # seen / counts after each chunk prefix
+    per_pos = jax.tree.map(lambda a: jnp.repeat(a, k + 1, axis=0), req)
+    flat = lambda a: a.reshape(N * (k + 1), V)  # noqa: E731
+    ps = distribution(flat(tf.lm_head(params, cfg, x)), flat(seen[:, None] | (fed > 0)), per_pos,
+                      flat(counts[:, None] + fed)).reshape(N, k + 1, V)
+    a, nxt = jax.vmap(accept)(fold_in(keys, k), ps, qs, drafts)
+    kept = jnp.arange(k)[None] < a[:, None]  # last and the kept drafts were fed; nxt is the next input
+    hot = jax.nn.one_hot(drafts, V, dtype=jnp.int32) * kept[..., None]
+    seen = seen | (jax.nn.one_hot(last, V) > 0) | (jnp.sum(hot, axis=1) > 0)
+    counts = counts + jax.nn.one_hot(last, V, dtype=jnp.int32) + jnp.sum(hot, axis=1)
+    tokens = jnp.concatenate([drafts, jnp.zeros((N, 1), jnp.int32)], axis=1).at[idx, a].set(nxt)
+    return tokens, a, seen, counts, pool

@@ -118,12 +118,13 @@ def page_shapes(mode: KVMode, n_kv_heads: int, n_pages: int, page_size: int, hea
     return out
 
 
-def empty(cfg: ModelConfig, passes: int, n_pages: int, page_size: int = PAGE_SIZE) -> PagedKV:
-    """A pool of n_pages zeroed pages for `cfg`'s layers at depth `passes`, in cfg's kv_mode. Out
-    of memory is a RuntimeError (checked before anything is allocated)."""
+def empty(cfg: ModelConfig, passes: int, n_pages: int, page_size: int = PAGE_SIZE, kv_mode=None) -> PagedKV:
+    """A pool of n_pages zeroed pages for `cfg`'s layers at depth `passes`, in cfg's kv_mode (or
+    `kv_mode`: a call's working pool, see `block`). Out of memory is a RuntimeError (checked
+    before anything is allocated)."""
     if page_size < 1 or page_size & (page_size - 1):
         raise ValueError(f"page_size={page_size} must be a power of two")
-    mode = cfg.storage
+    mode = cfg.storage if kv_mode is None else parse_mode(kv_mode)
     layers = cfg.n_cache_layers(passes)
     need = n_pages * page_nbytes(mode, layers, cfg.n_kv_heads, page_size, cfg.head_dim, cfg.d_model)
     kvc.check_fits(need, f"a page pool of {n_pages} pages x {page_size} tokens x {layers} layers ({mode})")
@@ -209,13 +210,13 @@ def gather(layer: dict, pages: jax.Array) -> dict:
 
 
 def row_attention(cfg: ModelConfig, blk, layer: dict, q: jax.Array, q_pos: jax.Array, pages: jax.Array,
-                  length: jax.Array, window) -> jax.Array:
+                  length: jax.Array, window, mode: KVMode | None = None) -> jax.Array:
     """The XLA reference of paged attention for one row: q [H, T, hd] at q_pos [T] over its
-    pages [R] of layer (positions < length are live; window: static, or the row's traced) ->
-    [H, T, hd]. Any backend."""
+    pages [R] of layer (positions < length are live; window: static, or the row's traced; mode:
+    the pool's, default the model's) -> [H, T, hd]. Any backend."""
     stored = gather(layer, pages)
     key_pos = jnp.arange(pages.shape[0] * next(iter(layer.values())).shape[2], dtype=jnp.int32)
-    k, v = tf.read_kv(cfg, stored, blk, cfg.storage, key_pos)  # h modes: K/V rebuilt, K rotated at key_pos
+    k, v = tf.read_kv(cfg, stored, blk, mode or cfg.storage, key_pos)  # h modes: K/V rebuilt, K rotated at key_pos
     return attention(q, q_pos, [(k, v, jnp.where(key_pos < length, key_pos, -1))], window)
 
 
@@ -248,18 +249,20 @@ class Group(struct.PyTreeNode):
 PAGED_KERNELS = ("auto", "native", "pallas", "interpret", "xla")
 
 
-def attention_kernel(cfg: ModelConfig) -> str:
+def attention_kernel(cfg: ModelConfig, mode: KVMode | None = None) -> str:
     """How a step's attention runs: "native" (the CPU kernel, `native.paged_attention`),
     "pallas" (the GPU kernel, `paged_pallas`), "interpret" (that kernel interpreted: tests), or
     "xla" (the reference: a gather of each row's pages). The kernels read only live pages; they
     need K/V stored as such (h modes rebuild K/V from h: the reference) on one device.
     `TINYLOOP_PAGED_KERNEL` = auto (default: the kernel of the backend) | one of the above
-    (`0`: xla, a benchmark's other arm); read when a step is traced."""
+    (`0`: xla, a benchmark's other arm); read when a step is traced. mode: the pool's (default
+    the model's)."""
+    mode = cfg.storage if mode is None else mode
     want = os.environ.get("TINYLOOP_PAGED_KERNEL", "auto")
     want = {"0": "xla", "1": "auto"}.get(want, want)
     if want not in PAGED_KERNELS:
         raise ValueError(f"TINYLOOP_PAGED_KERNEL={want!r}; valid: {', '.join(PAGED_KERNELS)}")
-    if want == "xla" or cfg.mesh is not None or cfg.storage.h or cfg.storage.format.name not in native.PAGE_FORMATS:
+    if want == "xla" or cfg.mesh is not None or mode.h or mode.format.name not in native.PAGE_FORMATS:
         return "xla"
     if want == "auto":
         if native.available():
@@ -270,18 +273,24 @@ def attention_kernel(cfg: ModelConfig) -> str:
     return want
 
 
-def block(x: jax.Array, blk, cfg: ModelConfig, groups: tuple, store: dict, index, window: int):
+def block(x: jax.Array, blk, cfg: ModelConfig, groups: tuple, store: dict, index, window: int,
+          mode: KVMode | None = None):
     """One transformer block on the step's streams x [N, D] (the groups' tokens one after
     another): the step's K/V written into the pages, then each row's queries attend to the row's
-    pages. Returns (x', store)."""
+    pages. mode: the pool's (default the model's; a call's working pool of an h mode holds
+    float32 K/V, written as the model's mode would give them when read back). Returns (x', store)."""
     pos = jnp.concatenate([g.pos.reshape(-1) for g in groups])
     h, q, k, v = tf.qkv_heads(x, blk, cfg, pos)
     page = jnp.concatenate([g.page for g in groups])
     off = jnp.concatenate([g.off for g in groups])
-    store = write(store, cfg.storage.pack(h, k, v), page, off, index)
+    mode = cfg.storage if mode is None else mode
+    fresh = cfg.storage.pack(h, k, v)
+    if mode != cfg.storage:  # results must not depend on where a token is kept
+        fresh = mode.pack(h, *tf.read_kv(cfg, fresh, blk, cfg.storage, pos))
+    store = write(store, fresh, page, off, index)
     H, _, hd = q.shape
     q = q.astype(jnp.float32)
-    kernel = attention_kernel(cfg)
+    kernel = attention_kernel(cfg, mode)
     layer = None if kernel != "xla" else read(store, index)
     outs, at = [], 0
     for g in groups:
@@ -294,12 +303,12 @@ def block(x: jax.Array, blk, cfg: ModelConfig, groups: tuple, store: dict, index
                    functools.partial(paged_pallas.paged_attention, interpret=kernel == "interpret"))
             a = run((qg * hd ** -0.5).transpose(0, 2, 1, 3), store["k"], store["v"], store.get("ks"),
                     store.get("vs"), g.rows.pages, g.rows.start, g.rows.n_new, jnp.asarray(i, jnp.int32),
-                    cfg.storage.format.name, win, cfg.n_kv_heads).transpose(0, 2, 1, 3)
-        elif g.rows.window is None:
-            a = jax.vmap(lambda *r: row_attention(cfg, blk, layer, *r, window))(qg, g.pos, g.rows.pages, g.length)
-        else:  # each row's own window, traced
-            a = jax.vmap(lambda *r: row_attention(cfg, blk, layer, *r[:-1], r[-1]))(qg, g.pos, g.rows.pages, g.length,
-                                                                                   win)
+                    mode.format.name, win, cfg.n_kv_heads).transpose(0, 2, 1, 3)
+        else:  # each row's own window (traced), or the step's
+            w = win if g.rows.window is not None else jnp.full((b,), -1, jnp.int32)
+            a = jax.vmap(lambda q_, p_, t_, n_, w_: row_attention(
+                cfg, blk, layer, q_, p_, t_, n_, window if g.rows.window is None else w_, mode))(
+                    qg, g.pos, g.rows.pages, g.length, w)
         outs.append(a.transpose(1, 0, 2, 3).reshape(H, b * T, hd))
         at += b * T
     return tf.block_out(x, jnp.concatenate(outs, axis=1), blk, cfg), store
@@ -347,7 +356,7 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
 
     pre = []
     for blk, store in zip(params.pre, pool.pre):
-        x, store = block(x, blk, cfg, groups, store, None, window)
+        x, store = block(x, blk, cfg, groups, store, None, window, pool.kv_mode)
         pre.append(store)
     e = None
     if inject:
@@ -364,7 +373,7 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
         if e is not None:
             x = rec.pass_input(params, x, e)
         for j, blk in enumerate(params.loop):
-            x, stack = block(x, blk, cfg, groups, stack, (i, j), window)
+            x, stack = block(x, blk, cfg, groups, stack, (i, j), window, pool.kv_mode)
         if cfg.pass_norm:
             x = tf.final_norm(params, cfg, x)
         if gated:
@@ -376,7 +385,7 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
     y = tf.final_norm(params, cfg, x) if cfg.norm_before_coda else x
     post = []
     for blk, store in zip(params.post, pool.post):
-        y, store = block(y, blk, cfg, groups, store, None, window)
+        y, store = block(y, blk, cfg, groups, store, None, window, pool.kv_mode)
         post.append(store)
     pool = placed(pool.replace(pre=tuple(pre), loop=loop, post=tuple(post)), cfg.mesh)
     out = split(sel.pick(x) if gated else y, groups, single)
@@ -396,6 +405,21 @@ def last_logits(params: Params, cfg: ModelConfig, x: jax.Array, rows: Rows) -> j
     """Each row's next-token logits [B, V] after its last fed token (x [B, T, D] from `forward`)."""
     last = jnp.maximum(rows.n_new - 1, 0)
     return tf.lm_head(params, cfg, jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0])
+
+
+def load_segment(pool: PagedKV, seg, pages: jax.Array, start: jax.Array, n: jax.Array) -> PagedKV:
+    """Positions [start, n) of a dense segment (a `PrefixCache`'s `model.cache.KVCache`: slot s
+    holds position seg.pos[s], a window's ring included) written into the pages pages [R]
+    (position p: page pages[p // P]), every layer, stored values as they are."""
+    P = pool.page_size
+    p = seg.pos
+    page = jnp.where((p >= start) & (p < n), pages[jnp.clip(p // P, 0, pages.shape[0] - 1)], pool.n_pages)
+    off = jnp.maximum(p, 0) % P
+    put = lambda store, layer: write(store, layer, page, off)  # noqa: E731
+    loop = {k: a.at[:, :, :, page, off].set(seg.loop[k][:a.shape[0]].astype(a.dtype), mode="drop")
+            for k, a in pool.loop.items()}
+    return pool.replace(pre=tuple(put(a, b) for a, b in zip(pool.pre, seg.pre)), loop=loop,
+                        post=tuple(put(a, b) for a, b in zip(pool.post, seg.post)))
 
 
 @jax.jit

@@ -408,7 +408,8 @@ class Batcher:
         for spec, rows in groups.items():
             k = spec.lookahead
             starts = [r.fed + len(r.handle.tokens) - 1 for r in rows]  # where the last token is fed
-            R, bd = self.table_len(max(starts) + k + 1), next(b for b in batch_buckets(self.max_batch) if b >= len(rows))
+            R = self.table_len(max(starts) + k + 1)
+            bd = next(b for b in batch_buckets(self.max_batch) if b >= len(rows))
             decodes = S.make_decodes([r.pages for r in rows], starts, [r.slot for r in rows],
                                      [len(r.handle.tokens) for r in rows], R, bd, [r.handle.cache_window for r in rows])
             w = self.model.weights

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ..decoding.sampling import Request, distribution, select_tokens
-from ..decoding.speculative import DRAFT_STREAM, accept, draw, fold_in
+from ..decoding.sampling import Request, select_tokens
+from ..decoding.speculative import DRAFT_STREAM, fold_in, round_paged
 from ..model import adaptive as ad
 from ..model import paged
 from ..model import paged_adaptive as pa
@@ -149,64 +149,24 @@ def step_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: 
 
 def step_speculative(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: RowState, decodes: Decodes,
                      loops: int, draft_loops: int, lookahead: int, exit: tf.Exit | None = None):
-    """One round of self-speculative decoding (`decoding.speculative`) for the decode rows, on
-    their pages: `lookahead` = k tokens drafted at depth `draft_loops` (passes 0..d-1 of the
-    same pages: a pass's K/V depend only on its input), [last, d_1 .. d_k] verified as one chunk
-    at depth `loops`, the acceptance rule (greedy: exactly plain decoding's tokens). Rollback is
-    the host's length: positions past the kept tokens are written again by the next round.
-    decodes.steps: tokens each row emitted (round keys: fold_in(keys(steps), DRAFT_STREAM)).
-    Returns (tokens [b, k + 1]: d_1 .. d_a then the next token, kept a [b], pool, state)."""
-    s, rows, k = decodes.slot, decodes.rows, lookahead
-    b, idx = s.shape[0], jnp.arange(s.shape[0])
-    req, seeds, last = _take(state.req, s), _take(state.req.seed, s), _take(state.last, s)
-    seen0, counts0 = _take(state.seen, s), _take(state.counts, s)
-    V = seen0.shape[-1]
+    """One round of self-speculative decoding for the decode rows (`speculative.round_paged`:
+    drafts at `draft_loops` over their pages, one verify chunk at `loops`; greedy: plain
+    decoding's tokens). decodes.steps: tokens each row emitted (its round's keys are
+    fold_in(keys(steps), DRAFT_STREAM)). Returns (tokens [b, k + 1]: d_1 .. d_a then the next
+    token, kept a [b], pool, state)."""
+    s = decodes.slot
+    req = _take(state.req, s)
     keys = fold_in(req.keys(decodes.steps), DRAFT_STREAM)
-
-    def draft(j, c):  # one token at depth d, at position start + j
-        pool, tok, seen, counts, drafts, qs = c
-        seen, counts = seen.at[idx, tok].set(True), counts + jax.nn.one_hot(tok, V, dtype=jnp.int32)
-        x, pool = paged.forward(params, cfg, pool, rows.replace(start=rows.start + j), tok[:, None], draft_loops, 0,
-                                seeds=seeds)
-        q = distribution(tf.lm_head(params, cfg, x[:, 0]), seen, req, counts)
-        tok = jax.vmap(draw)(fold_in(keys, j), q)
-        return pool, tok, seen, counts, drafts.at[:, j].set(tok), qs.at[:, j].set(q)
-
-    pool, _, _, _, drafts, qs = jax.lax.fori_loop(0, k, draft, (pool, last, seen0, counts0, jnp.zeros((b, k), jnp.int32),
-                                                              jnp.zeros((b, k, V), jnp.float32)))
-    chunk = jnp.concatenate([last[:, None], drafts], axis=1)  # [b, k + 1], at start .. start + k
-    x, pool = paged.forward(params, cfg, pool, rows.replace(n_new=rows.n_new * (k + 1)), chunk, loops, 0, exit,
-                            seeds)
-    fed = jnp.cumsum(jax.nn.one_hot(chunk, V, dtype=jnp.int32), axis=1)  # seen / counts after each chunk prefix
-    per_pos = jax.tree.map(lambda a: jnp.repeat(a, k + 1, axis=0), req)
-    ps = distribution(tf.lm_head(params, cfg, x).reshape(b * (k + 1), V), (seen0[:, None] | (fed > 0)).reshape(b * (k + 1), V),
-                      per_pos, (counts0[:, None] + fed).reshape(b * (k + 1), V)).reshape(b, k + 1, V)
-    a, nxt = jax.vmap(accept)(fold_in(keys, k), ps, qs, drafts)
-    kept = jnp.arange(k)[None] < a[:, None]  # last and the kept drafts were fed; nxt is the next input
-    seen = seen0.at[idx, last].set(True).at[idx[:, None], jnp.where(kept, drafts, last[:, None])].set(True)
-    counts = (counts0 + jax.nn.one_hot(last, V, dtype=jnp.int32)
-              + jnp.sum(jax.nn.one_hot(drafts, V, dtype=jnp.int32) * kept[..., None], axis=1))
-    tokens = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1).at[idx, a].set(nxt)
-    state = state.replace(seen=state.seen.at[s].set(seen, mode="drop"), counts=state.counts.at[s].set(counts, mode="drop"),
-                          last=state.last.at[s].set(nxt, mode="drop"))
-    return tokens, a, pool, state
+    tokens, a, seen, counts, pool = round_paged(params, cfg, pool, decodes.rows, _take(state.last, s),
+                                                _take(state.seen, s), _take(state.counts, s), req, keys, loops,
+                                                draft_loops, lookahead, 0, exit)
+    nxt = jnp.take_along_axis(tokens, a[:, None], axis=1)[:, 0]
+    return tokens, a, pool, state.replace(seen=state.seen.at[s].set(seen, mode="drop"),
+                                          counts=state.counts.at[s].set(counts, mode="drop"),
+                                          last=state.last.at[s].set(nxt, mode="drop"))
 
 
-def load_entry(pool: paged.PagedKV, seg, pages: jax.Array, start: jax.Array, n: jax.Array) -> paged.PagedKV:
-    """Positions [start, n) of a dense prefix segment (a `PrefixCache`'s, `model.cache.KVCache`,
-    position p in slot p) written into the pages pages [R] (position p: page pages[p // P]), every
-    layer, stored values as they are."""
-    C, P = seg.capacity, pool.page_size
-    p = jnp.arange(C, dtype=jnp.int32)
-    page = jnp.where((p >= start) & (p < n), pages[jnp.clip(p // P, 0, pages.shape[0] - 1)], pool.n_pages)
-    off = p % P
-    put = lambda store, layer: paged.write(store, layer, page, off)  # noqa: E731
-    loop = {k: a.at[:, :, :, page, off].set(seg.loop[k][:a.shape[0]].astype(a.dtype), mode="drop")
-            for k, a in pool.loop.items()}
-    return pool.replace(pre=tuple(put(a, b) for a, b in zip(pool.pre, seg.pre)), loop=loop,
-                        post=tuple(put(a, b) for a, b in zip(pool.post, seg.post)))
-
-
+load_entry = paged.load_segment
 copy_pages = paged.copy_pages
 
 JIT_OPTIONS = dict(load_entry=dict(donate_argnames=("pool",)), copy_pages=dict(donate_argnames=("pool",)),

@@ -1,0 +1,156 @@
+"""The `Model` path on pages: one call's prefix, prompts and outputs in a page pool, decoded by
+the engine's step (`model.paged.forward`) under an on-device loop.
+
+    a call      N rows; row i = the prefix (shared, or none) + suffix i + up to max_tokens tokens
+    its pages   the prefix's full pages once, shared by every row's table; then each row's own
+                pages (the prefix's partial last page copied into each row's first: rows write
+                after it); the pool holds nothing else and lives for the call
+    prefill     the suffixes as one group of prompt chunks [N, T] (`prefill`)
+    decode      `decode`: a `lax.while_loop` of decode steps [N, 1] (or of speculative rounds,
+                `decode_speculative`), stops and max_tokens on the device, the carry the
+                `programs.DecodeState` of every loop with the pool as its `own`
+
+A `PrefixCache` stays a dense segment (immutable, saved and loaded as it is); a call copies its
+stored values into the call's pages once (`model.paged.load_segment`, as the engine loads a
+store entry) and reads them there. The pool is in the model's working mode: float32 K/V for an
+h mode (the prefix rebuilt once per call; 2x faster than rebuilding K/V from h every step,
+docs/benchmarks.md), the stored mode otherwise. Attention reads each row's live pages only where a kernel
+runs (`paged.attention_kernel`), so a table sized for the whole call costs nothing per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..model import cache as kvc
+from ..model import paged
+from ..model import transformer as tf
+from ..model.config import ModelConfig
+from ..model.params import Params
+from .programs import DecodeState, emit, feed, is_done, materialize, start
+from .sampling import Request, select_tokens
+from .speculative import DRAFT_STREAM, fold_in, round_paged
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a call's rows live: page tables [N, R] (the prefix's `shared` full pages first in
+    every row, then the row's `own`; entries past them are never read or written), and the
+    pool's size."""
+
+    tables: np.ndarray
+    shared: int
+    own: int
+    n_pages: int
+
+
+def layout(prefix_len: int, room: int, n_rows: int, page_size: int = paged.PAGE_SIZE) -> Layout:
+    """Page tables for n_rows rows of prefix_len shared positions + `room` own positions each
+    (the longest suffix, max_tokens, a verify chunk). The table's length and the pool's come
+    in buckets (`cache.bucket`), so that calls of nearby lengths share programs; a row is given
+    only the pages it can write."""
+    shared = prefix_len // page_size
+    own = -(-(prefix_len + room) // page_size) - shared
+    R = -(-kvc.bucket(prefix_len + room) // page_size)
+    tables = np.zeros((n_rows, R), np.int32)
+    tables[:, :shared] = np.arange(shared)
+    tables[:, shared:shared + own] = shared + np.arange(n_rows * own).reshape(n_rows, own)
+    return Layout(tables, shared, own, kvc.bucket(shared + n_rows * own, 1))
+
+
+def pool_nbytes(cfg: ModelConfig, loops: int, lay: Layout) -> int:
+    return lay.n_pages * paged.page_nbytes(cfg.storage.working, cfg.n_cache_layers(loops), cfg.n_kv_heads,
+                                           paged.PAGE_SIZE, cfg.head_dim, cfg.d_model)
+
+
+_empty = jax.jit(paged.empty, static_argnums=(0, 1, 2, 3, 4))
+
+
+def empty_pool(cfg: ModelConfig, loops: int, n_pages: int) -> paged.PagedKV:
+    """A call's pool, in the model's working mode: an h mode's call holds float32 K/V (rebuilt
+    from h once, when the prefix is loaded, not at every step; as the model stores them)."""
+    return _empty(cfg, loops, n_pages, paged.PAGE_SIZE, cfg.storage.working)
+load_segment = jax.jit(paged.load_segment, donate_argnames=("pool",))
+copy_pages = jax.jit(paged.copy_pages, donate_argnames=("pool",))
+
+
+def load_prefix(params: Params, cfg: ModelConfig, pool: paged.PagedKV, seg, prefix_len: int,
+                lay: Layout) -> paged.PagedKV:
+    """The prefix's positions into the call's pages: its full pages once, its partial last page
+    into every row's first own page (row 0's written, then copied). A prefix stored in another
+    mode than the pool's (h) is rebuilt into it first (`programs.materialize`)."""
+    if seg.kv_mode != pool.kv_mode:
+        seg = materialize(params, cfg, seg, passes=pool.passes)
+    pool = load_segment(pool, seg, jnp.asarray(lay.tables[0]), jnp.int32(0), jnp.int32(prefix_len))
+    rows = lay.tables.shape[0]
+    if prefix_len % pool.page_size and rows > 1:
+        src = np.full((rows - 1,), lay.tables[0, lay.shared], np.int32)
+        pool = copy_pages(pool, jnp.asarray(src), jnp.asarray(lay.tables[1:, lay.shared]))
+    return pool
+
+
+@partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("pool",))
+def prefill(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, tokens: jax.Array,
+            prior_logits: jax.Array, loops: int, window: int, exit: tf.Exit | None = None,
+            seeds: jax.Array | None = None):
+    """N rows' suffixes tokens [N, T] (row i's first rows.n_new[i] real, possibly none) at
+    rows.start into their pages. Returns (next-token logits [N, V]; prior_logits [V], what the
+    prefix ends with, for empty rows; the pool)."""
+    x, pool = paged.forward(params, cfg, pool, rows, tokens, loops, window, exit, seeds)
+    logits = paged.last_logits(params, cfg, x, rows)
+    return jnp.where((rows.n_new > 0)[:, None], logits, prior_logits), pool
+
+
+def _decoding(rows: paged.Rows, state: DecodeState) -> paged.Rows:
+    """Each row's step: its last emitted token (the n-th) fed at rows.start + n - 1; finished
+    rows feed nothing (their writes are dropped)."""
+    return rows.replace(start=rows.start + state.n - 1, n_new=(~state.done).astype(jnp.int32))
+
+
+@partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len"), donate_argnames=("pool",))
+def decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, first: jax.Array,
+           seen: jax.Array, req: Request, loops: int, window: int, out_len: int,
+           exit: tf.Exit | None = None) -> DecodeState:
+    """Emit up to req.max_tokens (<= out_len) tokens for each of N rows as one `lax.while_loop`
+    on the device. rows: page tables [N, R], start [N] the position each row's first emitted
+    token is fed at; first [N]: those tokens (`programs.first_tokens`); seen [N, V]: each row's
+    prompt. Token i is chosen from the logits token i - 1 produced (n tokens cost n - 1 steps);
+    the loop ends when every row is done."""
+
+    def step(state: DecodeState) -> DecodeState:
+        seen, counts = feed(state, state.last)
+        x, pool = paged.forward(params, cfg, state.own, _decoding(rows, state), state.last[:, None], loops, window,
+                                exit, req.seed)
+        tok = select_tokens(tf.lm_head(params, cfg, x[:, 0]), seen, req, state.step + 1, counts)
+        return emit(state.replace(seen=seen, counts=counts, own=pool, step=state.step + 1), tok, req)
+
+    return jax.lax.while_loop(lambda s: ~is_done(s), step, start(first, seen, pool, req, out_len))
+
+
+@partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len", "draft_loops", "lookahead"),
+         donate_argnames=("pool",))
+def decode_speculative(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, first: jax.Array,
+                       seen: jax.Array, req: Request, loops: int, window: int, out_len: int, draft_loops: int,
+                       lookahead: int, exit: tf.Exit | None = None) -> DecodeState:
+    """`decode` in rounds of self-speculative decoding (`speculative.round_paged`: `lookahead`
+    drafts at depth `draft_loops`, one verify chunk at `loops`); the rows' pages need room for
+    lookahead + 1 positions past the last emitted token. `state.step` counts rounds (round r
+    draws with fold_in(req.keys(r), DRAFT_STREAM)) and `state.accepted` the drafts kept."""
+    k = lookahead
+
+    def round_(state: DecodeState) -> DecodeState:
+        keys = fold_in(req.keys(state.step), DRAFT_STREAM)
+        tokens, a, seen, counts, pool = round_paged(params, cfg, state.own, _decoding(rows, state), state.last,
+                                                    state.seen, state.counts, req, keys, loops, draft_loops, k,
+                                                    window, exit)
+        state = state.replace(seen=seen, counts=counts, own=pool, step=state.step + 1,
+                              accepted=state.accepted + jnp.where(state.done, 0, a))
+        # emit d_1 .. d_a, then the next token, one at a time so that stops and max_tokens cut exactly
+        return jax.lax.fori_loop(0, k + 1, lambda j, s: emit(s, tokens[:, j], req, hold=j > a), state)
+
+    return jax.lax.while_loop(lambda s: ~is_done(s), round_, start(first, seen, pool, req, out_len))
