@@ -223,8 +223,10 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
 def decode_adaptive(weights: Weights, prefix: PrefixCache | None, suffixes: list, request: Request, loops: int,
                     window: int, ro: tuple, own: KVCache, prior_logits, prior_seen, lens: np.ndarray,
                     adaptive: Adaptive) -> DecodeState:
-    """`decode`'s adaptive-depth path, from the call's segments on: the suffixes prefilled (at
-    full depth unless `adaptive.in_prefill`), then the adaptive decode loop."""
+    """`decode`'s adaptive-depth path, from the call's segments on: the suffixes prefilled into
+    their dense segments (at full depth unless `adaptive.in_prefill`, where a chunk exits as a
+    whole), then loaded with the prefix into the call's pages, and the adaptive decode loop over
+    them (`paged_decode.decode_adaptive`)."""
     c, N = weights.config, len(suffixes)
     full = ad.Policy.stack([ad.make_policy(c, loops, None)] * N)
     prior_depth = jnp.int32(loops)
@@ -242,8 +244,18 @@ def decode_adaptive(weights: Weights, prefix: PrefixCache | None, suffixes: list
         seen = jnp.broadcast_to(prior_seen, (N, c.vocab_size))
         depth, state = jnp.full((N,), loops, jnp.int32), jnp.broadcast_to(prior_state, (N, c.d_model))
     first = programs.first_tokens(logits, seen, request)
-    return programs.decode_adaptive(weights.params, c, ro, own, first, seen, depth, state, request, adaptive.policy,
-                                    loops=loops, window=window, out_len=kvc.bucket(int(np.max(request.max_tokens))))
+    P, max_new = 0 if prefix is None else len(prefix), int(np.max(request.max_tokens))
+    lay = paged_decode.layout(P, int(lens.max()) + max_new, N)
+    pool = paged_decode.empty_pool(c, loops, lay.n_pages)
+    if prefix is not None:  # (ro: the prefix in the working mode, rebuilt once for the prefill)
+        pool = paged_decode.load_prefix(weights.params, c, pool, ro[0], P, lay)
+    for i in np.flatnonzero(lens):
+        pool = paged_decode.load_segment(pool, jax.tree.map(lambda a: a[i], own), jnp.asarray(lay.tables[i]),
+                                         jnp.int32(P), jnp.int32(P + lens[i]))
+    windows = np.full((N,), window, np.int32) if window else None
+    rows = paged.Rows(lay.tables, P + lens, np.ones((N,), np.int32), windows)
+    return paged_decode.decode_adaptive(weights.params, c, pool, rows, first, seen, depth, state, request,
+                                        adaptive.policy, loops=loops, out_len=kvc.bucket(max_new))
 
 
 def generate(weights: Weights, prompts: list, request: Request, loops: int | None = None, cache_window: int = 0,

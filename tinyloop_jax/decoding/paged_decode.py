@@ -27,12 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..model import adaptive as ad
 from ..model import cache as kvc
 from ..model import paged
+from ..model import paged_adaptive as pa
 from ..model import transformer as tf
 from ..model.config import ModelConfig
 from ..model.params import Params
-from .programs import DecodeState, emit, feed, is_done, materialize, start
+from .programs import DecodeState, emit, feed, is_done, materialize, record_depth, start
 from .sampling import Request, select_tokens
 from .speculative import DRAFT_STREAM, fold_in, round_paged
 
@@ -154,3 +156,27 @@ def decode_speculative(params: Params, cfg: ModelConfig, pool: paged.PagedKV, ro
         return jax.lax.fori_loop(0, k + 1, lambda j, s: emit(s, tokens[:, j], req, hold=j > a), state)
 
     return jax.lax.while_loop(lambda s: ~is_done(s), round_, start(first, seen, pool, req, out_len))
+
+
+@partial(jax.jit, static_argnames=("cfg", "loops", "out_len"), donate_argnames=("pool",))
+def decode_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, first: jax.Array,
+                    seen: jax.Array, first_depth: jax.Array, first_state: jax.Array, req: Request, pol: ad.Policy,
+                    loops: int, out_len: int) -> DecodeState:
+    """`decode` with adaptive depth (`model.paged_adaptive.forward_decode`): each step's passes
+    stop at each row's exit (pol [N]); rows.window: each row's cache_window (or None).
+    first_depth [N], first_state [N, D]: the prompts' depths and last states. The state's
+    `depths` hold the passes run for each emitted token."""
+    N = first.shape[0]
+    s0 = start(first, seen, pool, req, out_len)
+    s0 = s0.replace(depths=jnp.zeros((N, out_len), jnp.int32).at[:, 0].set(first_depth), warm=first_state)
+
+    def step(state: DecodeState) -> DecodeState:
+        seen, counts = feed(state, state.last)
+        out = pa.forward_decode(params, cfg, state.own, _decoding(rows, state), state.last, loops, pol, req.seed,
+                                state.warm)
+        tok = select_tokens(out.logits, seen, req, state.step + 1, counts)
+        state = state.replace(seen=seen, counts=counts, own=out.pool, step=state.step + 1,
+                              depths=record_depth(state, out.depth), warm=out.state.astype(state.warm.dtype))
+        return emit(state, tok, req)
+
+    return jax.lax.while_loop(lambda s: ~is_done(s), step, s0)

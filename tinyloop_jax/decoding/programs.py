@@ -260,30 +260,6 @@ def record_depth(state: DecodeState, depth: jax.Array) -> jax.Array:
     return jnp.where(at & ~state.done[:, None], depth[:, None], state.depths)
 
 
-@partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len"), donate_argnames=("own",))
-def decode_adaptive(params: Params, cfg: ModelConfig, ro: tuple, own: KVCache, first: jax.Array,
-                    seen: jax.Array, first_depth: jax.Array, first_state: jax.Array, req: Request, pol: ad.Policy,
-                    loops: int, window: int, out_len: int) -> DecodeState:
-    """`decode` with adaptive depth: each step's passes stop at each row's exit (pol [N]).
-    first: as in `decode`; first_depth [N], first_state [N, D]: the prompts' depths and last
-    states. The state's `depths` hold the passes run for each emitted token."""
-    N = first.shape[0]
-    s0 = start(first, seen, rows_in_loop(own), req, out_len)
-    s0 = s0.replace(depths=jnp.zeros((N, out_len), jnp.int32).at[:, 0].set(first_depth), warm=first_state)
-
-    def step(state: DecodeState) -> DecodeState:
-        seen, counts = feed(state, state.last)
-        out = ad.forward_rows(params, cfg, state.last[:, None], jnp.ones((N,), jnp.int32), row_lengths(state.own), ro,
-                              state.own, loops, window, pol, req.seed, state.warm)
-        tok = select_tokens(out.logits, seen, req, state.step + 1, counts)
-        state = state.replace(seen=seen, counts=counts, own=out.own, step=state.step + 1,
-                              depths=record_depth(state, out.depth), warm=out.state.astype(state.warm.dtype))
-        return emit(state, tok, req)
-
-    state = jax.lax.while_loop(lambda s: ~is_done(s), step, s0)
-    return state.replace(own=rows_out_of_loop(state.own))
-
-
 # ---- prefix operations -----------------------------------------------------------------------
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("own",))

@@ -56,7 +56,7 @@ def forward_decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: 
         x = x * cfg.embed_scale
     pre = []
     for blk, store in zip(params.pre, pool.pre):
-        x, store = paged.block(x, blk, cfg, groups, store, None, 0)
+        x, store = paged.block(x, blk, cfg, groups, store, None, 0, pool.kv_mode)
         pre.append(store)
     e, s = None, x
     if inject:
@@ -72,7 +72,7 @@ def forward_decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: 
         old = [{n: a[:, g.page, g.off] for n, a in store.items()} for store in post]
         y, new = (tf.final_norm(params, cfg, x) if cfg.norm_before_coda else x), []
         for blk, store in zip(params.post, post):
-            y, store = paged.block(y, blk, cfg, groups, store, None, 0)
+            y, store = paged.block(y, blk, cfg, groups, store, None, 0, pool.kv_mode)
             new.append(store)
         keep = lambda n, o: jnp.where(need[None, :, None], n, o)  # noqa: E731
         new = [paged.write(store, {n: keep(store[n][:, g.page, g.off], o[n]) for n in store}, g.page, g.off)
@@ -86,7 +86,7 @@ def forward_decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: 
         x = rec.pass_input(params, c.s, e) if inject else c.s
         stack = c.stack
         for j, blk in enumerate(params.loop):
-            x, stack = paged.block(x, blk, cfg, groups, stack, (c.i, j), 0)
+            x, stack = paged.block(x, blk, cfg, groups, stack, (c.i, j), 0, pool.kv_mode)
         s_new = tf.final_norm(params, cfg, x) if cfg.pass_norm else x
         last = c.i == loops - 1
         check = c.active & vm(lambda p: ad.is_check(p, c.i))(pol)
