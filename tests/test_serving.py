@@ -265,3 +265,24 @@ def test_engine_speculative_decoding_equals_generate(model, engine):
         engine.submit([1, 2, 3], draft_loops=9)
     with pytest.raises(ValueError, match="exit_criterion"):
         engine.submit([1, 2, 3], draft_loops=1, exit_criterion="kl", exit_threshold=1e-3)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_several_decode_steps_per_dispatch_equal_generate(model, overlap):
+    """With nothing to admit the engine runs `decode_steps` steps in one program: stop sequences
+    and max_tokens that fall inside such a burst cut exactly (the surplus is discarded), and
+    requests submitted meanwhile join at the next dispatch."""
+    rng = np.random.default_rng(41)
+    work = [(rng.integers(0, 128, 9 + i), dict(max_tokens=m)) for i, m in enumerate((11, 6, 13))]
+    ref = model.generate(work[0][0], **work[0][1])
+    work[0][1]["stop_sequences"] = [ref[len(work[0][0]) + 5:][:2]]  # fires in the middle of a burst
+    with tl.Engine(model, **ENGINE, decode_steps=4, overlap=overlap) as eng:
+        first = eng.submit(*work[0][:1], **work[0][1])
+        next(iter(first.stream()))
+        handles = [first] + [eng.submit(p, **kw) for p, kw in work[1:]]
+        for (p, kw), h in zip(work, handles):
+            assert h.result() == model.generate(p, **kw), kw
+        assert any(k[0] == "steps" for k in eng.programs)
+    assert handles[0].finish_reason == "stop" and len(handles[0].tokens) < 11
+    with pytest.raises(ValueError, match="decode_steps"):
+        tl.Engine(model, decode_steps=0)

@@ -78,12 +78,17 @@ class Batcher:
     """Request rows of every depth over one model. max_batch: request rows per depth (and the
     decode group's largest bucket); chunk: prompt tokens per step; page_size: tokens per page;
     memory_budget: bytes for every depth's pool and rows (None: each pool holds max_batch rows
-    at the whole context); overlap: a step's tokens are read after the next step is dispatched."""
+    at the whole context); overlap: a step's tokens are read after the next step is dispatched;
+    decode_steps: decode steps in one program when no prompt is prefilling or waiting (the
+    host's work per dispatch spread over that many tokens; stops are found when read)."""
 
     def __init__(self, model, max_batch: int, chunk: int, stats: collections.Counter,
                  on_first_token: Callable[[Handle], None], memory_budget: int | None = None, overlap: bool = True,
-                 max_lanes: int = 8, page_size: int = paged.PAGE_SIZE, prefix_cache: bool = True, store=None):
+                 max_lanes: int = 8, page_size: int = paged.PAGE_SIZE, prefix_cache: bool = True, store=None,
+                 decode_steps: int = 1):
         self.model, self.max_batch, self.chunk = model, max_batch, bucket(chunk)
+        self.decode_steps = decode_steps  # decode steps per dispatch when no prompt waits
+        self.waiting = False  # requests wait in the engine's queue (set by the engine each iteration)
         self.prefix_cache = prefix_cache  # False: no prompt reads another's pages
         self.store = store  # a PrefixStore whose entries are loaded into pages when they serve a prompt
         self.stats, self._on_first_token = stats, on_first_token
@@ -352,7 +357,18 @@ class Batcher:
                                          [r.handle.cache_window for r in decoding])
             w, jits = self.model.weights, self.jits(d.loops)
             dtok = passes = None
-            if d.adaptive and decoding:  # the decode rows' passes stop at their exits
+            many = 1
+            if chunks is None and decoding and not d.adaptive and not self.waiting and self.decode_steps > 1:
+                many = self.decode_steps  # nothing to admit: n steps in one program
+                left = [r.handle.params.max_tokens - len(r.handle.tokens) - r.ahead for r in decoding]
+                R = self.table_len(max(lengths) + many - 1)
+                decodes = S.make_decodes([r.pages for r in decoding], starts, [r.slot for r in decoding],
+                                         [len(r.handle.tokens) + r.ahead for r in decoding], R, bd,
+                                         [r.handle.cache_window for r in decoding], left)
+                dtok, d.pool, d.state = self._run(("steps", d.loops, bd, R, many), jits["decode_steps"], w.params,
+                                                  w.config, d.pool, d.state, decodes, loops=d.loops, n=many,
+                                                  exit=d.exit)
+            elif d.adaptive and decoding:  # the decode rows' passes stop at their exits
                 if chunks is not None:
                     ctok, _, d.pool, d.state = self._run(("step", d.loops, 0, T, R), jits["step"], w.params, w.config,
                                                          d.pool, d.state, chunks, None, loops=d.loops, exit=d.exit)
@@ -378,15 +394,18 @@ class Batcher:
                     if r.handle.policy is not None:  # the prompt ran every pass
                         r.handle.depths.append(d.loops)
                     ran.append((r, 0, ctok, None))
+            fed = 0
             for i, r in enumerate(decoding):
-                r.ahead += 1
-                ran.append((r, i, dtok, passes))
+                k = min(many, r.handle.params.max_tokens - len(r.handle.tokens) - r.ahead)
+                r.ahead += k
+                fed += k
+                ran.append((r, i, dtok, passes) if many == 1 else (r, i, dtok, passes, k))
             if decoding:
-                self.stats["decode_steps"] += 1
-                self.stats["batch_rows"] += len(decoding)
-                counts["tokens_computed"] += len(decoding)
+                self.stats["decode_steps"] += many
+                self.stats["batch_rows"] += fed
+                counts["tokens_computed"] += fed
                 if passes is None:  # adaptive: counted when read
-                    counts["passes"] += len(decoding) * d.loops
+                    counts["passes"] += fed * d.loops
         if ran:
             if self.overlap:
                 d.inflight = ran
@@ -440,7 +459,14 @@ class Batcher:
             return host[id(a)]
 
         counts = self.depth_counts[d.loops]
-        for r, i, tok, passes in ran:
+        for r, i, tok, passes, *many in ran:
+            if many:  # (`decode_steps`) its k tokens, up to a stop
+                r.ahead -= many[0]
+                for t in get(tok)[i, :many[0]]:
+                    if r.left:
+                        break
+                    self._emit(d, r, int(t))
+                continue
             r.ahead -= 1
             if passes is not None:
                 p = int(get(passes)[i])
@@ -555,6 +581,14 @@ class Batcher:
             decodes = S.make_decodes([], [], [], [], R, bd) if bd else None
             self.jits(loops)["step"].lower(w.params, c, pool, state, chunks, decodes, loops=loops,
                                      exit=self.model.exit_for(loops)).compile()
+            new.add(key)
+        for bd, T, R in self.step_shapes(loops):  # (the table's bucket for n more positions: the same set)
+            key = ("steps", loops, bd, R, self.decode_steps)
+            if T or not bd or self.decode_steps < 2 or key in self.programs:
+                continue
+            decodes = S.make_decodes([], [], [], [], R, bd, left=[])
+            self.jits(loops)["decode_steps"].lower(w.params, c, pool, state, decodes, loops=loops, n=self.decode_steps,
+                                                   exit=self.model.exit_for(loops)).compile()
             new.add(key)
         if ("admit", loops) not in self.programs:
             req = Request.from_params([SamplingParams()], stops=False, logit_bias=True, sampled=True)

@@ -51,6 +51,9 @@ DEFAULT_KV_MEMORY = 512 << 20  # "auto": at most this many bytes of pages (or ha
 __all__ = ["Engine", "Handle", "MemoryBudgetError", "QueueFull", "RequestTimeout", "Cancelled"]
 
 
+DECODE_STEPS = 4  # decode steps per dispatch when nothing waits: see docs/benchmarks.md (bench_engine)
+
+
 class Engine:
     """Continuous batching over page pools with shared prefixes, thread-safe, one device loop.
 
@@ -69,19 +72,23 @@ class Engine:
     room), and one that cannot fit even alone is refused at `submit` (`MemoryBudgetError`).
     overlap: the loop dispatches step t + 1 before it reads step t's tokens, so stop checks,
     streaming and HTTP run while the device computes (False: the device waits for the host
-    every step). store: a `PrefixStore` at the model's default depth whose entries serve prompts
+    every step). decode_steps: decode steps run by one program when no prompt is prefilling or
+    waiting (the host's work per dispatch spread over them; a request that arrives meanwhile
+    waits at most that many steps; 1: one step per dispatch). store: a `PrefixStore` at the
+    model's default depth whose entries serve prompts
     (each loaded into pages once, then read there).
     """
 
     def __init__(self, model, max_batch: int = 16, store: PrefixStore | None = None, *, max_queue: int = 256,
                  timeout: float | None = None, prefill_chunk: int = 64, page_size: int = 16,
                  prefix_cache: bool = True, max_loops: int | None = None,
-                 memory_budget: int | str | None = "auto", max_lanes: int = 8, overlap: bool = True):
+                 memory_budget: int | str | None = "auto", max_lanes: int = 8, overlap: bool = True,
+                 decode_steps: int = DECODE_STEPS):
         self.model = model
         c = model.weights.config
         max_loops = max(64, 16 * c.default_loops) if max_loops is None else max_loops
         for name, v in dict(max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk,
-                            max_loops=max_loops, max_lanes=max_lanes).items():
+                            max_loops=max_loops, max_lanes=max_lanes, decode_steps=decode_steps).items():
             if check.integer(v, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
         if check.integer(page_size, "page_size") < 16 or page_size > 256 or page_size & (page_size - 1):
@@ -109,7 +116,7 @@ class Engine:
         self._ttft: collections.deque = collections.deque(maxlen=2048)
         # the batch side, on the loop thread only (other threads read its published `_view`)
         self.batcher = Batcher(model, max_batch, prefill_chunk, collections.Counter(), self._first_token,
-                               memory_budget, overlap, max_lanes, page_size, prefix_cache, store)
+                               memory_budget, overlap, max_lanes, page_size, prefix_cache, store, decode_steps)
         self._view: dict = {}
         self._programs: frozenset = frozenset()
         self._publish()
@@ -307,6 +314,8 @@ class Engine:
             try:
                 self._expire()
                 self._admit()
+                with self._cv:
+                    self.batcher.waiting = bool(self._queue)
                 self.batcher.step()  # a failed program fails its depth's rows there
             except Exception as e:  # noqa: BLE001 - anything else fails every row, never the loop
                 self.batcher.fail_all(e)

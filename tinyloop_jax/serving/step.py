@@ -70,6 +70,7 @@ class Decodes:
     rows: paged.Rows  # [b, R] (n_new 1; 0 for filler)
     slot: Annotated[jax.Array, "int32[b]"]  # request rows (FILLER: none)
     steps: Annotated[jax.Array, "int32[b]"]  # the token's index in the output (its sampling key)
+    left: Annotated[jax.Array, "int32[b]"] | None = None  # tokens each row may still emit (`decode_steps`)
 
 
 def _take(tree, slot):
@@ -135,6 +136,28 @@ def _next_tokens(state: RowState, decodes: Decodes, logits: jax.Array):
     return tok, state.replace(seen=seen, counts=counts, last=state.last.at[s].set(tok, mode="drop"))
 
 
+def decode_steps(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: RowState, decodes: Decodes,
+                 loops: int, n: int, exit: tf.Exit | None = None):
+    """n decode steps in one program (when no prompt waits: the host's work per dispatch is
+    spread over n tokens): step i feeds each row's last token at rows.start + i and chooses the
+    next; a row past decodes.left[i] tokens idles (writes nothing, keeps its state). Stop
+    sequences are the host's: tokens after a stop are discarded there. Returns (tokens [b, n],
+    pool, state)."""
+    def body(i, c):
+        pool, state, out = c
+        live = i < decodes.left
+        d = decodes.replace(rows=decodes.rows.replace(start=decodes.rows.start + i, n_new=decodes.rows.n_new * live),
+                            slot=jnp.where(live, decodes.slot, FILLER), steps=decodes.steps + i)
+        x, pool = paged.forward(params, cfg, pool, d.rows, _take(state.last, d.slot)[:, None], loops, 0, exit,
+                                _take(state.req.seed, d.slot))
+        tok, state = _next_tokens(state, d, tf.lm_head(params, cfg, x[:, 0]))
+        return pool, state, out.at[:, i].set(tok)
+
+    b = decodes.slot.shape[0]
+    pool, state, out = jax.lax.fori_loop(0, n, body, (pool, state, jnp.zeros((b, n), jnp.int32)))
+    return out, pool, state
+
+
 def step_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: RowState, decodes: Decodes,
                   loops: int):
     """The decode rows' next tokens with adaptive depth: each row's passes stop at its exit (its
@@ -171,6 +194,7 @@ copy_pages = paged.copy_pages
 
 JIT_OPTIONS = dict(load_entry=dict(donate_argnames=("pool",)), copy_pages=dict(donate_argnames=("pool",)),
                    step_adaptive=dict(static_argnames=("cfg", "loops"), donate_argnames=("pool", "state")),
+                   decode_steps=dict(static_argnames=("cfg", "loops", "n"), donate_argnames=("pool", "state")),
                    step=dict(static_argnames=("cfg", "loops"), donate_argnames=("pool", "state")),
                    step_speculative=dict(static_argnames=("cfg", "loops", "draft_loops", "lookahead"),
                                          donate_argnames=("pool", "state")),
@@ -204,10 +228,11 @@ def make_chunks(tables: list, tokens: list, starts: list, slots: list, finals: l
 
 
 def make_decodes(tables: list, starts: list, slots: list, steps: list, R: int, rows: int,
-                 windows: list = ()) -> Decodes:
-    """Host arrays of a decode group padded to `rows` rows and R page entries."""
+                 windows: list = (), left: list | None = None) -> Decodes:
+    """Host arrays of a decode group padded to `rows` rows and R page entries (left: tokens each
+    row may still emit, for `decode_steps`)."""
     return Decodes(_rows(tables, starts, [1] * len(tables), R, rows, windows), _pad(slots, rows, FILLER),
-                   _pad(steps, rows, 0))
+                   _pad(steps, rows, 0), None if left is None else _pad(left, rows, 0))
 
 
 def _pad(values: list, rows: int, fill: int) -> np.ndarray:
