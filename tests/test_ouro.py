@@ -86,7 +86,7 @@ def test_early_exit_logits_match_the_reference(ouro, golden, i):
         np.testing.assert_allclose(ouro.next_token_logits(p, exit_at_step=s), golden[f"logits_step{s}_{i}"][-1],
                                    **PARITY)
     for t, thr in enumerate(golden["thresholds"]):
-        np.testing.assert_allclose(ouro.next_token_logits(p, exit_threshold=float(thr)),
+        np.testing.assert_allclose(ouro.next_token_logits(p, early_exit_threshold=float(thr)),
                                    golden[f"logits_thr{t}_{i}"][-1], **PARITY)
 
 
@@ -99,7 +99,7 @@ def test_early_exit_through_the_cache_at_every_position(ouro, golden):
             logits, cache = F.decode_step(w, int(tok), cache, exit=tf.Exit.make(step=s))
             np.testing.assert_allclose(np.asarray(logits), golden[f"{key}_{i}"][t], **PARITY)
     prefix = ouro.build_prefix_cache(p)  # the prefix's logits under another exit come from its kept states
-    np.testing.assert_allclose(ouro.next_token_logits_from_prefix(prefix, [], exit_threshold=0.5),
+    np.testing.assert_allclose(ouro.next_token_logits_from_prefix(prefix, [], early_exit_threshold=0.5),
                                golden[f"logits_thr1_{i}"][-1], **PARITY)
 
 
@@ -128,8 +128,11 @@ def test_bad_exit_arguments(ouro, models):
     p = prompt_of(5)
     with pytest.raises(ValueError, match="exit_at_step=3"):
         ouro.next_token_logits(p, exit_at_step=3)
-    with pytest.raises(ValueError, match="exit_threshold"):
-        ouro.generate(p, exit_threshold=1.5)
+    with pytest.raises(ValueError, match="early_exit_threshold"):
+        ouro.generate(p, early_exit_threshold=1.5)
+    # two knobs, two names: an exit_criterion's threshold alone is an error that names the pick's
+    with pytest.raises(ValueError, match="need an exit_criterion.*early_exit_threshold"):
+        ouro.generate(p, exit_threshold=0.5)
     with pytest.raises(ValueError, match="early-exit gate"):
         models["fp32"].generate(p, exit_at_step=0)
 

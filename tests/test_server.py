@@ -220,6 +220,7 @@ def test_disconnect_frees_the_row(server):
 def test_models_health_metrics(server):
     from prometheus_client.parser import text_string_to_metric_families
 
+    complete(server, "ok", max_tokens=2)  # (whichever tests ran before on this worker)
     assert [m.id for m in server.client.models.list()] == ["tiny"]
     with urllib.request.urlopen(server.url + "/health") as r:
         assert json.load(r)["status"] == "ok"

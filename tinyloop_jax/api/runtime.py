@@ -147,19 +147,21 @@ class Model:
     def _loops(self, loops) -> int:
         return self._config.default_loops if loops is None else check.loops(loops)
 
-    def exit_for(self, loops: int, exit_at_step=None, exit_threshold=None) -> Exit | None:
-        """The early exit of a call at `loops`: the arguments, else the model's defaults (Ouro's
-        early_exit_step / early_exit_threshold); None when neither says (the last pass).
-        The serving engine asks it for a depth's default exit."""
+    def exit_for(self, loops: int, exit_at_step=None, early_exit_threshold=None) -> Exit | None:
+        """The early exit of a call at `loops` (Ouro's pick of the pass whose output feeds the
+        head; no compute saved): the arguments, else the model's defaults (its early_exit_step /
+        early_exit_threshold); None when neither says (the last pass). The serving engine asks
+        it for a depth's default exit. (An exit_criterion's exit_threshold is another knob:
+        adaptive depth, passes skipped.)"""
         c = self._config
         if not c.early_exit_gate:
-            if exit_at_step is not None or exit_threshold is not None:
-                raise ValueError("exit_at_step / exit_threshold need a model with an early-exit gate (Ouro); "
+            if exit_at_step is not None or early_exit_threshold is not None:
+                raise ValueError("exit_at_step / early_exit_threshold need a model with an early-exit gate (Ouro); "
                                  "this model has none")
             return None
         step = c.early_exit_step if exit_at_step is None else check.integer(exit_at_step, "exit_at_step")
-        thr = c.early_exit_threshold if exit_threshold is None else check.unit_interval(exit_threshold,
-                                                                                          "exit_threshold")
+        thr = (c.early_exit_threshold if early_exit_threshold is None
+               else check.unit_interval(early_exit_threshold, "early_exit_threshold"))
         if step is not None and not 0 <= step < loops:
             raise ValueError(f"exit_at_step={step} is not a pass of this call (0 <= step < loops={loops})")
         return None if step is None and thr is None else Exit.make(step, thr)
@@ -200,8 +202,7 @@ class Model:
     def _adaptive(self, n: int, loops: int, criterion, threshold, min_steps, check_every, in_prefill, continuous,
                   speculation, exit_at_step, prefix: bool = False) -> F.Adaptive | None:
         """The call's adaptive depth (`model.adaptive`), checked; None without an exit_criterion."""
-        pol = ad.make_policy(self._config, loops, criterion, threshold if criterion is not None else None,
-                             min_steps, check_every, continuous)
+        pol = ad.make_policy(self._config, loops, criterion, threshold, min_steps, check_every, continuous)
         if not isinstance(in_prefill, bool):
             raise ValueError(f"exit_in_prefill must be True or False, got {in_prefill!r}")
         if criterion is None:
@@ -235,13 +236,13 @@ class Model:
     # ---- public API --------------------------------------------------------------------------
 
     def next_token_logits(self, prompt, loops: int | None = None, cache_window: int = 0,
-                          exit_at_step: int | None = None, exit_threshold: float | None = None) -> np.ndarray:
+                          exit_at_step: int | None = None, early_exit_threshold: float | None = None) -> np.ndarray:
         """Next-token logits [V] float32 after `prompt`, by a from-scratch forward.
-        exit_at_step / exit_threshold (gate models): which pass's output gives them."""
+        exit_at_step / early_exit_threshold (gate models): which pass's output gives them."""
         w = self.weights
         prompt = self._tokens(prompt)
         loops, window = self._loops(loops), check.cache_window(cache_window)
-        ex = self.exit_for(loops, exit_at_step, exit_threshold)
+        ex = self.exit_for(loops, exit_at_step, early_exit_threshold)
         self._check_length(len(prompt), "prompt")
         logits, _ = F.prefill(w, prompt, F.empty_cache(w, len(prompt), loops, window), loops=loops,
                               cache_window=window, exit=ex)
@@ -273,7 +274,7 @@ class Model:
                  top_k: int = 50, top_p: float = 1.0, cache_window: int = 0, repetition_penalty: float = 1.0,
                  stop_sequences=(), seed: int = 0, draft_loops: int | None = None, lookahead: int = 4,
                  exit_at_step: int | None = None, exit_threshold: float | None = None, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0, logit_bias=None,
+                 frequency_penalty: float = 0.0, logit_bias=None, early_exit_threshold: float | None = None,
                  exit_criterion: str | None = None, min_steps: int = 0, check_every: int = 1,
                  exit_in_prefill: bool = False, continuous_compute: bool = False) -> list[int]:
         """Prompt + up to `max_tokens` emitted tokens (a list of ints).
@@ -285,6 +286,11 @@ class Model:
         draft_loops=d: self-speculative decoding — draft `lookahead` tokens at depth d from the
         same caches, verify them in one forward at depth `loops` (see `speculative`). Greedy
         output is identical to plain decoding; sampled output has the same distribution.
+
+        Two exits with two names: exit_at_step / early_exit_threshold pick which pass's output
+        feeds the head (Ouro's gate: the first pass whose exit CDF reaches the threshold; every
+        pass still runs); exit_criterion + exit_threshold stop a token's passes early (adaptive
+        depth, `model.adaptive`).
         """
         w = self.weights
         prompt = self._tokens(prompt)
@@ -296,7 +302,7 @@ class Model:
         spec = check.speculation(draft_loops, lookahead, loops)
         ada = self._adaptive(1, loops, exit_criterion, exit_threshold, min_steps, check_every, exit_in_prefill,
                              continuous_compute, spec, exit_at_step)
-        ex = None if ada else self.exit_for(loops, exit_at_step, exit_threshold)
+        ex = None if ada else self.exit_for(loops, exit_at_step, early_exit_threshold)
         self._check_length(len(prompt) + params.max_tokens, "prompt + max_tokens")
         state = F.generate(w, [prompt], Request.from_params([params]), loops, window, spec, ex, ada)
         out = self._lists(state, [prompt.tolist()], spec)[0]
@@ -329,6 +335,7 @@ class Model:
                                    stop_sequences=(), suffix=None, seed: int = 0, draft_loops: int | None = None,
                                    lookahead: int = 4, exit_at_step: int | None = None,
                                    exit_threshold: float | None = None, presence_penalty: float = 0.0,
+                                   early_exit_threshold: float | None = None,
                                    frequency_penalty: float = 0.0, logit_bias=None,
                                    exit_criterion: str | None = None, min_steps: int = 0, check_every: int = 1,
                                    exit_in_prefill: bool = False, continuous_compute: bool = False) -> list[int]:
@@ -346,7 +353,7 @@ class Model:
         spec = check.speculation(draft_loops, lookahead, loops)
         ada = self._adaptive(1, loops, exit_criterion, exit_threshold, min_steps, check_every, exit_in_prefill,
                              continuous_compute, spec, exit_at_step, prefix=True)
-        ex = None if ada else self.exit_for(loops, exit_at_step, exit_threshold)
+        ex = None if ada else self.exit_for(loops, exit_at_step, early_exit_threshold)
         self._check_length(len(prefix) + len(suffix) + params.max_tokens, "prefix + suffix + max_tokens")
         F.check_fits(w, [len(suffix)], req, loops, window, spec, prefix_len=len(prefix))
         state = F.decode(w, prefix, [suffix], req, loops, window, spec, ex, ada)
@@ -359,6 +366,7 @@ class Model:
                                          top_p: float = 1.0, cache_window: int | None = None,
                                          repetition_penalty: float = 1.0, stop_sequences=(), seeds=None,
                                          exit_at_step: int | None = None, exit_threshold: float | None = None,
+                                         early_exit_threshold: float | None = None,
                                          presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                                          logit_bias=None, exit_criterion: str | None = None, min_steps: int = 0,
                                          check_every: int = 1, exit_in_prefill: bool = False,
@@ -380,7 +388,7 @@ class Model:
         req = Request.from_params(params)
         ada = self._adaptive(len(suffixes), loops, exit_criterion, exit_threshold, min_steps, check_every,
                              exit_in_prefill, continuous_compute, None, exit_at_step, prefix=True)
-        ex = None if ada else self.exit_for(loops, exit_at_step, exit_threshold)
+        ex = None if ada else self.exit_for(loops, exit_at_step, early_exit_threshold)
         self._check_length(len(prefix) + max(len(x) for x in suffixes) + params[0].max_tokens,
                            "prefix + longest suffix + max_tokens")
         F.check_fits(w, [len(x) for x in suffixes], req, loops, window, prefix_len=len(prefix))
@@ -392,6 +400,7 @@ class Model:
                        top_k: int = 50, top_p: float = 1.0, cache_window: int = 0, repetition_penalty: float = 1.0,
                        stop_sequences=(), seeds=None, exit_at_step: int | None = None,
                        exit_threshold: float | None = None, presence_penalty: float = 0.0,
+                       early_exit_threshold: float | None = None,
                        frequency_penalty: float = 0.0, logit_bias=None,
                        exit_criterion: str | None = None, min_steps: int = 0, check_every: int = 1,
                        exit_in_prefill: bool = False, continuous_compute: bool = False) -> list[list[int]]:
@@ -406,18 +415,18 @@ class Model:
                                       frequency_penalty=frequency_penalty, logit_bias=logit_bias)
         ada = self._adaptive(len(prompts), loops, exit_criterion, exit_threshold, min_steps, check_every,
                              exit_in_prefill, continuous_compute, None, exit_at_step)
-        ex = None if ada else self.exit_for(loops, exit_at_step, exit_threshold)
+        ex = None if ada else self.exit_for(loops, exit_at_step, early_exit_threshold)
         self._check_length(max(len(x) for x in prompts) + params[0].max_tokens, "longest prompt + max_tokens")
         state = F.generate(w, prompts, Request.from_params(params), loops, window, exit=ex, adaptive=ada)
         return self._lists(state, [x.tolist() for x in prompts], None)
 
     def next_token_logits_from_prefix(self, prefix: PrefixCache, suffix, loops: int | None = None,
                                       exit_at_step: int | None = None,
-                                      exit_threshold: float | None = None) -> np.ndarray:
+                                      early_exit_threshold: float | None = None) -> np.ndarray:
         """Next-token logits [V] float32 after prefix.prompt + suffix, reusing the prefix."""
         w = self.weights
         loops, window, suffix = self._prefix_call(prefix, loops, None, suffix)
-        ex = self.exit_for(loops, exit_at_step, exit_threshold)
+        ex = self.exit_for(loops, exit_at_step, early_exit_threshold)
         self._check_length(len(prefix) + len(suffix), "prefix + suffix")
         if len(suffix) == 0:
             if ex is not None:

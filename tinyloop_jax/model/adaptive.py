@@ -73,7 +73,8 @@ def make_policy(cfg: ModelConfig, loops: int, criterion: str | None, threshold=N
     if criterion is None:
         if threshold is not None or min_steps != 0 or check_every != 1 or continuous_compute:
             raise ValueError("exit_threshold / min_steps / check_every / continuous_compute need an exit_criterion "
-                             f"(one of {CRITERIA})")
+                             f"(one of {CRITERIA}); Ouro's pick of the pass that feeds the head is "
+                             "early_exit_threshold")
         return EVERY_PASS
     if criterion not in CRITERIA:
         raise ValueError(f"unknown exit_criterion {criterion!r}: expected one of {CRITERIA}")

@@ -358,16 +358,16 @@ class Batcher:
             w, jits = self.model.weights, self.jits(d.loops)
             dtok = passes = None
             many = 1
-            if chunks is None and decoding and not d.adaptive and not self.waiting and self.decode_steps > 1:
-                many = self.decode_steps  # nothing to admit: n steps in one program
+            if chunks is None and decoding and not d.adaptive:  # decode rows alone: 1 step, or a burst
+                many = 1 if self.waiting else self.decode_steps  # (nothing to admit: n steps in one program)
                 left = [r.handle.params.max_tokens - len(r.handle.tokens) - r.ahead for r in decoding]
                 R = self.table_len(max(lengths) + many - 1)
                 decodes = S.make_decodes([r.pages for r in decoding], starts, [r.slot for r in decoding],
                                          [len(r.handle.tokens) + r.ahead for r in decoding], R, bd,
                                          [r.handle.cache_window for r in decoding], left)
-                dtok, d.pool, d.state = self._run(("steps", d.loops, bd, R, many), jits["decode_steps"], w.params,
-                                                  w.config, d.pool, d.state, decodes, loops=d.loops, n=many,
-                                                  exit=d.exit)
+                dtok, d.pool, d.state = self._run(("steps", d.loops, bd, R), jits["decode_steps"], w.params,
+                                                  w.config, d.pool, d.state, decodes, np.int32(many), loops=d.loops,
+                                                  n_max=self.decode_steps, exit=d.exit)
             elif d.adaptive and decoding:  # the decode rows' passes stop at their exits
                 if chunks is not None:
                     ctok, _, d.pool, d.state = self._run(("step", d.loops, 0, T, R), jits["step"], w.params, w.config,
@@ -399,7 +399,7 @@ class Batcher:
                 k = min(many, r.handle.params.max_tokens - len(r.handle.tokens) - r.ahead)
                 r.ahead += k
                 fed += k
-                ran.append((r, i, dtok, passes) if many == 1 else (r, i, dtok, passes, k))
+                ran.append((r, i, dtok, passes) if dtok is None or dtok.ndim == 1 else (r, i, dtok, passes, k))
             if decoding:
                 self.stats["decode_steps"] += many
                 self.stats["batch_rows"] += fed
@@ -575,20 +575,20 @@ class Batcher:
         new = set()
         for bd, T, R in self.step_shapes(loops):
             key = ("step", loops, bd, T, R)
-            if key in self.programs:
+            if key in self.programs or (bd and not T):  # (decode rows alone run `decode_steps`)
                 continue
             chunks = S.make_chunks([], [], [], [], [], T, R, 1) if T else None
             decodes = S.make_decodes([], [], [], [], R, bd) if bd else None
             self.jits(loops)["step"].lower(w.params, c, pool, state, chunks, decodes, loops=loops,
                                      exit=self.model.exit_for(loops)).compile()
             new.add(key)
-        for bd, T, R in self.step_shapes(loops):  # (the table's bucket for n more positions: the same set)
-            key = ("steps", loops, bd, R, self.decode_steps)
-            if T or not bd or self.decode_steps < 2 or key in self.programs:
+        for bd, T, R in self.step_shapes(loops):  # decode rows alone: `decode_steps`
+            key = ("steps", loops, bd, R)
+            if T or not bd or key in self.programs:
                 continue
             decodes = S.make_decodes([], [], [], [], R, bd, left=[])
-            self.jits(loops)["decode_steps"].lower(w.params, c, pool, state, decodes, loops=loops, n=self.decode_steps,
-                                                   exit=self.model.exit_for(loops)).compile()
+            self.jits(loops)["decode_steps"].lower(w.params, c, pool, state, decodes, np.int32(1), loops=loops,
+                                                   n_max=self.decode_steps, exit=self.model.exit_for(loops)).compile()
             new.add(key)
         if ("admit", loops) not in self.programs:
             req = Request.from_params([SamplingParams()], stops=False, logit_bias=True, sampled=True)

@@ -137,12 +137,13 @@ def _next_tokens(state: RowState, decodes: Decodes, logits: jax.Array):
 
 
 def decode_steps(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: RowState, decodes: Decodes,
-                 loops: int, n: int, exit: tf.Exit | None = None):
-    """n decode steps in one program (when no prompt waits: the host's work per dispatch is
-    spread over n tokens): step i feeds each row's last token at rows.start + i and chooses the
-    next; a row past decodes.left[i] tokens idles (writes nothing, keeps its state). Stop
-    sequences are the host's: tokens after a stop are discarded there. Returns (tokens [b, n],
-    pool, state)."""
+                 n: jax.Array, loops: int, n_max: int, exit: tf.Exit | None = None):
+    """n (traced, 1 <= n <= n_max) decode steps in one program: the decode rows' step when no
+    prompt chunk runs beside them (n = 1), or a burst when nothing waits (the host's work per
+    dispatch spread over n tokens). Step i feeds each row's last token at rows.start + i and
+    chooses the next; a row past decodes.left[i] tokens idles (writes nothing, keeps its state).
+    Stop sequences are the host's: tokens after a stop are discarded there. Returns (tokens
+    [b, n_max], the first n real, pool, state)."""
     def body(i, c):
         pool, state, out = c
         live = i < decodes.left
@@ -154,7 +155,7 @@ def decode_steps(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: R
         return pool, state, out.at[:, i].set(tok)
 
     b = decodes.slot.shape[0]
-    pool, state, out = jax.lax.fori_loop(0, n, body, (pool, state, jnp.zeros((b, n), jnp.int32)))
+    pool, state, out = jax.lax.fori_loop(0, n, body, (pool, state, jnp.zeros((b, n_max), jnp.int32)))
     return out, pool, state
 
 
@@ -194,7 +195,7 @@ copy_pages = paged.copy_pages
 
 JIT_OPTIONS = dict(load_entry=dict(donate_argnames=("pool",)), copy_pages=dict(donate_argnames=("pool",)),
                    step_adaptive=dict(static_argnames=("cfg", "loops"), donate_argnames=("pool", "state")),
-                   decode_steps=dict(static_argnames=("cfg", "loops", "n"), donate_argnames=("pool", "state")),
+                   decode_steps=dict(static_argnames=("cfg", "loops", "n_max"), donate_argnames=("pool", "state")),
                    step=dict(static_argnames=("cfg", "loops"), donate_argnames=("pool", "state")),
                    step_speculative=dict(static_argnames=("cfg", "loops", "draft_loops", "lookahead"),
                                          donate_argnames=("pool", "state")),
