@@ -85,8 +85,8 @@ def one_request(client, system: str, question: str, max_tokens: int) -> dict:
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             times.append(time.perf_counter())
-    return dict(ttft=times[0] - t0 if times else float("nan"), itl=list(np.diff(times)), latency=time.perf_counter() - t0,
-                chunks=len(times))
+    return dict(ttft=times[0] - t0 if times else float("nan"), itl=list(np.diff(times)),
+                latency=time.perf_counter() - t0, chunks=len(times))
 
 
 def load(port: int, clients: int, per_client: int, max_tokens: int, seed: int) -> dict:
@@ -177,7 +177,8 @@ def main() -> None:
              f"{compiles:.0f}. Chat completions of {args.max_tokens} tokens (`ignore_eos`, greedy, streamed) over 4 "
              f"shared system prompts (Zipf), {args.per_client} requests per client back to back, after a warm-up "
              "request per system prompt.", "",
-             "| clients | tok/s | TTFT p50 / p99 (s) | inter-token p50 / p99 (ms) | latency p50 (s) | server peak RSS (GiB) |",
+             "| clients | tok/s | TTFT p50 / p99 (s) | inter-token p50 / p99 (ms) | latency p50 (s) "
+             "| server peak RSS (GiB) |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['clients']} | {r['tps']:.1f} | {r['ttft50']:.2f} / {r['ttft99']:.2f} | "

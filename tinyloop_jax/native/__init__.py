@@ -2,9 +2,10 @@
 
 `qmatmul.cc` is an XLA FFI custom call: x [..., K] float32 @ a weight kept in GGUF's q8_0 /
 q4_0 / q4_1 blocks (qarray's layout) -> [..., N] float32, reading the packed bytes once per
-call. `paged_attention.cc` is another: a step's queries against each row's live KV pages only
-(`model.paged`'s reference gathers a row's whole page table). XLA:CPU has no such dot: it writes the dequantized float32 matrix and reads it again, or
-hoists that copy out of the decode loop (docs/benchmarks.md, issue 23).
+call (XLA:CPU has no such dot: it writes the dequantized float32 matrix and reads it again, or
+hoists that copy out of the decode loop; docs/benchmarks.md, issue 23). `paged_attention.cc` is
+another: a step's queries against each row's live KV pages only (`model.paged`'s reference
+gathers a row's whole page table).
 
 Built like a JIT extension (torch's `cpp_extension.load`, Triton): `g++ -O3 -march=native`
 against the FFI headers jaxlib ships, into `$TINYLOOP_HOME/native/` under a key of the source,
