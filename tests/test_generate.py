@@ -172,3 +172,26 @@ def test_request_rows_are_the_sampling_params():
                            max_tokens=[5, 5], stop_sequences=[[[1, 2, 3], [4]], []])
     want = tl.Request.from_params([a, dataclasses.replace(a, seed=0, stop_sequences=())])
     assert jax.tree.all(jax.tree.map(np.array_equal, made, want))
+
+
+def test_a_request_as_two_values_equals_the_keywords():
+    """`generate` and `generate_from_prefix_cache` take the request as two values — params (a
+    `SamplingParams`) and plan (a `DepthPlan`) — and the keywords are sugar over them: the same
+    tokens either way; a field given both ways is a ValueError naming it."""
+    model = tl.Model.random(tiny_config(kv_mode="fp32"), seed=0)
+    p = prompt_of(12, seed=2)
+    kw = dict(max_tokens=7, temperature=0.8, top_k=20, seed=5, stop_sequences=[[3, 4]], logit_bias={7: 2.0})
+    params = tl.SamplingParams(max_tokens=7, temperature=0.8, top_k=20, seed=5, stop_sequences=((3, 4),),
+                               logit_bias=((7, 2.0),))
+    assert model.generate(p, params=params, plan=tl.DepthPlan(loops=2, draft_loops=1, lookahead=2)) == \
+        model.generate(p, loops=2, draft_loops=1, lookahead=2, **kw)
+    prefix = model.build_prefix_cache(p[:8])
+    plan = tl.DepthPlan(exit_criterion="latent-diff", exit_threshold=0.5)
+    assert model.generate_from_prefix_cache(prefix, suffix=p[8:], params=params, plan=plan) == \
+        model.generate_from_prefix_cache(prefix, suffix=p[8:], exit_criterion="latent-diff", exit_threshold=0.5, **kw)
+    with pytest.raises(ValueError, match="pass max_tokens inside the SamplingParams or as keywords"):
+        model.generate(p, max_tokens=3, params=params)
+    with pytest.raises(ValueError, match="pass loops inside the DepthPlan"):
+        model.generate(p, loops=3, plan=tl.DepthPlan(loops=2))
+    with pytest.raises(ValueError, match="expected a DepthPlan"):
+        model.generate(p, plan=dict(loops=2))

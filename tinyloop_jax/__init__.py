@@ -8,13 +8,14 @@ from .model.params import Weights
 from .api.prefix import PrefixCache
 from .api.runtime import Model, ResumeHandle
 from .decoding.sampling import Request, SamplingParams
+from .api.validation import DepthPlan
 from .serving.engine import Engine
 from .api.store import PrefixStore
 from .formats.hub import model_path
 from .formats.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from .model.transformer import Exit
 
-__all__ = ["ByteTokenizer", "Engine", "Exit", "HFTokenizer", "KV_MODES", "KVCache", "Model", "ModelConfig",
+__all__ = ["ByteTokenizer", "DepthPlan", "Engine", "Exit", "HFTokenizer", "KV_MODES", "KVCache", "Model", "ModelConfig",
            "PrefixCache", "PrefixStore", "Request", "ResumeHandle", "SamplingParams", "Weights", "functional",
            "load_tokenizer", "model_path"]
 __version__ = "0.1.0"

@@ -170,6 +170,12 @@ class Model:
         """The call's sampling keywords, checked, as the one value the call carries."""
         return check.sampling_params(self._config.vocab_size, **fields)
 
+    def _request(self, params, plan, sampling: dict, depth: dict) -> tuple[SamplingParams, dict]:
+        """A call's two values — its SamplingParams (checked) and its DepthPlan's fields — from
+        `params` / `plan` or from the keywords (`validation.one_value`)."""
+        return (self._sampling(**check.one_value(SamplingParams, params, sampling)),
+                check.one_value(check.DepthPlan, plan, depth))
+
     def _batch_sampling(self, n: int, **fields) -> list[SamplingParams]:
         return check.batch_sampling_params(self._config.vocab_size, n, **fields)
 
@@ -276,8 +282,13 @@ class Model:
                  exit_at_step: int | None = None, exit_threshold: float | None = None, presence_penalty: float = 0.0,
                  frequency_penalty: float = 0.0, logit_bias=None, early_exit_threshold: float | None = None,
                  exit_criterion: str | None = None, min_steps: int = 0, check_every: int = 1,
-                 exit_in_prefill: bool = False, continuous_compute: bool = False) -> list[int]:
+                 exit_in_prefill: bool = False, continuous_compute: bool = False,
+                 params: SamplingParams | None = None, plan: check.DepthPlan | None = None) -> list[int]:
         """Prompt + up to `max_tokens` emitted tokens (a list of ints).
+
+        The request as two values: params (`SamplingParams`: max_tokens .. logit_bias) and plan
+        (`DepthPlan`: loops, the exit pick, adaptive depth, speculation); the keywords are the
+        same fields as sugar (one or the other for each value, not both).
 
         presence_penalty / frequency_penalty (in [-2, 2]) and logit_bias ({token id: bias in
         [-100, 100]}, at most 300) as in OpenAI's API: a token's logit is lowered by
@@ -294,15 +305,19 @@ class Model:
         """
         w = self.weights
         prompt = self._tokens(prompt)
-        loops, window = self._loops(loops), check.cache_window(cache_window)
-        params = self._sampling(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed,
-                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                logit_bias=logit_bias)
-        spec = check.speculation(draft_loops, lookahead, loops)
-        ada = self._adaptive(1, loops, exit_criterion, exit_threshold, min_steps, check_every, exit_in_prefill,
-                             continuous_compute, spec, exit_at_step)
-        ex = None if ada else self.exit_for(loops, exit_at_step, early_exit_threshold)
+        params, d = self._request(params, plan, dict(
+            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias), dict(
+            loops=loops, exit_at_step=exit_at_step, early_exit_threshold=early_exit_threshold,
+            exit_criterion=exit_criterion, exit_threshold=exit_threshold, min_steps=min_steps, check_every=check_every,
+            continuous_compute=continuous_compute, exit_in_prefill=exit_in_prefill, draft_loops=draft_loops,
+            lookahead=lookahead))
+        loops, window = self._loops(d["loops"]), check.cache_window(cache_window)
+        spec = check.speculation(d["draft_loops"], d["lookahead"], loops)
+        ada = self._adaptive(1, loops, d["exit_criterion"], d["exit_threshold"], d["min_steps"], d["check_every"],
+                             d["exit_in_prefill"], d["continuous_compute"], spec, d["exit_at_step"])
+        ex = None if ada else self.exit_for(loops, d["exit_at_step"], d["early_exit_threshold"])
         self._check_length(len(prompt) + params.max_tokens, "prompt + max_tokens")
         state = F.generate(w, [prompt], Request.from_params([params]), loops, window, spec, ex, ada)
         out = self._lists(state, [prompt.tolist()], spec)[0]
@@ -338,22 +353,29 @@ class Model:
                                    early_exit_threshold: float | None = None,
                                    frequency_penalty: float = 0.0, logit_bias=None,
                                    exit_criterion: str | None = None, min_steps: int = 0, check_every: int = 1,
-                                   exit_in_prefill: bool = False, continuous_compute: bool = False) -> list[int]:
+                                   exit_in_prefill: bool = False, continuous_compute: bool = False,
+                                   params: SamplingParams | None = None,
+                                   plan: check.DepthPlan | None = None) -> list[int]:
         """prefix.prompt + suffix + up to `max_tokens` emitted tokens. The prefix is only read.
 
         `loops` / `cache_window` default to the prefix's own; any other value is a RuntimeError.
+        params / plan: the request as two values, as `generate` takes them.
         """
         w = self.weights
-        loops, window, suffix = self._prefix_call(prefix, loops, cache_window, suffix)
-        params = self._sampling(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed,
-                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                logit_bias=logit_bias)
+        params, d = self._request(params, plan, dict(
+            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias), dict(
+            loops=loops, exit_at_step=exit_at_step, early_exit_threshold=early_exit_threshold,
+            exit_criterion=exit_criterion, exit_threshold=exit_threshold, min_steps=min_steps, check_every=check_every,
+            continuous_compute=continuous_compute, exit_in_prefill=exit_in_prefill, draft_loops=draft_loops,
+            lookahead=lookahead))
+        loops, window, suffix = self._prefix_call(prefix, d["loops"], cache_window, suffix)
         req = Request.from_params([params])
-        spec = check.speculation(draft_loops, lookahead, loops)
-        ada = self._adaptive(1, loops, exit_criterion, exit_threshold, min_steps, check_every, exit_in_prefill,
-                             continuous_compute, spec, exit_at_step, prefix=True)
-        ex = None if ada else self.exit_for(loops, exit_at_step, early_exit_threshold)
+        spec = check.speculation(d["draft_loops"], d["lookahead"], loops)
+        ada = self._adaptive(1, loops, d["exit_criterion"], d["exit_threshold"], d["min_steps"], d["check_every"],
+                             d["exit_in_prefill"], d["continuous_compute"], spec, d["exit_at_step"], prefix=True)
+        ex = None if ada else self.exit_for(loops, d["exit_at_step"], d["early_exit_threshold"])
         self._check_length(len(prefix) + len(suffix) + params.max_tokens, "prefix + suffix + max_tokens")
         F.check_fits(w, [len(suffix)], req, loops, window, spec, prefix_len=len(prefix))
         state = F.decode(w, prefix, [suffix], req, loops, window, spec, ex, ada)

@@ -43,6 +43,7 @@ from .handles import Cancelled, Handle, MemoryBudgetError, QueueFull, RequestTim
 from .batcher import Batcher
 from ..api import validation as check
 from ..api.store import PrefixStore
+from ..decoding.sampling import SamplingParams
 from ..model import adaptive as ad
 from ..model.cache import free_bytes
 
@@ -131,8 +132,12 @@ class Engine:
                timeout: float | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                logit_bias=None, exit_criterion: str | None = None, exit_threshold: float | None = None,
                min_steps: int = 0, check_every: int = 1, continuous_compute: bool = False,
-               cache_window: int = 0, draft_loops: int | None = None, lookahead: int = 4) -> Handle:
-        """Queue a request (the arguments of `model.generate`); returns its `Handle` at once.
+               cache_window: int = 0, draft_loops: int | None = None, lookahead: int = 4,
+               params: SamplingParams | None = None, plan: check.DepthPlan | None = None) -> Handle:
+        """Queue a request (the arguments of `model.generate`, or its two values: params, a
+        `SamplingParams`, and plan, a `DepthPlan`; the keywords are sugar over them); returns
+        its `Handle` at once. The engine serves each depth's default exit pick (no
+        exit_at_step / early_exit_threshold per request).
         cache_window > 0: every query attends to the last cache_window positions only, as
         `generate(cache_window=...)` (the pages outside the window are kept).
         draft_loops=d: self-speculative decoding as `generate`'s — `lookahead` tokens drafted at
@@ -146,17 +151,25 @@ class Engine:
         alone, `MemoryBudgetError`."""
         c = self.model.weights.config
         prompt = check.tokens(prompt, c.vocab_size)
-        params = check.sampling_params(c.vocab_size, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                                       top_p=top_p, repetition_penalty=repetition_penalty,
-                                       stop_sequences=stop_sequences, seed=seed, presence_penalty=presence_penalty,
-                                       frequency_penalty=frequency_penalty, logit_bias=logit_bias)
-        loops = c.default_loops if loops is None else check.loops(loops)
+        params = check.sampling_params(c.vocab_size, **check.one_value(SamplingParams, params, dict(
+            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias)))
+        d = check.one_value(check.DepthPlan, plan, dict(
+            loops=loops, exit_criterion=exit_criterion, exit_threshold=exit_threshold, min_steps=min_steps,
+            check_every=check_every, continuous_compute=continuous_compute, draft_loops=draft_loops,
+            lookahead=lookahead))
+        if d.get("exit_at_step") is not None or d.get("early_exit_threshold") is not None or d.get("exit_in_prefill"):
+            raise ValueError("the engine serves each depth's default exit pick and prefills prompts at full depth: "
+                             "no exit_at_step / early_exit_threshold / exit_in_prefill per request")
+        loops = c.default_loops if d["loops"] is None else check.loops(d["loops"])
         if loops > self.max_loops:
             raise ValueError(f"loops={loops} is above this engine's max_loops={self.max_loops}")
         cache_window = check.cache_window(cache_window)
-        policy = ad.make_policy(c, loops, exit_criterion, exit_threshold, min_steps, check_every, continuous_compute)
-        policy = None if exit_criterion is None else policy
-        spec = check.speculation(draft_loops, lookahead, loops)
+        policy = ad.make_policy(c, loops, d["exit_criterion"], d["exit_threshold"], d["min_steps"], d["check_every"],
+                                d["continuous_compute"])
+        policy = None if d["exit_criterion"] is None else policy
+        spec = check.speculation(d["draft_loops"], d["lookahead"], loops)
         if spec is not None and policy is not None:
             raise ValueError("draft_loops (speculative decoding) does not go with exit_criterion")
         ahead = 0 if spec is None else spec.lookahead  # a verify chunk writes this far past the last token
