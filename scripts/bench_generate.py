@@ -20,27 +20,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import tinyloop_jax as tl  # noqa: E402
-from _report import command, machine, write_section  # noqa: E402
+from _report import command, machine, median_time, write_section  # noqa: E402
 from bench_engine import QUESTION, SYSTEM, generate_decode_rate  # noqa: E402
 BUNDLED = os.path.join(os.path.dirname(HERE), "checkpoints", "tinyloop-pydoc")
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main():

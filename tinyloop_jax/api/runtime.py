@@ -170,11 +170,13 @@ class Model:
         """The call's sampling keywords, checked, as the one value the call carries."""
         return check.sampling_params(self._config.vocab_size, **fields)
 
-    def _request(self, params, plan, sampling: dict, depth: dict) -> tuple[SamplingParams, dict]:
+    def _request(self, params, plan, keywords: dict) -> tuple[SamplingParams, dict]:
         """A call's two values — its SamplingParams (checked) and its DepthPlan's fields — from
-        `params` / `plan` or from the keywords (`validation.one_value`)."""
-        return (self._sampling(**check.one_value(SamplingParams, params, sampling)),
-                check.one_value(check.DepthPlan, plan, depth))
+        `params` / `plan` or from the call's keywords of the same names (`keywords`: its
+        locals; `validation.one_value`)."""
+        pick = lambda names: {k: keywords[k] for k in names}  # noqa: E731
+        return (self._sampling(**check.one_value(SamplingParams, params, pick(check.SAMPLING_FIELDS))),
+                check.one_value(check.DepthPlan, plan, pick(check.PLAN_FIELDS)))
 
     def _batch_sampling(self, n: int, **fields) -> list[SamplingParams]:
         return check.batch_sampling_params(self._config.vocab_size, n, **fields)
@@ -305,14 +307,7 @@ class Model:
         """
         w = self.weights
         prompt = self._tokens(prompt)
-        params, d = self._request(params, plan, dict(
-            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed,
-            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias), dict(
-            loops=loops, exit_at_step=exit_at_step, early_exit_threshold=early_exit_threshold,
-            exit_criterion=exit_criterion, exit_threshold=exit_threshold, min_steps=min_steps, check_every=check_every,
-            continuous_compute=continuous_compute, exit_in_prefill=exit_in_prefill, draft_loops=draft_loops,
-            lookahead=lookahead))
+        params, d = self._request(params, plan, locals())
         loops, window = self._loops(d["loops"]), check.cache_window(cache_window)
         spec = check.speculation(d["draft_loops"], d["lookahead"], loops)
         ada = self._adaptive(1, loops, d["exit_criterion"], d["exit_threshold"], d["min_steps"], d["check_every"],
@@ -362,14 +357,7 @@ class Model:
         params / plan: the request as two values, as `generate` takes them.
         """
         w = self.weights
-        params, d = self._request(params, plan, dict(
-            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed,
-            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias), dict(
-            loops=loops, exit_at_step=exit_at_step, early_exit_threshold=early_exit_threshold,
-            exit_criterion=exit_criterion, exit_threshold=exit_threshold, min_steps=min_steps, check_every=check_every,
-            continuous_compute=continuous_compute, exit_in_prefill=exit_in_prefill, draft_loops=draft_loops,
-            lookahead=lookahead))
+        params, d = self._request(params, plan, locals())
         loops, window, suffix = self._prefix_call(prefix, d["loops"], cache_window, suffix)
         req = Request.from_params([params])
         spec = check.speculation(d["draft_loops"], d["lookahead"], loops)
