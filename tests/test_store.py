@@ -126,3 +126,13 @@ def test_save_load_round_trip(model, tmp_path):
     assert back.stats()["tokens_reused"] == 20
     with pytest.raises(ValueError, match="not a saved PrefixStore"):
         tl.PrefixStore.load(tmp_path, model)
+
+
+def test_store_generate_takes_sampling_params():
+    """`PrefixStore.generate(params=SamplingParams(...))` equals the keywords."""
+    model = tiny_model("fp32")
+    store = tl.PrefixStore(model)
+    p = prompt_of(30, seed=4)
+    assert store.generate(p, params=tl.SamplingParams(max_tokens=5, temperature=0.6, seed=2)) == \
+        store.generate(p, max_tokens=5, temperature=0.6, seed=2) == model.generate(p, max_tokens=5, temperature=0.6,
+                                                                                      seed=2)

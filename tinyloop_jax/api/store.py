@@ -29,6 +29,7 @@ from ..model import sharding
 from . import validation as check
 from .prefix import PrefixCache
 from .radix import RadixIndex, Recency
+from ..decoding.sampling import SamplingParams
 
 
 class PrefixStore:
@@ -195,16 +196,18 @@ class PrefixStore:
 
     def generate(self, prompt, max_tokens: int = 32, temperature: float = 0.0, top_k: int = 50, top_p: float = 1.0,
                  repetition_penalty: float = 1.0, stop_sequences=(), seed: int = 0, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0, logit_bias=None) -> list[int]:
+                 frequency_penalty: float = 0.0, logit_bias=None,
+                 params: SamplingParams | None = None) -> list[int]:
         """`model.generate(prompt, ...)` at the store's depth and window, prefilling only the part
-        of `prompt` that no cached entry holds."""
+        of `prompt` that no cached entry holds. params: the sampling knobs as one value (the
+        keywords are sugar over it)."""
         vocab = self.model.config()["vocab_size"]
         prompt = check.tokens(prompt, vocab)
         # checked before the store is touched: a bad argument inserts nothing
-        params = check.sampling_params(vocab, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                       repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed,
-                                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                       logit_bias=logit_bias)
+        params = check.sampling_params(vocab, **check.one_value(SamplingParams, params, dict(
+            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias)))
         prefix, i = self._acquire(prompt)
         try:
             return self.model.generate_from_prefix_cache(prefix, **dataclasses.asdict(params))

@@ -47,7 +47,7 @@ from contextlib import aclosing
 from . import edge, tokenizer_api
 from .engine import Engine
 from .handles import MemoryBudgetError, QueueFull, RequestTimeout
-from .protocol import (BadRequest, ChatShape, TextShape, chat_logprobs, check_adaptive, check_submit, choice_seed,
+from .protocol import (BadRequest, ChatShape, TextShape, chat_logprobs, check_adaptive, check_submit,
                        completion_logprobs, error_body, parse, parse_chat)
 from ..api.chat import Detokenizer
 
@@ -79,12 +79,11 @@ def make_app(engine: Engine, tokenizer, model_name: str = "tinyloop", eos: list[
         groups = []
         try:
             for p in req.prompts:
-                groups.append([engine.submit(prompt=p, seed=choice_seed(req.seed, 0), **req.submit)])
+                groups.append([engine.submit(prompt=p, **req.request(0))])
             if req.best_of > 1:
                 await asyncio.gather(*(g[0].aprefilled() for g in groups))
                 for g, p in zip(groups, req.prompts):
-                    g += [engine.submit(prompt=p, seed=choice_seed(req.seed, j), **req.submit)
-                          for j in range(1, req.best_of)]
+                    g += [engine.submit(prompt=p, **req.request(j)) for j in range(1, req.best_of)]
         except BaseException:
             for h in (h for g in groups for h in g):
                 h.cancel()

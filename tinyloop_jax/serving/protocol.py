@@ -14,7 +14,7 @@ import numbers
 import secrets
 
 from ..api import validation as check
-from ..decoding.sampling import MAX_LOGIT_BIAS
+from ..decoding.sampling import MAX_LOGIT_BIAS, SamplingParams
 from ..model.adaptive import make_policy
 
 
@@ -138,6 +138,15 @@ class Parsed:
     best_of: int = 1  # candidates generated per prompt; the n likeliest (per token) are returned
     logprobs: int | None = None  # top log-probabilities per token (None: no logprobs object)
     echo: bool = False  # the prompt's text (and logprobs) start each choice
+
+    def request(self, j: int) -> dict:
+        """Choice j's `engine.submit` arguments as the request's two values — its
+        `SamplingParams` (seeded `choice_seed(seed, j)`) and its `DepthPlan` — beside the rest
+        (cache_window)."""
+        sub = dict(self.submit, seed=choice_seed(self.seed, j))
+        pick = lambda names: {k: sub.pop(k) for k in names if k in sub}  # noqa: E731
+        params, plan = SamplingParams(**pick(check.SAMPLING_FIELDS)), check.DepthPlan(**pick(check.PLAN_FIELDS))
+        return dict(params=params, plan=plan, **sub)
 
 
 def choice_seed(seed: int, j: int) -> int:
