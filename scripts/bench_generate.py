@@ -11,6 +11,8 @@ Rows (medians of --repeats after a warm-up call of each):
   from prefix, 4 rows     tokens/s of generate_batch_from_prefix_cache: 4 questions after a kept
                           ~330-token system prompt, 32 tokens each
   speculative             tokens/s of generate(draft_loops=) on the bundled looped model
+  conversation            tokens/s of a 4-turn `Conversation` on SmolLM2 (answers streamed; wall
+                          time of the whole chat, prefills included)
   kv modes                decode tok/s of generate_from_prefix_cache per KV mode on a random looped
                           model (D 384, 2 pre blocks, loops 8, a 1024-token prefix;
                           `bench_kv_modes.decode_speed`)
@@ -51,6 +53,16 @@ def main():
     t = median_time(lambda: model.generate_batch_from_prefix_cache(prefix, [a[k:] for a in asks], max_tokens=32,
                                                                   stop_sequences=[]), args.repeats)
     rows.append((f"from prefix ({k} tokens), 4 rows x 32: tok/s", 4 * 32 / t))
+    from tinyloop_jax.api.chat import Conversation
+
+    def chat():
+        conv = Conversation(model, tok, system="You are a helpful assistant.", max_tokens=64)
+        for q in ("What is the capital of France?", "And of Italy?", "Name three rivers in Europe.",
+                  "Which is the longest?"):
+            "".join(conv.send(q))
+        return sum(len(t.answer) for t in conv.turns)
+    n_chat = chat()
+    rows.append((f"conversation, 4 turns ({n_chat} tokens): tok/s", n_chat / median_time(chat, args.repeats)))
     looped = tl.Model.load(BUNDLED)
     ids = list(b"The history of the printing press begins in the fifteenth century, ")
     t = median_time(lambda: looped.generate(ids, max_tokens=48, draft_loops=1, lookahead=4), args.repeats)

@@ -2,12 +2,14 @@
 final (`Detokenizer`, shared with the HTTP server).
 
 A conversation's cache is one segment that grows turn by turn; each turn copies the kept part
-(no compute), prefills only the tokens the turn adds, and decodes the answer into the same
-segment, one token at a time (so the text can be shown as it comes):
+(no compute), prefills only the tokens the turn adds, decodes the answer by the paged step
+under the on-device loop (the prompt's positions loaded into a page pool; `BURST` tokens
+between two looks of the host, so the text is shown as it comes), then prefills the answer
+into the segment as one chunk:
 
     turn 1   [ system, user 1, "assistant\\n" | answer 1, <|im_end|> ]
     turn 2   [ kept: all of turn 1            | "\\n", user 2, "assistant\\n" | answer 2, <|im_end|> ]
-               copied                           prefilled                      decoded
+               copied                           prefilled                      decoded, then prefilled
 
 The chat template re-renders the whole conversation every turn, so the turn's new tokens are
 that rendering minus the kept tokens (prompt + answer ids, the end-of-turn token included), which
@@ -26,16 +28,16 @@ import dataclasses
 import time
 from typing import Iterator
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from . import functional as F
 from . import validation as check
 from .prefix import PrefixCache
-from ..decoding import programs
-from ..decoding.sampling import Request, select_tokens
+from ..decoding import paged_decode, programs
+from ..decoding.sampling import Request
 from ..model import cache as kvc
+from ..model import paged
 
 
 class Detokenizer:
@@ -102,21 +104,13 @@ MIN_CAPACITY = 256
 # at least this many: most turns add fewer, so a chat compiles about one prefill program per
 # capacity (a compile of a 30-block model costs seconds; 31 padding tokens, milliseconds).
 MIN_CHUNK = 32
+BURST = 8  # tokens decoded on the device between two looks of the host (streamed text)
 
 
 def capacity(n_tokens: int, context: int) -> int:
     """Slots of a conversation segment that must hold `n_tokens` positions: a power of two >=
     MIN_CAPACITY, at most the model's context (bucketed)."""
     return max(kvc.bucket(n_tokens), min(max(MIN_CAPACITY, 1 << (n_tokens - 1).bit_length()), kvc.bucket(context)))
-
-
-@jax.jit
-def pick(logits: jax.Array, seen: jax.Array, req: Request, step: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The next token of a one-row request from logits [V] (seen [V]: the tokens so far; `step`:
-    the token's index, the sampling key's) -> (token [] int32, seen with the token marked): the
-    same choice as the generate loop's."""
-    tok = select_tokens(logits[None], seen[None], req, step)[0]
-    return tok, seen.at[tok].set(True)
 
 
 class Conversation:
@@ -144,7 +138,6 @@ class Conversation:
         self.params = check.sampling_params(c.vocab_size, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                             top_p=top_p, repetition_penalty=repetition_penalty, seed=seed,
                                             stop_sequences=[[i] for i in self.eos])
-        self._req = jax.tree.map(jnp.asarray, Request.from_params([self.params], stops=False))
         self._exit = model.exit_for(self.loops)
         self.turns: list[Turn] = []
         self.reset()
@@ -182,40 +175,61 @@ class Conversation:
         fill = self._prefill(ids[k:], k, seg)
         logits, seg, seen = fill.logits, fill.own, fill.seen if not k else fill.seen | kept.seen
 
+        # the answer: the paged step under the on-device loop, in bursts (streamed between them)
         answer: list[int] = []
         text_so_far = Detokenizer(self.tokenizer, [])
         first = None
-        tok, seen = pick(logits, seen, self._req, jnp.int32(0))
-        while True:
-            t = int(tok)
+        stopped = False
+        for t in self._decode(ids, seg, logits, seen, max_new):
             answer.append(t)
             if first is None:
                 first = time.perf_counter()
-            if t in self.eos or len(answer) == max_new:
+            stopped = t in self.eos
+            if stopped or len(answer) == max_new:
                 break
             delta = text_so_far.add([t])
             if delta:
                 yield delta
-            logits, seg = F.decode_step(w, t, seg, loops=self.loops, exit=self._exit)
-            tok, seen = pick(logits, seen, self._req, jnp.int32(len(answer)))
-        stopped = answer[-1] in self.eos
         if not stopped:
             text_so_far.add([answer[-1]])
         rest = text_so_far.finish()
         if rest:
             yield rest
 
-        # the last emitted token was never fed: feed it, so the kept cache holds the whole turn
-        fill = self._prefill(np.array(answer[-1:], np.int32), len(ids) + len(answer) - 1, seg)
+        # the kept cache holds the whole turn: the answer prefilled after the prompt, one chunk
+        fill = self._prefill(np.array(answer, np.int32), len(ids), seg)
+        seen = seen | fill.seen
         prompt = np.concatenate([ids, np.array(answer, np.int32)])
         prompt.setflags(write=False)
         self.prefix = PrefixCache(cache=fill.own, prompt=prompt, loops=self.loops, cache_window=0, logits=fill.logits,
-                                  seen=fill.seen | seen, depth_states=fill.depth_states, weights=w)
+                                  seen=seen, depth_states=fill.depth_states, weights=w)
         self.messages = messages + [dict(role="assistant", content=text_so_far.sent)]
         self.turns.append(Turn(prompt_tokens=len(ids), reused_tokens=k, prefill_tokens=len(ids) - k,
                                answer=tuple(answer), text=text_so_far.sent,
                                finish_reason="stop" if stopped else "length", first_token_s=first - t0,
                                seconds=time.perf_counter() - t0))
+
+    def _decode(self, ids: np.ndarray, seg, logits, seen, max_new: int) -> Iterator[int]:
+        """The answer's tokens, a burst of `BURST` at a time: the prompt's positions (dense
+        `seg`, only read) loaded into a page pool, then `paged_decode.decode_more` over it,
+        stopping on the device at an end-of-turn token or max_new."""
+        w, c = self.model.weights, self.model.weights.config
+        lay = paged_decode.layout(len(ids), max_new + 1, 1)
+        pool = paged_decode.load_prefix(w.params, c, paged_decode.empty_pool(c, self.loops, lay.n_pages), seg,
+                                        len(ids), lay)
+        req = Request.from_params([dataclasses.replace(self.params, max_tokens=max_new)])
+        rows = paged.Rows(lay.tables, np.int32([len(ids)]), np.int32([1]))
+        state = paged_decode.begin(programs.first_tokens(logits[None], seen[None], req), seen[None], pool, req,
+                                   out_len=kvc.bucket(max_new))
+        shown = 0
+        while True:
+            n, done = int(state.n[0]), bool(state.done[0])
+            yield from np.asarray(state.tokens[0, shown:n]).tolist()
+            shown = n
+            if done:
+                return
+            state = paged_decode.decode_more(w.params, c, state, rows, req, jnp.int32(n + BURST), loops=self.loops,
+                                             window=0, exit=self._exit)
 
     def _prefill(self, tokens: np.ndarray, start: int, seg) -> programs.PrefixFill:
         """tokens [T] prefilled at positions start.. into segment `seg` (which holds the ones

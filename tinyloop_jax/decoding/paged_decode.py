@@ -114,6 +114,18 @@ def _decoding(rows: paged.Rows, state: DecodeState) -> paged.Rows:
     return rows.replace(start=rows.start + state.n - 1, n_new=(~state.done).astype(jnp.int32))
 
 
+def _step(params: Params, cfg: ModelConfig, rows: paged.Rows, req: Request, loops: int, window: int,
+          exit: tf.Exit | None):
+    """One decode step of every row (the loop body of `decode` and `decode_more`)."""
+    def step(state: DecodeState) -> DecodeState:
+        seen, counts = feed(state, state.last)
+        x, pool = paged.forward(params, cfg, state.own, _decoding(rows, state), state.last[:, None], loops, window,
+                                exit, req.seed)
+        tok = select_tokens(tf.lm_head(params, cfg, x[:, 0]), seen, req, state.step + 1, counts)
+        return emit(state.replace(seen=seen, counts=counts, own=pool, step=state.step + 1), tok, req)
+    return step
+
+
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len"), donate_argnames=("pool",))
 def decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, first: jax.Array,
            seen: jax.Array, req: Request, loops: int, window: int, out_len: int,
@@ -123,15 +135,21 @@ def decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Ro
     token is fed at; first [N]: those tokens (`programs.first_tokens`); seen [N, V]: each row's
     prompt. Token i is chosen from the logits token i - 1 produced (n tokens cost n - 1 steps);
     the loop ends when every row is done."""
+    return jax.lax.while_loop(lambda s: ~is_done(s), _step(params, cfg, rows, req, loops, window, exit),
+                              start(first, seen, pool, req, out_len))
 
-    def step(state: DecodeState) -> DecodeState:
-        seen, counts = feed(state, state.last)
-        x, pool = paged.forward(params, cfg, state.own, _decoding(rows, state), state.last[:, None], loops, window,
-                                exit, req.seed)
-        tok = select_tokens(tf.lm_head(params, cfg, x[:, 0]), seen, req, state.step + 1, counts)
-        return emit(state.replace(seen=seen, counts=counts, own=pool, step=state.step + 1), tok, req)
 
-    return jax.lax.while_loop(lambda s: ~is_done(s), step, start(first, seen, pool, req, out_len))
+begin = jax.jit(start, static_argnames=("out_len",), donate_argnames=("own",))
+
+
+@partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("state",))
+def decode_more(params: Params, cfg: ModelConfig, state: DecodeState, rows: paged.Rows, req: Request,
+                limit: jax.Array, loops: int, window: int, exit: tf.Exit | None = None) -> DecodeState:
+    """`decode`'s loop resumed from `state` (`begin`: the first tokens emitted) until every row
+    is done or holds `limit` tokens: a burst, after which the caller streams what came and
+    calls again (`Conversation`)."""
+    return jax.lax.while_loop(lambda s: jnp.any(~s.done & (s.n < limit)),
+                              _step(params, cfg, rows, req, loops, window, exit), state)
 
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len", "draft_loops", "lookahead"),
