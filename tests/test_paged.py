@@ -239,6 +239,27 @@ def test_partial_last_page_of_a_finished_request_is_matched_to_the_token():
     assert book.match_tail([5, 6, 7, 8, 3], 1) is None and book.match_tail([1, 2, 3, 4, 9], 1) is None
 
 
+def test_a_prompts_partial_page_indexed_at_its_end_grows_with_the_answer():
+    """The engine indexes a prompt's partial last page when its last chunk runs (siblings and
+    repeats copy it at once); its holder then writes the answer after it, and at release the
+    page is indexed again under the longer tokens: one node, no new reference, no error."""
+    book = PageBook(n_pages=4, page_size=4)
+    pages = book.alloc(2)
+    book.insert([5, 6, 7, 8, 9], pages, partial=True)  # the prompt: a full page and one token
+    assert book.match_tail([5, 6, 7, 8, 9, 1], 1) == (pages[1], 1)
+    refs = list(book.refs)
+    book.insert([5, 6, 7, 8, 9, 10, 11], pages, partial=True)  # at release: prompt + answer so far
+    assert book.refs == refs and book.indexed() == set(pages)
+    assert book.match_tail([5, 6, 7, 8, 9, 10, 11, 2], 1) == (pages[1], 3)
+    assert book.match_tail([5, 6, 7, 8, 9, 3], 1) == (pages[1], 1)
+    book.release(pages)
+    assert book.evict(4) == 2 and book.free == 4 and not any(book.refs)
+    with pytest.raises(RuntimeError, match="already indexed under other tokens"):  # not a growth: refused
+        p = book.alloc(2)
+        book.insert([1, 2, 3, 4, 9], p, partial=True)
+        book.insert([1, 2, 3, 4, 8, 8], p, partial=True)
+
+
 def test_page_book_refuses_misuse():
     book = PageBook(n_pages=2, page_size=4)
     with pytest.raises(RuntimeError, match="page 0 is free"):

@@ -301,3 +301,20 @@ def test_submit_takes_the_request_as_two_values(model, engine):
         engine.submit(p, plan=tl.DepthPlan(exit_criterion="kl", exit_in_prefill=True))
     with pytest.raises(ValueError, match="pass seed inside the SamplingParams"):
         engine.submit(p, seed=1, params=params)
+
+
+def test_a_repeat_of_a_prompt_copies_its_partial_last_page(model):
+    """A prompt's partial last page is shareable once its last chunk runs: a request with the same
+    prompt admitted while the first decodes (as `n > 1` siblings are) reads every token of it but
+    the last (its full pages in place, the partial one copied before it writes), and one after
+    the first finished reads the page it wrote on; all equal `generate`."""
+    p = (np.arange(37, dtype=np.int32) * 5) % 128
+    with tl.Engine(model, **ENGINE) as eng:
+        first = eng.submit(p, max_tokens=12)
+        next(iter(first.stream()))
+        second = eng.submit(p, max_tokens=9, temperature=0.7, seed=4)
+        assert second.result() == model.generate(p, max_tokens=9, temperature=0.7, seed=4)
+        assert first.result() == model.generate(p, max_tokens=12)
+        third = eng.submit(first.result()[:45], max_tokens=5)
+        assert third.result() == model.generate(first.result()[:45], max_tokens=5)
+    assert second.prefix_tokens == 36 and third.prefix_tokens == 44

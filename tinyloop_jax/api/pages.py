@@ -158,15 +158,24 @@ class PageBook:
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int], partial: bool = False, ns=None) -> int:
         """Index tokens' full pages: pages[i] holds tokens[i P:(i + 1) P] (held by the caller);
-        with `partial`, the last page too if it is partial (a page no one will write again:
-        later readers copy it). A chunk already indexed keeps its page; a new one is indexed with
-        a reference of the index's own. Returns how many pages were newly indexed."""
+        with `partial`, the last page too if it is partial (its tokens are never written again;
+        later readers copy the page before writing after them; a page indexed partial whose
+        holder wrote on is indexed again under its longer tokens). A chunk already indexed keeps
+        its page; a new one is indexed with a reference of the index's own. Returns how many
+        pages were newly indexed."""
         node, now, added = self._root(ns), next(self._clock), 0
         chunks = self._chunks(tokens)
         if partial and len(tokens) % self.page_size and len(pages) > len(chunks):
             chunks.append(tuple(int(x) for x in tokens[len(chunks) * self.page_size:]))
         for c, p in zip(chunks, pages):
             child = node.children.get(c)
+            grown = self._nodes.get(p)
+            if child is None and grown is not None and grown.parent is node and len(grown.key) < len(c) \
+                    and c[:len(grown.key)] == grown.key:
+                # indexed partial (a prompt's last page) and written on since (its answer): the key grows
+                del node.children[grown.key]
+                grown.key, child = c, grown
+                node.children[c] = grown
             if child is None:
                 if p in self._nodes:  # a page indexed elsewhere cannot hold these tokens too
                     raise RuntimeError(f"page {p} is already indexed under other tokens")

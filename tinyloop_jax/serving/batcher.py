@@ -382,8 +382,8 @@ class Batcher:
             if chunk is not None:
                 r, n, final = chunk
                 r.fed += n
-                if self.prefix_cache:  # its full pages: shareable from now on
-                    d.book.insert(r.handle.prompt[:r.fed], r.pages, ns=self.namespace(r.handle))
+                if self.prefix_cache:  # its full pages (and at its end its partial last one): shareable now
+                    d.book.insert(r.handle.prompt[:r.fed], r.pages, partial=final, ns=self.namespace(r.handle))
                 self.stats["prefill_chunks"] += 1
                 counts["tokens_computed"] += n
                 counts["passes"] += n * d.loops
