@@ -341,7 +341,9 @@ class Batcher:
             lengths = [r.fed + len(r.handle.tokens) + r.ahead for r in decoding]  # positions after the step
             if chunk is not None:
                 lengths.append(chunk[0].fed + chunk[1])
-            R = self.table_len(max(lengths))
+            burst = chunk is None and not d.adaptive  # decode rows alone: `decode_steps`, 1 step or a burst
+            many = self.decode_steps if burst and not self.waiting else 1  # (nothing to admit: n in one program)
+            R = self.table_len(max(lengths) + many - 1)
             chunks = decodes = None
             T = bd = 0
             if chunk is not None:
@@ -352,19 +354,13 @@ class Batcher:
             if decoding or not d.adaptive:  # (a chunk alone: beside one filler decode row, one program fewer)
                 bd = next(b for b in batch_buckets(self.max_batch) if b >= len(decoding))
                 starts = [r.fed + len(r.handle.tokens) + r.ahead - 1 for r in decoding]
+                left = [r.handle.params.max_tokens - len(r.handle.tokens) - r.ahead for r in decoding]
                 decodes = S.make_decodes([r.pages for r in decoding], starts, [r.slot for r in decoding],
                                          [len(r.handle.tokens) + r.ahead for r in decoding], R, bd,
-                                         [r.handle.cache_window for r in decoding])
+                                         [r.handle.cache_window for r in decoding], left if burst else None)
             w, jits = self.model.weights, self.jits(d.loops)
             dtok = passes = None
-            many = 1
-            if chunks is None and decoding and not d.adaptive:  # decode rows alone: 1 step, or a burst
-                many = 1 if self.waiting else self.decode_steps  # (nothing to admit: n steps in one program)
-                left = [r.handle.params.max_tokens - len(r.handle.tokens) - r.ahead for r in decoding]
-                R = self.table_len(max(lengths) + many - 1)
-                decodes = S.make_decodes([r.pages for r in decoding], starts, [r.slot for r in decoding],
-                                         [len(r.handle.tokens) + r.ahead for r in decoding], R, bd,
-                                         [r.handle.cache_window for r in decoding], left)
+            if burst:
                 dtok, d.pool, d.state = self._run(("steps", d.loops, bd, R), jits["decode_steps"], w.params,
                                                   w.config, d.pool, d.state, decodes, np.int32(many), loops=d.loops,
                                                   n_max=self.decode_steps, exit=d.exit)
