@@ -25,6 +25,7 @@ import tinyloop_jax as tl
 openai = pytest.importorskip("openai", reason="the test extra installs the openai client")
 pytest.importorskip("uvicorn", reason="the serve extra installs uvicorn")
 
+from conftest import tiny_config  # noqa: E402
 from test_server import Server  # noqa: E402
 
 MAX = 12  # tokens per answer: SmolLM2 answers these questions within it
@@ -224,3 +225,28 @@ def test_engine_requests_in_flight_equal_generate(smollm2):
     system_tokens = len(tok.apply_chat_template([dict(role="system", content=SYSTEM)], tokenize=True))
     assert all(h.prefix_tokens >= system_tokens - 16 for h in handles[1:])  # the shared pages, at least
     assert s["mean_batch_size"] > 1.5
+
+
+@pytest.mark.slow
+def test_conversation_takes_the_request_as_values(smollm2):
+    """`Conversation(params=SamplingParams, plan=DepthPlan)` answers as its keywords do (a
+    sampled turn, the same seed)."""
+    model, tok = smollm2
+    by_values = tl.Conversation(model, tok, params=tl.SamplingParams(max_tokens=MAX, temperature=0.9, seed=4),
+                                plan=tl.DepthPlan(loops=1))
+    by_keywords = tl.Conversation(model, tok, max_tokens=MAX, temperature=0.9, seed=4, loops=1)
+    assert "".join(by_values.send(FRANCE)) == "".join(by_keywords.send(FRANCE))
+    assert by_values.turns[0].answer == by_keywords.turns[0].answer
+
+
+def test_conversation_refuses_what_it_cannot_run():
+    class Tok:
+        chat_template, eos_token_ids = "{{ messages }}", [0]
+
+    model = tl.Model.random(tiny_config(), seed=0)
+    with pytest.raises(ValueError, match="fixed depth .* exit_criterion"):
+        tl.Conversation(model, Tok(), plan=tl.DepthPlan(exit_criterion="kl", exit_threshold=0.1))
+    with pytest.raises(ValueError, match="take no stop_sequences"):
+        tl.Conversation(model, Tok(), params=tl.SamplingParams(stop_sequences=((1,),)))
+    with pytest.raises(ValueError, match="pass temperature inside the SamplingParams"):
+        tl.Conversation(model, Tok(), temperature=0.5, params=tl.SamplingParams())

@@ -195,3 +195,29 @@ def test_a_request_as_two_values_equals_the_keywords():
         model.generate(p, loops=3, plan=tl.DepthPlan(loops=2))
     with pytest.raises(ValueError, match="expected a DepthPlan"):
         model.generate(p, plan=dict(loops=2))
+
+
+def test_batch_calls_take_the_request_as_values():
+    """The batch calls take params (one `SamplingParams` for every row, or a list of one per
+    row) and plan (a `DepthPlan`): the same tokens as the keywords (`seeds`, per-row stops)."""
+    model = tl.Model.random(tiny_config(kv_mode="fp32"), seed=0)
+    prompts = [prompt_of(9, seed=3), prompt_of(5, seed=4)]
+    rows = [tl.SamplingParams(max_tokens=6, temperature=0.8, seed=s, stop_sequences=st)
+            for s, st in ((1, ((3, 4),)), (7, ()))]
+    plan = tl.DepthPlan(loops=3, exit_criterion="latent-diff", exit_threshold=0.5)
+    kw = dict(max_tokens=6, temperature=0.8, seeds=[1, 7], stop_sequences=[[[3, 4]], []], loops=3,
+              exit_criterion="latent-diff", exit_threshold=0.5)
+    assert model.generate_batch(prompts, params=rows, plan=plan) == model.generate_batch(prompts, **kw)
+    prefix = model.build_prefix_cache(prompts[0][:6], loops=3)
+    suffixes = [prompts[0][6:], []]
+    assert model.generate_batch_from_prefix_cache(prefix, suffixes, params=rows, plan=plan) == \
+        model.generate_batch_from_prefix_cache(prefix, suffixes, **kw)
+    one = tl.SamplingParams(max_tokens=4, temperature=0.5, seed=2)
+    assert model.generate_batch(prompts, params=one) == \
+        model.generate_batch(prompts, max_tokens=4, temperature=0.5, seeds=[2, 2])
+    with pytest.raises(ValueError, match="pass seeds inside the SamplingParams or as keywords"):
+        model.generate_batch(prompts, params=rows, seeds=[1, 2])
+    with pytest.raises(ValueError, match="params has 1 SamplingParams for 2 requests"):
+        model.generate_batch(prompts, params=rows[:1])
+    with pytest.raises(ValueError, match="draft_loops=1: a batch call does not speculate"):
+        model.generate_batch(prompts, plan=tl.DepthPlan(loops=2, draft_loops=1))

@@ -11,11 +11,12 @@ from .decoding.sampling import Request, SamplingParams
 from .api.validation import DepthPlan
 from .serving.engine import Engine
 from .api.store import PrefixStore
+from .api.chat import Conversation
 from .formats.hub import model_path
 from .formats.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from .model.transformer import Exit
 
-__all__ = ["ByteTokenizer", "DepthPlan", "Engine", "Exit", "HFTokenizer", "KV_MODES", "KVCache", "Model", "ModelConfig",
-           "PrefixCache", "PrefixStore", "Request", "ResumeHandle", "SamplingParams", "Weights", "functional",
-           "load_tokenizer", "model_path"]
+__all__ = ["ByteTokenizer", "Conversation", "DepthPlan", "Engine", "Exit", "HFTokenizer", "KV_MODES", "KVCache",
+           "Model", "ModelConfig", "PrefixCache", "PrefixStore", "Request", "ResumeHandle", "SamplingParams",
+           "Weights", "functional", "load_tokenizer", "model_path"]
 __version__ = "0.1.0"

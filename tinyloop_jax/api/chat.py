@@ -35,7 +35,7 @@ from . import functional as F
 from . import validation as check
 from .prefix import PrefixCache
 from ..decoding import paged_decode, programs
-from ..decoding.sampling import Request
+from ..decoding.sampling import Request, SamplingParams
 from ..model import cache as kvc
 from ..model import paged
 
@@ -104,6 +104,7 @@ MIN_CAPACITY = 256
 # at least this many: most turns add fewer, so a chat compiles about one prefill program per
 # capacity (a compile of a 30-block model costs seconds; 31 padding tokens, milliseconds).
 MIN_CHUNK = 32
+MAX_TOKENS = 512  # an answer's default length
 BURST = 8  # tokens decoded on the device between two looks of the host (streamed text)
 
 
@@ -120,12 +121,15 @@ class Conversation:
     its cache (a `PrefixCache` of prompt + answers, each end-of-turn token included) and
     `turns[-1]` what the turn did. Generation stops at `tokenizer.eos_token_ids` or after
     `max_tokens`. `reset()` starts over (keeping `system`); `turns` is a log of every turn.
-    ValueError if the tokenizer has no chat template or an argument is bad.
+    The sampling keywords may come as one `SamplingParams` (params=) and the depth as a
+    `DepthPlan` (plan=: loops and an exit pick). ValueError if the tokenizer has no chat
+    template or an argument is bad.
     """
 
-    def __init__(self, model, tokenizer, system: str | None = None, loops: int | None = None, max_tokens: int = 512,
-                 temperature: float = 0.0, top_k: int = 50, top_p: float = 1.0, repetition_penalty: float = 1.0,
-                 seed: int = 0):
+    def __init__(self, model, tokenizer, system: str | None = None, loops: int | None = None,
+                 max_tokens: int | None = None, temperature: float = 0.0, top_k: int = 50, top_p: float = 1.0,
+                 repetition_penalty: float = 1.0, seed: int = 0, params: SamplingParams | None = None,
+                 plan: check.DepthPlan | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template: chat needs an instruction-tuned model "
                              "(e.g. --model smollm2)")
@@ -133,12 +137,24 @@ class Conversation:
             raise ValueError(f"system must be a string or None, got {type(system).__name__}")
         self.model, self.tokenizer, self.system = model, tokenizer, system
         c = model.weights.config
-        self.loops = c.default_loops if loops is None else check.loops(loops)
+        given = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                     repetition_penalty=repetition_penalty)
+        if max_tokens is not None or params is None:  # a chat's answers default to 512 tokens
+            given["max_tokens"] = MAX_TOKENS if max_tokens is None else max_tokens
+        fields = check.one_value(SamplingParams, params, given)
+        d = check.one_value(check.DepthPlan, plan, dict(loops=loops))
+        fixed = ("loops", "exit_at_step", "early_exit_threshold")
+        other = sorted(k for k, v in d.items() if k not in fixed and v != getattr(check.DepthPlan, k))
+        if other:
+            raise ValueError("a Conversation runs at a fixed depth (loops and an exit pick); its plan sets "
+                             + ", ".join(other))
+        self.loops = c.default_loops if d["loops"] is None else check.loops(d["loops"])
         self.eos = list(tokenizer.eos_token_ids)
-        self.params = check.sampling_params(c.vocab_size, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                                            top_p=top_p, repetition_penalty=repetition_penalty, seed=seed,
-                                            stop_sequences=[[i] for i in self.eos])
-        self._exit = model.exit_for(self.loops)
+        if fields.get("stop_sequences"):
+            raise ValueError("a Conversation stops at the tokenizer's end-of-turn tokens; its params take no "
+                             "stop_sequences")
+        self.params = check.sampling_params(c.vocab_size, **dict(fields, stop_sequences=[[i] for i in self.eos]))
+        self._exit = model.exit_for(self.loops, d.get("exit_at_step"), d.get("early_exit_threshold"))
         self.turns: list[Turn] = []
         self.reset()
 

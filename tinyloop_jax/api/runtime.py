@@ -178,8 +178,16 @@ class Model:
         return (self._sampling(**check.one_value(SamplingParams, params, pick(check.SAMPLING_FIELDS))),
                 check.one_value(check.DepthPlan, plan, pick(check.PLAN_FIELDS)))
 
-    def _batch_sampling(self, n: int, **fields) -> list[SamplingParams]:
-        return check.batch_sampling_params(self._config.vocab_size, n, **fields)
+    def _batch_request(self, n: int, params, plan, keywords: dict) -> tuple[list[SamplingParams], dict]:
+        """A batch call's values: one SamplingParams per request (`params`: one for every row or
+        a list of one per row; else the keywords, `seeds` per row) and its DepthPlan's fields."""
+        sampling = [k for k in check.SAMPLING_FIELDS if k != "seed"] + ["seeds"]
+        rows = check.batch_request(self._config.vocab_size, n, params, {k: keywords[k] for k in sampling})
+        d = check.one_value(check.DepthPlan, plan, {k: keywords[k] for k in check.PLAN_FIELDS if k in keywords})
+        if d.get("draft_loops") is not None:
+            raise ValueError(f"draft_loops={d['draft_loops']}: a batch call does not speculate; call generate per "
+                             "request, or submit them to an Engine")
+        return rows, d
 
     def _tokens(self, ids, name: str = "prompt", allow_empty: bool = False) -> np.ndarray:
         return check.tokens(ids, self._config.vocab_size, name=name, allow_empty=allow_empty)
@@ -380,26 +388,27 @@ class Model:
                                          presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                                          logit_bias=None, exit_criterion: str | None = None, min_steps: int = 0,
                                          check_every: int = 1, exit_in_prefill: bool = False,
-                                         continuous_compute: bool = False) -> list[list[int]]:
+                                         continuous_compute: bool = False, params=None,
+                                         plan: check.DepthPlan | None = None) -> list[list[int]]:
         """N requests off one prefix, decoded together: the i-th result equals
         `generate_from_prefix_cache(prefix, suffix=suffixes[i], seed=seeds[i], ...)`.
 
         Suffixes may differ in length (or be empty). `stop_sequences` is one list for all
-        requests or one list per request; `seeds` one per request (default 0 each). The prefix
-        is read once per step for the whole batch and never copied or written.
+        requests or one list per request; `seeds` one per request (default 0 each). Or the
+        request as values: params (one `SamplingParams` for every request, or a list of one
+        per request) and plan (one `DepthPlan`). The prefix is read once per step for the
+        whole batch and never copied or written.
         """
         w = self.weights
-        loops, window, _ = self._prefix_call(prefix, loops, cache_window, None)
         suffixes = check.token_lists(suffixes, self._config.vocab_size, "suffixes", allow_empty=True)
-        params = self._batch_sampling(len(suffixes), seeds=seeds, stop_sequences=stop_sequences, max_tokens=max_tokens,
-                                      temperature=temperature, top_k=top_k, top_p=top_p,
-                                      repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                                      frequency_penalty=frequency_penalty, logit_bias=logit_bias)
+        params, d = self._batch_request(len(suffixes), params, plan, locals())
+        loops, window, _ = self._prefix_call(prefix, d["loops"], cache_window, None)
         req = Request.from_params(params)
-        ada = self._adaptive(len(suffixes), loops, exit_criterion, exit_threshold, min_steps, check_every,
-                             exit_in_prefill, continuous_compute, None, exit_at_step, prefix=True)
-        ex = None if ada else self.exit_for(loops, exit_at_step, early_exit_threshold)
-        self._check_length(len(prefix) + max(len(x) for x in suffixes) + params[0].max_tokens,
+        ada = self._adaptive(len(suffixes), loops, d["exit_criterion"], d["exit_threshold"], d["min_steps"],
+                             d["check_every"], d["exit_in_prefill"], d["continuous_compute"], None, d["exit_at_step"],
+                             prefix=True)
+        ex = None if ada else self.exit_for(loops, d["exit_at_step"], d["early_exit_threshold"])
+        self._check_length(len(prefix) + max(len(x) for x in suffixes) + max(p.max_tokens for p in params),
                            "prefix + longest suffix + max_tokens")
         F.check_fits(w, [len(x) for x in suffixes], req, loops, window, prefix_len=len(prefix))
         state = F.decode(w, prefix, suffixes, req, loops, window, exit=ex, adaptive=ada)
@@ -413,20 +422,20 @@ class Model:
                        early_exit_threshold: float | None = None,
                        frequency_penalty: float = 0.0, logit_bias=None,
                        exit_criterion: str | None = None, min_steps: int = 0, check_every: int = 1,
-                       exit_in_prefill: bool = False, continuous_compute: bool = False) -> list[list[int]]:
+                       exit_in_prefill: bool = False, continuous_compute: bool = False, params=None,
+                       plan: check.DepthPlan | None = None) -> list[list[int]]:
         """Unrelated prompts decoded together (ragged, padded and masked): the i-th result
-        equals `generate(prompts[i], seed=seeds[i], ...)`."""
+        equals `generate(prompts[i], seed=seeds[i], ...)`. params / plan: as in
+        `generate_batch_from_prefix_cache`."""
         w = self.weights
         prompts = check.token_lists(prompts, self._config.vocab_size, "prompts", allow_empty=False)
-        loops, window = self._loops(loops), check.cache_window(cache_window)
-        params = self._batch_sampling(len(prompts), seeds=seeds, stop_sequences=stop_sequences, max_tokens=max_tokens,
-                                      temperature=temperature, top_k=top_k, top_p=top_p,
-                                      repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                                      frequency_penalty=frequency_penalty, logit_bias=logit_bias)
-        ada = self._adaptive(len(prompts), loops, exit_criterion, exit_threshold, min_steps, check_every,
-                             exit_in_prefill, continuous_compute, None, exit_at_step)
-        ex = None if ada else self.exit_for(loops, exit_at_step, early_exit_threshold)
-        self._check_length(max(len(x) for x in prompts) + params[0].max_tokens, "longest prompt + max_tokens")
+        params, d = self._batch_request(len(prompts), params, plan, locals())
+        loops, window = self._loops(d["loops"]), check.cache_window(cache_window)
+        ada = self._adaptive(len(prompts), loops, d["exit_criterion"], d["exit_threshold"], d["min_steps"],
+                             d["check_every"], d["exit_in_prefill"], d["continuous_compute"], None, d["exit_at_step"])
+        ex = None if ada else self.exit_for(loops, d["exit_at_step"], d["early_exit_threshold"])
+        self._check_length(max(len(x) for x in prompts) + max(p.max_tokens for p in params),
+                           "longest prompt + max_tokens")
         state = F.generate(w, prompts, Request.from_params(params), loops, window, exit=ex, adaptive=ada)
         return self._lists(state, [x.tolist() for x in prompts], None)
 

@@ -272,3 +272,22 @@ def batch_sampling_params(vocab_size: int, n: int, seeds=None, stop_sequences=()
     per_seed, per_stops = seed_list(seeds, n), batch_stop_sequences(stop_sequences, n, vocab_size)
     return [dataclasses.replace(shared, seed=s, stop_sequences=tuple(tuple(x) for x in stops))
             for s, stops in zip(per_seed, per_stops)]
+
+
+def batch_request(vocab_size: int, n: int, params, fields: dict) -> list[SamplingParams]:
+    """N requests' SamplingParams from a batch call's `params` (one SamplingParams for every
+    row, or a list of one per row; each checked) or from its keywords (`fields`: the sampling
+    keywords with `seeds` for `seed`, `batch_sampling_params`), never both."""
+    if params is None:
+        return batch_sampling_params(vocab_size, n, **fields)
+    rows = [params] * n if isinstance(params, SamplingParams) else params
+    if not isinstance(rows, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in rows):
+        raise ValueError(f"params must be a SamplingParams or a list of one per request, got {type(params).__name__}")
+    if len(rows) != n:
+        raise ValueError(f"params has {len(rows)} SamplingParams for {n} requests")
+    defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams)} | {"seeds": None}
+    given = sorted(k for k, v in fields.items() if not _same(v, defaults[k]))
+    if given:
+        raise ValueError(f"pass {', '.join(given)} inside the SamplingParams or as keywords, not both")
+    return [sampling_params(vocab_size, **dataclasses.asdict(p)) for p in rows]
+
