@@ -33,7 +33,7 @@ PIN = "llama-cpp-python==0.3.36"
 # amx_int8, but a process that used AMX tiles died with SIGILL (a -march=native build did, in its
 # first eval). Another machine of the same kind had no AVX-512 at all.
 ISAS = {"AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "BMI2": "bmi2", "AVX_VNNI": "avx_vnni",
-        "AVX512": "avx512f", "AVX512_VBMI": "avx512_vbmi", "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16"}
+        "AVX512": "avx512f", "AVX512_VBMI": "avx512vbmi", "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16"}
 
 
 def cpu_flags() -> set[str]:

