@@ -72,9 +72,12 @@ def test_cli_generate_console_script():
 
 @pytest.mark.slow
 def test_cli_demo(capsys):
-    r = tinyloop(capsys, "demo", "--questions", "2", "--max-tokens", "24")
+    """The demo offline on the bundled model: the three arms timed, SHARED's and SERVED's
+    (greedy) answers equal to NO_CACHE's."""
+    r = tinyloop(capsys, "demo", "--model", BUNDLED, "--questions", "2", "--max-tokens", "24")
     assert r.returncode == 0, r.stderr
-    assert "NO_CACHE" in r.stdout and "SHARED" in r.stdout and "speedup" in r.stdout
+    assert all(f"\n{arm} " in r.stdout for arm in ("NO_CACHE", "SHARED", "SERVED")) and "speedup" in r.stdout
+    assert "answers equal NO_CACHE's token for token: SHARED yes, SERVED yes" in r.stdout
 
 
 def test_cli_eval(capsys):

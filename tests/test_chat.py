@@ -250,3 +250,18 @@ def test_conversation_refuses_what_it_cannot_run():
         tl.Conversation(model, Tok(), params=tl.SamplingParams(stop_sequences=((1,),)))
     with pytest.raises(ValueError, match="pass temperature inside the SamplingParams"):
         tl.Conversation(model, Tok(), temperature=0.5, params=tl.SamplingParams())
+
+
+@pytest.mark.slow
+def test_demo_on_smollm2_shares_the_document_and_answers_alike(smollm2):
+    """`tinyloop demo` on SmolLM2: a document of a few hundred tokens shared by the questions;
+    SHARED's and SERVED's greedy answers equal NO_CACHE's token for token, in real sentences."""
+    from tinyloop_jax import demo
+
+    model, tok = smollm2
+    res = demo.run(model, tok, 2, max_tokens=16)
+    assert res.document_tokens > 300
+    assert res.same("SHARED") and res.same("SERVED")
+    assert all(len(a) > 3 for a in res.answers["NO_CACHE"])
+    out = demo.report(res, tok, 1)
+    assert "SHARED yes, SERVED yes" in out and "Eiffel" in out

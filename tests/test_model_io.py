@@ -72,7 +72,8 @@ def test_checkpoints_from_before_the_llama_family_load_unchanged():
     """The bundled checkpoint and the GPT-2 folder, saved before loop stacks and Llama blocks
     existed: same fingerprint (config description + every weight) and the same greedy output as
     the code before that change gave (recorded on commit ee51fae)."""
-    from tinyloop_jax.cli import BUNDLED, QUESTIONS, SYSTEM_PROMPT
+    from tinyloop_jax.cli import BUNDLED
+    from tinyloop_jax.demo import BYTE_DOCUMENT as SYSTEM_PROMPT, BYTE_QUESTIONS as QUESTIONS
     bundled = tl.Model.load(BUNDLED)
     assert bundled.fingerprint == "c7c5d1fc0f6aa9b4cef02932f706990632592fdba592d7943e1932fa4a0a67bf"
     tok = tl.ByteTokenizer()

@@ -8,30 +8,10 @@ import os
 import sys
 import time
 
-import numpy as np
 
 from .model.kv_modes import KV_MODES
 
 BUNDLED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "tinyloop-pydoc")
-
-# The bundled model has a 256-byte context: prompt + question + answer must fit in it.
-SYSTEM_PROMPT = (
-    "The \"pass\" statement\n**********************\n\n"
-    "\"pass\" is a null operation -- when it is executed, nothing happens.\n\n"
-)
-# pydoc-style section titles; the asterisk underline is added so the model starts on the body
-TITLES = ["The \"while\" statement", "The \"import\" statement", "The \"return\" statement",
-          "The \"del\" statement", "The \"for\" statement", "The \"global\" statement",
-          "Boolean operations", "Comparisons"]
-QUESTIONS = [f"{t}\n{'*' * len(t)}\n\n" for t in TITLES]
-# The same demo with a chat model: one system message, questions through its chat template.
-CHAT_SYSTEM = ("You are a helpful assistant running on tinyloop, a small inference runtime. Answer every question "
-               "in one or two plain sentences, without lists, headings or code. If you are not sure of a fact, say "
-               "so briefly instead of guessing. Do not greet the user and do not sign off.")
-CHAT_QUESTIONS = ["What is the capital of France?", "Why is the sky blue?", "What does a compiler do?",
-                  "Name three primary colors.", "What is the boiling point of water?",
-                  "Who wrote Romeo and Juliet?", "What is photosynthesis?", "How many legs does a spider have?"]
-
 
 class UsageError(Exception):
     """A user mistake: printed as one line, exit code 2."""
@@ -106,61 +86,29 @@ def cmd_generate(args) -> None:
     print(f"\n[{len(out) - len(prompt)} tokens in {ms:.0f} ms, loops={loops}]", file=sys.stderr)
 
 
-def _demo_prompts(tok, n: int):
-    """(shared prefix ids, its text, [(question ids, question text)]): pydoc sections for the
-    bundled byte model, else a system message and questions through the model's chat template,
-    each question's ids being its rendering after the shared system part."""
-    if not getattr(tok, "chat_template", None):
-        return (tok.encode(SYSTEM_PROMPT), SYSTEM_PROMPT.rstrip(),
-                [(tok.encode(q, special=False), q) for q in (QUESTIONS * 4)[:n]])
-    system = [dict(role="system", content=CHAT_SYSTEM)]
-    head = tok.apply_chat_template(system, add_generation_prompt=False, tokenize=True)
-    out = []
-    for q in (CHAT_QUESTIONS * 4)[:n]:
-        ids = tok.apply_chat_template(system + [dict(role="user", content=q)], tokenize=True)
-        if not np.array_equal(ids[:len(head)], head):
-            raise RuntimeError("the chat template does not render the system message as a prefix of the chat")
-        out.append((ids[len(head):], q))
-    return head, f"system: {CHAT_SYSTEM}", out
+def _demo_model(args):
+    """The demo's model: --model, else SmolLM2 when its file is cached or can be fetched, else
+    the bundled model (offline)."""
+    from .formats import hub
+
+    if args.model is None:
+        try:
+            hub.model_path("smollm2")
+            args.model = "smollm2"
+        except (RuntimeError, OSError) as e:
+            print(f"tinyloop demo: SmolLM2 could not be fetched ({e}); the bundled model instead", file=sys.stderr)
+    return _model_and_tokenizer(args)
 
 
 def cmd_demo(args) -> None:
-    model, tok = _model_and_tokenizer(args)
-    system, system_text, qs = _demo_prompts(tok, args.questions)
-    questions = [q for q, _ in qs]
-    eot = getattr(tok, "eos_token_ids", None) if getattr(tok, "chat_template", None) else None
+    from . import demo
+
+    model, tok = _demo_model(args)
     kw = dict(max_tokens=args.max_tokens, loops=args.loops, temperature=args.temperature, top_k=args.top_k,
               seed=args.seed)
-    if eot:
-        kw["stop_sequences"] = [[i] for i in eot]
-    # compile every program once so the timings below measure serving, not compiling
-    warm = model.build_prefix_cache(system, loops=args.loops)
-    model.generate_from_prefix_cache(warm, suffix=questions[0], **kw)
-    model.generate(np.concatenate([system, questions[0]]), **kw)
-
-    t = time.perf_counter()
-    for q in questions:
-        model.generate(np.concatenate([system, q]), **kw)
-    no_cache = time.perf_counter() - t
-    t = time.perf_counter()
-    prefix = model.build_prefix_cache(system, loops=args.loops)
-    answers = [model.generate_from_prefix_cache(prefix, suffix=q, **kw) for q in questions]
-    shared = time.perf_counter() - t
-
-    unit = "tokens" if eot else "bytes"
-    print(f"shared system prompt ({len(system)} {unit}, loops={prefix.loops}, "
-          f"prefix cache {prefix.nbytes / 2**20:.2f} MiB):\n")
-    print(system_text)
-    for (q, text), a in zip(qs, answers):
-        print("\n" + "-" * 60)
-        answer = tok.decode(a[len(system) + len(q):])
-        print(f"user: {text}\nassistant: {answer.strip()}" if eot else tok.decode(q) + answer)
-    n = len(questions)
-    print("\n" + "-" * 60)
-    print(f"{'arm':<10}{'requests':>10}{'total ms':>12}{'ms/request':>12}")
-    print(f"{'NO_CACHE':<10}{n:>10}{no_cache * 1e3:>12.0f}{no_cache * 1e3 / n:>12.0f}")
-    print(f"{'SHARED':<10}{n:>10}{shared * 1e3:>12.0f}{shared * 1e3 / n:>12.0f}")
-    print(f"speedup: {no_cache / shared:.2f}x")
+    res = demo.run(model, tok, args.questions, **kw)
+    loops = model.config()["default_loops"] if args.loops is None else args.loops
+    print(demo.report(res, tok, loops))
 
 
 def cmd_chat(args) -> None:
@@ -324,12 +272,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(func=cmd_generate)
 
-    d = sub.add_parser("demo", parents=[common], help="one shared system prompt, many questions")
-    d.add_argument("--questions", type=int, default=4)
-    d.add_argument("--max-tokens", type=int, default=88)
+    d = sub.add_parser("demo", parents=[common], help="one shared document, many questions: NO_CACHE vs SHARED "
+                       "vs SERVED (default model: smollm2 when it can be fetched, else the bundled one)")
+    d.add_argument("--questions", type=int, default=6)
+    d.add_argument("--max-tokens", type=int, default=48)
     d.add_argument("--loops", type=int, default=None)
-    d.add_argument("--temperature", type=float, default=0.6)
-    d.add_argument("--top-k", type=int, default=20)
+    d.add_argument("--temperature", type=float, default=0.0)
+    d.add_argument("--top-k", type=int, default=50)
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_demo)
 
