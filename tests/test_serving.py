@@ -318,3 +318,18 @@ def test_a_repeat_of_a_prompt_copies_its_partial_last_page(model):
         third = eng.submit(first.result()[:45], max_tokens=5)
         assert third.result() == model.generate(first.result()[:45], max_tokens=5)
     assert second.prefix_tokens == 36 and third.prefix_tokens == 44
+
+
+def test_requests_arriving_together_read_the_first_ones_pages(model, engine):
+    """Requests submitted together over one long system prompt: the first prefills it, the
+    others wait for its pages to be written and read them (instead of each prefilling the
+    prompt again); an unrelated request behind them is served too; all equal `generate`."""
+    rng = np.random.default_rng(31)
+    system = rng.integers(0, 128, 70)  # 4 full pages, 5 chunks of 16
+    work = [np.concatenate([system, rng.integers(0, 128, 3 + i)]) for i in range(3)] + [rng.integers(0, 128, 20)]
+    waits = engine.stats().get("prefix_waits", 0)
+    handles = [engine.submit(p, max_tokens=6) for p in work]
+    for p, h in zip(work, handles):
+        assert h.result() == model.generate(p, max_tokens=6)
+    assert handles[0].prefix_tokens == 0 and all(h.prefix_tokens >= 64 for h in handles[1:3])
+    assert handles[3].prefix_tokens == 0 and engine.stats().get("prefix_waits", 0) > waits

@@ -221,6 +221,9 @@ class Batcher:
         # at least the last token is computed (its logits)
         ns = self.namespace(h)
         shared = d.book.match(h.prompt[:n - 1], ns) if self.prefix_cache else []
+        if self.prefix_cache and self._written_soon(d, h, ns, len(shared)):
+            self.stats["prefix_waits"] += 1
+            return False
         d.book.retain(shared)
         try:
             shared = self._from_store(d, h, shared)
@@ -270,6 +273,22 @@ class Batcher:
         d.prefilling.append(row)
         d.adaptive |= h.policy is not None
         return True
+
+    def _written_soon(self, d: Depth, h: Handle, ns, have: int) -> bool:
+        """A request being prefilled shares more of this prompt's full pages than the index holds
+        (`have`): they are not written yet. The request waits for them, to read them rather than
+        compute them again: its own chunks would run after that request's anyway (prompts are
+        prefilled one after the other), so waiting costs it nothing."""
+        prompt = h.prompt[:len(h.prompt) - 1]
+        if len(prompt) // self.page_size <= have:
+            return False
+        for r in d.prefilling:
+            other = r.handle.prompt
+            m = min(len(other), len(prompt))
+            common = int(np.argmin(np.append(other[:m] == prompt[:m], False)))
+            if common // self.page_size > have and self.namespace(r.handle) == ns:
+                return True
+        return False
 
     def namespace(self, h: Handle):
         """Under which name a request's pages are indexed: what its K/V depend on beside the
