@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", parents=[common], help="one shared document, many questions: NO_CACHE vs SHARED "
                        "vs SERVED (default model: smollm2 when it can be fetched, else the bundled one)")
-    d.add_argument("--questions", type=int, default=6)
+    d.add_argument("--questions", type=int, default=8)
     d.add_argument("--max-tokens", type=int, default=48)
     d.add_argument("--loops", type=int, default=None)
     d.add_argument("--temperature", type=float, default=0.0)

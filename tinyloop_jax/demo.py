@@ -8,9 +8,10 @@
 
 With a chat model (SmolLM2) the document is a few hundred tokens of text and the questions go
 through its chat template; with the bundled byte model (a 256-byte context) it is a pydoc
-section and the questions are section titles. Every arm compiles its programs on a warm-up pass
-over another document first, so the timings are of serving, not compiling. Greedy by default:
-SHARED's and SERVED's answers then equal NO_CACHE's token for token, which `Result.same` checks.
+section and the questions are section titles. Every arm compiles its programs first (the
+engine's warmup, then passes over two other documents), so the timings are of serving, not
+compiling. Greedy by default: SHARED's and SERVED's answers then equal NO_CACHE's token for
+token, which `Result.same` checks.
 """
 
 from __future__ import annotations
@@ -55,16 +56,26 @@ together by 2.5 million rivets. It is repainted every seven years to protect it 
 which takes about 60 tonnes of paint. The tower was almost torn down in 1909, when the permit \
 of twenty years ran out, but it was saved because its antenna proved useful for radio \
 telegraphy. Today it receives about seven million visitors a year, which makes it the most \
-visited monument that charges for entry."""
+visited monument that charges for entry.
+
+The tower has also been a place of science and of stunts. Gustave Eiffel kept a small apartment \
+at the top, where he received guests such as Thomas Edison, and used the tower for experiments \
+on aerodynamics and weather. In 1910 the physicist Theodor Wulf measured radiation at its top \
+and found more than at the ground, one of the first hints of cosmic rays. Its lights were first \
+switched on for the 1900 World's Fair; since 1985 it has been lit from within by sodium lamps, \
+and since the year 2000 it sparkles for five minutes every hour after dark, thanks to 20,000 \
+light bulbs."""
 QUESTIONS = ["How tall is the Eiffel Tower?", "Who is the tower named after?",
-             "Why was the tower almost torn down in 1909?", "How many steps lead to the second level?",
-             "How often is the tower repainted?", "Which building overtook it as the tallest structure?",
-             "How many visitors does the tower receive each year?", "What protects the tower from rust?"]
+             "Why was the tower almost torn down in 1909?", "How often is the tower repainted?",
+             "Which building overtook it as the tallest structure?", "Who did Eiffel receive at the top?",
+             "How many visitors does the tower receive each year?", "When does the tower sparkle?"]
 ASK = ("Answer the user's questions about the following document in one or two sentences, using only what "
        "it says.\n\n")
-# The warm-up pass's document: the same text, its paragraphs in another order (the same
-# programs compile; none of its pages is the timed document's).
-WARM = "\n\n".join(reversed(DOCUMENT.split("\n\n")))
+# The warm-up passes' documents: the same text, its paragraphs in other orders (the same
+# programs compile, the second pass finding the first's pages as the timed one does; no
+# document page of theirs is the timed document's).
+_PARAGRAPHS = DOCUMENT.split("\n\n")
+WARM = ["\n\n".join(_PARAGRAPHS[::-1]), "\n\n".join(_PARAGRAPHS[1:] + _PARAGRAPHS[:1])]
 
 
 @dataclass
@@ -81,14 +92,14 @@ class Result:
         return self.answers[arm] == self.answers["NO_CACHE"]
 
 
-def prompts(tok, n: int, warm: bool = False):
+def prompts(tok, n: int, warm: int | None = None):
     """(shared ids, the shared text, [(question ids, question text)] for n questions). A chat
     model's questions are their rendering through its chat template after the shared system
-    message; the bundled byte model's are pydoc section titles. warm: the warm-up document."""
+    message; the bundled byte model's are pydoc section titles. warm: the i-th warm-up document."""
     if not getattr(tok, "chat_template", None):
-        text = BYTE_DOCUMENT[::-1] if warm else BYTE_DOCUMENT  # the same length, other bytes
+        text = BYTE_DOCUMENT if warm is None else BYTE_DOCUMENT[warm + 1:] + BYTE_DOCUMENT[:warm + 1]  # other bytes
         return (tok.encode(text), text.rstrip(), [(tok.encode(q, special=False), q) for q in (BYTE_QUESTIONS * 4)[:n]])
-    document = WARM if warm else DOCUMENT
+    document = DOCUMENT if warm is None else WARM[warm]
     system = [dict(role="system", content=ASK + document)]
     head = np.asarray(tok.apply_chat_template(system, add_generation_prompt=False, tokenize=True), np.int32)
     out = []
@@ -131,7 +142,9 @@ def run(model, tok, n_questions: int = 6, **kw) -> Result:
         kw = dict(kw, stop_sequences=[[i] for i in tok.eos_token_ids])
     engine = Engine(model, max_batch=len(questions))
     try:
-        _arms(model, engine, prompts(tok, 1, warm=True)[0], questions, kw)  # compile
+        engine.warmup()  # every step program (which ones a pass needs depends on timing)
+        for i in range(len(WARM)):  # the Model path's programs
+            _arms(model, engine, prompts(tok, 1, warm=i)[0], questions, kw)
         answers, seconds, mib = _arms(model, engine, doc, questions, kw)
     finally:
         engine.close()
@@ -141,8 +154,9 @@ def run(model, tok, n_questions: int = 6, **kw) -> Result:
 def report(res: Result, tok, loops: int) -> str:
     chat = getattr(tok, "chat_template", None)
     unit = "tokens" if chat else "bytes"
+    shown = res.document if len(res.document) <= 300 else res.document[:240].rsplit(" ", 1)[0] + " [...]"
     lines = [f"shared document ({res.document_tokens} {unit}, loops={loops}, prefix cache {res.prefix_mib:.2f} MiB):",
-             "", res.document]
+             "", shown]
     for q, a in zip(res.questions, res.answers["SHARED"]):
         lines += ["", "-" * 60]
         answer = tok.decode(a)
