@@ -64,9 +64,10 @@ class Workload:
 @dataclass
 class Result:
     ttft: float  # seconds to the first content chunk
-    itl: list  # seconds between content chunks
+    itl: list  # seconds between content chunks (a chunk may carry several tokens)
     latency: float  # seconds for the whole request
     tokens: int  # completion tokens
+    chunks: int  # content chunks
 
 
 @dataclass
@@ -82,10 +83,11 @@ class Row:
     tps: float  # completion tokens / wall
     ttft50: float
     ttft99: float
-    itl50: float  # ms
+    itl50: float  # ms between content chunks
     itl99: float
     lat50: float
     rss: float  # GiB, the server's peak (VmHWM); nan if unknown
+    per_chunk: float  # tokens per content chunk (mean)
 
 
 def free_port() -> int:
@@ -134,7 +136,7 @@ def request(cl, work: Workload, system: str, q: str, max_tokens: int | None = No
                 times.append(time.perf_counter())
     tokens = usage.completion_tokens if usage is not None else len(times)
     return Result(ttft=times[0] - t0 if times else float("nan"), itl=list(np.diff(times)),
-                  latency=time.perf_counter() - t0, tokens=tokens)
+                  latency=time.perf_counter() - t0, tokens=tokens, chunks=len(times))
 
 
 def warm(url: str, work: Workload) -> None:
@@ -179,22 +181,25 @@ def summary(ld: Load, rss_bytes: float = float("nan")) -> Row:
     itl = [x for r in res for x in r.itl]
     return Row(clients=ld.clients, tps=sum(r.tokens for r in res) / ld.wall, ttft50=pct([r.ttft for r in res], 50),
                ttft99=pct([r.ttft for r in res], 99), itl50=pct(itl, 50) * 1e3, itl99=pct(itl, 99) * 1e3,
-               lat50=pct([r.latency for r in res], 50), rss=rss_bytes / 2**30)
+               lat50=pct([r.latency for r in res], 50), rss=rss_bytes / 2**30,
+               per_chunk=sum(r.tokens for r in res) / max(1, sum(r.chunks for r in res)))
 
 
 def line(r: Row) -> str:
-    return (f"{r.clients} clients: {r.tps:.1f} tok/s, TTFT p50 {r.ttft50:.2f} p99 {r.ttft99:.2f} s, ITL p50 "
-            f"{r.itl50:.0f} p99 {r.itl99:.0f} ms, latency p50 {r.lat50:.2f} s, peak RSS {r.rss:.2f} GiB")
+    return (f"{r.clients} clients: {r.tps:.1f} tok/s, TTFT p50 {r.ttft50:.2f} p99 {r.ttft99:.2f} s, between chunks "
+            f"p50 {r.itl50:.0f} p99 {r.itl99:.0f} ms ({r.per_chunk:.1f} tokens a chunk), latency p50 {r.lat50:.2f} s, "
+            f"peak RSS {r.rss:.2f} GiB")
 
 
-HEADER = ["| server | clients | tok/s | TTFT p50 / p99 (s) | inter-token p50 / p99 (ms) | latency p50 (s) "
-          "| server peak RSS (GiB) |", "|---|---|---|---|---|---|---|"]
+HEADER = ["| server | clients | tok/s | TTFT p50 / p99 (s) | between chunks p50 / p99 (ms) | tokens a chunk "
+          "| latency p50 (s) | server peak RSS (GiB) |", "|---|---|---|---|---|---|---|---|"]
 
 
 def table(rows: list[tuple[str, Row]]) -> list[str]:
     """Markdown lines: one row per (server name, Row)."""
     return HEADER + [f"| {name} | {r.clients} | {r.tps:.1f} | {r.ttft50:.2f} / {r.ttft99:.2f} | "
-                     f"{r.itl50:.0f} / {r.itl99:.0f} | {r.lat50:.2f} | {r.rss:.2f} |" for name, r in rows]
+                     f"{r.itl50:.0f} / {r.itl99:.0f} | {r.per_chunk:.1f} | {r.lat50:.2f} | {r.rss:.2f} |"
+                     for name, r in rows]
 
 
 def wait_healthy(url: str, proc, timeout: float = 600, ready=lambda body: True) -> float:

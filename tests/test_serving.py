@@ -333,3 +333,33 @@ def test_requests_arriving_together_read_the_first_ones_pages(model, engine):
         assert h.result() == model.generate(p, max_tokens=6)
     assert handles[0].prefix_tokens == 0 and all(h.prefix_tokens >= 64 for h in handles[1:3])
     assert handles[3].prefix_tokens == 0 and engine.stats().get("prefix_waits", 0) > waits
+
+
+def test_a_burst_reaches_an_async_reader_as_one_list():
+    """The tokens of a burst of decode steps are emitted without waking the readers, then woken
+    once: `achunks()` (what the server streams, one event per list) gets them as one list."""
+    import asyncio
+
+    from tinyloop_jax.serving.handles import Handle
+
+    h = Handle(np.asarray([1, 2], np.int32), tl.SamplingParams(max_tokens=5), 1, None)
+
+    async def read():
+        got = []
+        async for new in h.achunks():
+            got.append(list(new))
+            if len(got) == 1:  # the engine's next burst, while this reader waits
+                threading.Thread(target=burst).start()
+        return got
+
+    def burst():
+        time.sleep(0.1)  # the reader waits to be woken
+        for t in (7, 8, 9):
+            h.emit(t, wake=False)
+            time.sleep(0.05)  # a woken reader would take each token alone
+        h.wake()
+        h.finish("length")
+
+    h.emit(5)
+    assert asyncio.run(read()) == [[5], [7, 8, 9]]
+    assert h.result() == [1, 2, 5, 7, 8, 9]

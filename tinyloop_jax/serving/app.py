@@ -187,11 +187,17 @@ def make_app(engine: Engine, tokenizer, model_name: str = "tinyloop", eos: list[
                         await queue.put(wrap(shape.chunk_object, [shape.opening(index)]))
                     if prefix_text:
                         await queue.put(wrap(shape.chunk_object, [shape.choice(index, prefix_text, [], None, True)]))
-                    async with aclosing(h.astream() if h is not None else _nothing()) as tokens:
-                        async for t in tokens:
-                            counts[index] += 1
-                            delta = text.add([t])
-                            await queue.put(wrap(shape.chunk_object, [shape.choice(index, delta, [t], None, True)]))
+                    # the tokens that came together (a burst of decode steps) as one chunk
+                    async with aclosing(h.achunks() if h is not None else _nothing()) as lists:
+                        async for new in lists:
+                            ids, delta = [], ""
+                            for t in new:
+                                ids.append(t)
+                                delta += text.add([t])
+                                if text.stopped:
+                                    break
+                            counts[index] += len(ids)
+                            await queue.put(wrap(shape.chunk_object, [shape.choice(index, delta, ids, None, True)]))
                             if text.stopped:
                                 h.cancel()
                                 break
@@ -211,11 +217,13 @@ def make_app(engine: Engine, tokenizer, model_name: str = "tinyloop", eos: list[
             try:
                 left = len(tasks)
                 while left:
-                    item = await queue.get()
-                    if item is None:
-                        left -= 1
-                    else:
-                        yield f"data: {json.dumps(item)}\n\n"
+                    items = [await queue.get()]
+                    while not queue.empty():  # what is ready goes out in one write
+                        items.append(queue.get_nowait())
+                    left -= sum(item is None for item in items)
+                    out = "".join(f"data: {json.dumps(item)}\n\n" for item in items if item is not None)
+                    if out:
+                        yield out
                 if req.include_usage:
                     yield f"data: {json.dumps(wrap(shape.chunk_object, [], usage(sum(counts))))}\n\n"
             finally:

@@ -475,12 +475,13 @@ class Batcher:
 
         counts = self.depth_counts[d.loops]
         for r, i, tok, passes, *many in ran:
-            if many:  # (`decode_steps`) its k tokens, up to a stop
+            if many:  # (`decode_steps`) its k tokens, up to a stop; its readers woken once
                 r.ahead -= many[0]
                 for t in get(tok)[i, :many[0]]:
                     if r.left:
                         break
-                    self._emit(d, r, int(t))
+                    self._emit(d, r, int(t), wake=False)
+                r.handle.wake()
                 continue
             r.ahead -= 1
             if passes is not None:
@@ -492,9 +493,9 @@ class Batcher:
             if not r.left:
                 self._emit(d, r, int(get(tok)[i]))
 
-    def _emit(self, d: Depth, r: Row, t: int) -> None:
+    def _emit(self, d: Depth, r: Row, t: int, wake: bool = True) -> None:
         h, s = r.handle, r.handle.params
-        h.emit(t)
+        h.emit(t, wake)
         self.stats["tokens_out"] += 1
         if len(h.tokens) == 1:
             self._on_first_token(h)

@@ -84,12 +84,18 @@ class Handle:
         return None
 
     # engine side
-    def emit(self, tok: int) -> None:
-        """The engine emitted `tok` for this request (wakes its readers)."""
+    def emit(self, tok: int, wake: bool = True) -> None:
+        """The engine emitted `tok` for this request; wake=True wakes its readers (False: a
+        burst's tokens before its last, which wakes them once for all: `wake()`)."""
         with self._cv:
             if self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
             self.tokens.append(tok)
+        if wake:
+            self.wake()
+
+    def wake(self) -> None:
+        with self._cv:
             self._cv.notify_all()
             wakers = list(self._wakers)
         for w in wakers:
@@ -154,6 +160,13 @@ class Handle:
 
     async def astream(self):
         """`stream()` for asyncio: never blocks the event loop."""
+        async for new in self.achunks():
+            for t in new:
+                yield t
+
+    async def achunks(self):
+        """`astream()` a list at a time: every token emitted since the last list (a burst of
+        decode steps arrives together; a server sends it as one event)."""
         with self._woken() as event:
             i = 0
             while True:
@@ -161,8 +174,8 @@ class Handle:
                     event.clear()
                     new, done = self.tokens[i:], self.done
                 i += len(new)
-                for t in new:
-                    yield t
+                if new:
+                    yield new
                 if done and i == len(self.tokens):
                     if not isinstance(self.error, Cancelled):
                         self._raise()
