@@ -380,17 +380,17 @@ def _paged_kernel(kernel: str):
     return native.paged_attention
 
 
-@pytest.mark.parametrize("kernel", ["native", "interpret"])
+@pytest.mark.parametrize("kernel, hd", [("native", 8), ("native", 64), ("interpret", 8)])
 @pytest.mark.parametrize("fmt", ["fp32", "fp16", "int8", "int4"])
-def test_paged_attention_kernels_match_the_reference(kernel, fmt):
+def test_paged_attention_kernels_match_the_reference(kernel, hd, fmt):
     """Each kernel reads each row's live pages only and gives what `attention` gives over the
     row's gathered pages: lengths from 1 to several pages + 1, grouped-query heads, a window,
     queries of a chunk (causal among themselves) and of decode rows, a layer picked out of a
-    stack, every stored format."""
+    stack, every stored format; heads of 64 channels too (the native kernel's AVX-512 path)."""
     from tinyloop_jax.model.attention import attention
     run = _paged_kernel(kernel)
     rng = np.random.default_rng(3)
-    KV, NP, H, hd, T = 2, 12, 6, 8, 5
+    KV, NP, H, T = 2, 12, 6, 5
     k, ks, kf = _pages_in(fmt, rng, (3, KV, NP, P, hd))
     v, vs, vf = _pages_in(fmt, rng, (3, KV, NP, P, hd))
     table = np.asarray([[3], [2, 8, 4, 5], [7, 1], [9, 10, 11, 0, 6]], object)
