@@ -1,7 +1,7 @@
 """The native packed-weight kernel (tinyloop_jax/native/qmatmul.cc, an XLA FFI custom call)
 against numpy: x @ the dequantized weight, for every packed format, with the weight in GGUF's
 order (tiled inside the program) and pre-tiled (`qarray.tile`, as a Model holds it); row counts
-around its 3-row passes, its switch to dequantized panels past 16 rows and their 6-row blocks,
+around its 6-row passes (AVX-512; 1 with AVX2), its switch to dequantized panels past 16 rows and their 6-row blocks,
 widths that leave a partial 64-column tile, narrow matrices also split along K; under vmap (a
 batch of rows folded into one call) and inside a while loop, as a decode step runs it; the
 AVX2 and portable (non-AVX-512) builds; the tiled layout's round trip."""
@@ -44,8 +44,8 @@ def close(got, want):  # within the issue's 1e-4 of the largest value
 
 
 @pytest.mark.parametrize("fmt", qarray.FORMATS)
-@pytest.mark.parametrize("k,n,rows", [(64, 40, 1), (576, 960, 1), (256, 4100, 3), (1536, 576, 5), (96, 130, 9),
-                                      (128, 48, 17), (96, 200, 40)])
+@pytest.mark.parametrize("k,n,rows", [(64, 40, 1), (576, 960, 1), (256, 4100, 3), (1536, 576, 5), (96, 130, 6),
+                                      (96, 130, 9), (1536, 576, 13), (576, 960, 16), (128, 48, 17), (96, 200, 40)])
 def test_kernel_equals_numpy(fmt, k, n, rows):
     w, dense = packed(fmt, k, n)
     x = np.random.default_rng(1).standard_normal((rows, k)).astype(np.float32)
