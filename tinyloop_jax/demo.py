@@ -130,10 +130,11 @@ def _arms(model, engine, doc: np.ndarray, questions: list, kw: dict) -> tuple[di
     return answers, seconds, prefix.nbytes / 2**20
 
 
-def run(model, tok, n_questions: int = 6, **kw) -> Result:
-    """The demo: `n_questions` questions about one document, each arm timed after a warm-up
-    pass over another document. kw: `generate`'s sampling keywords (max_tokens, temperature,
-    seed, loops, ...); a chat model's answers stop at its end-of-turn tokens."""
+def run(model, tok, n_questions: int = 6, warm: bool = True, **kw) -> Result:
+    """The demo: `n_questions` questions about one document, each arm timed after its programs
+    are compiled (warm=False: not; the timings then include compiling). kw: `generate`'s
+    sampling keywords (max_tokens, temperature, seed, loops, ...); a chat model's answers stop
+    at its end-of-turn tokens."""
     from .serving.engine import Engine
 
     doc, text, qs = prompts(tok, n_questions)
@@ -142,9 +143,10 @@ def run(model, tok, n_questions: int = 6, **kw) -> Result:
         kw = dict(kw, stop_sequences=[[i] for i in tok.eos_token_ids])
     engine = Engine(model, max_batch=len(questions))
     try:
-        engine.warmup()  # every step program (which ones a pass needs depends on timing)
-        for i in range(len(WARM)):  # the Model path's programs
-            _arms(model, engine, prompts(tok, 1, warm=i)[0], questions, kw)
+        if warm:
+            engine.warmup()  # every step program (which ones a pass needs depends on timing)
+            for i in range(len(WARM)):  # the Model path's programs
+                _arms(model, engine, prompts(tok, 1, warm=i)[0], questions, kw)
         answers, seconds, mib = _arms(model, engine, doc, questions, kw)
     finally:
         engine.close()
