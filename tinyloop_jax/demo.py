@@ -141,7 +141,7 @@ def run(model, tok, n_questions: int = 6, warm: bool = True, **kw) -> Result:
     questions = [q for q, _ in qs]
     if getattr(tok, "chat_template", None):
         kw = dict(kw, stop_sequences=[[i] for i in tok.eos_token_ids])
-    engine = Engine(model, max_batch=len(questions))
+    engine = Engine(model, max_batch=max(4, len(questions)))  # (4: the programs of other small engines)
     try:
         if warm:
             engine.warmup()  # every step program (which ones a pass needs depends on timing)
