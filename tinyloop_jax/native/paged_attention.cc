@@ -141,77 +141,38 @@ void load_block(const Job& j, const Layer& L, int64_t g, int64_t page, int64_t o
   }
 }
 
-// Row r, KV head g: every real query of the row, for the G query heads of g, a page of keys at a
-// time (one online-softmax rescale per page).
-void unit(const Job& j, int64_t r, int64_t g, std::vector<float>& buf) {
-  const int64_t G = j.H / j.KV, hd = j.hd, T = j.T, P = j.P;
-  const int64_t n = std::clamp<int64_t>(j.n_new[r], 0, T), s0 = j.start[r];
-  const int64_t len = s0 + n;  // live positions after the step
-  const int64_t window = j.windows[r];
-  buf.resize(2 * P * hd + T * G * (hd + 2) + P);
-  float* kb = buf.data();
-  float* vb = kb + P * hd;
-  float* acc = vb + P * hd;
-  float* m = acc + T * G * hd;
-  float* l = m + T * G;
-  float* sc = l + T * G;
-  std::fill(acc, acc + T * G * hd, 0.f);
-  std::fill(m, m + T * G, -INFINITY);
-  std::fill(l, l + T * G, 0.f);
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, s0 - window + 1) : 0;
-  for (int64_t e = lo / P; e * P < len && e < j.R; ++e) {
-    const int64_t page = j.table[r * j.R + e];
-    if (page < 0 || page >= j.NP) continue;
-    const int64_t p0 = std::max(e * P, lo), p1 = std::min(e * P + P, len);  // keys [p0, p1)
-    const int64_t nk = p1 - p0;
-    load_block(j, j.k, g, page, p0 - e * P, nk, kb);
-    load_block(j, j.v, g, page, p0 - e * P, nk, vb);
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t pq = s0 + t;
-      const int64_t a0 = window > 0 ? std::max(p0, pq - window + 1) : p0, a1 = std::min(p1, pq + 1);
-      if (a0 >= a1) continue;
-      for (int64_t a = 0; a < G; ++a) {
-        const float* __restrict qv = j.q + ((r * T + t) * j.H + g * G + a) * hd;
-        const int64_t i = t * G + a;
-        float mb = -INFINITY;
-        const int64_t nq = a1 - a0;
-        for (int64_t p = 0; p < nq; ++p) {
-          const float* __restrict kp = kb + (a0 - p0 + p) * hd;
-          float s = 0.f;
+// One query head's online-softmax step over nq keys: scores of qv [hd] against kq [nq, hd],
+// its running max m and sum l, its output o [hd] rescaled and added the weighted values vq
+// [nq, hd]; sc: scratch for nq + 16 scores.
+void step_generic(int64_t hd, const float* __restrict qv, const float* kq, const float* vq, int64_t nq,
+                  float* __restrict o, float& m, float& l, float* __restrict sc) {
+  float mb = -INFINITY;
+  for (int64_t p = 0; p < nq; ++p) {
+    const float* __restrict kp = kq + p * hd;
+    float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t c = 0; c < hd; ++c) s += qv[c] * kp[c];
-          sc[p] = s;
-          mb = std::max(mb, s);
-        }
-        float* __restrict o = acc + i * hd;
-        const float mn = std::max(m[i], mb);
-        const float f = std::exp(m[i] - mn);  // 0 on the first keys (m = -inf)
-        float li = l[i] * f;
-#pragma omp simd
-        for (int64_t c = 0; c < hd; ++c) o[c] *= f;
-#pragma omp simd reduction(+ : li)
-        for (int64_t p = 0; p < nq; ++p) {
-          sc[p] = exp_neg(sc[p] - mn);
-          li += sc[p];
-        }
-        for (int64_t p = 0; p < nq; ++p) {
-          const float w = sc[p];
-          const float* __restrict vp = vb + (a0 - p0 + p) * hd;
-#pragma omp simd
-          for (int64_t c = 0; c < hd; ++c) o[c] += w * vp[c];
-        }
-        l[i] = li;
-        m[i] = mn;
-      }
-    }
+    for (int64_t c = 0; c < hd; ++c) s += qv[c] * kp[c];
+    sc[p] = s;
+    mb = std::max(mb, s);
   }
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t a = 0; a < G; ++a) {
-      float* dst = j.out + ((r * T + t) * j.H + g * G + a) * hd;
-      const int64_t i = t * G + a;
-      const float inv = (t < n && l[i] > 0.f) ? 1.f / l[i] : 0.f;
-      for (int64_t c = 0; c < hd; ++c) dst[c] = acc[i * hd + c] * inv;
-    }
+  const float mn = std::max(m, mb);
+  const float f = std::exp(m - mn);  // 0 on the first keys (m = -inf)
+  float li = l * f;
+#pragma omp simd
+  for (int64_t c = 0; c < hd; ++c) o[c] *= f;
+#pragma omp simd reduction(+ : li)
+  for (int64_t p = 0; p < nq; ++p) {
+    sc[p] = exp_neg(sc[p] - mn);
+    li += sc[p];
+  }
+  for (int64_t p = 0; p < nq; ++p) {
+    const float w = sc[p];
+    const float* __restrict vp = vq + p * hd;
+#pragma omp simd
+    for (int64_t c = 0; c < hd; ++c) o[c] += w * vp[c];
+  }
+  l = li;
+  m = mn;
 }
 
 #if defined(__AVX512F__)
@@ -231,14 +192,66 @@ inline __m512 hsum16(const __m512* v) {
                        _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// `unit` for heads of 64 channels with AVX-512 (SmolLM2's, Llama's): a query's scores 16 keys at
-// a time (four FMAs a key, one add tree for the 16 sums), its output in four registers while the
-// values stream by. The same online softmax, page by page, as `unit`.
-void unit64(const Job& j, int64_t r, int64_t g, std::vector<float>& buf) {
+// `step_generic` for heads of 64 channels with AVX-512 (SmolLM2's, Llama's): the scores 16 keys
+// at a time (four FMAs a key, one add tree for the 16 sums), the output in four registers
+// while the values stream by.
+void step64(int64_t, const float* qv, const float* kq, const float* vq, int64_t nq, float* o, float& m, float& l,
+            float* sc) {
   constexpr int64_t hd = 64;
-  const int64_t G = j.H / j.KV, T = j.T, P = j.P;
+  const __m512 q0 = _mm512_loadu_ps(qv), q1 = _mm512_loadu_ps(qv + 16), q2 = _mm512_loadu_ps(qv + 32),
+               q3 = _mm512_loadu_ps(qv + 48);
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t p = 0; p < nq; p += 16) {
+    const int64_t cnt = std::min<int64_t>(16, nq - p);
+    __m512 dots[16];
+    for (int64_t i = 0; i < 16; ++i) {
+      if (i < cnt) {
+        const float* kp = kq + (p + i) * hd;
+        __m512 d = _mm512_mul_ps(q0, _mm512_loadu_ps(kp));
+        d = _mm512_fmadd_ps(q1, _mm512_loadu_ps(kp + 16), d);
+        d = _mm512_fmadd_ps(q2, _mm512_loadu_ps(kp + 32), d);
+        dots[i] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(kp + 48), d);
+      } else {
+        dots[i] = _mm512_setzero_ps();
+      }
+    }
+    const __mmask16 live = static_cast<__mmask16>(cnt == 16 ? 0xffff : (1u << cnt) - 1);
+    const __m512 sv = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), hsum16(dots));
+    _mm512_storeu_ps(sc + p, sv);
+    mx = _mm512_max_ps(mx, sv);
+  }
+  const float mn = std::max(m, _mm512_reduce_max_ps(mx));
+  const float f = std::exp(m - mn);  // 0 on the first keys (m = -inf)
+  float li = l * f;
+#pragma omp simd reduction(+ : li)
+  for (int64_t p = 0; p < nq; ++p) {
+    sc[p] = exp_neg(sc[p] - mn);
+    li += sc[p];
+  }
+  const __m512 fv = _mm512_set1_ps(f);
+  __m512 o0 = _mm512_mul_ps(_mm512_loadu_ps(o), fv), o1 = _mm512_mul_ps(_mm512_loadu_ps(o + 16), fv),
+         o2 = _mm512_mul_ps(_mm512_loadu_ps(o + 32), fv), o3 = _mm512_mul_ps(_mm512_loadu_ps(o + 48), fv);
+  for (int64_t p = 0; p < nq; ++p) {
+    const __m512 w = _mm512_set1_ps(sc[p]);
+    const float* vp = vq + p * hd;
+    o0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vp), o0);
+    o1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vp + 16), o1);
+    o2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vp + 32), o2);
+    o3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vp + 48), o3);
+  }
+  _mm512_storeu_ps(o, o0), _mm512_storeu_ps(o + 16, o1), _mm512_storeu_ps(o + 32, o2), _mm512_storeu_ps(o + 48, o3);
+  l = li;
+  m = mn;
+}
+#endif
+
+// Row r, KV head g: every real query of the row, for the G query heads of g, a page of keys at a
+// time (one online-softmax STEP per page and query head, inlined).
+template <auto STEP>
+void unit(const Job& j, int64_t r, int64_t g, std::vector<float>& buf) {
+  const int64_t G = j.H / j.KV, hd = j.hd, T = j.T, P = j.P;
   const int64_t n = std::clamp<int64_t>(j.n_new[r], 0, T), s0 = j.start[r];
-  const int64_t len = s0 + n;
+  const int64_t len = s0 + n;  // live positions after the step
   const int64_t window = j.windows[r];
   buf.resize(2 * P * hd + T * G * (hd + 2) + P + 16);
   float* kb = buf.data();
@@ -246,7 +259,7 @@ void unit64(const Job& j, int64_t r, int64_t g, std::vector<float>& buf) {
   float* acc = vb + P * hd;
   float* m = acc + T * G * hd;
   float* l = m + T * G;
-  float* sc = l + T * G;  // P + 16: a page's scores, written 16 at a time
+  float* sc = l + T * G;
   std::fill(acc, acc + T * G * hd, 0.f);
   std::fill(m, m + T * G, -INFINITY);
   std::fill(l, l + T * G, 0.f);
@@ -254,66 +267,17 @@ void unit64(const Job& j, int64_t r, int64_t g, std::vector<float>& buf) {
   for (int64_t e = lo / P; e * P < len && e < j.R; ++e) {
     const int64_t page = j.table[r * j.R + e];
     if (page < 0 || page >= j.NP) continue;
-    const int64_t p0 = std::max(e * P, lo), p1 = std::min(e * P + P, len);
-    const int64_t nk = p1 - p0;
-    load_block(j, j.k, g, page, p0 - e * P, nk, kb);
-    load_block(j, j.v, g, page, p0 - e * P, nk, vb);
+    const int64_t p0 = std::max(e * P, lo), p1 = std::min(e * P + P, len);  // keys [p0, p1)
+    load_block(j, j.k, g, page, p0 - e * P, p1 - p0, kb);
+    load_block(j, j.v, g, page, p0 - e * P, p1 - p0, vb);
     for (int64_t t = 0; t < n; ++t) {
       const int64_t pq = s0 + t;
       const int64_t a0 = window > 0 ? std::max(p0, pq - window + 1) : p0, a1 = std::min(p1, pq + 1);
       if (a0 >= a1) continue;
-      const int64_t nq = a1 - a0;
-      const float* kq = kb + (a0 - p0) * hd;
-      const float* vq = vb + (a0 - p0) * hd;
       for (int64_t a = 0; a < G; ++a) {
-        const float* qv = j.q + ((r * T + t) * j.H + g * G + a) * hd;
-        const __m512 q0 = _mm512_loadu_ps(qv), q1 = _mm512_loadu_ps(qv + 16), q2 = _mm512_loadu_ps(qv + 32),
-                     q3 = _mm512_loadu_ps(qv + 48);
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t p = 0; p < nq; p += 16) {
-          const int64_t cnt = std::min<int64_t>(16, nq - p);
-          __m512 dots[16];
-          for (int64_t i = 0; i < 16; ++i) {
-            if (i < cnt) {
-              const float* kp = kq + (p + i) * hd;
-              __m512 d = _mm512_mul_ps(q0, _mm512_loadu_ps(kp));
-              d = _mm512_fmadd_ps(q1, _mm512_loadu_ps(kp + 16), d);
-              d = _mm512_fmadd_ps(q2, _mm512_loadu_ps(kp + 32), d);
-              dots[i] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(kp + 48), d);
-            } else {
-              dots[i] = _mm512_setzero_ps();
-            }
-          }
-          const __mmask16 live = static_cast<__mmask16>(cnt == 16 ? 0xffff : (1u << cnt) - 1);
-          const __m512 s = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), hsum16(dots));
-          _mm512_storeu_ps(sc + p, s);
-          mx = _mm512_max_ps(mx, s);
-        }
         const int64_t i = t * G + a;
-        const float mn = std::max(m[i], _mm512_reduce_max_ps(mx));
-        const float f = std::exp(m[i] - mn);  // 0 on the first keys (m = -inf)
-        float li = l[i] * f;
-#pragma omp simd reduction(+ : li)
-        for (int64_t p = 0; p < nq; ++p) {
-          sc[p] = exp_neg(sc[p] - mn);
-          li += sc[p];
-        }
-        float* o = acc + i * hd;
-        const __m512 fv = _mm512_set1_ps(f);
-        __m512 o0 = _mm512_mul_ps(_mm512_loadu_ps(o), fv), o1 = _mm512_mul_ps(_mm512_loadu_ps(o + 16), fv),
-               o2 = _mm512_mul_ps(_mm512_loadu_ps(o + 32), fv), o3 = _mm512_mul_ps(_mm512_loadu_ps(o + 48), fv);
-        for (int64_t p = 0; p < nq; ++p) {
-          const __m512 w = _mm512_set1_ps(sc[p]);
-          const float* vp = vq + p * hd;
-          o0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vp), o0);
-          o1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vp + 16), o1);
-          o2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vp + 32), o2);
-          o3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vp + 48), o3);
-        }
-        _mm512_storeu_ps(o, o0), _mm512_storeu_ps(o + 16, o1), _mm512_storeu_ps(o + 32, o2),
-            _mm512_storeu_ps(o + 48, o3);
-        l[i] = li;
-        m[i] = mn;
+        STEP(hd, j.q + ((r * T + t) * j.H + g * G + a) * hd, kb + (a0 - p0) * hd, vb + (a0 - p0) * hd, a1 - a0,
+             acc + i * hd, m[i], l[i], sc);
       }
     }
   }
@@ -325,7 +289,6 @@ void unit64(const Job& j, int64_t r, int64_t g, std::vector<float>& buf) {
       for (int64_t c = 0; c < hd; ++c) dst[c] = acc[i * hd + c] * inv;
     }
 }
-#endif
 
 void work(Job* j) {
   const int64_t units = j->b * j->KV;
@@ -333,10 +296,10 @@ void work(Job* j) {
   for (int64_t u; (u = j->next.fetch_add(1)) < units;) {
 #if defined(__AVX512F__)
     if (j->hd == 64)
-      unit64(*j, u / j->KV, u % j->KV, buf);
+      unit<step64>(*j, u / j->KV, u % j->KV, buf);
     else
 #endif
-      unit(*j, u / j->KV, u % j->KV, buf);
+      unit<step_generic>(*j, u / j->KV, u % j->KV, buf);
     j->done.fetch_add(1, std::memory_order_release);
   }
 }
