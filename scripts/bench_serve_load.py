@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--clients", default="1,4,16")
     ap.add_argument("--per-client", type=int, default=2, help="requests each client sends")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--server-args", default="", help="more `tinyloop serve` flags, e.g. '--kv-memory 256M'")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     port = _load.free_port()
@@ -49,8 +50,8 @@ def main() -> None:
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=tempfile.mkdtemp(prefix="tinyloop-xla-"))
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "tinyloop_jax.cli", "serve", "--model", "smollm2", "--port",
-                             str(port), "--log-level", "warning"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                             str(port), "--log-level", "warning", *args.server_args.split()], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     work = _load.Workload(max_tokens=args.max_tokens, per_client=args.per_client)
     rows = []
     try:

@@ -24,11 +24,12 @@ import pytest
 import tinyloop_jax as tl
 from tinyloop_jax.formats import gguf as gguf_format
 from tinyloop_jax.formats import gguf_reader, hub
+from tinyloop_jax.model import qarray
+from quant_blocks import K_QUANTS, encode
 
 T = gguf.GGMLQuantizationType
 DATA = os.path.join(os.path.dirname(__file__), "data")
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # the gguf package dequantizes these but cannot quantize them
 
 
 # ---- reference dequantizers: one block at a time, as ggml-quants.c's dequantize_row_* ----------
@@ -100,23 +101,6 @@ def ref_dequantize(kind: str, raw: np.ndarray, shape: tuple) -> np.ndarray:
     return np.array(vals, np.float32).reshape(shape)
 
 
-def encode(kind: str, w: np.ndarray, rng) -> np.ndarray:
-    """A [rows, row] float32 matrix in GGUF type `kind` (raw bytes, uint8 [rows, bytes]); K-quants,
-    which the gguf package cannot quantize, are random blocks with small scales (so the values
-    are in a sane range) and random everything else."""
-    if kind not in K_QUANTS:
-        return gguf.quants.quantize(w, T[kind])
-    block, size = gguf.GGML_QUANT_SIZES[T[kind]]
-    rows, n = w.shape[0], w.shape[1] // block
-    raw = rng.integers(0, 256, (rows, n, size), dtype=np.uint8)
-    scale = np.full((rows, n, 1), 2e-3 if kind != "Q6_K" else 2e-4, np.float16).view(np.uint8)
-    if kind == "Q6_K":
-        raw[:, :, 208:210] = scale
-    else:
-        raw[:, :, 0:2], raw[:, :, 2:4] = scale, scale  # d, dmin
-    return raw.reshape(rows, n * size)
-
-
 def raw_bytes(q: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(q).view(np.uint8).reshape(q.shape[0], -1)
 
@@ -135,6 +119,11 @@ def test_every_tensor_type_dequantizes_as_ggml_reference(tmp_path, kind):
     want = ref_dequantize(kind, raw_bytes(q), (3, 512))
     assert got.shape == (3, 512) and got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    if kind.lower() in qarray.FORMATS:  # kept packed (`qarray`): the same values from the same bytes
+        packed = qarray.from_blocks(raw_bytes(q), kind.lower(), 512, transposed=True)
+        np.testing.assert_allclose(np.asarray(packed.dequantize()), want, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(qarray.to_blocks(packed), raw_bytes(q))
+        assert packed.nbytes == q.nbytes
     if kind not in K_QUANTS:  # and it is an approximation of what was quantized
         assert np.abs(got - w).max() <= {"F32": 0, "F16": 2e-3, "BF16": 2e-2, "Q8_0": 3e-2}.get(kind, 0.5)
 

@@ -20,6 +20,8 @@ import pytest
 from tinyloop_jax import native
 from tinyloop_jax.model import qarray
 
+from quant_blocks import packed, width
+
 # skipped only where the kernel cannot exist (no compiler, another backend, several devices, turned
 # off); where it can, a failed build fails `test_the_kernel_is_built_where_it_can_be`
 CAN_BUILD = (bool(os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++"))
@@ -33,12 +35,6 @@ def test_the_kernel_is_built_where_it_can_be():
     assert native.available()
 
 
-def packed(fmt: str, k: int, n: int, seed: int = 0, transposed: bool = False):
-    w = np.random.default_rng(seed).standard_normal((n, k) if transposed else (k, n)).astype(np.float32)
-    q = qarray.quantize(w, fmt, transposed=transposed)
-    return q, np.asarray(q.dequantize())
-
-
 def close(got, want):  # within the issue's 1e-4 of the largest value
     np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-4 * np.abs(want).max())
 
@@ -47,22 +43,24 @@ def close(got, want):  # within the issue's 1e-4 of the largest value
 @pytest.mark.parametrize("k,n,rows", [(64, 40, 1), (576, 960, 1), (256, 4100, 3), (1536, 576, 5), (96, 130, 6),
                                       (96, 130, 9), (1536, 576, 13), (576, 960, 16), (128, 48, 17), (96, 200, 40)])
 def test_kernel_equals_numpy(fmt, k, n, rows):
+    k = width(fmt, k)  # a K-quant's blocks are 256 values
     w, dense = packed(fmt, k, n)
     x = np.random.default_rng(1).standard_normal((rows, k)).astype(np.float32)
     close(jax.jit(qarray.matmul)(x, w), x @ dense)
     close(jax.jit(qarray.matmul)(x, qarray.tile(w)), x @ dense)
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "q5_0", "q4_k"])
 def test_head_vmap_and_while_loop(fmt):
     """The head (a transposed [V, D] weight), per-row vmaps (nested, as batched decode runs),
     and a loop-carried input."""
-    head, dense_head = packed(fmt, 64, 300, seed=2, transposed=True)
-    x = np.random.default_rng(3).standard_normal((2, 3, 64)).astype(np.float32)
+    k = width(fmt, 64)
+    head, dense_head = packed(fmt, k, 300, seed=2, transposed=True)
+    x = np.random.default_rng(3).standard_normal((2, 3, k)).astype(np.float32)
     close(jax.jit(qarray.head)(x, head), x @ dense_head.T)
     rows = jax.jit(jax.vmap(jax.vmap(lambda r: qarray.head(r[None], head)[0])))(x)
     close(rows, x @ dense_head.T)
-    w, dense = packed(fmt, 64, 64, seed=4)
+    w, dense = packed(fmt, k, k, seed=4)
 
     def step(i, v):
         return jnp.tanh(qarray.matmul(v, w))
@@ -84,15 +82,16 @@ def test_a_failed_build_is_a_runtime_error(monkeypatch, tmp_path):
 def test_tiled_layout_is_the_same_bytes(fmt):
     """tile -> canonical gives GGUF's order back bit for bit (the last tile's padding dropped);
     a tiled weight dequantizes, looks up rows and keeps its logical shape as before."""
-    w = qarray.reshape_out(packed(fmt, 96, 120)[0], 3, 40)
+    k = width(fmt, 96)
+    w = qarray.reshape_out(packed(fmt, k, 120)[0], 3, 40)
     t = qarray.tile(w)
-    assert t.q.shape[0] == 2 and t.shape == w.shape == (96, 3, 40) and t.k == 96  # 120 columns: 2 tiles
+    assert t.q.shape[0] == 2 and t.shape == w.shape == (k, 3, 40) and t.k == k  # 120 columns: 2 tiles
     back = qarray.canonical(t)
     for field in ("q", "scale", "min"):
         a, b = getattr(w, field), getattr(back, field)
         assert (a is None) == (b is None) and (a is None or np.array_equal(np.asarray(a), np.asarray(b)))
     np.testing.assert_array_equal(np.asarray(t.dequantize()), np.asarray(w.dequantize()))
-    e, _ = packed(fmt, 64, 200, seed=5, transposed=True)  # an embedding [200, 64]
+    e, _ = packed(fmt, width(fmt, 64), 200, seed=5, transposed=True)  # an embedding [200, k]
     rows = jnp.asarray([0, 63, 64, 199, 130])
     np.testing.assert_array_equal(np.asarray(qarray.take(qarray.tile(e), rows)), np.asarray(qarray.take(e, rows)))
 
@@ -102,6 +101,8 @@ PORTABLE = textwrap.dedent("""
     import numpy as np, jax
     from tinyloop_jax import native
     from tinyloop_jax.model import qarray
+    sys.path.insert(0, sys.argv.pop(1))  # tests/
+    from quant_blocks import packed, width
     native.FLAGS.extend(sys.argv[1:])  # fewer instruction sets than -march=native gives
     native.build()  # a RuntimeError with the compiler's output if it fails
     assert native.available(), (jax.default_backend(), jax.device_count(), native._state)
@@ -109,9 +110,10 @@ PORTABLE = textwrap.dedent("""
     # and a partial last tile)
     for fmt in qarray.FORMATS:
         for k, n, rows in [(64, 40, 1), (576, 960, 1), (96, 130, 5), (96, 200, 12), (96, 130, 23), (64, 40, 40)]:
-            w = qarray.quantize(np.random.default_rng(0).standard_normal((k, n)).astype(np.float32), fmt)
+            k = width(fmt, k)
+            w, dense = packed(fmt, k, n)
             x = np.random.default_rng(1).standard_normal((rows, k)).astype(np.float32)
-            want = x @ np.asarray(w.dequantize())
+            want = x @ dense
             got = np.asarray(jax.jit(qarray.matmul)(x, qarray.tile(w)))
             assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), (fmt, k, n, rows)
     print("ok")
@@ -126,5 +128,6 @@ def test_the_narrower_builds_equal_numpy(flags):
     CPU without AVX2 both builds are the portable one.)"""
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "1"}  # one device (tests/mesh_checks.py, imported by
     env.pop("TINYLOOP_NATIVE", None)                   # test_mesh, sets 8 for its worker's children)
-    r = subprocess.run([sys.executable, "-c", PORTABLE, *flags], capture_output=True, text=True, timeout=600, env=env)
+    r = subprocess.run([sys.executable, "-c", PORTABLE, os.path.dirname(__file__), *flags], capture_output=True,
+                       text=True, timeout=600, env=env)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

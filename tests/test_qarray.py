@@ -1,5 +1,6 @@
-"""Weights kept quantized (`qarray`): GGUF's Q8_0 / Q4_0 / Q4_1 kept packed bit for bit give the
-dequantized float32 model's logits; `quantize_weights` int8 / int4 shrink the weights, stay close
+"""Weights kept quantized (`qarray`): GGUF's blocks (Q8_0, Q4_x, Q5_x, the K-quants) kept packed
+bit for bit give the dequantized float32 model's logits, a fused projection whose parts are in
+different types included (`qarray.Fused`); `quantize_weights` int8 / int4 shrink the weights, stay close
 to float32, round-trip through save / load, and keep prefix reuse == recompute in every KV mode.
 
 References: ggml's block layout written out by hand (`ref_dequantize` in test_gguf) and the
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from quant_blocks import packed as random_packed, width
 from test_gguf import LAYERS, VOCAB, write_tiny, write_tiny_gpt2
 
 import tinyloop_jax as tl
@@ -32,21 +34,28 @@ def packed_file(tmp_path_factory):
     return path
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
+def test_quantize_writes_a_quantization(fmt):
+    w = np.random.default_rng(0).standard_normal((96, 120)).astype(np.float32)
+    dense = np.asarray(qarray.quantize(w, fmt).dequantize())
+    assert np.abs(dense - w).max() < {"q8_0": 0.05, "q4_0": 0.6, "q4_1": 0.4, "q5_0": 0.3, "q5_1": 0.2}[fmt]
+
+
 @pytest.mark.parametrize("fmt", qarray.FORMATS)
 def test_quantized_matmul_equals_dequantized_dot(fmt):
+    """Through XLA (dequantize + dot, whole or in tiles tied to x), as on a GPU or a mesh."""
     rng = np.random.default_rng(0)
-    w = rng.standard_normal((96, 3, 40)).astype(np.float32)
-    qa = qarray.reshape_out(qarray.quantize(w.reshape(96, -1), fmt), 3, 40)
-    assert qa.shape == (96, 3, 40)
+    k = width(fmt, 96)
+    qa = qarray.reshape_out(random_packed(fmt, k, 120)[0], 3, 40)
+    assert qa.shape == (k, 3, 40)
     dense = np.asarray(qa.dequantize())
-    assert np.abs(dense - w).max() < {"q8_0": 0.05, "q4_0": 0.6, "q4_1": 0.4}[fmt]  # it is a quantization of w
-    x = jnp.asarray(rng.standard_normal((5, 96)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((5, k)).astype(np.float32))
     want = np.einsum("tk,kab->tab", np.asarray(x, np.float64), dense)
     for tile in (None, 3000):  # the whole matrix; tiles of 30 columns tied to x
         got = np.asarray(qarray.matmul(x, qa, tile=tile))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     # the embedding / head orientation: [V, D] contracted over D, rows taken by token
-    e = qarray.quantize(w.reshape(96, -1).T, fmt, transposed=True)  # [120, 96]
+    e = random_packed(fmt, k, 120, seed=1, transposed=True)[0]  # [120, k]
     np.testing.assert_allclose(np.asarray(qarray.head(x, e)), np.asarray(x) @ np.asarray(e.dequantize()).T,
                                rtol=1e-5, atol=1e-4)
     rows = jnp.asarray([3, 0, 119])
@@ -84,6 +93,34 @@ def test_kept_packed_gguf_equals_dequantized_float32(packed_file):
     assert packed.fingerprint != floats.fingerprint
 
 
+# every kept type, q, k, v (and gate, up) in different ones within a layer: fused as `qarray.Fused`
+MIXED_TYPES = {"attn_q": ["Q4_K", "Q8_0"], "attn_k": ["Q5_0", "Q4_1"], "attn_v": ["Q6_K", "Q5_K"],
+               "attn_output": ["Q5_1", "Q4_K"], "ffn_gate": ["Q5_K", "Q6_K"], "ffn_up": ["Q4_K", "Q5_0"],
+               "ffn_down": ["Q6_K", "Q4_0"]}
+
+
+def test_mixed_types_stay_packed_and_equal_dequantized(tmp_path):
+    """A Q4_K_M-like file: every matrix packed as stored (no float copy of a fused projection
+    whose parts differ in type), < 0.4x the float32 bytes, logits within 1e-4 of the largest of
+    the dequantized model's, greedy tokens equal; the same through a checkpoint."""
+    path = str(tmp_path / "mixed.gguf")
+    write_tiny(path, tied=True, matrix_types=MIXED_TYPES)
+    packed = tl.Model.from_pretrained(path, kv_mode="fp32", dtype="float32")
+    floats = tl.Model.from_pretrained(path, kv_mode="fp32", dtype="float32", quantize_weights="float")
+    blocks = (*packed.weights.params.pre, *packed.weights.params.loop)
+    assert all(qarray.is_fused(b.w_qkv) and qarray.is_fused(b.w_gate_up) for b in blocks)
+    assert all(qarray.is_quant(b.w_o) and qarray.is_quant(b.w_down) for b in blocks)
+    assert packed.nbytes < 0.4 * floats.nbytes
+    a, b = np.asarray(packed.next_token_logits(PROMPT)), np.asarray(floats.next_token_logits(PROMPT))
+    assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()
+    tokens = packed.generate(PROMPT, max_tokens=8)
+    assert tokens == floats.generate(PROMPT, max_tokens=8)
+    packed.save(tmp_path / "ckpt")
+    back = tl.Model.load(tmp_path / "ckpt")
+    assert back.fingerprint == packed.fingerprint and back.nbytes == packed.nbytes
+    assert back.generate(PROMPT, max_tokens=8) == tokens
+
+
 # a GPT-2 file's block matrices in the kept formats (fused q|k|v is one tensor in GPT-2's GGUF)
 GPT2_PACKED = {"attn_qkv": ["Q8_0", "Q4_1"], "attn_output": ["Q4_1", "Q8_0"], "ffn_up": ["Q4_0", "Q8_0"],
                "ffn_down": ["Q8_0", "Q4_0"]}
@@ -91,7 +128,7 @@ GPT2_PACKED = {"attn_qkv": ["Q8_0", "Q4_1"], "attn_output": ["Q4_1", "Q8_0"], "f
 
 @pytest.mark.parametrize("head", ["untied", "copy"])
 def test_gpt2_gguf_is_kept_packed(tmp_path, head):
-    """A GPT-2 GGUF's Q8_0 / Q4_0 / Q4_1 matrices stay packed as stored (llama.cpp's [out, in]
+    """A GPT-2 GGUF's quantized matrices stay packed as stored (llama.cpp's [out, in]
     rows read as Conv1D's [in, out]; the embedding too, and the head unless it is a copy of
     it); the logits equal the dequantized load's within the packed product's rounding."""
     path = str(tmp_path / "gpt2.gguf")
@@ -99,8 +136,10 @@ def test_gpt2_gguf_is_kept_packed(tmp_path, head):
     packed = tl.Model.from_pretrained(path, kv_mode="fp32", dtype="float32")
     floats = tl.Model.from_pretrained(path, kv_mode="fp32", dtype="float32", quantize_weights="float")
     p = packed.weights.params
-    assert sum(qarray.is_quant(a) for a in jax.tree.leaves(p, is_leaf=qarray.is_quant)) == LAYERS * 4 + 1
-    assert qarray.is_quant(p.wte) and not qarray.is_quant(p.wpe)  # the untied head is Q6_K: dequantized
+    untied = head == "untied"  # its head is Q6_K, packed too
+    assert sum(qarray.is_quant(a) for a in jax.tree.leaves(p, is_leaf=qarray.is_quant)) == LAYERS * 4 + 1 + untied
+    assert qarray.is_quant(p.wte) and not qarray.is_quant(p.wpe)
+    assert not untied or p.head.fmt == "q6_k"
     assert packed.weights.config.tie_embeddings == (head == "copy") == (p.head is None)
     # blk.0.attn_qkv's bytes, bit for bit, as the head-shaped w_qkv [D, 3, H, hd]
     from tinyloop_jax.formats import gguf as gguf_format

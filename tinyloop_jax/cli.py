@@ -314,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "recently used idle one (default 8)")
     s.add_argument("--memory-budget", "--kv-memory", dest="memory_budget", type=_bytes, default="auto",
                    help="bytes for every depth's KV pages and request rows together, e.g. 512M (default auto: half "
-                        "the free memory at start, at most 512M; none: each depth's pool holds max-batch requests at "
+                        "the free memory at start, at most 256M; none: each depth's pool holds max-batch requests at "
                         "the whole context); cached pages and idle depths are evicted to make room, and a request "
                         "waits while its pages are not free")
     s.add_argument("--name", default=None, help="the model name clients send (default: the folder's name)")

@@ -192,10 +192,11 @@ class GGUFTensors:
     """A GGUF file's tensors under Hugging Face names, read and dequantized one at a time (the
     interface of `safetensors_io.Tensors`: `where`, `shape`, `read`, `take`, `unused`, `done`).
     Llama: q/k rows back in Hugging Face's order (`heads` = {"q_proj": H, "k_proj": KV});
-    GPT-2: the block matrices back to Conv1D's [in, out]. With `keep_packed`, Q8_0 / Q4_0 / Q4_1
-    matrices are read as `qarray.QuantArray`s of their bytes, not dequantized (all of a llama
-    file's; a GPT-2 file's block matrices, embedding and head: its position table stays float,
-    indexed by position rather than multiplied)."""
+    GPT-2: the block matrices back to Conv1D's [in, out]. With `keep_packed`, quantized matrices
+    (every type in `qarray.FORMATS`: Q8_0, Q4_x, Q5_x, Q4_K, Q5_K, Q6_K) are read as
+    `qarray.QuantArray`s of their bytes, not dequantized (all of a llama file's; a GPT-2 file's
+    block matrices, embedding and head: its position table stays float, indexed by position
+    rather than multiplied)."""
 
     def __init__(self, reader: GGUFFile, heads: dict | None = None, progress: bool | None = None,
                  keep_packed: bool = False):
@@ -254,8 +255,9 @@ class GGUFTensors:
 
 def load(path, kv_mode: str | None = None, dtype: str | None = None, keep_packed: bool = False):
     """A GGUF file (or a folder holding one) -> (Params, ModelConfig) through the Hugging Face
-    import of its architecture (`hf_import`'s Llama path, `hf_gpt2`). `keep_packed`: Q8_0 / Q4_0 /
-    Q4_1 matrices stay packed (`qarray`; see `GGUFTensors`)."""
+    import of its architecture (`hf_import`'s Llama path, `hf_gpt2`). `keep_packed`: quantized
+    matrices stay packed (`qarray`; see `GGUFTensors`; fused parts in different types as a
+    `qarray.Fused`)."""
     from . import hf_gpt2, hf_import
 
     file = find_file(path)

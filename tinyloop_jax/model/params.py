@@ -36,7 +36,7 @@ from flax import struct
 
 from .config import ModelConfig
 from . import qarray
-from .qarray import QuantArray, is_quant
+from .qarray import Fused, QuantArray, is_fused, is_quant
 
 LAYOUT = 2  # the weight layout checkpoints record (1: flat fused projections, converted on load)
 
@@ -299,7 +299,7 @@ def quantize_params(params: Params, config: ModelConfig, mode: str | None) -> Pa
     def one(path, a):
         name = ".".join(_key(k) for k in path)
         if mode == "float":
-            return qarray.dense(a, dt) if is_quant(a) else a
+            return qarray.dense(a, dt) if is_quant(a) or is_fused(a) else a
         if name.rsplit(".", 1)[-1] not in MATRICES and name not in ("wte", "head"):
             return a
         w, fmt = np.asarray(qarray.dense(a, jnp.float32)), qarray.QUANTIZE[mode]
@@ -309,7 +309,7 @@ def quantize_params(params: Params, config: ModelConfig, mode: str | None) -> Pa
             return qarray.reshape_out(qarray.quantize(w.reshape(w.shape[0], -1), fmt), *w.shape[1:])
         except ValueError as e:
             raise ValueError(f"quantize_weights={mode!r}: tensor {name} {tuple(w.shape)}: {e}") from None
-    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_quant)
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda a: is_quant(a) or is_fused(a))
 
 
 def nbytes(params: Params) -> int:
@@ -348,7 +348,7 @@ class Shape(tuple):
 
 
 def _is_shape(x) -> bool:
-    return isinstance(x, (Shape, QuantArray))
+    return isinstance(x, (Shape, QuantArray, Fused))
 
 
 def named_leaves(tree, is_leaf=None) -> dict:
@@ -402,32 +402,52 @@ def host_leaves(params: Params, config: ModelConfig):
     a second full copy on the host), without a mesh's padding of the embedding and head rows
     past `vocab_size` (see `sharding.place_params`): the weights as checkpoints hold them."""
     for name, leaf in flatten(params).items():
-        if is_quant(leaf):  # its packed fields, as name.q / name.scale / name.min, in GGUF's order
-            leaf = qarray.canonical(leaf)
+        # packed: its fields, as name.q / name.scale / name.min, in GGUF's order; a Fused weight's
+        # parts as name.<i>.q ...
+        packed = [(name, leaf)] if is_quant(leaf) else [(f"{name}.{i}", p) for i, p in enumerate(leaf.parts)] \
+            if is_fused(leaf) else []
+        for part, w in packed:
+            w = qarray.canonical(w)
             for field in ("q", "scale", "min"):
-                a = getattr(leaf, field)
+                a = getattr(w, field)
                 if a is not None:
                     a = np.asarray(a)
-                    yield f"{name}.{field}", a[..., :config.vocab_size] if name in ("wte", "head") else a
+                    yield f"{part}.{field}", a[..., :config.vocab_size] if name in ("wte", "head") else a
+        if packed:
             continue
         a = np.asarray(leaf)
         yield name, a[:config.vocab_size] if name in ("wte", "head") else a
 
 
 def quant_formats(params: Params) -> dict:
-    """{tree path: [format, transposed]} of the packed weights (what a checkpoint records)."""
-    return {n: [a.fmt, a.transposed] for n, a in flatten(params).items() if is_quant(a)}
+    """{tree path: [format, transposed]} of the packed weights (what a checkpoint records); a
+    `Fused` one: ["fused", [[format, transposed] of each part], its column order, its output axes]."""
+    out = {}
+    for n, a in flatten(params).items():
+        if is_quant(a):
+            out[n] = [a.fmt, a.transposed]
+        elif is_fused(a):
+            out[n] = ["fused", [[p.fmt, p.transposed] for p in a.parts], list(a.order), list(a.out)]
+    return out
 
 
 def pack_arrays(arrays: dict, formats: dict) -> dict:
     """Inverse of `host_leaves`' split: name.q / name.scale / name.min -> one QuantArray."""
     arrays = dict(arrays)
-    for name, (fmt, transposed) in formats.items():
+
+    def one(name, fmt, transposed):
         q, scale, mn = (arrays.pop(f"{name}.{f}", None) for f in ("q", "scale", "min"))
-        if q is None or scale is None or (fmt == "q4_1") != (mn is not None):
+        if q is None or scale is None or fmt not in qarray.FORMATS or qarray.has_min(fmt) != (mn is not None):
             raise ValueError(f"checkpoint lacks the packed fields of tensor {name} ({fmt})")
-        arrays[name] = QuantArray(q=jnp.asarray(q), scale=jnp.asarray(scale),
-                                  min=None if mn is None else jnp.asarray(mn), fmt=fmt, transposed=bool(transposed))
+        return QuantArray(q=jnp.asarray(q), scale=jnp.asarray(scale), min=None if mn is None else jnp.asarray(mn),
+                          fmt=fmt, transposed=bool(transposed))
+    for name, entry in formats.items():
+        if entry[0] == "fused":
+            _, parts, order, out = entry
+            arrays[name] = Fused(parts=tuple(one(f"{name}.{i}", *p) for i, p in enumerate(parts)),
+                                 order=tuple(int(c) for c in order), out=tuple(int(n) for n in out))
+        else:
+            arrays[name] = one(name, *entry)
     return arrays
 
 

@@ -1,17 +1,26 @@
-"""Weights kept quantized: GGUF's Q8_0 / Q4_0 / Q4_1 blocks as one pytree leaf, `QuantArray`,
-and the helpers every matmul, embedding lookup and LM head goes through (`matmul`, `head`,
-`take`), which dequantize inside the jitted program.
+"""Weights kept quantized: GGUF's blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q4_K,
+Q5_K, Q6_K) as one pytree leaf, `QuantArray`, and the helpers every matmul, embedding lookup
+and LM head goes through (`matmul`, `head`, `take`), which dequantize inside the jitted program.
 
-A block is 32 consecutive values along the contraction axis K of one output column:
+A block is S consecutive values along the contraction axis K of one output column (S = 32, or
+256 for a K-quant's super-block), stored as GGUF stores it: its float16 scale d (and min m)
+split out, every other byte of the block, in order, in q:
 
-    q8_0   q [K/32, 32, *out] int8                    value = q * d
-    q4_0   q [K/32, 16, *out] uint8, two per byte     value = (nibble - 8) * d
-    q4_1   q [K/32, 16, *out] uint8, two per byte     value = nibble * d + m
-           d, m [K/32, *out] float16
+    fmt    S    q [K/S, R, *out]                       value
+    q8_0   32   R = 32: int8                            q * d
+    q4_0   32   R = 16: nibbles                         (nibble - 8) * d
+    q4_1   32   R = 16: nibbles                         nibble * d + m
+    q5_0   32   R = 20: qh[4] (the 5th bits), qs[16]    (q5 - 16) * d
+    q5_1   32   R = 20: qh[4], qs[16]                   q5 * d + m
+    q4_k   256  R = 140: scales[12], qs[128]            d * sc_j * q4 - m * mn_j  (8 sub-blocks j of 32)
+    q5_k   256  R = 172: scales[12], qh[32], qs[128]    d * sc_j * q5 - m * mn_j
+    q6_k   256  R = 208: ql[128], qh[64], scales[16]    d * sc_j * (q6 - 32)      (16 sub-blocks, int8 sc)
+           d, m [K/S, *out] float16 (m: q4_1, q5_1 and the dmin of q4_k / q5_k)
 
-Byte j of a 4-bit block holds value j in its low nibble and value j + 16 in its high one,
-exactly as GGUF stores it, and d / m are GGUF's float16 numbers: a file's tensors are kept
-bit for bit, only rearranged so that the output axes are the minor ones. The logical array is
+Byte j of a Q4_0 / Q4_1 / Q5_x block holds value j in its low nibble and value j + 16 in its
+high one; a K-quant's nibbles, 6-bit sub-block scales and high bits are as ggml packs them
+(`_dequantize`, tested block by block against ggml's C in tests/test_gguf.py): a file's tensors
+are kept bit for bit, only rearranged so that the output axes are the minor ones. The logical array is
 [K, *out] (a projection weight, `x @ W`), or [*out, K] with `transposed` (the embedding and
 the head, [V, D]).
 
@@ -41,18 +50,30 @@ from flax import struct
 
 from .. import native
 
-BLOCK = 32
+BLOCK = 32  # values per block of the 32-value formats
 TILE = 64  # columns per tile of the kernel's layout (`tile`)
-FORMATS = ("q8_0", "q4_0", "q4_1")
+# fmt -> (values per block, GGUF's bytes per block, byte offset of d, of m (None: no m))
+SPECS = {"q8_0": (32, 34, 0, None), "q4_0": (32, 18, 0, None), "q4_1": (32, 20, 0, 2),
+         "q5_0": (32, 22, 0, None), "q5_1": (32, 24, 0, 2),
+         "q4_k": (256, 144, 0, 2), "q5_k": (256, 176, 0, 2), "q6_k": (256, 210, 208, None)}
+FORMATS = tuple(SPECS)
 QUANTIZE = {"int8": "q8_0", "int4": "q4_0"}  # quantize_weights= -> the format it writes
-_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # GGUF's bytes per block
+
+
+def block_values(fmt: str) -> int:
+    """Values per block of `fmt` along the contraction axis (32, or 256 for a K-quant)."""
+    return SPECS[fmt][0]
+
+
+def has_min(fmt: str) -> bool:
+    return SPECS[fmt][3] is not None
 
 
 @struct.dataclass
 class QuantArray:
-    q: jax.Array  # [K/32, 32 | 16, *out] int8 | uint8
-    scale: jax.Array  # [K/32, *out] float16
-    min: jax.Array | None  # [K/32, *out] float16 (q4_1)
+    q: jax.Array  # [K/S, R, *out] int8 (q8_0) | uint8 (see the module doc)
+    scale: jax.Array  # [K/S, *out] float16
+    min: jax.Array | None  # [K/S, *out] float16 (`has_min` formats)
     fmt: str = struct.field(pytree_node=False)
     transposed: bool = struct.field(pytree_node=False, default=False)
     # the kernel's layout (`tile`): the logical output axes, which q's shape no longer shows
@@ -64,7 +85,7 @@ class QuantArray:
 
     @property
     def k(self) -> int:
-        return self.q.shape[0 if self.tiled is None else 1] * BLOCK
+        return self.q.shape[0 if self.tiled is None else 1] * block_values(self.fmt)
 
     @property
     def shape(self) -> tuple:
@@ -96,8 +117,8 @@ def is_quant(a) -> bool:
 
 def tile(w: QuantArray) -> QuantArray:
     """The native kernel's layout of the same bytes: the output axes flattened to N and cut into
-    C = ceil(N / 64) tiles of 64 columns, each tile's blocks contiguous (q [C, K/32, R, 64],
-    d / m [C, K/32, 64]; the last tile padded with zero columns), so that the kernel reads a
+    C = ceil(N / 64) tiles of 64 columns, each tile's blocks contiguous (q [C, K/S, R, 64],
+    d / m [C, K/S, 64]; the last tile padded with zero columns), so that the kernel reads a
     tile as one sequential stream (tinyloop_jax/native/qmatmul.cc)."""
     if w.tiled is not None:
         return w
@@ -126,32 +147,104 @@ def tile_params(params):
 
 
 def _dequantize(q, scale, mn, fmt: str) -> jax.Array:
-    """q [nb, 32 | 16, *out], scale / min [nb, *out] -> float32 [nb * 32, *out]."""
+    """q [nb, R, *out], scale / min [nb, *out] -> float32 [nb * S, *out] (S: `block_values`)."""
     d = scale.astype(jnp.float32)[:, None]
+    out = q.shape[2:]
     if fmt == "q8_0":
-        v = q.astype(jnp.float32) * d
-    else:
-        nib = jnp.stack([q & 15, q >> 4], axis=1).astype(jnp.float32)  # [nb, 2, 16, *out]: values j, j + 16
-        v = nib.reshape(q.shape[0], BLOCK, *q.shape[2:]) * d
-        v = v - 8 * d if fmt == "q4_0" else v + mn.astype(jnp.float32)[:, None]
-    return v.reshape(-1, *q.shape[2:])
+        return (q.astype(jnp.float32) * d).reshape(-1, *out)
+    if fmt in ("q4_0", "q4_1"):
+        v = _nibbles(q).astype(jnp.float32)
+        v = v * d - 8 * d if fmt == "q4_0" else v * d + mn.astype(jnp.float32)[:, None]
+        return v.reshape(-1, *out)
+    if fmt in ("q5_0", "q5_1"):  # value j's 5th bit: bit j of qh (a little-endian uint32)
+        v = (_nibbles(q[:, 4:]) | (_bits(q[:, :4], 8) << 4)).astype(jnp.float32)  # [nb, 32, *out]
+        v = v * d - 16 * d if fmt == "q5_0" else v * d + mn.astype(jnp.float32)[:, None]
+        return v.reshape(-1, *out)
+    nb = q.shape[0]
+    if fmt in ("q4_k", "q5_k"):
+        sc, mins = _scales_k4(q[:, :12].astype(jnp.int32))  # [nb, 8, *out] each
+        qs = q[:, -128:].reshape(nb, 4, 1, 32, *out)  # 4 runs of 32 bytes: sub-blocks 2i (low), 2i + 1 (high)
+        v = jnp.concatenate([qs & 15, qs >> 4], axis=2)  # [nb, 4, 2, 32, *out]
+        if fmt == "q5_k":  # bit 2i (low) / 2i + 1 (high) of qh byte l: value l of those sub-blocks
+            shift = jnp.arange(8, dtype=jnp.uint8).reshape(1, 4, 2, 1, *([1] * len(out)))
+            v = v | (((q[:, 12:44].reshape(nb, 1, 1, 32, *out) >> shift) & 1) << 4)
+        v = v.reshape(nb, 8, 32, *out).astype(jnp.float32)
+        dm = (mn.astype(jnp.float32)[:, None] * mins.astype(jnp.float32))[:, :, None]
+        return (d[:, :, None] * sc.astype(jnp.float32)[:, :, None] * v - dm).reshape(-1, *out)
+    if fmt == "q6_k":  # per half h of 128 values: ql[64 h:], qh[32 h:]; value 128 h + 32 k + l
+        ql = q[:, :128].reshape(nb, 2, 1, 2, 32, *out)  # [nb, h, ., a, l]: byte ql[64 h + 32 a + l]
+        low = jnp.concatenate([ql & 15, ql >> 4], axis=2).reshape(nb, 2, 4, 32, *out)  # k = 2 nibble + a
+        shift = (2 * jnp.arange(4, dtype=jnp.uint8)).reshape(1, 1, 4, 1, *([1] * len(out)))
+        high = (q[:, 128:192].reshape(nb, 2, 1, 32, *out) >> shift) & 3
+        v = (low | (high << 4)).astype(jnp.float32) - 32  # [nb, 2, 4, 32, *out]
+        sc = jax.lax.bitcast_convert_type(q[:, 192:208], jnp.int8).astype(jnp.float32)  # [nb, 16, *out]
+        v = v.reshape(nb, 16, 16, *out) * sc[:, :, None]  # sub-block (value // 16)
+        return (v * d[:, :, None]).reshape(-1, *out)
+    raise ValueError(f"unknown quantized format {fmt!r}; valid: {', '.join(FORMATS)}")
+
+
+def _nibbles(q):
+    """[nb, 16, *out] bytes -> [nb, 32, *out]: the low nibbles (values 0-15), then the high ones."""
+    return jnp.concatenate([q & 15, q >> 4], axis=1)
+
+
+def _bits(b, per: int):
+    """[nb, n, *out] bytes -> [nb, n * per, *out]: bit i of byte j at index per * j + i."""
+    shift = jnp.arange(per, dtype=b.dtype).reshape(1, 1, per, *([1] * (b.ndim - 2)))
+    return ((b[:, :, None] >> shift) & 1).reshape(b.shape[0], -1, *b.shape[2:])
+
+
+def _scales_k4(s):
+    """ggml's get_scale_min_k4 over every sub-block: scales[12] [nb, 12, *out] int32 -> the 6-bit
+    scales and mins [nb, 8, *out] (sub-blocks 0-3 in the low 6 bits of bytes 0-3 / 4-7; 4-7 from
+    the nibbles of bytes 8-11 and the top 2 bits of bytes 0-3 / 4-7)."""
+    sc = jnp.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)], axis=1)
+    mins = jnp.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
+    return sc, mins
 
 
 # ---- building: from GGUF's bytes, or by quantizing floats -----------------------------------
 
 def from_blocks(raw: np.ndarray, fmt: str, k: int, transposed: bool) -> QuantArray:
-    """GGUF's bytes of a matrix, raw [rows, K/32 * bytes per block] uint8 (rows = the output
+    """GGUF's bytes of a matrix, raw [rows, K/S * bytes per block] uint8 (rows = the output
     axis) -> a QuantArray of logical shape [K, rows] (or [rows, K] when transposed)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantized format {fmt!r}; valid: {', '.join(FORMATS)}")
+    values, size, at_d, at_m = SPECS[fmt]
+    if k % values:
+        raise ValueError(f"a {fmt} matrix needs its rows' length to be a multiple of {values}, got {k}")
     rows = raw.shape[0]
-    b = np.ascontiguousarray(raw).reshape(rows, k // BLOCK, _BYTES[fmt])
-    d = b[..., 0:2].copy().view(np.float16)[..., 0]  # [rows, nb]
-    mn = b[..., 2:4].copy().view(np.float16)[..., 0] if fmt == "q4_1" else None
-    body = b[..., 4:] if fmt == "q4_1" else b[..., 2:]
-    q = body.view(np.int8) if fmt == "q8_0" else body  # [rows, nb, 32 | 16]
+    b = np.ascontiguousarray(raw).reshape(rows, k // values, size)
+    half = lambda at: b[..., at:at + 2].copy().view(np.float16)[..., 0]  # noqa: E731  [rows, nb]
+    d, mn = half(at_d), None if at_m is None else half(at_m)
+    keep = np.ones(size, bool)
+    keep[at_d:at_d + 2] = False
+    if at_m is not None:
+        keep[at_m:at_m + 2] = False
+    q = b[..., keep]  # [rows, nb, R]: the block's other bytes, in order
+    q = q.view(np.int8) if fmt == "q8_0" else q
     out = lambda a: jnp.asarray(np.ascontiguousarray(np.moveaxis(a, 0, -1)))  # noqa: E731  rows last
     return QuantArray(q=out(q), scale=out(d), min=None if mn is None else out(mn), fmt=fmt, transposed=transposed)
+
+
+def to_blocks(w: QuantArray) -> np.ndarray:
+    """Inverse of `from_blocks`: GGUF's bytes [rows, K/S * bytes per block] of a weight in
+    GGUF's order (rows: its output axes flattened)."""
+    w = canonical(w)
+    values, size, at_d, at_m = SPECS[w.fmt]
+    def flat(a):  # [nb, (R,) *out] -> contiguous [rows, nb, (R)]
+        a = np.asarray(a)
+        return np.ascontiguousarray(np.moveaxis(a.reshape(*a.shape[:a.ndim - len(w.out_shape)], -1), -1, 0))
+    q, d = flat(w.q).view(np.uint8), flat(w.scale).view(np.uint8)  # [rows, nb, R], [rows, nb, 2]
+    b = np.zeros((*q.shape[:2], size), np.uint8)
+    keep = np.ones(size, bool)
+    b[..., at_d:at_d + 2] = d.reshape(*q.shape[:2], 2)
+    keep[at_d:at_d + 2] = False
+    if at_m is not None:
+        b[..., at_m:at_m + 2] = flat(w.min).view(np.uint8).reshape(*q.shape[:2], 2)
+        keep[at_m:at_m + 2] = False
+    b[..., keep] = q
+    return b.reshape(q.shape[0], -1)
 
 
 def quantize(w, fmt: str, transposed: bool = False) -> QuantArray:
@@ -161,26 +254,94 @@ def quantize(w, fmt: str, transposed: bool = False) -> QuantArray:
 
     a = np.asarray(w, np.float32)
     rows = a if transposed else a.T  # [N, K]: GGUF's rows
-    if rows.shape[1] % BLOCK:
-        raise ValueError(f"a {fmt} weight needs its input width to be a multiple of {BLOCK}, got {rows.shape[1]}")
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantized format {fmt!r}; valid: {', '.join(FORMATS)}")
+    if rows.shape[1] % block_values(fmt):
+        raise ValueError(f"a {fmt} weight needs its input width to be a multiple of {block_values(fmt)}, "
+                         f"got {rows.shape[1]}")
     raw = quants.quantize(np.ascontiguousarray(rows), GGMLQuantizationType[fmt.upper()])
     return from_blocks(raw, fmt, rows.shape[1], transposed)
 
 
+@struct.dataclass
+class Fused:
+    """A fused projection (q | k | v, gate | up) whose parts are packed in different formats, as
+    a Q4_K_M file stores them (k in one type, v in another): each part kept as it is, and the
+    fused weight's column j is column `order[j]` of the parts' columns side by side."""
+    parts: tuple  # QuantArray (or float) [K, n_i] each
+    order: tuple = struct.field(pytree_node=False)  # a permutation of the sum of n_i
+    out: tuple = struct.field(pytree_node=False)  # the fused output axes
+
+    @property
+    def shape(self) -> tuple:
+        return (self.parts[0].shape[0], *self.out)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(p.nbytes) for p in self.parts)
+
+    def combine(self, ys: list) -> jax.Array:
+        """The parts' products ys[i] [..., n_i] -> the fused product [..., *out]."""
+        y = jnp.concatenate(ys, axis=-1)
+        return jnp.take(y, jnp.asarray(self.order, jnp.int32), axis=-1).reshape(*y.shape[:-1], *self.out)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return self.combine([dense(p, dtype) for p in self.parts])
+
+
+def is_fused(a) -> bool:
+    return isinstance(a, Fused)
+
+
+def random_blocks(fmt: str, w: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """GGUF's bytes [rows, K/S * bytes per block] of a float matrix w [rows, K] in `fmt`, for
+    benchmarks and tests: quantized (the `gguf` package) where it can; a K-quant, which it
+    cannot quantize, as random blocks (only w's shape is used) with d (and dmin) 2e-3 (Q6_K:
+    2e-4), so that the values stay in a sane range."""
+    if fmt not in ("q4_k", "q5_k", "q6_k"):
+        from gguf import GGMLQuantizationType, quants
+        return quants.quantize(np.ascontiguousarray(w, np.float32), GGMLQuantizationType[fmt.upper()])
+    values, size, at_d, at_m = SPECS[fmt]
+    rows, n = w.shape[0], w.shape[1] // values
+    raw = rng.integers(0, 256, (rows, n, size), dtype=np.uint8)
+    raw[:, :, at_d:at_d + 2] = np.full((rows, n, 1), 2e-4 if fmt == "q6_k" else 2e-3, np.float16).view(np.uint8)
+    if at_m is not None:
+        raw[:, :, at_m:at_m + 2] = raw[:, :, at_d:at_d + 2]
+    return raw.reshape(rows, n * size)
+
+
+def random(fmt: str, k: int, n: int, seed: int = 0, transposed: bool = False) -> QuantArray:
+    """A random packed weight of logical shape [k, n] ([n, k] when transposed): `random_blocks`
+    of a normal matrix scaled by 1 / sqrt(k)."""
+    rng = np.random.default_rng(seed)
+    raw = random_blocks(fmt, rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k), rng)
+    w = from_blocks(raw, fmt, k, transposed=True)  # [n, k]
+    return w if transposed else w.T
+
+
 def apply(fn, *ws):
-    """fn over the output axes of weights that are all packed alike (fuse q|k|v, stack
-    gate|up: fn sees each field with leading block axes, so it must index axes from the end);
-    plain arrays (or a mix) go through fn as floats."""
+    """fn over the output axes of weights [K, n_i] (fuse q|k|v, stack gate|up: fn sees each field
+    with leading block axes, so it must index axes from the end). Packed alike: one packed
+    weight; packed in different formats: a `Fused` of the parts; plain arrays (or a mix of
+    packed and float): fn over floats."""
     ws = [canonical(w) for w in ws]
     if all(is_quant(w) and not w.transposed and w.fmt == ws[0].fmt for w in ws):
         field = lambda name: None if getattr(ws[0], name) is None else fn(*(getattr(w, name) for w in ws))  # noqa: E731
         return QuantArray(q=field("q"), scale=field("scale"), min=field("min"), fmt=ws[0].fmt)
+    if all(is_quant(w) and not w.transposed and len(w.out_shape) == 1 for w in ws):
+        at = np.cumsum([0] + [w.out_shape[0] for w in ws])  # fn over column numbers: where each goes
+        cols = np.asarray(fn(*(np.arange(at[i], at[i + 1]) for i in range(len(ws)))))
+        return Fused(parts=tuple(ws), order=tuple(int(c) for c in cols.reshape(-1)), out=cols.shape)
     return fn(*(dense(w) for w in ws))
 
 
 def dense(w, dtype=None):
     """A weight as a float array (packed ones dequantized)."""
-    if is_quant(w):
+    if is_quant(w) or is_fused(w):
         return w.dequantize(jnp.float32 if dtype is None else dtype)
     return w if dtype is None else w.astype(dtype)
 
@@ -272,6 +433,8 @@ def matmul(x: jax.Array, w, tile: int | None = None) -> jax.Array:
     Packed weights go through the native kernel where it runs (XLA:CPU, one device), else
     XLA dequantizes them; `tile`: that, about that many floats at a time inside the step (see
     the module doc)."""
+    if is_fused(w):
+        return w.combine([matmul(x, p, tile).reshape(*x.shape[:-1], -1) for p in w.parts]).astype(x.dtype)
     if not is_quant(w):
         return jnp.tensordot(x, w, axes=1)
     if tile is None and native.available():

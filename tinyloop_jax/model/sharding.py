@@ -86,8 +86,12 @@ def param_specs(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
     specs = specs.replace(pre=tuple(map(blk, params.pre)), loop=tuple(map(blk, params.loop)),
                           post=tuple(map(blk, params.post)))
     sizes = dict(mesh.shape)  # packed weights: their fields' specs from the logical one (`qarray.specs`)
-    return jax.tree.map(lambda w, s: qarray.specs(w, s, sizes) if qarray.is_quant(w) and isinstance(s, P) else s,
-                        params, specs, is_leaf=qarray.is_quant)
+
+    def packed(w, s):
+        if qarray.is_fused(w):  # parts in different formats: replicated
+            return jax.tree.map(lambda a: P(), w)
+        return qarray.specs(w, s, sizes) if qarray.is_quant(w) and isinstance(s, P) else s
+    return jax.tree.map(packed, params, specs, is_leaf=lambda a: qarray.is_quant(a) or qarray.is_fused(a))
 
 
 def place_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:

@@ -39,7 +39,7 @@ TARGET = "tinyloop_qmatmul"
 PAGED_TARGET = "tinyloop_paged_attention"
 PAGE_FORMATS = {"fp32": 0, "fp16": 1, "int8": 2, "int4": 3}
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w", "-fopenmp-simd", "-fno-math-errno"]
-FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q5_0": 3, "q5_1": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7}
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -138,8 +138,8 @@ _kernels: dict = {}
 
 
 def qmatmul(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array | None, fmt: str, n: int, dense) -> jax.Array:
-    """x [..., K] @ a packed [K, n] weight in qarray's kernel layout (`qarray.tile`: q [C, K/32,
-    R, 64], d and m [C, K/32, 64], C = ceil(n / 64); m None but for q4_1) -> float32 [..., n].
+    """x [..., K] @ a packed [K, n] weight in qarray's kernel layout (`qarray.tile`: q [C, K/S,
+    R, 64], d and m [C, K/S, 64], C = ceil(n / 64); m None for formats without one) -> float32 [..., n].
     `dense(x, q, d, m)`: the same product through XLA, for a vmap that batches the weight itself."""
     if (fmt, n) not in _kernels:
         _kernels[fmt, n] = _kernel(fmt, n, dense)

@@ -4,14 +4,17 @@
 //
 // The weight comes in qarray's kernel layout (`qarray.tile`): 64 columns at a time, each such
 // tile's bytes contiguous from the first block to the last,
-//   q [C, K/32, R, 64]  (R = 32 int8 for q8_0; 16 bytes of two nibbles for q4_0 / q4_1: value j
-//                        in the low nibble, j + 16 in the high one)
-//   d, m [C, K/32, 64]  float16,   C = ceil(N / 64)
-// so a tile is one sequential stream (with GGUF's own [K/32, R, N] order a tile would read 64
+//   q [C, K/S, R, 64]  (a block of S values: R bytes of it per column, GGUF's block less its d
+//                       and m. Q8_0: 32 int8; Q4_0 / Q4_1: 16 bytes of two nibbles, value j in
+//                       the low nibble, j + 16 in the high one; Q5_x and the K-quants: see
+//                       `unpack` and qarray's module doc)
+//   d, m [C, K/S, 64]  float16,   C = ceil(N / 64)
+// so a tile is one sequential stream (with GGUF's own [K/S, R, N] order a tile would read 64
 // bytes of every row, or partial sums would go through L1: 2-3x slower from DRAM). Per block b
 // and row t:
 //   y[t, n] += d[b, n] * sum_j q[b, j, n] x[t, 32 b + j]   (+ m[b, n] * sum_j x[t, 32 b + j])
-// (q4_0 subtracts 8 * d * sum_j x). Tiles are shared out between the calling thread and
+// (q4_0 subtracts 8 * d * sum_j x); Q5_x and the K-quants per sub-block, with its own scale
+// and offset, after the block's bits are unpacked to bytes. Tiles are shared out between the calling thread and
 // helpers: for decode, threads of our own, one per other thread of XLA's intra-op pool
 // (`Spinners`); for a prompt's panels, XLA's pool. The calling thread takes tiles too, so a
 // call finishes even when no helper comes. Vectors: AVX-512 or AVX2 + FMA + F16C (`V`), else
@@ -28,6 +31,7 @@
 #include <mutex>
 #include <sched.h>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -41,15 +45,51 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kBlock = 32;
 constexpr int64_t kW = 64;         // columns per tile
 constexpr int64_t kPanelRows = 16; // more rows: dequantized panels and a register-blocked product
 constexpr int64_t kAhead = 3;      // blocks of q prefetched ahead of the one being read
 
-enum Fmt : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
+enum Fmt : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ5_K = 6, kQ6_K = 7 };
 
+// bytes of q per block and column (GGUF's block less its float16 d and m; qarray.SPECS)
 template <int32_t FMT>
-constexpr int64_t kRows = FMT == kQ8_0 ? 32 : 16;  // bytes of q per block and column
+constexpr int64_t kRows = FMT == kQ8_0 ? 32 : FMT <= kQ4_1 ? 16 : FMT <= kQ5_1 ? 20 : FMT == kQ4_K ? 140
+                          : FMT == kQ5_K ? 172 : 208;
+// values per block (a K-quant's super-block: 256) and per sub-block (one scale each)
+template <int32_t FMT>
+constexpr int64_t kValues = FMT >= kQ4_K ? 256 : 32;
+template <int32_t FMT>
+constexpr int64_t kSub = FMT == kQ6_K ? 16 : 32;
+template <int32_t FMT>
+constexpr bool kHasMin = FMT == kQ4_1 || FMT == kQ5_1 || FMT == kQ4_K || FMT == kQ5_K;
+// Q5_x and the K-quants are unpacked a block at a time (`unpack`) before the product: their
+// bits are spread over several bytes, and one plain loop over the 64 columns a row of bytes
+// (which the compiler vectorizes) is simpler than a vector path per format
+template <int32_t FMT>
+constexpr bool kUnpacked = FMT >= kQ5_0;
+
+int64_t rows_of(int32_t fmt) {
+  constexpr int64_t r[] = {kRows<kQ8_0>, kRows<kQ4_0>, kRows<kQ4_1>, kRows<kQ5_0>,
+                           kRows<kQ5_1>, kRows<kQ4_K>, kRows<kQ5_K>, kRows<kQ6_K>};
+  return r[fmt];
+}
+int64_t values_of(int32_t fmt) { return fmt >= kQ4_K ? 256 : 32; }
+int64_t sub_of(int32_t fmt) { return fmt == kQ6_K ? 16 : 32; }
+
+// fn(std::integral_constant<int32_t, FMT>) for the format `fmt` names
+template <class Fn>
+void by_format(int32_t fmt, Fn&& fn) {
+  switch (fmt) {
+    case kQ8_0: return fn(std::integral_constant<int32_t, kQ8_0>{});
+    case kQ4_0: return fn(std::integral_constant<int32_t, kQ4_0>{});
+    case kQ4_1: return fn(std::integral_constant<int32_t, kQ4_1>{});
+    case kQ5_0: return fn(std::integral_constant<int32_t, kQ5_0>{});
+    case kQ5_1: return fn(std::integral_constant<int32_t, kQ5_1>{});
+    case kQ4_K: return fn(std::integral_constant<int32_t, kQ4_K>{});
+    case kQ5_K: return fn(std::integral_constant<int32_t, kQ5_K>{});
+    default: return fn(std::integral_constant<int32_t, kQ6_K>{});
+  }
+}
 
 inline float half(uint16_t h) {
   _Float16 f;
@@ -149,15 +189,91 @@ struct Problem {
   const uint8_t* q;
   const uint16_t* d;
   const uint16_t* m;
-  const float* sx;  // [M, nb]: the sum of each block's 32 inputs
+  const float* sx;  // [M, ns]: the sum of each sub-block's inputs (ns = K / sub-block size)
   float* y;
-  int64_t M, K, N, nb;
+  int64_t M, K, N, nb, ns;
   int32_t fmt;
   // tile c's block b: its R x 64 bytes of q and its 64 scales (and mins)
   template <int32_t FMT>
   const uint8_t* qt(int64_t c, int64_t b) const { return q + (c * nb + b) * kRows<FMT> * kW; }
   int64_t at(int64_t c, int64_t b) const { return (c * nb + b) * kW; }
 };
+
+// A Q5_x or K-quant block of a tile unpacked: its values as small integers and, per sub-block,
+// the float scale and offset of value = v * sc + mn (the same products as qarray's dequantize).
+template <int32_t FMT>
+struct Unpacked {
+  static constexpr int64_t kS = kValues<FMT> / kSub<FMT>;  // sub-blocks
+  alignas(64) int8_t v[kValues<FMT>][kW];
+  alignas(64) float sc[kS][kW];
+  alignas(64) float mn[kS][kW];
+};
+
+// Block b of tile c into u: row r of q is byte r of the block for each of the 64 columns.
+template <int32_t FMT>
+void unpack(const Problem& p, int64_t c, int64_t b, Unpacked<FMT>& u) {
+  const uint8_t* q = p.qt<FMT>(c, b);
+  const uint16_t* d = p.d + p.at(c, b);
+  const uint16_t* m = p.m + p.at(c, b);
+  auto row = [&](int64_t r) { return q + r * kW; };
+  if constexpr (FMT == kQ5_0 || FMT == kQ5_1) {  // qh[4] (bit j: value j's 5th bit), qs[16]
+    for (int64_t j = 0; j < 16; ++j)
+      for (int64_t n = 0; n < kW; ++n) {
+        const uint8_t b0 = row(4 + j)[n];
+        const int hb0 = (row(j / 8)[n] >> (j % 8)) & 1, hb1 = (row(2 + j / 8)[n] >> (j % 8)) & 1;
+        const int off = FMT == kQ5_0 ? 16 : 0;
+        u.v[j][n] = static_cast<int8_t>(((b0 & 15) | (hb0 << 4)) - off);
+        u.v[j + 16][n] = static_cast<int8_t>(((b0 >> 4) | (hb1 << 4)) - off);
+      }
+    for (int64_t n = 0; n < kW; ++n) u.sc[0][n] = half(d[n]), u.mn[0][n] = FMT == kQ5_1 ? half(m[n]) : 0.f;
+  } else if constexpr (FMT == kQ4_K || FMT == kQ5_K) {  // scales[12] (, qh[32]), qs[128]
+    for (int64_t j = 0; j < 8; ++j)
+      for (int64_t n = 0; n < kW; ++n) {  // ggml's get_scale_min_k4
+        int sc, mn;
+        if (j < 4) {
+          sc = row(j)[n] & 63, mn = row(j + 4)[n] & 63;
+        } else {
+          sc = (row(j + 4)[n] & 15) | ((row(j - 4)[n] >> 6) << 4);
+          mn = (row(j + 4)[n] >> 4) | ((row(j)[n] >> 6) << 4);
+        }
+        u.sc[j][n] = half(d[n]) * static_cast<float>(sc);
+        u.mn[j][n] = -(half(m[n]) * static_cast<float>(mn));
+      }
+    const int64_t qs = FMT == kQ5_K ? 44 : 12;
+    for (int64_t i = 0; i < 4; ++i)  // bytes 32 i + l: value 64 i + l (low nibble), 64 i + 32 + l (high)
+      for (int64_t l = 0; l < 32; ++l)
+        for (int64_t n = 0; n < kW; ++n) {
+          const uint8_t v = row(qs + 32 * i + l)[n];
+          int lo = v & 15, hi = v >> 4;
+          if constexpr (FMT == kQ5_K) {
+            const uint8_t h = row(12 + l)[n];
+            lo |= ((h >> (2 * i)) & 1) << 4, hi |= ((h >> (2 * i + 1)) & 1) << 4;
+          }
+          u.v[64 * i + l][n] = static_cast<int8_t>(lo), u.v[64 * i + 32 + l][n] = static_cast<int8_t>(hi);
+        }
+  } else {  // Q6_K: ql[128], qh[64], int8 scales[16]; half h: value 128 h + 32 k + l
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t l = 0; l < 32; ++l)
+        for (int64_t n = 0; n < kW; ++n) {
+          const uint8_t a = row(64 * h + l)[n], b2 = row(64 * h + 32 + l)[n], hh = row(128 + 32 * h + l)[n];
+          u.v[128 * h + l][n] = static_cast<int8_t>(((a & 15) | ((hh & 3) << 4)) - 32);
+          u.v[128 * h + 32 + l][n] = static_cast<int8_t>(((b2 & 15) | (((hh >> 2) & 3) << 4)) - 32);
+          u.v[128 * h + 64 + l][n] = static_cast<int8_t>(((a >> 4) | (((hh >> 4) & 3) << 4)) - 32);
+          u.v[128 * h + 96 + l][n] = static_cast<int8_t>(((b2 >> 4) | (((hh >> 6) & 3) << 4)) - 32);
+        }
+    for (int64_t j = 0; j < 16; ++j)
+      for (int64_t n = 0; n < kW; ++n) {
+        u.sc[j][n] = half(d[n]) * static_cast<float>(static_cast<int8_t>(row(192 + j)[n]));
+        u.mn[j][n] = 0.f;
+      }
+  }
+}
+
+template <int32_t FMT>
+Unpacked<FMT>& unpacked_buffer() {
+  thread_local Unpacked<FMT> u;
+  return u;
+}
 
 // The block's scale applied to the block's sums: out += d * acc (+ m * s), per format.
 inline float combine(int32_t fmt, float out, float acc, float d, float m, float s) {
@@ -169,11 +285,30 @@ inline float combine(int32_t fmt, float out, float acc, float d, float m, float 
 // Portable: rows t0.. of tile c over blocks [b0, b1), w of its 64 columns, into dst [M, N].
 template <int32_t FMT>
 void stream_generic(const Problem& p, int64_t c, int64_t w, int64_t b0, int64_t b1, float* dst) {
+  if constexpr (kUnpacked<FMT>) {
+    Unpacked<FMT>& u = unpacked_buffer<FMT>();
+    std::vector<float> out(p.M * kW, 0.f);
+    for (int64_t b = b0; b < b1; ++b) {
+      unpack<FMT>(p, c, b, u);
+      for (int64_t t = 0; t < p.M; ++t)
+        for (int64_t s = 0; s < Unpacked<FMT>::kS; ++s) {
+          const float* xb = p.x + t * p.K + b * kValues<FMT> + s * kSub<FMT>;
+          const float sum = p.sx[t * p.ns + b * Unpacked<FMT>::kS + s];
+          for (int64_t n = 0; n < kW; ++n) {
+            float acc = 0.f;
+            for (int64_t j = 0; j < kSub<FMT>; ++j) acc += static_cast<float>(u.v[s * kSub<FMT> + j][n]) * xb[j];
+            out[t * kW + n] += u.sc[s][n] * acc + u.mn[s][n] * sum;
+          }
+        }
+    }
+    for (int64_t t = 0; t < p.M; ++t) std::memcpy(dst + t * p.N + c * kW, &out[t * kW], w * sizeof(float));
+    return;
+  }
   for (int64_t t = 0; t < p.M; ++t) {
     float out[kW] = {};
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* qb = p.qt<FMT>(c, b);
-      const float* xb = p.x + t * p.K + b * kBlock;
+      const float* xb = p.x + t * p.K + b * kValues<FMT>;
       float acc[kW] = {};
       for (int64_t j = 0; j < kRows<FMT>; ++j)
         for (int64_t n = 0; n < kW; ++n) {
@@ -184,7 +319,7 @@ void stream_generic(const Problem& p, int64_t c, int64_t w, int64_t b0, int64_t 
             acc[n] += static_cast<float>(v & 15) * xb[j] + static_cast<float>(v >> 4) * xb[j + 16];
           }
         }
-      const float s = p.sx[t * p.nb + b];
+      const float s = p.sx[t * p.ns + b];
       for (int64_t n = 0; n < w; ++n)
         out[n] = combine(FMT, out[n], acc[n], half(p.d[p.at(c, b) + n]), FMT == kQ4_1 ? half(p.m[p.at(c, b) + n]) : 0.f, s);
     }
@@ -210,13 +345,50 @@ inline void prefetch(const Problem& p, int64_t c, int64_t b) {
 // MT rows of x through tile c's blocks [b0, b1): each L bytes of q are widened and converted
 // once and used by every row; each row's block sums live in kG registers and are scaled into
 // `out` (registers too, where there are enough) once per block.
+// The same for an unpacked format: each block unpacked once (into L1) for the MT rows, then
+// per sub-block the q8_0-like sums, scaled by the sub-block's sc and offset by mn * sum(x).
+template <int32_t FMT, int MT>
+void stream_rows_unpacked(const Problem& p, int64_t t0, int64_t c, int64_t w, int64_t b0, int64_t b1, float* dst) {
+  constexpr int64_t kS = Unpacked<FMT>::kS;
+  Unpacked<FMT>& u = unpacked_buffer<FMT>();
+  V::F out[MT][kG];
+  for (auto& o : out) for (auto& v : o) v = V::zero();
+  for (int64_t b = b0; b < b1; ++b) {
+    prefetch<FMT>(p, c, b + 1);
+    unpack<FMT>(p, c, b, u);
+    for (int64_t s = 0; s < kS; ++s) {
+      const float* xb = p.x + t0 * p.K + b * kValues<FMT> + s * kSub<FMT>;
+      V::F acc[MT][kG];
+      for (auto& a : acc) for (auto& v : a) v = V::zero();
+      for (int64_t j = 0; j < kSub<FMT>; ++j)
+        for (int g = 0; g < kG; ++g) {
+          const V::F v = V::signed_bytes(reinterpret_cast<const uint8_t*>(&u.v[s * kSub<FMT> + j][V::L * g]));
+          for (int t = 0; t < MT; ++t) acc[t][g] = V::fma(v, V::set1(xb[t * p.K + j]), acc[t][g]);
+        }
+      for (int g = 0; g < kG; ++g) {
+        const V::F sv = V::load(&u.sc[s][V::L * g]);
+        for (int t = 0; t < MT; ++t) {
+          out[t][g] = V::fma(sv, acc[t][g], out[t][g]);
+          if constexpr (kHasMin<FMT>)
+            out[t][g] = V::fma(V::load(&u.mn[s][V::L * g]), V::set1(p.sx[(t0 + t) * p.ns + b * kS + s]), out[t][g]);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < MT; ++t)
+    for (int g = 0; g < kG; ++g) V::store_first(dst + (t0 + t) * p.N + c * kW + V::L * g, out[t][g], w - V::L * g);
+}
+
 template <int32_t FMT, int MT>
 void stream_rows(const Problem& p, int64_t t0, int64_t c, int64_t w, int64_t b0, int64_t b1, float* dst) {
+  if constexpr (kUnpacked<FMT>) {
+    return stream_rows_unpacked<FMT, MT>(p, t0, c, w, b0, b1, dst);
+  } else {
   V::F out[MT][kG];
   for (auto& o : out) for (auto& v : o) v = V::zero();
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* qb = p.qt<FMT>(c, b);
-    const float* xb = p.x + t0 * p.K + b * kBlock;
+    const float* xb = p.x + t0 * p.K + b * kValues<FMT>;
     // a tile is a short stream (18 KiB for a 576-row q4 matrix), too short for the hardware
     // prefetcher to ramp up: ask for the block kAhead blocks on (past the tile's end: the next
     // tile's start, where this thread or the other one goes next)
@@ -243,7 +415,7 @@ void stream_rows(const Problem& p, int64_t t0, int64_t c, int64_t w, int64_t b0,
       const V::F dv = V::halves(p.d + p.at(c, b) + V::L * g);
       const V::F mv = FMT == kQ4_1 ? V::halves(p.m + p.at(c, b) + V::L * g) : V::zero();
       for (int t = 0; t < MT; ++t) {
-        const V::F s = V::set1(p.sx[(t0 + t) * p.nb + b]);
+        const V::F s = V::set1(p.sx[(t0 + t) * p.ns + b]);
         if constexpr (FMT == kQ4_0) {
           out[t][g] = V::fma(dv, V::fnma(V::set1(8.f), s, acc[t][g]), out[t][g]);
         } else if constexpr (FMT == kQ4_1) {
@@ -256,6 +428,7 @@ void stream_rows(const Problem& p, int64_t t0, int64_t c, int64_t w, int64_t b0,
   }
   for (int t = 0; t < MT; ++t)
     for (int g = 0; g < kG; ++g) V::store_first(dst + (t0 + t) * p.N + c * kW + V::L * g, out[t][g], w - V::L * g);
+  }
 }
 
 // The last n < MT rows from t0, by the pass of their count.
@@ -307,6 +480,22 @@ void panel_tail(const Problem& p, const float* panel, int64_t t0, int64_t n, int
 // Tile c as float32 [K, 64]: value = q * d (+ m), the same two roundings as qarray's dequantize.
 template <int32_t FMT>
 void dequantize_panel(const Problem& p, int64_t c, float* panel) {
+  if constexpr (kUnpacked<FMT>) {
+    Unpacked<FMT>& u = unpacked_buffer<FMT>();
+    for (int64_t b = 0; b < p.nb; ++b) {
+      prefetch<FMT>(p, c, b + 1);
+      unpack<FMT>(p, c, b, u);
+      for (int64_t i = 0; i < kValues<FMT>; ++i) {
+        float* row = panel + (b * kValues<FMT> + i) * kW;
+        const int64_t s = i / kSub<FMT>;
+        for (int g = 0; g < kG; ++g) {
+          const V::F v = V::signed_bytes(reinterpret_cast<const uint8_t*>(&u.v[i][V::L * g]));
+          V::store(row + V::L * g, V::add(V::mul(v, V::load(&u.sc[s][V::L * g])), V::load(&u.mn[s][V::L * g])));
+        }
+      }
+    }
+    return;
+  }
   for (int64_t b = 0; b < p.nb; ++b) {
     const uint8_t* qb = p.qt<FMT>(c, b);
     prefetch<FMT>(p, c, b + kAhead);
@@ -315,7 +504,7 @@ void dequantize_panel(const Problem& p, int64_t c, float* panel) {
       const V::F mv = FMT == kQ4_1 ? V::halves(p.m + p.at(c, b) + V::L * g) : V::zero();
       for (int64_t j = 0; j < kRows<FMT>; ++j) {
         const uint8_t* raw = qb + j * kW + V::L * g;
-        float* lo = panel + (b * kBlock + j) * kW + V::L * g;
+        float* lo = panel + (b * kValues<FMT> + j) * kW + V::L * g;
         if constexpr (FMT == kQ8_0) {
           V::store(lo, V::mul(V::signed_bytes(raw), dv));
         } else {
@@ -377,21 +566,13 @@ struct Shared {
     if (panels) {  // unit i: rows part r of tile c, a tile's parts one after another
       const int64_t c = i / parts, r = i % parts, w = std::min(kW, p.N - c * kW);
       const int64_t t0 = p.M * r / parts, t1 = p.M * (r + 1) / parts;
-      switch (p.fmt) {
-        case kQ8_0: return panel_gemm<kQ8_0>(p, call, c, w, t0, t1, p.y);
-        case kQ4_0: return panel_gemm<kQ4_0>(p, call, c, w, t0, t1, p.y);
-        default: return panel_gemm<kQ4_1>(p, call, c, w, t0, t1, p.y);
-      }
+      return by_format(p.fmt, [&](auto f) { panel_gemm<decltype(f)::value>(p, call, c, w, t0, t1, p.y); });
     }
 #endif
     const int64_t c = i % tiles, r = i / tiles, w = std::min(kW, p.N - c * kW);
     const int64_t b0 = p.nb * r / parts, b1 = p.nb * (r + 1) / parts;
     float* dst = parts > 1 ? partial + r * p.M * p.N : p.y;
-    switch (p.fmt) {
-      case kQ8_0: return stream<kQ8_0>(p, c, w, b0, b1, dst);
-      case kQ4_0: return stream<kQ4_0>(p, c, w, b0, b1, dst);
-      default: return stream<kQ4_1>(p, c, w, b0, b1, dst);
-    }
+    by_format(p.fmt, [&](auto f) { stream<decltype(f)::value>(p, c, w, b0, b1, dst); });
   }
   // Units handed out by an atomic counter; helpers that start after every unit is taken
   // return at once without touching the buffers.
@@ -449,29 +630,29 @@ class Spinners {
 
 ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> d,
                    ffi::Buffer<ffi::F16> m, ffi::ResultBuffer<ffi::F32> y, int32_t fmt) {
-  if (fmt < kQ8_0 || fmt > kQ4_1) return ffi::Error::InvalidArgument("qmatmul: unknown format");
+  if (fmt < kQ8_0 || fmt > kQ6_K) return ffi::Error::InvalidArgument("qmatmul: unknown format");
   const auto xd = x.dimensions(), qd = q.dimensions(), yd = y->dimensions();
   if (xd.size() < 1 || qd.size() != 4 || yd.size() < 1)
-    return ffi::Error::InvalidArgument("qmatmul: x [..., K], q [N/64, K/32, R, 64], y [..., N]");
+    return ffi::Error::InvalidArgument("qmatmul: x [..., K], q [N/64, K/S, R, 64], y [..., N]");
   const int64_t K = xd.back(), N = yd.back(), C = qd[0], nb = qd[1];
-  const int64_t R = fmt == kQ8_0 ? 32 : 16;
-  if (K != nb * kBlock || qd[2] != R || qd[3] != kW || C != (N + kW - 1) / kW
+  const int64_t R = rows_of(fmt), sub = sub_of(fmt), ns = K / sub;
+  if (K != nb * values_of(fmt) || qd[2] != R || qd[3] != kW || C != (N + kW - 1) / kW
       || static_cast<int64_t>(d.element_count()) != C * nb * kW) {
     return ffi::Error::InvalidArgument("qmatmul: x, q, d and y do not describe one [K, N] weight");
   }
   const int64_t M = K ? static_cast<int64_t>(x.element_count()) / K : 0;
   if (static_cast<int64_t>(y->element_count()) != M * N) return ffi::Error::InvalidArgument("qmatmul: y is not [M, N]");
-  auto sx = std::make_unique<float[]>(std::max<int64_t>(M * nb, 1));
+  auto sx = std::make_unique<float[]>(std::max<int64_t>(M * ns, 1));
   for (int64_t t = 0; t < M; ++t)
-    for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t b = 0; b < ns; ++b) {
       float s = 0.f;
-      for (int64_t j = 0; j < kBlock; ++j) s += x.typed_data()[t * K + b * kBlock + j];
-      sx[t * nb + b] = s;
+      for (int64_t j = 0; j < sub; ++j) s += x.typed_data()[t * K + b * sub + j];
+      sx[t * ns + b] = s;
     }
   auto sh = std::make_shared<Shared>();
   sh->p = Problem{x.typed_data(), static_cast<const uint8_t*>(q.untyped_data()),
                   reinterpret_cast<const uint16_t*>(d.typed_data()), reinterpret_cast<const uint16_t*>(m.typed_data()),
-                  sx.get(), y->typed_data(), M, K, N, nb, fmt};
+                  sx.get(), y->typed_data(), M, K, N, nb, ns, fmt};
   // as many workers as XLA's pool has threads (one per core), this thread one of them
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   static std::atomic<uint64_t> calls{0};
