@@ -209,6 +209,22 @@ struct Unpacked {
   alignas(64) float mn[kS][kW];
 };
 
+// out[n] = sign * d[n] * k[n] over the 64 columns: float16 scales times small integers held as
+// bytes (signed for Q6_K), in vectors where there are any (scalar, these conversions cost more
+// than unpacking the block's bits).
+template <bool SIGNED>
+inline void scaled(const uint16_t* d, const uint8_t* k, float* out, float sign) {
+#if defined(TL_SIMD)
+  for (int g = 0; g < kG; ++g) {
+    const V::F kv = SIGNED ? V::signed_bytes(k + V::L * g) : V::to_float(V::bytes(k + V::L * g));
+    V::store(out + V::L * g, V::mul(V::mul(V::halves(d + V::L * g), kv), V::set1(sign)));
+  }
+#else
+  for (int64_t n = 0; n < kW; ++n)
+    out[n] = sign * half(d[n]) * (SIGNED ? static_cast<float>(static_cast<int8_t>(k[n])) : static_cast<float>(k[n]));
+#endif
+}
+
 // Block b of tile c into u: row r of q is byte r of the block for each of the 64 columns.
 template <int32_t FMT>
 void unpack(const Problem& p, int64_t c, int64_t b, Unpacked<FMT>& u) {
@@ -225,20 +241,24 @@ void unpack(const Problem& p, int64_t c, int64_t b, Unpacked<FMT>& u) {
         u.v[j][n] = static_cast<int8_t>(((b0 & 15) | (hb0 << 4)) - off);
         u.v[j + 16][n] = static_cast<int8_t>(((b0 >> 4) | (hb1 << 4)) - off);
       }
-    for (int64_t n = 0; n < kW; ++n) u.sc[0][n] = half(d[n]), u.mn[0][n] = FMT == kQ5_1 ? half(m[n]) : 0.f;
+    alignas(64) static constexpr uint8_t ones[kW] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+    scaled<false>(d, ones, u.sc[0], 1.f);
+    if constexpr (FMT == kQ5_1) {
+      scaled<false>(m, ones, u.mn[0], 1.f);
+    } else {
+      std::fill(u.mn[0], u.mn[0] + kW, 0.f);
+    }
   } else if constexpr (FMT == kQ4_K || FMT == kQ5_K) {  // scales[12] (, qh[32]), qs[128]
-    for (int64_t j = 0; j < 8; ++j)
-      for (int64_t n = 0; n < kW; ++n) {  // ggml's get_scale_min_k4
-        int sc, mn;
-        if (j < 4) {
-          sc = row(j)[n] & 63, mn = row(j + 4)[n] & 63;
-        } else {
-          sc = (row(j + 4)[n] & 15) | ((row(j - 4)[n] >> 6) << 4);
-          mn = (row(j + 4)[n] >> 4) | ((row(j)[n] >> 6) << 4);
-        }
-        u.sc[j][n] = half(d[n]) * static_cast<float>(sc);
-        u.mn[j][n] = -(half(m[n]) * static_cast<float>(mn));
+    alignas(64) uint8_t sc[8][kW], mn[8][kW];  // ggml's get_scale_min_k4, 64 columns at a time
+    for (int64_t j = 0; j < 4; ++j)
+      for (int64_t n = 0; n < kW; ++n) {
+        sc[j][n] = row(j)[n] & 63, mn[j][n] = row(j + 4)[n] & 63;
+        sc[j + 4][n] = (row(j + 8)[n] & 15) | ((row(j)[n] >> 6) << 4);
+        mn[j + 4][n] = (row(j + 8)[n] >> 4) | ((row(j + 4)[n] >> 6) << 4);
       }
+    for (int64_t j = 0; j < 8; ++j) scaled<false>(d, sc[j], u.sc[j], 1.f), scaled<false>(m, mn[j], u.mn[j], -1.f);
     const int64_t qs = FMT == kQ5_K ? 44 : 12;
     for (int64_t i = 0; i < 4; ++i)  // bytes 32 i + l: value 64 i + l (low nibble), 64 i + 32 + l (high)
       for (int64_t l = 0; l < 32; ++l)
@@ -261,11 +281,7 @@ void unpack(const Problem& p, int64_t c, int64_t b, Unpacked<FMT>& u) {
           u.v[128 * h + 64 + l][n] = static_cast<int8_t>(((a >> 4) | (((hh >> 4) & 3) << 4)) - 32);
           u.v[128 * h + 96 + l][n] = static_cast<int8_t>(((b2 >> 4) | (((hh >> 6) & 3) << 4)) - 32);
         }
-    for (int64_t j = 0; j < 16; ++j)
-      for (int64_t n = 0; n < kW; ++n) {
-        u.sc[j][n] = half(d[n]) * static_cast<float>(static_cast<int8_t>(row(192 + j)[n]));
-        u.mn[j][n] = 0.f;
-      }
+    for (int64_t j = 0; j < 16; ++j) scaled<true>(d, row(192 + j), u.sc[j], 1.f), std::fill(u.mn[j], u.mn[j] + kW, 0.f);
   }
 }
 
