@@ -250,7 +250,8 @@ def test_bad_recurrence_settings():
                     (dict(injection="concat_adapter", state_init_scale=-1.0), "state_init_scale"),
                     (dict(injection="concat_adapter", state_init_scale=float("nan")), "state_init_scale"),
                     (dict(injection="concat_adapter", embed_scale=0.0), "embed_scale"),
-                    (dict(embed_scale=2.0), "embed_scale"), (dict(state_init_scale=0.0), "state_init_scale"),
+                    (dict(mlp_act="relu"), "mlp_act"), (dict(layer_windows=(8,)), "layer_windows"),
+                    (dict(state_init_scale=0.0), "state_init_scale"),
                     (dict(injection="concat_adapter", pass_norm=True, n_post_blocks=0), "injection"),
                     (dict(norm_before_coda=True, n_post_blocks=0), "norm_before_coda"),
                     (dict(norm_placement="residual"), "norm_placement")):

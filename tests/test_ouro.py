@@ -68,7 +68,7 @@ def test_pass_states_gates_and_exit_distribution_match_the_reference(ouro, golde
     states = []
     for loops in range(1, PASSES + 1):  # the stream after pass loops-1, at every position
         own = F.empty_cache(w, len(p), loops)
-        states.append(np.asarray(tf.run_layers(w.params, w.config, tf.embed(w.params, p, jnp.int32(0)),
+        states.append(np.asarray(tf.run_layers(w.params, w.config, tf.embed(w.params, p, jnp.int32(0), w.config),
                                                jnp.int32(len(p)), jnp.int32(0), (), own, loops, 0).x))
     states = np.stack(states)
     np.testing.assert_allclose(states, golden[f"states_{i}"], atol=1e-4, rtol=1e-4)

@@ -25,7 +25,8 @@ from . import validation as check
 from ..model.config import ModelConfig, check_kv_mode
 from ..decoding.programs import DecodeState
 from ..decoding.sampling import Request, SamplingParams
-from ..model.params import Params, Weights, check_shapes, check_weight_mode, nbytes, quantize_params, random_params
+from ..model.params import (Params, Weights, check_shapes, check_weight_mode, nbytes, quantize_params, random_params,
+                            with_layers)
 from .prefix import PrefixCache
 from ..model.transformer import Exit
 
@@ -48,6 +49,7 @@ class Model:
         dt = config.compute_dtype
         params = jax.tree.map(lambda a: a if qarray.is_quant(a) else jnp.asarray(a, dt), params,
                               is_leaf=qarray.is_quant)  # packed weights stay packed
+        params = with_layers(params, config)  # each block's window and RoPE base, from the config
         if mesh is not None:
             sharding.check(mesh, config)
             config = config.replace(mesh=mesh)

@@ -157,7 +157,7 @@ def prefill_prefix(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid:
     """Prefill a prompt's segment (no read-only segments): tokens [T] at start_pos (own already
     holds the positions before it), seen [V] the whole prompt's `token_mask`. keep_state=False:
     `state` is None."""
-    x0 = tf.embed(params, tokens, start_pos)
+    x0 = tf.embed(params, tokens, start_pos, cfg)
     out = tf.run_layers(params, cfg, x0, n_valid, start_pos, (), own, loops, window, keep_states=True, exit=exit,
                         seed=seed)
     return PrefixFill(logits=tf.last_logits(params, cfg, out.exit_x, n_valid),

@@ -45,7 +45,7 @@ from ..model import qarray
 
 from .gguf_reader import MAGIC, GGUFFile
 
-ARCHITECTURES = ("llama", "gpt2")
+ARCHITECTURES = ("llama", "gpt2", "gemma3")
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 # per architecture: whole-model names, per-block names, the HF prefix of block i
@@ -61,7 +61,18 @@ _NAMES = {
              {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",
               "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
              "h.{}."),
+    "gemma3": ({"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"},
+               {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+                "attn_k_norm": "self_attn.k_norm", "post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"},
+               "model.layers.{}."),
 }
+# Gemma 3's sliding-window layers: llama.cpp's fixed pattern (every sixth layer global) and the
+# local layers' RoPE base, neither of which the file states
+GEMMA3_PATTERN, GEMMA3_LOCAL_THETA = 6, 10000.0
 
 
 def hf_name(name: str, arch: str = "llama") -> str:
@@ -151,6 +162,18 @@ def hf_config(reader: GGUFFile) -> dict:
                          "supported")
     if "rope_freqs.weight" in names:  # llama 3.1's frequency scaling, as per-dimension factors
         raise ValueError(f"{path}: tensor 'rope_freqs.weight' (scaled RoPE) is not supported (only plain RoPE)")
+    if arch == "gemma3":  # a Gemma3TextConfig's fields (transformers reads the file the same way)
+        L = need("block_count")
+        pattern = need("attention.sliding_window_pattern", GEMMA3_PATTERN)
+        return {"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh", "hidden_size": D,
+                "num_attention_heads": H, "num_hidden_layers": L, "intermediate_size": need("feed_forward_length"),
+                "num_key_value_heads": need("attention.head_count_kv", H), "head_dim": head_dim,
+                "query_pre_attn_scalar": head_dim, "max_position_embeddings": need("context_length", 32768),
+                "rms_norm_eps": decimal(need("attention.layer_norm_rms_epsilon", kind=float)),
+                "rope_theta": decimal(need("rope.freq_base", 1000000.0, float)),
+                "rope_local_base_freq": GEMMA3_LOCAL_THETA, "sliding_window": need("attention.sliding_window", 512),
+                "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(L)],
+                "tie_word_embeddings": "output.weight" not in names, "vocab_size": vocab}
     return {"model_type": "llama", "hidden_act": "silu", "hidden_size": D, "num_attention_heads": H,
             "num_hidden_layers": need("block_count"), "intermediate_size": need("feed_forward_length"),
             "num_key_value_heads": need("attention.head_count_kv", H), "head_dim": head_dim,
@@ -230,6 +253,8 @@ class GGUFTensors:
         a = dequantize(self.reader, self.where[name])
         if proj in self._heads:
             a = unpermute(a, self._heads[proj])
+        if self.arch == "gemma3" and name.endswith("norm.weight"):  # llama.cpp stores 1 + w: Hugging Face's w
+            a = a - np.float32(1.0)
         return jnp.asarray(a.T if self._transposed(name) else a, dtype)
 
     def take(self, name: str, shape: tuple, dtype, transpose: bool = False):
@@ -274,6 +299,9 @@ def load(path, kv_mode: str | None = None, dtype: str | None = None, keep_packed
         params, cfg = hf_gpt2.load_gpt2(file, hf_gpt2.gpt2_config(hf, kv_mode, file),
                                         GGUFTensors(reader, keep_packed=keep_packed))
         return params, cfg.replace(dtype=dtype)
+    if hf["model_type"] == "gemma3_text":  # q and k as Hugging Face orders them (rotate-half RoPE in llama.cpp too)
+        cfg = hf_import.gemma3_config(hf, kv_mode, dtype)
+        return hf_import.load_llama(file, cfg, GGUFTensors(reader, keep_packed=keep_packed)), cfg
     cfg = hf_import.llama_config(hf, kv_mode, dtype)
     heads = {"q_proj": hf["num_attention_heads"], "k_proj": hf["num_key_value_heads"]}
     return hf_import.load_llama(file, cfg, GGUFTensors(reader, heads, keep_packed=keep_packed)), cfg

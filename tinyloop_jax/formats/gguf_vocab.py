@@ -7,6 +7,13 @@ get theirs, every other name (SmolLM2's "smollm", "gpt2", "starcoder", ...) GPT-
 regex. Tokens of type CONTROL (3) are special tokens (matched whole in text, dropped by
 `decode`), USER_DEFINED (4) plain added tokens. BOS is prepended when `add_bos_token` says so.
 
+`tokenizer.ggml.model` "llama" (SentencePiece) in a Gemma 3 file is a BPE with byte fallback
+over the tokens as written (a token of two or more spaces respelled as as many "▁"), spaces
+normalized to "▁" (no prefix space), and merges rebuilt from the vocabulary: every split of a
+token into two tokens, ordered by the token's position in the file (Gemma's scores do not follow
+its merge order), longer left parts first; the decoder maps "▁" back to spaces and byte tokens
+(<0x0A>) to bytes. Other SentencePiece files are refused (their prefix-space rules differ).
+
 Note: llama.cpp splits digits one by one for "smollm" (as SmolLM2's own tokenizer.json does);
 transformers' GGUF reader does not. The two differ only where a whitespace run meets a digit
 ("x  1"); we follow transformers.
@@ -54,12 +61,15 @@ def metadata(path: str) -> dict:
 
 def build(meta: dict, path: str = "GGUF file"):
     """`tokenizers.Tokenizer` from `metadata(path)`; ValueError for a tokenizer it cannot build."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
 
     kind = meta.get("ggml.model")
+    if kind == "llama" and meta.get("architecture") == "gemma3":
+        return _gemma(meta, path)
     if kind != "gpt2":
-        raise ValueError(f"{path}: tokenizer.ggml.model {kind!r} is not supported (only 'gpt2', byte-level BPE)")
+        raise ValueError(f"{path}: tokenizer.ggml.model {kind!r} is not supported (only 'gpt2', byte-level BPE, and "
+                         f"'llama' (SentencePiece) in Gemma 3 files); architecture {meta.get('architecture')!r}")
     tokens, merges = meta.get("ggml.tokens"), meta.get("ggml.merges")
     if not tokens or merges is None:
         raise ValueError(f"{path}: tokenizer.ggml.tokens or tokenizer.ggml.merges is missing")
@@ -83,11 +93,49 @@ def build(meta: dict, path: str = "GGUF file"):
                             if k == CONTROL and set(t) <= alphabet])
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types)
                     if k == USER_DEFINED and t in vocab])
+    _add_bos(tok, meta, tokens)
+    return tok
+
+
+def _gemma(meta: dict, path: str):
+    """Gemma 3's SentencePiece vocabulary as a `tokenizers` BPE (see the module doc)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers
+    from tokenizers.models import BPE
+
+    tokens = meta.get("ggml.tokens")
+    if not tokens:
+        raise ValueError(f"{path}: tokenizer.ggml.tokens is missing")
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}  # a repeated spelling: its last id
+    order = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for t, i in order.items():
+        for k in range(len(t) - 1, 0, -1):  # longer left parts first
+            if t[:k] in vocab and t[k:] in vocab:
+                merges.append((i, t[:k], t[k:]))
+    merges.sort(key=lambda m: m[0])  # stable: a token's splits keep their order
+    unk = meta.get("ggml.unknown_token_id")
+    tok = Tokenizer(BPE(vocab, [(a, b) for _, a, b in merges], unk_token=None if unk is None else tokens[int(unk)],
+                        fuse_unk=True, byte_fallback=True, dropout=None))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    types = meta.get("ggml.token_type") or [1] * len(tokens)
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types)
+                            if k == CONTROL])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types)
+                    if k == USER_DEFINED and t in vocab])
+    _add_bos(tok, meta, tokens)
+    return tok
+
+
+def _add_bos(tok, meta: dict, tokens: list) -> None:
+    """BOS prepended when `add_bos_token` says so."""
+    from tokenizers import processors
+
     bos = meta.get("ggml.bos_token_id")
     if meta.get("ggml.add_bos_token", False) and bos is not None:
         tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B",
                                                            special_tokens=[(tokens[bos], int(bos))])
-    return tok
 
 
 def special_tokens(meta: dict) -> dict[str, str]:

@@ -251,7 +251,7 @@ def forward_rows(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: j
     seg = (lambda ra: ro) if ro_fn is None else (lambda ra: ro_fn(*ra))  # noqa: E731 - a row's read-only segments
 
     def pre(tok, ch, o, sd, ra):
-        return tf.run_pre(params, cfg, tf.embed(params, tok, ch.q_pos[0]), ch, seg(ra), o, window, sd)
+        return tf.run_pre(params, cfg, tf.embed(params, tok, ch.q_pos[0], cfg), ch, seg(ra), o, window, sd)
     s, e, pre_stores, _ = vm(pre)(tokens, chunk, own, seeds, ro_args)
     if warm is not None:
         s = jnp.where(pol.warm[..., None, None], jnp.broadcast_to(warm[..., None, :], s.shape).astype(s.dtype), s)

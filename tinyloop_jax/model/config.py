@@ -19,6 +19,7 @@ BLOCKS = ("gpt2", "llama")  # GPT-2 (LayerNorm, biases, GELU, learned positions)
 NORM_PLACEMENTS = ("pre", "sandwich", "normed_residual")
 INJECTIONS = ("none", "concat_adapter")  # how a pass takes the pre blocks' output (see `recurrence`)
 ROPE_PAIRINGS = ("half", "adjacent")  # RoPE rotates channel i with i + hd/2 (Llama) or 2i with 2i + 1 (Huginn)
+MLP_ACTS = ("silu", "gelu_tanh")  # a llama block's gate activation: SwiGLU (Llama) | tanh-GELU (Gemma)
 DTYPES = ("float32", "bfloat16")
 
 
@@ -70,6 +71,13 @@ class ModelConfig:
     from the request's seed (0: the zero state); `embed_scale` multiplies the token embeddings;
     `norm_before_coda` applies the final norm to the loop's output before the coda (and again
     before the head); `rope_pairing="adjacent"` rotates channel pairs (2i, 2i + 1).
+
+    Gemma 3 (llama blocks): `mlp_act="gelu_tanh"` gates the MLP by tanh-GELU; `qk_norm` applies
+    an RMSNorm to each head's q and k before RoPE; `embed_scale` (sqrt(d_model)) scales the token
+    embeddings; `layer_windows`, one entry per distinct block (pre blocks, loop blocks, coda
+    blocks, in that order), is each block's own sliding window (0: it sees everything), and
+    `rope_local_theta` the RoPE base of the blocks with a window (0: `rope_theta`). A call's
+    `cache_window` applies on top: a block sees the smaller of the two windows.
     """
 
     vocab_size: int = 256
@@ -103,6 +111,10 @@ class ModelConfig:
     embed_scale: float = 1.0
     norm_before_coda: bool = False
     rope_pairing: str = "half"
+    mlp_act: str = "silu"
+    qk_norm: bool = False
+    layer_windows: tuple = ()
+    rope_local_theta: float = 0.0
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_heads", "max_seq_len", "mlp_ratio"):
@@ -113,7 +125,7 @@ class ModelConfig:
         if self.default_loops < 1:
             raise ValueError(f"default_loops must be >= 1, got {self.default_loops!r}")
         for name, allowed in (("block", BLOCKS), ("norm_placement", NORM_PLACEMENTS), ("dtype", DTYPES),
-                              ("injection", INJECTIONS), ("rope_pairing", ROPE_PAIRINGS)):
+                              ("injection", INJECTIONS), ("rope_pairing", ROPE_PAIRINGS), ("mlp_act", MLP_ACTS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}; supported: {', '.join(allowed)}")
         if self.loop_blocks < 1:
@@ -141,6 +153,7 @@ class ModelConfig:
                     raise ValueError(f"{name}={getattr(self, name)!r} is not supported with block='gpt2' "
                                      f"(needs {want!r})")
         self._check_recurrence()
+        self._check_layers()
         if self.block == "llama" and self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim}: RoPE rotates pairs, it must be even")
         if self.early_exit_step is not None and self.early_exit_step < 0:
@@ -158,6 +171,26 @@ class ModelConfig:
         if self.int4_attention not in INT4_ATTENTION:
             raise ValueError(f"int4_attention {self.int4_attention!r}; expected one of {', '.join(INT4_ATTENTION)}")
 
+    def _check_layers(self) -> None:
+        """The per-block settings: ValueError naming the field."""
+        object.__setattr__(self, "layer_windows", tuple(self.layer_windows))  # a list from JSON
+        n = self.n_pre_blocks + self.loop_blocks + self.n_post_blocks
+        if self.layer_windows and (len(self.layer_windows) != n or any(
+                isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in self.layer_windows)):
+            raise ValueError(f"layer_windows={self.layer_windows!r}: one window >= 0 per distinct block ({n})")
+        if self.block == "gpt2" and (self.mlp_act != "silu" or self.qk_norm or self.layer_windows):
+            raise ValueError("mlp_act, qk_norm and layer_windows are llama-block settings (block='gpt2')")
+        if self.rope_local_theta < 0:
+            raise ValueError(f"rope_local_theta must be >= 0, got {self.rope_local_theta!r}")
+
+    def block_window(self, i: int) -> int:
+        """Distinct block i's own sliding window (pre blocks, loop blocks, coda; 0: none)."""
+        return self.layer_windows[i] if self.layer_windows else 0
+
+    def block_theta(self, i: int) -> float:
+        """Distinct block i's RoPE base."""
+        return self.rope_local_theta if self.block_window(i) and self.rope_local_theta else self.rope_theta
+
     def _check_recurrence(self) -> None:
         """ValueError naming the field for a Huginn-recurrence setting this runtime does not run."""
         for name, low in (("state_init_scale", 0.0), ("embed_scale", math.ulp(0.0))):
@@ -165,11 +198,8 @@ class ModelConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < low:
                 raise ValueError(f"{name} must be a finite number {'>= 0' if low == 0 else '> 0'}, got {v!r}")
         if self.injection == "none":
-            # Without the adapter's (state | injection) carry a continuing call's stream and a
-            # chunk's embeddings look alike, so only injection models scale embeddings.
-            for name, default in (("state_init_scale", 1.0), ("embed_scale", 1.0)):
-                if getattr(self, name) != default:
-                    raise ValueError(f"{name}={getattr(self, name)!r} needs injection='concat_adapter'")
+            if self.state_init_scale != 1.0:
+                raise ValueError(f"state_init_scale={self.state_init_scale!r} needs injection='concat_adapter'")
         elif self.pass_norm or self.early_exit_gate:
             raise ValueError(f"injection={self.injection!r} with pass_norm / early_exit_gate is not supported")
         if self.norm_before_coda and not self.n_post_blocks:
@@ -241,4 +271,5 @@ ARCH_FIELDS = {f.name: f.default for f in dataclasses.fields(ModelConfig)
                if f.name in ("block", "norm_placement", "pass_norm", "loop_blocks", "n_post_blocks", "tie_embeddings",
                              "dtype", "n_kv_heads", "head_dim", "intermediate_size", "rope_theta", "attention_bias",
                              "early_exit_gate", "early_exit_step", "early_exit_threshold", "injection",
-                             "state_init_scale", "embed_scale", "norm_before_coda", "rope_pairing")}
+                             "state_init_scale", "embed_scale", "norm_before_coda", "rope_pairing", "mlp_act",
+                             "qk_norm", "layer_windows", "rope_local_theta")}

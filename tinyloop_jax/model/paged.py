@@ -280,6 +280,7 @@ def block(x: jax.Array, blk, cfg: ModelConfig, groups: tuple, store: dict, index
     pages. mode: the pool's (default the model's; a call's working pool of an h mode holds
     float32 K/V, written as the model's mode would give them when read back). Returns (x', store)."""
     pos = jnp.concatenate([g.pos.reshape(-1) for g in groups])
+    window = tf.layer_window(window, blk)
     h, q, k, v = tf.qkv_heads(x, blk, cfg, pos)
     page = jnp.concatenate([g.page for g in groups])
     off = jnp.concatenate([g.off for g in groups])
@@ -296,7 +297,8 @@ def block(x: jax.Array, blk, cfg: ModelConfig, groups: tuple, store: dict, index
     for g in groups:
         b, T = g.pos.shape
         qg = q[:, at:at + b * T].reshape(H, b, T, hd).transpose(1, 0, 2, 3)  # [b, H, T, hd]
-        win = jnp.full((b,), window, jnp.int32) if g.rows.window is None else g.rows.window  # [b]
+        rows_window = None if g.rows.window is None else tf.layer_window(g.rows.window, blk)
+        win = jnp.full((b,), window, jnp.int32) if rows_window is None else rows_window  # [b]
         if kernel != "xla":  # the stack itself and the layer's index: no copy of the layer
             i = 0 if index is None else index[0] * len(cfg_loop(store)) + index[1]
             run = (native.paged_attention if kernel == "native" else
@@ -305,9 +307,9 @@ def block(x: jax.Array, blk, cfg: ModelConfig, groups: tuple, store: dict, index
                     store.get("vs"), g.rows.pages, g.rows.start, g.rows.n_new, jnp.asarray(i, jnp.int32),
                     mode.format.name, win, cfg.n_kv_heads).transpose(0, 2, 1, 3)
         else:  # each row's own window (traced), or the step's
-            w = win if g.rows.window is not None else jnp.full((b,), -1, jnp.int32)
+            w = win if rows_window is not None else jnp.full((b,), -1, jnp.int32)
             a = jax.vmap(lambda q_, p_, t_, n_, w_: row_attention(
-                cfg, blk, layer, q_, p_, t_, n_, window if g.rows.window is None else w_, mode))(
+                cfg, blk, layer, q_, p_, t_, n_, window if rows_window is None else w_, mode))(
                     qg, g.pos, g.rows.pages, g.length, w)
         outs.append(a.transpose(1, 0, 2, 3).reshape(H, b * T, hd))
         at += b * T
@@ -319,9 +321,12 @@ def cfg_loop(store: dict) -> range:
     return range(next(iter(store.values())).shape[1])
 
 
-def embed(params: Params, tokens: jax.Array, pos: jax.Array) -> jax.Array:
-    """tokens, pos [N] -> the residual stream [N, D] (learned positions clamped as `tf.embed`)."""
+def embed(params: Params, tokens: jax.Array, pos: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """tokens, pos [N] -> the residual stream [N, D] (learned positions clamped, embed_scale, as
+    `tf.embed`)."""
     x = qarray.take(params.wte, tokens)
+    if cfg.embed_scale != 1.0 and not rec.injected(cfg):
+        x = x * jnp.asarray(cfg.embed_scale, x.dtype)
     if params.wpe is None:
         return x
     return x + params.wpe[jnp.minimum(pos, params.wpe.shape[0] - 1)]
@@ -349,7 +354,7 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
         raise ValueError(f"a pool of {pool.passes} passes cannot run loops={loops}")
     groups = tuple(Group.of(r, t.shape[1], pool) for r, t in zip(rows, tokens))
     pos = jnp.concatenate([g.pos.reshape(-1) for g in groups])
-    x = over_data(embed(params, jnp.concatenate([t.reshape(-1) for t in tokens]), pos), cfg.mesh)
+    x = over_data(embed(params, jnp.concatenate([t.reshape(-1) for t in tokens]), pos, cfg), cfg.mesh)
     inject = rec.injected(cfg)
     if inject and cfg.embed_scale != 1.0:
         x = x * cfg.embed_scale

@@ -50,7 +50,7 @@ def forward_decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: 
     b, V = tokens.shape[0], cfg.vocab_size
     g = paged.Group.of(rows, 1, pool)
     groups, pos = (g,), g.pos.reshape(-1)
-    x = paged.embed(params, tokens, pos)
+    x = paged.embed(params, tokens, pos, cfg)
     inject = rec.injected(cfg)
     if inject and cfg.embed_scale != 1.0:
         x = x * cfg.embed_scale

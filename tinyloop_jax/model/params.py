@@ -71,6 +71,12 @@ class LlamaBlock:
     b_qkv: jax.Array | None = None  # [KV, G + 2, hd] with attention_bias
     attn_out_norm: jax.Array | None = None  # [D] sandwich
     mlp_out_norm: jax.Array | None = None  # [D] sandwich
+    q_norm: jax.Array | None = None  # [hd] qk_norm (Gemma 3): each head's q normed before RoPE
+    k_norm: jax.Array | None = None  # [hd]
+    # static, from the config (`with_layers`): this block's own sliding window (0: none) and its
+    # RoPE base (0: the model's), so every attention path sees them with the block's weights
+    window: int = struct.field(pytree_node=False, default=0)
+    rope_theta: float = struct.field(pytree_node=False, default=0.0)
 
 
 @struct.dataclass
@@ -233,12 +239,13 @@ def _random_llama_block(rng: np.random.Generator, c: ModelConfig) -> LlamaBlock:
     n = lambda shape, s: rng.normal(0.0, s, shape).astype(np.float32)  # noqa: E731
     qkv = c.q_dim + 2 * c.kv_dim
     sandwich = c.out_norms
+    qk = (lambda: 1.0 + n((c.head_dim,), 0.1)) if c.qk_norm else (lambda: None)
     return LlamaBlock(attn_norm=1.0 + n((d,), 0.1), w_qkv=n((d, qkv), 2.0 / np.sqrt(d)),
                       w_o=n((c.q_dim, d), 2.0 / np.sqrt(c.q_dim)), mlp_norm=1.0 + n((d,), 0.1),
                       w_gate_up=n((d, 2 * f), 2.0 / np.sqrt(d)), w_down=n((f, d), 2.0 / np.sqrt(f)),
                       b_qkv=n((qkv,), 0.02) if c.attention_bias else None,
                       attn_out_norm=1.0 + n((d,), 0.1) if sandwich else None,
-                      mlp_out_norm=1.0 + n((d,), 0.1) if sandwich else None)
+                      mlp_out_norm=1.0 + n((d,), 0.1) if sandwich else None, q_norm=qk(), k_norm=qk())
 
 
 def random_params(config: ModelConfig, seed: int = 0) -> Params:
@@ -262,7 +269,7 @@ def random_params(config: ModelConfig, seed: int = 0) -> Params:
         adapter=(rng.normal(0.0, 1.0 / np.sqrt(2 * d), (2 * d, d)).astype(np.float32)
                  if c.injection != "none" else None),  # drawn last, only for injection models
     )
-    return cast(jax.tree.map(jnp.asarray, _from_flat(tree, config)), config)
+    return with_layers(cast(jax.tree.map(jnp.asarray, _from_flat(tree, config)), config), config)
 
 
 def _from_flat(params: Params, config: ModelConfig) -> Params:
@@ -329,17 +336,34 @@ def param_shapes(config: ModelConfig) -> Params:
             qkv = (kv, c.n_heads // kv + 2, hd)
             return LlamaBlock(attn_norm=S(d), w_qkv=S(d, *qkv), w_o=S(c.q_dim, d), mlp_norm=S(d), w_gate_up=S(d, 2, f),
                               w_down=S(f, d), b_qkv=S(*qkv) if c.attention_bias else None,
-                              attn_out_norm=S(d) if sw else None, mlp_out_norm=S(d) if sw else None)
+                              attn_out_norm=S(d) if sw else None, mlp_out_norm=S(d) if sw else None,
+                              q_norm=S(hd) if c.qk_norm else None, k_norm=S(hd) if c.qk_norm else None)
         qkv = (3, c.n_heads, hd)
         return BlockParams(ln1_g=S(d), ln1_b=S(d), w_qkv=S(d, *qkv), b_qkv=S(*qkv), w_o=S(d, d), b_o=S(d),
                            ln2_g=S(d), ln2_b=S(d), w_fc=S(d, f), b_fc=S(f), w_proj=S(f, d), b_proj=S(d))
 
-    return Params(wte=S(v, d), wpe=None if llama else S(c.max_seq_len, d),
-                  pre=tuple(blk() for _ in range(c.n_pre_blocks)), loop=tuple(blk() for _ in range(c.loop_blocks)),
-                  lnf_g=S(d), lnf_b=None if llama else S(d), head=None if c.tie_embeddings else S(v, d),
-                  gate_w=S(d) if c.early_exit_gate else None, gate_b=S() if c.early_exit_gate else None,
-                  post=tuple(blk() for _ in range(c.n_post_blocks)),
-                  adapter=S(2 * d, d) if c.injection != "none" else None)
+    return with_layers(Params(wte=S(v, d), wpe=None if llama else S(c.max_seq_len, d),
+                              pre=tuple(blk() for _ in range(c.n_pre_blocks)),
+                              loop=tuple(blk() for _ in range(c.loop_blocks)),
+                              lnf_g=S(d), lnf_b=None if llama else S(d), head=None if c.tie_embeddings else S(v, d),
+                              gate_w=S(d) if c.early_exit_gate else None, gate_b=S() if c.early_exit_gate else None,
+                              post=tuple(blk() for _ in range(c.n_post_blocks)),
+                              adapter=S(2 * d, d) if c.injection != "none" else None), c)
+
+
+def with_layers(params: Params, config: ModelConfig) -> Params:
+    """Each llama block with its static window and RoPE base from the config
+    (`ModelConfig.block_window` / `block_theta`, distinct blocks numbered pre, loop, coda)."""
+    if config.block != "llama":
+        return params
+    n_pre, k = len(params.pre), len(params.loop)
+
+    def one(i, b):
+        w, theta = config.block_window(i), config.block_theta(i)
+        return b.replace(window=w, rope_theta=0.0 if theta == config.rope_theta else theta)
+    return params.replace(pre=tuple(one(i, b) for i, b in enumerate(params.pre)),
+                          loop=tuple(one(n_pre + j, b) for j, b in enumerate(params.loop)),
+                          post=tuple(one(n_pre + k + j, b) for j, b in enumerate(params.post)))
 
 
 class Shape(tuple):

@@ -97,21 +97,40 @@ def rope_adjacent(x: jax.Array, pos: jax.Array, theta: float) -> jax.Array:
     return out.reshape(x.shape).astype(x.dtype)
 
 
-def rotate(x: jax.Array, pos: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """q or k [.., T, hd] of a llama block rotated at pos [T] by the model's pairing."""
+def rotate(x: jax.Array, pos: jax.Array, cfg: ModelConfig, blk=None) -> jax.Array:
+    """q or k [.., T, hd] of a llama block rotated at pos [T] by the model's pairing, with the
+    block's RoPE base (`LlamaBlock.rope_theta`; 0 or no block: the model's)."""
+    theta = getattr(blk, "rope_theta", 0.0) or cfg.rope_theta
     if cfg.rope_pairing == "adjacent":
-        return rope_adjacent(x, pos, cfg.rope_theta)
-    return rope(x, pos, cfg.rope_theta)
+        return rope_adjacent(x, pos, theta)
+    return rope(x, pos, theta)
 
 
-def embed(params: Params, tokens: jax.Array, start_pos: jax.Array) -> jax.Array:
-    """tokens [T] at positions start_pos + i -> the residual stream [T, D]."""
+def layer_window(window, blk):
+    """The window a block attends over: the call's `window` (cache_window; a traced array in
+    the paged engine) and the block's own (`LlamaBlock.window`, Gemma's local layers), the
+    smaller where both are set (0: none)."""
+    own = getattr(blk, "window", 0)
+    if not own:
+        return window
+    if isinstance(window, int):
+        return own if window == 0 else min(window, own)
+    return jnp.where(window == 0, own, jnp.minimum(window, own))
+
+
+def embed(params: Params, tokens: jax.Array, start_pos: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """tokens [T] at positions start_pos + i -> the residual stream [T, D] (times embed_scale
+    (Gemma) unless the model is an injection model, whose pre blocks' output is scaled where
+    the recurrence starts: `run_pre`)."""
+    x = qarray.take(params.wte, tokens)
+    if cfg.embed_scale != 1.0 and not rec.injected(cfg):
+        x = x * jnp.asarray(cfg.embed_scale, x.dtype)
     if params.wpe is None:  # RoPE models: positions enter in attention
-        return qarray.take(params.wte, tokens)
+        return x
     q_pos = start_pos + jnp.arange(tokens.shape[0], dtype=jnp.int32)
     # clamped only for tokens whose outputs are discarded (bucket padding, speculative drafts past
     # max_tokens): real positions past the table are refused on the host (`ModelConfig.check_positions`)
-    return qarray.take(params.wte, tokens) + params.wpe[jnp.minimum(q_pos, params.wpe.shape[0] - 1)]
+    return x + params.wpe[jnp.minimum(q_pos, params.wpe.shape[0] - 1)]
 
 
 @exact
@@ -149,7 +168,9 @@ def qkv_heads(x: jax.Array, blk, cfg: ModelConfig, q_pos: jax.Array):
     g = cfg.n_heads // cfg.n_kv_heads
     q = qkv[:, :, :g].reshape(T, cfg.n_heads, cfg.head_dim).transpose(1, 0, 2)
     k, v = qkv[:, :, g].transpose(1, 0, 2), qkv[:, :, g + 1].transpose(1, 0, 2)
-    return h, rotate(q, q_pos, cfg), rotate(k, q_pos, cfg), v
+    if blk.q_norm is not None:  # Gemma 3: each head's q and k normed before RoPE
+        q, k = rms_norm(q, blk.q_norm, cfg.layer_norm_eps), rms_norm(k, blk.k_norm, cfg.layer_norm_eps)
+    return h, rotate(q, q_pos, cfg, blk), rotate(k, q_pos, cfg, blk), v
 
 
 def kv_from_h(cfg: ModelConfig, blk, key_pos: jax.Array):
@@ -167,7 +188,11 @@ def kv_from_h(cfg: ModelConfig, blk, key_pos: jax.Array):
     def f(h):
         kv = _project(h, w, b)  # [C, 2, KV, hd]
         k, v = kv[:, 0].transpose(1, 0, 2), kv[:, 1].transpose(1, 0, 2)
-        return (rotate(k, key_pos, cfg) if cfg.block == "llama" else k), v
+        if cfg.block == "gpt2":
+            return k, v
+        if blk.k_norm is not None:
+            k = rms_norm(k, blk.k_norm, cfg.layer_norm_eps)
+        return rotate(k, key_pos, cfg, blk), v
     return f
 
 
@@ -192,7 +217,8 @@ def block_out(x: jax.Array, a: jax.Array, blk, cfg: ModelConfig) -> jax.Array:
     else:
         x = x + (o if blk.attn_out_norm is None else rms_norm(o, blk.attn_out_norm, eps))
     gu = _project(rms_norm(x, blk.mlp_norm, eps), blk.w_gate_up, None)  # [T, 2, F]
-    m = mm(jax.nn.silu(gu[:, 0]) * gu[:, 1], blk.w_down)
+    gate = jax.nn.gelu(gu[:, 0], approximate=True) if cfg.mlp_act == "gelu_tanh" else jax.nn.silu(gu[:, 0])
+    m = mm(gate * gu[:, 1], blk.w_down)
     if residual:
         return rms_norm(x + m, blk.mlp_out_norm, eps)
     return x + (m if blk.mlp_out_norm is None else rms_norm(m, blk.mlp_out_norm, eps))
@@ -281,6 +307,7 @@ def block(x: jax.Array, blk, cfg: ModelConfig, chunk: Chunk, ro: list, own: KVCa
     """One transformer block on a chunk x [T, D]. ro: this layer of each read-only segment
     ([Layer]); store: own's arrays for this layer — a pre layer (index None) or the loop stack
     (index = (pass, loop block)). Returns (x', store with the chunk written)."""
+    window = layer_window(window, blk)
     h, q, k, v = qkv_heads(x, blk, cfg, chunk.q_pos)
     fresh = cfg.storage.pack(h, k, v)
     if own.kv_mode != cfg.storage:
@@ -408,7 +435,7 @@ def run_pre(params: Params, cfg: ModelConfig, x: jax.Array, chunk: Chunk, ro: tu
     last = jnp.maximum(jnp.sum(chunk.self_pos >= 0) - 1, 0)
     if continuing:
         x, e = rec.split_carry(x)
-    elif inject and cfg.embed_scale != 1.0:
+    elif inject and cfg.embed_scale != 1.0:  # other models' embeddings are scaled by `embed`
         x = x * cfg.embed_scale
     e = e if continuing else None
     pre, states = [], []
@@ -455,7 +482,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Ar
     """Embed tokens [T] (positions start_pos + i) and run them through every layer, appending
     them to `own`. `seed` (uint32 []): injection models' initial states. Returns (the streams
     the logits come from [T, D], new own)."""
-    out = run_layers(params, cfg, embed(params, tokens, start_pos), n_valid, start_pos, ro, own, loops, window,
+    out = run_layers(params, cfg, embed(params, tokens, start_pos, cfg), n_valid, start_pos, ro, own, loops, window,
                      exit=exit, seed=seed)
     return out.exit_x, out.own
 
@@ -502,7 +529,7 @@ def forward_seq(params: Params, cfg: ModelConfig, tokens: jax.Array, loops: int,
     def layer(x, blk):
         h, q, k, v = qkv_heads(x, blk, cfg, pos)
         k, v = read_kv(cfg, cfg.storage.pack(h, k, v), blk, cfg.storage, pos)  # as a cache would hold them
-        return block_out(x, attention(q.astype(jnp.float32), pos, [(k, v, pos)], window), blk, cfg)
+        return block_out(x, attention(q.astype(jnp.float32), pos, [(k, v, pos)], layer_window(window, blk)), blk, cfg)
 
     inject = rec.injected(cfg)
 
@@ -513,7 +540,7 @@ def forward_seq(params: Params, cfg: ModelConfig, tokens: jax.Array, loops: int,
             x = layer(x, blk)
         return (final_norm(params, cfg, x) if cfg.pass_norm else x), None
 
-    x = embed(params, tokens, jnp.int32(0))
+    x = embed(params, tokens, jnp.int32(0), cfg)
     if inject and cfg.embed_scale != 1.0:
         x = x * cfg.embed_scale
     for blk in params.pre:

@@ -1,0 +1,209 @@
+"""Gemma 3 (`gemma3_text` folders, `gemma3` GGUF files) against Hugging Face transformers' Gemma 3.
+
+A tiny random model (tests/data/gemma3-tiny, golden files by scripts/make_gemma3_golden.py: six
+layers, five of them sliding over 8 positions with RoPE base 1e4 and one global with 1e6, q / k
+norms, sandwich norms, tanh-GELU, embeddings scaled by sqrt(d)) as its folder and as a GGUF file of
+the same weights written here the way llama.cpp writes Gemma 3 (norms stored as 1 + w, no q / k
+row permutation): logits at every position, cached and uncached, greedy tokens, prefix reuse
+across a window boundary, the paged engine. And the real Gemma 3 270M Q4_K_M (fetched once, kept
+packed): its tokenizer's ids, logits of three prompts and a greedy continuation against
+transformers' on the same file.
+"""
+
+import os
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import tinyloop_jax as tl
+from tinyloop_jax.api import functional as F
+from tinyloop_jax.formats import hub
+from tinyloop_jax.model import qarray
+from tinyloop_jax.model import transformer as tf
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+TINY = os.path.join(DATA, "gemma3-tiny")
+PARITY = dict(atol=1e-4, rtol=0)
+# llama.cpp's names for Hugging Face's, per layer
+GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+              "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "post_attention_norm",
+              "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def write_gguf(path: str, matrix_type: str = "F32") -> None:
+    """The tiny folder's weights as a `gemma3` GGUF file (matrices in `matrix_type`)."""
+    import json
+    cfg = json.load(open(os.path.join(TINY, "config.json")))
+    w = load_file(os.path.join(TINY, "model.safetensors"))
+    writer = gguf.GGUFWriter(path, arch="gemma3")
+    writer.add_block_count(cfg["num_hidden_layers"]), writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"]), writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"]), writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_key_length(cfg["head_dim"]), writer.add_value_length(cfg["head_dim"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"]), writer.add_rope_freq_base(1000000.0)
+    writer.add_sliding_window(cfg["sliding_window"])
+    for name, a in w.items():
+        parts = name.split(".")
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        else:
+            gname = f"blk.{parts[2]}.{GGUF_NAMES['.'.join(parts[3:-1])]}.weight"
+        if name.endswith("norm.weight"):  # llama.cpp's converter stores Gemma's (1 + w)
+            writer.add_tensor(gname, (a + 1).astype(np.float32))
+        elif matrix_type == "F32" or a.shape[1] % 32:
+            writer.add_tensor(gname, a.astype(np.float32))
+        else:
+            t = gguf.GGMLQuantizationType[matrix_type]
+            writer.add_tensor(gname, gguf.quants.quantize(a.astype(np.float32), t), raw_dtype=t)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return dict(np.load(os.path.join(TINY, "golden.npz")))
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("gemma3") / "tiny.gguf")
+    write_gguf(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=["folder", "gguf"])
+def gemma(request, tiny_file):
+    return tl.Model.from_pretrained(TINY if request.param == "folder" else tiny_file, kv_mode="fp32", dtype="float32")
+
+
+def test_config_maps_gemma3(gemma):
+    c = gemma.weights.config
+    assert (c.block, c.n_pre_blocks, c.loop_blocks, c.n_heads, c.n_kv_heads, c.head_dim) == ("llama", 5, 1, 4, 1, 32)
+    assert c.layer_windows == (8, 8, 8, 8, 8, 0) and (c.rope_theta, c.rope_local_theta) == (1e6, 1e4)
+    assert c.qk_norm and c.mlp_act == "gelu_tanh" and c.norm_placement == "sandwich" and c.tie_embeddings
+    assert c.embed_scale == 8.0  # sqrt(64)
+    blocks = (*gemma.weights.params.pre, *gemma.weights.params.loop)
+    assert [b.window for b in blocks] == [8] * 5 + [0] and [b.rope_theta for b in blocks] == [1e4] * 5 + [0.0]
+
+
+@pytest.mark.parametrize("n", [5, 17, 40])
+def test_logits_at_every_position_match_transformers(gemma, golden, n):
+    w = gemma.weights
+    got = tf.forward_seq(w.params, w.config, jnp.asarray(golden[f"prompt_{n}"]), loops=1)
+    np.testing.assert_allclose(np.asarray(got), golden[f"logits_{n}"], **PARITY)
+
+
+def test_cached_path_matches_transformers(gemma, golden):
+    """One token at a time through the cache, past the window (8) five times over."""
+    w, p, want = gemma.weights, golden["prompt_40"], golden["logits_40"]
+    cache = F.empty_cache(w, len(p))
+    for t, tok in enumerate(p):
+        logits, cache = F.decode_step(w, int(tok), cache)
+        np.testing.assert_allclose(np.asarray(logits), want[t], **PARITY)
+
+
+@pytest.mark.parametrize("n", [6, 21])
+def test_greedy_matches_transformers(gemma, golden, n):
+    assert gemma.generate(golden[f"gen_prompt_{n}"], max_tokens=12) == golden[f"gen_{n}"].tolist()
+
+
+@pytest.mark.parametrize("kv_mode", ["fp32", "int8", "fp16-h"])
+def test_prefix_reuse_equals_recompute_across_the_window(kv_mode, golden):
+    """A 20-token prefix (the local layers' window is 8) read by a suffix equals recomputing the
+    whole prompt, in a K/V mode and an h mode (K rebuilt through k_norm and the block's RoPE
+    base); the suffix's positions reset to 0 must not."""
+    m = tl.Model.from_pretrained(TINY, kv_mode=kv_mode, dtype="float32")
+    w, p = m.weights, golden["prompt_40"]
+    prefix, suffix = p[:20], p[20:27]
+    full = m.next_token_logits(p[:27])
+    saved = F.save_prefix_cache(prefix, w)
+    np.testing.assert_allclose(F.generate_with_prefix(saved, 20, suffix, w), full, atol=1e-3, rtol=1e-2)
+    assert not np.allclose(F.generate_with_prefix(saved, 0, suffix, w), full, atol=1e-3, rtol=1e-2)
+    cache = m.build_prefix_cache(prefix)
+    assert m.generate_from_prefix_cache(cache, suffix=suffix, max_tokens=10) == m.generate(p[:27], max_tokens=10)
+
+
+def test_engine_equals_generate(golden):
+    """The paged engine (every layer's window on its pages; the native kernel where it runs):
+    requests in flight together, one past a window, one with a cache_window of its own."""
+    m = tl.Model.from_pretrained(TINY, kv_mode="fp16", dtype="float32")
+    work = [(golden["prompt_40"][:30], {}), (golden["prompt_17"], {}), (golden["prompt_5"], {"cache_window": 4})]
+    with tl.Engine(m, max_batch=4, prefill_chunk=16) as eng:
+        handles = [eng.submit(p, max_tokens=12, **kw) for p, kw in work]
+        got = [h.result() for h in handles]
+    for (p, kw), tokens in zip(work, got):
+        assert tokens == m.generate(p, max_tokens=12, **kw), kw
+
+
+def test_packed_gguf_equals_its_dequantized_load(tmp_path):
+    """Q8_0 / Q5_0 matrices (Gemma's 640-wide ones are Q5_0 in its Q4_K_M file) kept packed."""
+    path = str(tmp_path / "q.gguf")
+    write_gguf(path, "Q5_0")
+    packed = tl.Model.from_pretrained(path, kv_mode="fp32", dtype="float32")
+    floats = tl.Model.from_pretrained(path, kv_mode="fp32", dtype="float32", quantize_weights="float")
+    assert qarray.is_quant(packed.weights.params.pre[0].w_o) and packed.nbytes < floats.nbytes / 3
+    p = np.arange(30) % 96
+    a, b = np.asarray(packed.next_token_logits(p)), np.asarray(floats.next_token_logits(p))
+    assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()
+
+
+def test_unsupported_gemma3_settings_are_named(tmp_path):
+    import json
+    import shutil
+    for key, value in (("final_logit_softcapping", 30.0), ("query_pre_attn_scalar", 64),
+                       ("hidden_activation", "relu")):
+        folder = tmp_path / key
+        shutil.copytree(TINY, folder)
+        cfg = json.load(open(folder / "config.json"))
+        json.dump({**cfg, key: value}, open(folder / "config.json", "w"))
+        with pytest.raises(ValueError, match=key):
+            tl.Model.from_pretrained(str(folder))
+
+
+# ---- the real Gemma 3 270M Q4_K_M ----------------------------------------------------------------
+
+REAL = os.path.join(DATA, "gemma3-270m-golden.npz")
+
+
+@pytest.fixture(scope="module")
+def gemma270m():
+    """(model kept packed, fp32 KV; tokenizer; the file's path): fetched once per machine."""
+    path = tl.model_path("gemma3-270m")
+    return tl.Model.from_pretrained(path, kv_mode="fp32"), tl.load_tokenizer(path), path
+
+
+@pytest.mark.slow
+def test_gemma3_270m_tokenizer_ids_equal_transformers(gemma270m):
+    _, tok, _ = gemma270m
+    g = np.load(REAL)
+    for i, s in enumerate(g["strings"]):
+        assert tok.encode(str(s)).tolist() == g[f"ids_{i}"].tolist(), str(s)
+    assert tok.decode(g["ids_0"].tolist()) == "The capital of France is"
+
+
+@pytest.mark.slow
+def test_gemma3_270m_matches_transformers(gemma270m):
+    """Logits within 1e-3 at every position (at the 64 largest and 960 fixed entries of each
+    row), the greedy continuation token for token, and the weights held at about the file's
+    tensor bytes."""
+    model, tok, path = gemma270m
+    g = np.load(REAL)
+    w = model.weights
+    for i in range(3):
+        got = np.asarray(tf.forward_seq(w.params, w.config, jnp.asarray(g[f"prompt_{i}"]), loops=1))
+        np.testing.assert_allclose(np.take_along_axis(got, g[f"index_{i}"], axis=1), g[f"logits_{i}"],
+                                   atol=1e-3, rtol=0)
+    out = model.generate(g["greedy_prompt"], max_tokens=16)
+    assert out == g["greedy"].tolist()
+    assert tok.decode(out[len(g["greedy_prompt"]):]).startswith(" the capital of the country of France.")
+    from tinyloop_jax.formats import gguf_reader
+    reader = gguf_reader.GGUFFile(path)
+    tensor_bytes = sum(reader.nbytes(i) for i in reader.tensors.values())
+    assert model.nbytes <= 1.1 * tensor_bytes and os.path.getsize(path) == hub.MODELS["gemma3-270m"].size
