@@ -1,7 +1,9 @@
 """llama.cpp and tinyloop-jax side by side on the same GGUF file (SmolLM2-135M-Instruct, Q4_1 body
-+ Q8_0 embedding), the same token ids and the same thread count, back to back in one session.
++ Q8_0 embedding; or Gemma 3 270M Q4_K_M: Q5_0, Q8_0, Q4_K and Q6_K), the same token ids and the
+same thread count, back to back in one session.
 
     python scripts/bench_vs_llamacpp.py              # writes the "vs-llamacpp" section of docs/benchmarks.md
+    python scripts/bench_vs_llamacpp.py --model gemma3-270m    # the "vs-llamacpp-gemma3" section
 
 llama.cpp runs through its Python binding, `llama-cpp-python` (PIN), compiled from its source
 package into a side venv ($TINYLOOP_HOME/venvs/llama-cpp; never a project dependency) the first
@@ -152,6 +154,7 @@ def ours(model, spec: dict, repeats: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "gemma3-270m"])
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-write", action="store_true")
@@ -166,12 +169,16 @@ def main() -> None:
     from bench_smollm2 import PARAGRAPH, QUESTIONS
 
     threads = os.cpu_count()
-    path = tl.model_path("smollm2")
-    tok = tl.load_tokenizer("smollm2")
-    text = tok.encode(PARAGRAPH * 40, special=False).astype(np.int32)
+    path = tl.model_path(args.model)
+    tok = tl.load_tokenizer(path)
+    label = {"smollm2": "SmolLM2-135M-Instruct Q4_1 (embedding Q8_0)",
+             "gemma3-270m": "Gemma 3 270M Q4_K_M (Q5_0, Q8_0, Q4_K, Q6_K)"}[args.model]
+    bos = tok.special_tokens.get("bos_token") if args.model == "gemma3-270m" else None  # Gemma reads <bos> first
+    lead = [] if bos is None else tok.encode(bos, special=False).tolist()
+    text = np.asarray(lead + tok.encode(PARAGRAPH * 40, special=False).tolist(), np.int32)
     questions = [(tok.encode(q + " Answer briefly, please, in one short line of text.", special=False).tolist()
                   + [0] * 16)[:16] for q in (QUESTIONS * 2)[:10]]
-    prompts = [tok.encode(p, special=False).tolist() for p in
+    prompts = [lead + tok.encode(p, special=False).tolist() for p in
                ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot",
                 "The three primary colors are", "Water boils at a temperature of"]]
     spec = dict(path=path, threads=threads, repeats=args.repeats, new=args.new, long=text[:512].tolist(),
@@ -202,12 +209,11 @@ def main() -> None:
         return args.new / (d["long"] - d["short"])
 
     lines = [f"Command: `{_report.command()}`. Machine: {_report.machine()}; {threads} threads for both. "
-             f"{PIN} built here from its source package. The same token ids on both sides; SmolLM2-135M-Instruct "
-             "Q4_1 (embedding Q8_0). Medians of "
+             f"{PIN} built here from its source package. The same token ids on both sides; {label}. Medians of "
              f"{args.repeats}. Bandwidth (float32 GEMV): {bw / 1e9:.1f} GB/s.", "",
              "| | weights MiB | prefill 128 tok/s | prefill 512 tok/s | decode tok/s | decode vs bound | load s |",
              "|---|---|---|---|---|---|---|"]
-    lines.append(f"| llama.cpp (Q4_1 file) | {os.path.getsize(path) / 2**20:.0f} (file) | {128 / cpp['pp128']:.0f} | "
+    lines.append(f"| llama.cpp (the file) | {os.path.getsize(path) / 2**20:.0f} (file) | {128 / cpp['pp128']:.0f} | "
                  f"{512 / cpp['pp512']:.0f} | {decode(cpp):.1f} | | {cpp['load']:.2f} |")
     for name, d in rows.items():
         step = (d["long"] - d["short"]) / args.new
@@ -234,8 +240,11 @@ def main() -> None:
     body = "\n".join(lines)
     print(body)
     if not args.no_write:
-        title = "## llama.cpp side by side, same GGUF (issue 23)\n\n"
-        print("wrote", _report.write_section("vs-llamacpp", title + body))
+        if args.model == "smollm2":
+            title, section = "## llama.cpp side by side, same GGUF (issue 23)\n\n", "vs-llamacpp"
+        else:
+            title, section = "## llama.cpp side by side: Gemma 3 270M Q4_K_M (issue 47)\n\n", "vs-llamacpp-gemma3"
+        print("wrote", _report.write_section(section, title + body))
 
 
 if __name__ == "__main__":

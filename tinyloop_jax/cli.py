@@ -251,10 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tinyloop", description="Looped-transformer inference with prefix caching.")
     sub = ap.add_subparsers(dest="command", required=True)
     model_arg = argparse.ArgumentParser(add_help=False)
-    model_arg.add_argument("--model", help="a tinyloop checkpoint, a Hugging Face GPT-2 / Llama / Ouro folder, a "
-                           "GGUF file or a known name (smollm2) (default: the bundled model)")
+    model_arg.add_argument("--model", help="a tinyloop checkpoint, a Hugging Face GPT-2 / Llama / Ouro / Gemma 3 "
+                           "folder, a GGUF file or a known name (smollm2, gemma3-270m) (default: the bundled model)")
     model_arg.add_argument("--weights", default="as-stored", choices=["as-stored", "float", "int8", "int4"],
-                           help="weights as stored (a GGUF's Q8_0/Q4_0/Q4_1 packed), all float, or quantized to "
+                           help="weights as stored (a GGUF's quantized blocks packed), all float, or quantized to "
                                 "int8 / int4 blocks (default: as-stored)")
     common = argparse.ArgumentParser(add_help=False, parents=[model_arg])
     common.add_argument("--kv-mode", default=None, help="KV cache storage mode: " + ", ".join(KV_MODES))
