@@ -28,6 +28,9 @@ import os
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _side_venv  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRANSFORMERS = "transformers>=5.23"
 TORCH = "torch==2.13.0"
@@ -50,22 +53,13 @@ KEEP_TOP, KEEP_RANDOM = 64, 960
 
 def ensure_env(venv: str) -> None:
     """Re-run this script in a venv with the reference's dependencies (made on first use)."""
-    try:
+    def ready():
         import accelerate  # noqa: F401
         import gguf  # noqa: F401
         import torch  # noqa: F401
         import transformers
-        if int(transformers.__version__.split(".")[0]) >= 5:
-            return
-    except ImportError:
-        pass
-    py = os.path.join(venv, "bin", "python")
-    if not os.path.exists(py):
-        print(f"making {venv} ({TORCH}, {TRANSFORMERS}) ...", file=sys.stderr)
-        subprocess.check_call([sys.executable, "-m", "venv", venv])
-        subprocess.check_call([py, "-m", "pip", "install", "-q", TORCH, TRANSFORMERS, "gguf", "accelerate",
-                               "safetensors", "numpy"])
-    os.execv(py, [py, *sys.argv])
+        return int(transformers.__version__.split(".")[0]) >= 5
+    _side_venv.reexec(venv, [TORCH, TRANSFORMERS, "gguf", "accelerate", "safetensors", "numpy"], ready)
 
 
 def tiny(out: str, seed: int = 0) -> None:
@@ -84,6 +78,7 @@ def tiny(out: str, seed: int = 0) -> None:
             else:  # Gemma's norms scale by (1 + w): w near 0
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
     model.save_pretrained(out, safe_serialization=True)
+    os.remove(os.path.join(out, "generation_config.json"))  # nothing the tests read
     cfg = json.load(open(os.path.join(out, "config.json")))
     print("layer types:", cfg.get("layer_types"))
     rng = np.random.default_rng(seed)

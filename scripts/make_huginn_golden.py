@@ -35,9 +35,11 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _side_venv  # noqa: E402
 
 TRANSFORMERS = "transformers==4.53.3"
 TORCH = "torch==2.13.0"
@@ -63,19 +65,11 @@ SCHEDULES = ((0, 1), (2, 3))  # (min_steps, check_every): the defaults, and a la
 
 def ensure_env(venv: str) -> None:
     """Re-run this script in a venv with the reference's dependencies (made on first use)."""
-    try:
+    def ready():
         import torch  # noqa: F401
         import transformers
-        if transformers.__version__.startswith("4.53."):
-            return
-    except ImportError:
-        pass
-    py = os.path.join(venv, "bin", "python")
-    if not os.path.exists(py):
-        print(f"making {venv} ({TORCH}, {TRANSFORMERS}) ...", file=sys.stderr)
-        subprocess.check_call([sys.executable, "-m", "venv", venv])
-        subprocess.check_call([py, "-m", "pip", "install", "-q", TORCH, TRANSFORMERS, "safetensors", "numpy"])
-    os.execv(py, [py, *sys.argv])
+        return transformers.__version__.startswith("4.53.")
+    _side_venv.reexec(venv, [TORCH, TRANSFORMERS, "safetensors", "numpy"], ready)
 
 
 def randomize(model, seed: int) -> None:

@@ -228,18 +228,20 @@ inline void scaled(const uint16_t* d, const uint8_t* k, float* out, float sign) 
 // Block b of tile c into u: row r of q is byte r of the block for each of the 64 columns.
 template <int32_t FMT>
 void unpack(const Problem& p, int64_t c, int64_t b, Unpacked<FMT>& u) {
-  const uint8_t* q = p.qt<FMT>(c, b);
+  // restrict: the bytes written never alias the block read (without it every byte loop is
+  // versioned behind a run-time overlap check)
+  const uint8_t* __restrict q = p.qt<FMT>(c, b);
   const uint16_t* d = p.d + p.at(c, b);
   const uint16_t* m = p.m + p.at(c, b);
-  auto row = [&](int64_t r) { return q + r * kW; };
+  int8_t(*__restrict v)[kW] = u.v;
   if constexpr (FMT == kQ5_0 || FMT == kQ5_1) {  // qh[4] (bit j: value j's 5th bit), qs[16]
     for (int64_t j = 0; j < 16; ++j)
       for (int64_t n = 0; n < kW; ++n) {
-        const uint8_t b0 = row(4 + j)[n];
-        const int hb0 = (row(j / 8)[n] >> (j % 8)) & 1, hb1 = (row(2 + j / 8)[n] >> (j % 8)) & 1;
+        const uint8_t b0 = q[(4 + j) * kW + n];
+        const int hb0 = (q[(j / 8) * kW + n] >> (j % 8)) & 1, hb1 = (q[(2 + j / 8) * kW + n] >> (j % 8)) & 1;
         const int off = FMT == kQ5_0 ? 16 : 0;
-        u.v[j][n] = static_cast<int8_t>(((b0 & 15) | (hb0 << 4)) - off);
-        u.v[j + 16][n] = static_cast<int8_t>(((b0 >> 4) | (hb1 << 4)) - off);
+        v[j][n] = static_cast<int8_t>(((b0 & 15) | (hb0 << 4)) - off);
+        v[j + 16][n] = static_cast<int8_t>(((b0 >> 4) | (hb1 << 4)) - off);
       }
     alignas(64) static constexpr uint8_t ones[kW] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
                                                      1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
@@ -254,34 +256,34 @@ void unpack(const Problem& p, int64_t c, int64_t b, Unpacked<FMT>& u) {
     alignas(64) uint8_t sc[8][kW], mn[8][kW];  // ggml's get_scale_min_k4, 64 columns at a time
     for (int64_t j = 0; j < 4; ++j)
       for (int64_t n = 0; n < kW; ++n) {
-        sc[j][n] = row(j)[n] & 63, mn[j][n] = row(j + 4)[n] & 63;
-        sc[j + 4][n] = (row(j + 8)[n] & 15) | ((row(j)[n] >> 6) << 4);
-        mn[j + 4][n] = (row(j + 8)[n] >> 4) | ((row(j + 4)[n] >> 6) << 4);
+        sc[j][n] = q[(j) * kW + n] & 63, mn[j][n] = q[(j + 4) * kW + n] & 63;
+        sc[j + 4][n] = (q[(j + 8) * kW + n] & 15) | ((q[(j) * kW + n] >> 6) << 4);
+        mn[j + 4][n] = (q[(j + 8) * kW + n] >> 4) | ((q[(j + 4) * kW + n] >> 6) << 4);
       }
     for (int64_t j = 0; j < 8; ++j) scaled<false>(d, sc[j], u.sc[j], 1.f), scaled<false>(m, mn[j], u.mn[j], -1.f);
     const int64_t qs = FMT == kQ5_K ? 44 : 12;
     for (int64_t i = 0; i < 4; ++i)  // bytes 32 i + l: value 64 i + l (low nibble), 64 i + 32 + l (high)
       for (int64_t l = 0; l < 32; ++l)
         for (int64_t n = 0; n < kW; ++n) {
-          const uint8_t v = row(qs + 32 * i + l)[n];
-          int lo = v & 15, hi = v >> 4;
+          const uint8_t byte = q[(qs + 32 * i + l) * kW + n];
+          int lo = byte & 15, hi = byte >> 4;
           if constexpr (FMT == kQ5_K) {
-            const uint8_t h = row(12 + l)[n];
+            const uint8_t h = q[(12 + l) * kW + n];
             lo |= ((h >> (2 * i)) & 1) << 4, hi |= ((h >> (2 * i + 1)) & 1) << 4;
           }
-          u.v[64 * i + l][n] = static_cast<int8_t>(lo), u.v[64 * i + 32 + l][n] = static_cast<int8_t>(hi);
+          v[64 * i + l][n] = static_cast<int8_t>(lo), v[64 * i + 32 + l][n] = static_cast<int8_t>(hi);
         }
   } else {  // Q6_K: ql[128], qh[64], int8 scales[16]; half h: value 128 h + 32 k + l
     for (int64_t h = 0; h < 2; ++h)
       for (int64_t l = 0; l < 32; ++l)
         for (int64_t n = 0; n < kW; ++n) {
-          const uint8_t a = row(64 * h + l)[n], b2 = row(64 * h + 32 + l)[n], hh = row(128 + 32 * h + l)[n];
-          u.v[128 * h + l][n] = static_cast<int8_t>(((a & 15) | ((hh & 3) << 4)) - 32);
-          u.v[128 * h + 32 + l][n] = static_cast<int8_t>(((b2 & 15) | (((hh >> 2) & 3) << 4)) - 32);
-          u.v[128 * h + 64 + l][n] = static_cast<int8_t>(((a >> 4) | (((hh >> 4) & 3) << 4)) - 32);
-          u.v[128 * h + 96 + l][n] = static_cast<int8_t>(((b2 >> 4) | (((hh >> 6) & 3) << 4)) - 32);
+          const uint8_t a = q[(64 * h + l) * kW + n], b2 = q[(64 * h + 32 + l) * kW + n], hh = q[(128 + 32 * h + l) * kW + n];
+          v[128 * h + l][n] = static_cast<int8_t>(((a & 15) | ((hh & 3) << 4)) - 32);
+          v[128 * h + 32 + l][n] = static_cast<int8_t>(((b2 & 15) | (((hh >> 2) & 3) << 4)) - 32);
+          v[128 * h + 64 + l][n] = static_cast<int8_t>(((a >> 4) | (((hh >> 4) & 3) << 4)) - 32);
+          v[128 * h + 96 + l][n] = static_cast<int8_t>(((b2 >> 4) | (((hh >> 6) & 3) << 4)) - 32);
         }
-    for (int64_t j = 0; j < 16; ++j) scaled<true>(d, row(192 + j), u.sc[j], 1.f), std::fill(u.mn[j], u.mn[j] + kW, 0.f);
+    for (int64_t j = 0; j < 16; ++j) scaled<true>(d, q + (192 + j) * kW, u.sc[j], 1.f), std::fill(u.mn[j], u.mn[j] + kW, 0.f);
   }
 }
 
