@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -221,3 +222,17 @@ def test_batch_calls_take_the_request_as_values():
         model.generate_batch(prompts, params=rows[:1])
     with pytest.raises(ValueError, match="draft_loops=1: a batch call does not speculate"):
         model.generate_batch(prompts, plan=tl.DepthPlan(loops=2, draft_loops=1))
+
+
+def test_argmax_is_jnp_argmax_with_ties_and_nans():
+    """The greedy pick's two-reduction argmax (`sampling.argmax`) against jnp.argmax: the first
+    of tied maxima, the first NaN, rows of a batch, -inf rows."""
+    from tinyloop_jax.decoding import sampling
+    rng = np.random.default_rng(0)
+    rows = rng.integers(-3, 4, (64, 50)).astype(np.float32)  # many ties
+    rows[3, 7] = rows[3, 20] = np.nan
+    rows[5] = -np.inf
+    rows[6, :] = 2.0
+    np.testing.assert_array_equal(np.asarray(sampling.argmax(jnp.asarray(rows))), np.argmax(rows, axis=-1))
+    one = rng.normal(size=262144).astype(np.float32)
+    assert int(sampling.argmax(jnp.asarray(one))) == int(np.argmax(one))

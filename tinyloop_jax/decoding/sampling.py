@@ -207,6 +207,17 @@ def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     return jnp.where(kept, scaled, -jnp.inf)
 
 
+def argmax(logits: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (the first index of the largest value; of the first NaN if
+    any) -> int32, as two plain reductions: XLA:CPU's argmax (a reduce over (value, index)
+    pairs) took 1.2 ms over Gemma's 262,144 logits, a max and then a min of the matching indices
+    0.23 ms (docs/benchmarks.md, profile_decode)."""
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    hit = (logits == m) | (jnp.isnan(logits) & jnp.isnan(m))
+    return jnp.min(jnp.where(hit, iota, logits.shape[-1]), axis=-1)
+
+
 def _choose(logits: jax.Array, req: Request, greedy, sample) -> jax.Array:
     """greedy(logits) for rows with temperature 0, sample(filtered logits) for the others; when
     every row is greedy the sort is skipped (one branch for the batch), and a request marked
@@ -228,7 +239,7 @@ def select_tokens(logits: jax.Array, seen: jax.Array, req: Request, step: jax.Ar
     """logits, seen [N, V] -> token ids [N] int32 (row i draws with req.keys(step)[i]; step [] or
     [N], one per row). counts [N, V]: tokens emitted so far (None: none, the first token)."""
     return _choose(adjusted_logits(logits, seen, req, counts), req,
-                   lambda lg: jnp.argmax(lg, axis=-1).astype(jnp.int32),
+                   argmax,
                    lambda filt: jax.vmap(jax.random.categorical)(req.keys(step), filt).astype(jnp.int32))
 
 
@@ -236,7 +247,7 @@ def distribution(logits: jax.Array, seen: jax.Array, req: Request, counts: jax.A
     """The distribution each row's token is drawn from, [N, V]: a one-hot argmax for greedy
     rows, else the softmax of `filtered_logits` (the same steps as `select_tokens`)."""
     return _choose(adjusted_logits(logits, seen, req, counts), req,
-                   lambda lg: jax.nn.one_hot(jnp.argmax(lg, axis=-1), lg.shape[-1]),
+                   lambda lg: jax.nn.one_hot(argmax(lg), lg.shape[-1]),
                    lambda filt: jax.nn.softmax(filt, axis=-1))
 
 

@@ -397,8 +397,64 @@ void stream_rows_unpacked(const Problem& p, int64_t t0, int64_t c, int64_t w, in
     for (int g = 0; g < kG; ++g) V::store_first(dst + (t0 + t) * p.N + c * kW + V::L * g, out[t][g], w - V::L * g);
 }
 
+#if defined(__AVX512F__)
+// Q5_0 / Q5_1 with AVX-512, without unpacking: each value is a Q4 nibble plus 16 when its 5th bit
+// is set, a masked add on the nibbles converted to floats (the 4 qh bytes of 16 columns gathered
+// into one 32-bit word each, then tested per value), then the Q4 sums.
+template <int32_t FMT, int MT>
+void stream_rows_q5(const Problem& p, int64_t t0, int64_t c, int64_t w, int64_t b0, int64_t b1, float* dst) {
+  V::F out[MT][kG];
+  for (auto& o : out) for (auto& v : o) v = V::zero();
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* qb = p.qt<FMT>(c, b);
+    const float* xb = p.x + t0 * p.K + b * 32;
+    prefetch<FMT>(p, c, b + kAhead);
+    V::I qh[kG];
+    for (int g = 0; g < kG; ++g) {
+      const uint8_t* h = qb + V::L * g;
+      qh[g] = _mm512_or_si512(_mm512_or_si512(V::bytes(h), _mm512_slli_epi32(V::bytes(h + kW), 8)),
+                              _mm512_or_si512(_mm512_slli_epi32(V::bytes(h + 2 * kW), 16),
+                                              _mm512_slli_epi32(V::bytes(h + 3 * kW), 24)));
+    }
+    V::F acc[MT][kG];
+    for (auto& a : acc) for (auto& v : a) v = V::zero();
+    const V::F sixteen = V::set1(16.f);
+    for (int64_t j = 0; j < 16; ++j) {
+      const V::I bit0 = _mm512_set1_epi32(1 << j), bit1 = _mm512_set1_epi32(1 << (j + 16));
+      for (int g = 0; g < kG; ++g) {
+        const V::I u = V::bytes(qb + (4 + j) * kW + V::L * g);
+        V::F lo = V::to_float(V::low(u)), hi = V::to_float(V::high(u));
+        lo = _mm512_mask_add_ps(lo, _mm512_test_epi32_mask(qh[g], bit0), lo, sixteen);  // + 16 where the bit is set
+        hi = _mm512_mask_add_ps(hi, _mm512_test_epi32_mask(qh[g], bit1), hi, sixteen);
+        for (int t = 0; t < MT; ++t) {
+          acc[t][g] = V::fma(lo, V::set1(xb[t * p.K + j]), acc[t][g]);
+          acc[t][g] = V::fma(hi, V::set1(xb[t * p.K + j + 16]), acc[t][g]);
+        }
+      }
+    }
+    for (int g = 0; g < kG; ++g) {
+      const V::F dv = V::halves(p.d + p.at(c, b) + V::L * g);
+      const V::F mv = FMT == kQ5_1 ? V::halves(p.m + p.at(c, b) + V::L * g) : V::zero();
+      for (int t = 0; t < MT; ++t) {
+        const V::F s = V::set1(p.sx[(t0 + t) * p.ns + b]);
+        if constexpr (FMT == kQ5_0) {
+          out[t][g] = V::fma(dv, V::fnma(V::set1(16.f), s, acc[t][g]), out[t][g]);
+        } else {
+          out[t][g] = V::fma(mv, s, V::fma(dv, acc[t][g], out[t][g]));
+        }
+      }
+    }
+  }
+  for (int t = 0; t < MT; ++t)
+    for (int g = 0; g < kG; ++g) V::store_first(dst + (t0 + t) * p.N + c * kW + V::L * g, out[t][g], w - V::L * g);
+}
+#endif
+
 template <int32_t FMT, int MT>
 void stream_rows(const Problem& p, int64_t t0, int64_t c, int64_t w, int64_t b0, int64_t b1, float* dst) {
+#if defined(__AVX512F__)
+  if constexpr (FMT == kQ5_0 || FMT == kQ5_1) return stream_rows_q5<FMT, MT>(p, t0, c, w, b0, b1, dst);
+#endif
   if constexpr (kUnpacked<FMT>) {
     return stream_rows_unpacked<FMT, MT>(p, t0, c, w, b0, b1, dst);
   } else {
