@@ -100,6 +100,21 @@ def test_logits_at_every_position_match_transformers(gemma, golden, n):
     np.testing.assert_allclose(np.asarray(got), golden[f"logits_{n}"], **PARITY)
 
 
+def test_live_parity_with_transformers(golden):
+    """Against transformers' Gemma3ForCausalLM itself where the `hf` extra is installed (its
+    Gemma 3 needs transformers >= 5)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install .[hf])")
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma 3 text model of this layout (needs 5.x)")
+    model = transformers.Gemma3ForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    ours = tl.Model.from_pretrained(TINY, kv_mode="fp32", dtype="float32")
+    p = golden["prompt_40"]
+    with torch.no_grad():
+        want = model(torch.tensor([p.tolist()]), use_cache=False).logits[0].numpy()
+    np.testing.assert_allclose(np.asarray(ours.next_token_logits(p)), want[-1], **PARITY)
+
+
 def test_cached_path_matches_transformers(gemma, golden):
     """One token at a time through the cache, past the window (8) five times over."""
     w, p, want = gemma.weights, golden["prompt_40"], golden["logits_40"]
