@@ -115,7 +115,7 @@ def chat_ttft(model, tok, kept: bool, answer_tokens: int) -> tuple[list[float], 
                         max_tokens=answer_tokens)
     for q in QUESTIONS:
         if not kept:
-            conv.prefix = None
+            conv.kept = None  # (the tree before session 19: conv.prefix = None)
         for _ in conv.send(q):
             pass
     return [t.first_token_s for t in conv.turns], [t.prefill_tokens for t in conv.turns]

@@ -8,8 +8,8 @@ through stdin.
 - Bad messages are HTTP 400 naming the field, and the server keeps serving; a model with no chat
   template is a 400 saying so.
 - `tinyloop chat`: the answers equal greedy `generate` of the rendered conversation, the second
-  turn prefills only its new tokens (the kept cache holds turn 1's prompt, answer and end-of-turn
-  token), /reset starts over, /exit quits.
+  turn prefills only its new tokens (the kept pages hold turn 1's prompt and answer; its
+  end-of-turn token is fed with turn 2's chunk), /reset starts over, /exit quits.
 """
 
 import io
@@ -192,10 +192,11 @@ def test_tinyloop_chat_through_stdin(smollm2, monkeypatch, capsys):
     turns = conv.turns
     assert [list(t.answer) for t in turns] == [a1, a2, a1]  # /exit: the last line was never read
     assert (turns[0].reused_tokens, turns[0].prefill_tokens) == (0, len(ids1))
-    # turn 2 continued from the kept cache: turn 1's prompt + answer (its end-of-turn token
-    # included) were read, only the tokens the template added after them were prefilled
+    # turn 2 continued from the kept pages: turn 1's prompt + answer were read, only the answer's
+    # end-of-turn token (never fed) and the tokens the template added after it were prefilled
     assert ids2[:len(ids1) + len(a1)] == ids1 + a1
-    assert (turns[1].reused_tokens, turns[1].prefill_tokens) == (len(ids1) + len(a1), len(ids2) - len(ids1) - len(a1))
+    kept = len(ids1) + len(a1) - 1
+    assert (turns[1].reused_tokens, turns[1].prefill_tokens) == (kept, len(ids2) - kept)
     assert (turns[2].reused_tokens, turns[2].prefill_tokens) == (0, len(ids1))  # after /reset
     # the kept cache after the last turn is that of prompt + answer, as a from-scratch prefill's
     assert conv.prefix.prompt.tolist() == ids1 + a1

@@ -1,19 +1,21 @@
 """Chat: a `Conversation` whose KV cache is kept between turns, and text streamed as it becomes
 final (`Detokenizer`, shared with the HTTP server).
 
-A conversation's cache is one segment that grows turn by turn; each turn copies the kept part
-(no compute), prefills only the tokens the turn adds, decodes the answer by the paged step
-under the on-device loop (the prompt's positions loaded into a page pool; `BURST` tokens
-between two looks of the host, so the text is shown as it comes), then prefills the answer
-into the segment as one chunk:
+A conversation's cache is a page pool (`model.paged`) kept from turn to turn, its positions in
+pages 0, 1, 2, ... in order; each turn runs the paged step of every other path
+(`decoding.paged_decode`): the tokens the turn adds as one prompt chunk, then the answer under
+the on-device loop, `BURST` tokens between two looks of the host (the text is shown as it
+comes). Decoding writes each answer token's K/V as it feeds it, so nothing is prefilled twice:
+the answer's last token (never fed) starts the next turn's chunk.
 
     turn 1   [ system, user 1, "assistant\\n" | answer 1, <|im_end|> ]
-    turn 2   [ kept: all of turn 1            | "\\n", user 2, "assistant\\n" | answer 2, <|im_end|> ]
-               copied                           prefilled                      decoded, then prefilled
+    turn 2   [ kept: all of turn 1 but <|im_end|> | <|im_end|>, "\\n", user 2, "assistant\\n" | answer 2, <|im_end|> ]
+               read from the pages                 one chunk                                   decoded
 
 The chat template re-renders the whole conversation every turn, so the turn's new tokens are
 that rendering minus the kept tokens (prompt + answer ids, the end-of-turn token included), which
-must be a token prefix of it.
+must be a token prefix of it. `Conversation.prefix` is the kept cache as a dense `PrefixCache`,
+made when asked for.
 
     >>> conv = Conversation(model, tok, system="Be brief.", max_tokens=64)   # doctest: +SKIP
     >>> "".join(conv.send("What is the capital of France?"))                 # doctest: +SKIP
@@ -28,6 +30,7 @@ import dataclasses
 import time
 from typing import Iterator
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -88,8 +91,9 @@ class Turn:
     """What one turn did."""
 
     prompt_tokens: int  # the rendered conversation, up to the assistant's generation prompt
-    reused_tokens: int  # of those, read from the kept cache
-    prefill_tokens: int  # of those, prefilled this turn (prompt_tokens - reused_tokens)
+    reused_tokens: int  # of those, read from the kept pages (the previous answer's last token is not: it
+    #                     was never fed, so it starts this turn's chunk)
+    prefill_tokens: int  # of those, computed this turn (prompt_tokens - reused_tokens)
     answer: tuple[int, ...]  # the emitted ids, an end-of-turn token included
     text: str  # the answer's text (no end-of-turn token)
     finish_reason: str  # "stop" (an end-of-turn token) | "length" (max_tokens, or the context is full)
@@ -97,21 +101,40 @@ class Turn:
     seconds: float  # the whole turn, the kept cache's update included
 
 
-# A conversation's segment grows by doubling from this size: a long chat compiles a few programs
-# (one per capacity), not one per 128 tokens as prompt buckets would.
+# A conversation's pool grows by doubling from this many positions: a long chat compiles a few
+# programs (one per pool size), not one per 128 tokens as prompt buckets would.
 MIN_CAPACITY = 256
-# A turn's new tokens (and the answer's last token, fed at the turn's end) are prefilled padded to
-# at least this many: most turns add fewer, so a chat compiles about one prefill program per
-# capacity (a compile of a 30-block model costs seconds; 31 padding tokens, milliseconds).
+# A turn's new tokens are prefilled padded to at least this many: most turns add fewer, so a chat
+# compiles about one prefill program per pool size (a compile of a 30-block model costs seconds;
+# 31 padding tokens, milliseconds).
 MIN_CHUNK = 32
 MAX_TOKENS = 512  # an answer's default length
 BURST = 8  # tokens decoded on the device between two looks of the host (streamed text)
 
 
 def capacity(n_tokens: int, context: int) -> int:
-    """Slots of a conversation segment that must hold `n_tokens` positions: a power of two >=
-    MIN_CAPACITY, at most the model's context (bucketed)."""
+    """Positions a conversation's pool must hold for `n_tokens`: a power of two >= MIN_CAPACITY,
+    at most the model's context (bucketed)."""
     return max(kvc.bucket(n_tokens), min(max(MIN_CAPACITY, 1 << (n_tokens - 1).bit_length()), kvc.bucket(context)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Kept:
+    """A conversation's cache between turns: `tokens` (prompts and answers so far) of which the
+    first len(tokens) - 1 are in `pool` (position p in page p // P); the last, an answer's last
+    token, is fed with the next turn's chunk."""
+
+    pool: paged.PagedKV
+    tokens: np.ndarray
+
+    @property
+    def fed(self) -> int:
+        return len(self.tokens) - 1
+
+
+def _alive(pool) -> bool:
+    """The pool's buffers exist (a program that took them as donated and failed leaves none)."""
+    return pool is not None and not any(a.is_deleted() for a in jax.tree.leaves(pool))
 
 
 class Conversation:
@@ -161,7 +184,17 @@ class Conversation:
     def reset(self) -> None:
         """Forget the conversation (its cache too); the system message stays."""
         self.messages: list[dict] = [] if self.system is None else [dict(role="system", content=self.system)]
-        self.prefix: PrefixCache | None = None
+        self.kept: Kept | None = None
+        self._prefix: PrefixCache | None = None
+
+    @property
+    def prefix(self) -> PrefixCache | None:
+        """The kept cache as a `PrefixCache` (None before the first turn): the pages' positions
+        gathered into a dense segment, the last token fed there (its logits and depth states).
+        An h mode's pages hold float32 K/V, not h: its prefix is prefilled from the tokens."""
+        if self._prefix is None and self.kept is not None:
+            self._prefix = self._dense(self.kept)
+        return self._prefix
 
     def send(self, text: str) -> Iterator[str]:
         """The answer to user message `text`, as pieces of text while it is generated (complete
@@ -179,64 +212,78 @@ class Conversation:
         if max_new < 1:
             raise RuntimeError(f"the conversation is {len(ids)} tokens and fills the model's context "
                                f"(max_seq_len={c.max_seq_len}); /reset starts a new one")
-        kept = self.prefix
+        kept = self.kept
         # the kept tokens must start the new rendering; if the template rewrote an earlier turn
         # (or an answer's text tokenizes differently from the ids the model emitted) they do not,
-        # and the whole conversation is prefilled again from the start
-        reuse = kept is not None and len(kept) < len(ids) and np.array_equal(ids[:len(kept)], kept.prompt)
-        k = len(kept) if reuse else 0
-        cap = capacity(len(ids) + max_new, c.max_seq_len)
-        seg = (programs.copy_prefix(kept.cache, jnp.int32(k), capacity=cap, passes=self.loops) if k
-               else F.empty_cache(w, cap, self.loops))
-        fill = self._prefill(ids[k:], k, seg)
-        logits, seg, seen = fill.logits, fill.own, fill.seen if not k else fill.seen | kept.seen
+        # and the whole conversation is prefilled again from the start, into a new pool
+        reuse = kept is not None and len(kept.tokens) < len(ids) and np.array_equal(ids[:len(kept.tokens)],
+                                                                                      kept.tokens)
+        k = kept.fed if reuse else 0
+        n_pages = capacity(len(ids) + max_new, c.max_seq_len) // paged.PAGE_SIZE
+        if not reuse:
+            pool = paged_decode.empty_pool(c, self.loops, n_pages)
+        elif kept.pool.n_pages < n_pages:  # a copy: the kept pool stays whole if the turn is abandoned
+            pool = _grow(kept.pool, n_pages)
+        else:
+            pool = kept.pool  # donated: the turn writes only positions >= k, so an abandoned turn keeps it
+        table = np.arange(pool.n_pages, dtype=np.int32)[None]
+        req = Request.from_params([dataclasses.replace(self.params, max_tokens=max_new)])
+        seen = jnp.asarray(programs.token_mask([ids], c.vocab_size))
+        live = [pool]  # the pool as the last program returned it
+        finished = False
+        try:
+            new = ids[k:]
+            tokens = jnp.asarray(F.pad(new, max(MIN_CHUNK, kvc.bucket(len(new)))))[None]
+            logits, live[0] = paged_decode.prefill(w.params, c, pool, paged.Rows(table, np.int32([k]),
+                                                                                 np.int32([len(new)])), tokens,
+                                                   jnp.zeros((c.vocab_size,), jnp.float32), loops=self.loops,
+                                                   window=0, exit=self._exit, seeds=req.seed)
 
-        # the answer: the paged step under the on-device loop, in bursts (streamed between them)
-        answer: list[int] = []
-        text_so_far = Detokenizer(self.tokenizer, [])
-        first = None
-        stopped = False
-        for t in self._decode(ids, seg, logits, seen, max_new):
-            answer.append(t)
-            if first is None:
-                first = time.perf_counter()
-            stopped = t in self.eos
-            if stopped or len(answer) == max_new:
-                break
-            delta = text_so_far.add([t])
-            if delta:
-                yield delta
-        if not stopped:
-            text_so_far.add([answer[-1]])
-        rest = text_so_far.finish()
-        if rest:
-            yield rest
+            # the answer: the paged step under the on-device loop, in bursts (streamed between them)
+            answer: list[int] = []
+            text_so_far = Detokenizer(self.tokenizer, [])
+            first = None
+            stopped = False
+            for t in self._decode(ids, table, live, logits, seen, req, max_new):
+                answer.append(t)
+                if first is None:
+                    first = time.perf_counter()
+                stopped = t in self.eos
+                if stopped or len(answer) == max_new:
+                    break
+                delta = text_so_far.add([t])
+                if delta:
+                    yield delta
+            # the last token (unless an end-of-turn token): its text, then what was held back
+            rest = (text_so_far.add([answer[-1]]) if not stopped else "") + text_so_far.finish()
+            if rest:
+                yield rest
+            finished = True
+        finally:
+            if not finished:  # abandoned, or failed: the kept cache as it was (if its buffers live)
+                if kept is not None and not _alive(kept.pool):
+                    kept = dataclasses.replace(kept, pool=live[0]) if reuse and _alive(live[0]) else None
+                self.kept = kept
 
-        # the kept cache holds the whole turn: the answer prefilled after the prompt, one chunk
-        fill = self._prefill(np.array(answer, np.int32), len(ids), seg)
-        seen = seen | fill.seen
-        prompt = np.concatenate([ids, np.array(answer, np.int32)])
-        prompt.setflags(write=False)
-        self.prefix = PrefixCache(cache=fill.own, prompt=prompt, loops=self.loops, cache_window=0, logits=fill.logits,
-                                  seen=seen, depth_states=fill.depth_states, weights=w)
+        tokens = np.concatenate([ids, np.array(answer, np.int32)])
+        tokens.setflags(write=False)
+        self.kept, self._prefix = Kept(live[0], tokens), None
         self.messages = messages + [dict(role="assistant", content=text_so_far.sent)]
         self.turns.append(Turn(prompt_tokens=len(ids), reused_tokens=k, prefill_tokens=len(ids) - k,
                                answer=tuple(answer), text=text_so_far.sent,
                                finish_reason="stop" if stopped else "length", first_token_s=first - t0,
                                seconds=time.perf_counter() - t0))
 
-    def _decode(self, ids: np.ndarray, seg, logits, seen, max_new: int) -> Iterator[int]:
-        """The answer's tokens, a burst of `BURST` at a time: the prompt's positions (dense
-        `seg`, only read) loaded into a page pool, then `paged_decode.decode_more` over it,
-        stopping on the device at an end-of-turn token or max_new."""
+    def _decode(self, ids: np.ndarray, table: np.ndarray, live: list, logits, seen, req: Request,
+                max_new: int) -> Iterator[int]:
+        """The answer's tokens, a burst of `BURST` at a time: `paged_decode.decode_more` over the
+        pool live[0] (kept there after each burst), stopping on the device at an end-of-turn
+        token or max_new."""
         w, c = self.model.weights, self.model.weights.config
-        lay = paged_decode.layout(len(ids), max_new + 1, 1)
-        pool = paged_decode.load_prefix(w.params, c, paged_decode.empty_pool(c, self.loops, lay.n_pages), seg,
-                                        len(ids), lay)
-        req = Request.from_params([dataclasses.replace(self.params, max_tokens=max_new)])
-        rows = paged.Rows(lay.tables, np.int32([len(ids)]), np.int32([1]))
-        state = paged_decode.begin(programs.first_tokens(logits[None], seen[None], req), seen[None], pool, req,
+        rows = paged.Rows(table, np.int32([len(ids)]), np.int32([1]))
+        state = paged_decode.begin(programs.first_tokens(logits, seen, req), seen, live[0], req,
                                    out_len=kvc.bucket(max_new))
+        live[0] = state.own
         shown = 0
         while True:
             n, done = int(state.n[0]), bool(state.done[0])
@@ -246,12 +293,24 @@ class Conversation:
                 return
             state = paged_decode.decode_more(w.params, c, state, rows, req, jnp.int32(n + BURST), loops=self.loops,
                                              window=0, exit=self._exit)
+            live[0] = state.own
 
-    def _prefill(self, tokens: np.ndarray, start: int, seg) -> programs.PrefixFill:
-        """tokens [T] prefilled at positions start.. into segment `seg` (which holds the ones
-        before; donated): the next-token logits, the tokens' mask, the last token's depth states."""
-        w = self.model.weights
-        padded = jnp.asarray(F.pad(tokens, max(MIN_CHUNK, kvc.bucket(len(tokens)))))
-        seen = jnp.asarray(programs.token_mask([tokens], w.config.vocab_size)[0])
-        return programs.prefill_prefix(w.params, w.config, padded, jnp.int32(len(tokens)), jnp.int32(start), seen,
-                                       seg, loops=self.loops, window=0, keep_state=False, exit=self._exit)
+    def _dense(self, kept: Kept) -> PrefixCache:
+        """`prefix`: the kept pages as a dense segment, then the last token prefilled into it."""
+        w, c = self.model.weights, self.model.weights.config
+        tokens, n = kept.tokens, len(kept.tokens)
+        seed = int(self.params.seed)
+        if kept.pool.kv_mode != c.storage:
+            return F.build_prefix(w, tokens, self.loops, exit=self._exit, seed=seed)
+        seg = _to_segment(kept.pool, jnp.arange(kept.pool.n_pages, dtype=jnp.int32), jnp.int32(kept.fed),
+                          capacity=kvc.bucket(n))
+        seen = jnp.asarray(programs.token_mask([tokens], c.vocab_size)[0])
+        fill = programs.prefill_prefix(w.params, c, jnp.asarray(F.pad(tokens[kept.fed:])), jnp.int32(1),
+                                       jnp.int32(kept.fed), seen, seg, loops=self.loops, window=0, keep_state=False,
+                                       exit=self._exit, seed=jnp.uint32(seed))
+        return PrefixCache(cache=fill.own, prompt=tokens, loops=self.loops, cache_window=0, logits=fill.logits,
+                           seen=seen, depth_states=fill.depth_states, weights=w, seed=seed)
+
+
+_grow = jax.jit(paged.grow, static_argnames=("n_pages",))
+_to_segment = jax.jit(paged.to_segment, static_argnames=("capacity",))

@@ -430,3 +430,25 @@ def load_segment(pool: PagedKV, seg, pages: jax.Array, start: jax.Array, n: jax.
 @jax.jit
 def _copy_pages(pool: PagedKV, src: jax.Array, dst: jax.Array) -> PagedKV:
     return copy_pages(pool, src, dst)
+
+
+def to_segment(pool: PagedKV, pages: jax.Array, n: jax.Array, capacity: int) -> kvc.KVCache:
+    """`load_segment`'s inverse: positions [0, n) of the pages pages [R] (position p: page
+    pages[p // P]) as a dense segment of `capacity` slots (slot p holds position p; slots >= n
+    are empty), every layer, stored values as they are."""
+    P = pool.page_size
+    slot = jnp.arange(capacity, dtype=jnp.int32)
+    page, off = pages[jnp.clip(slot // P, 0, pages.shape[0] - 1)], slot % P
+    take = lambda layer: {k: a[..., page, off, :] for k, a in layer.items()}  # noqa: E731 - [.., lead, C, w]
+    return kvc.KVCache(pre=tuple(take(s) for s in pool.pre), loop=take(pool.loop),
+                       pos=jnp.where(slot < n, slot, -1), length=jnp.asarray(n, jnp.int32), kv_mode=pool.kv_mode,
+                       post=tuple(take(s) for s in pool.post))
+
+
+def grow(pool: PagedKV, n_pages: int) -> PagedKV:
+    """The pool with zeroed pages added up to n_pages (the old pages keep their ids)."""
+    extra = n_pages - pool.n_pages
+    if extra < 0:
+        raise ValueError(f"cannot shrink a pool of {pool.n_pages} pages to {n_pages}")
+    pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 3) + [(0, extra), (0, 0), (0, 0)])  # noqa: E731
+    return jax.tree.map(pad, pool)
