@@ -143,17 +143,6 @@ def extend_prefix(source: PrefixCache, k: int, prompt, exit: Exit | None = None)
 
 # ---- decoding --------------------------------------------------------------------------------
 
-def call_segments(weights: Weights, prefix: PrefixCache | None, loops: int) -> tuple[tuple, str | None]:
-    """(read-only segments of one call, kv_mode of its own segments). h modes rebuild the
-    prefix's K/V once for the whole call (every decode step and every request of a batch reads
-    that copy) and keep the requests' own K/V in float32 while they run; the prefix at rest
-    stays in h form, the rebuilt copy lives only during the call."""
-    ro, mode = () if prefix is None else (prefix.cache,), weights.config.storage
-    if mode.working == mode:
-        return ro, None
-    return tuple(programs.materialize(weights.params, weights.config, s, passes=loops) for s in ro), mode.working
-
-
 def own_room(longest_suffix: int, max_new: int, cache_window: int, speculation: Speculation | None):
     """(positions, window) an own segment is sized for: the suffix and the new tokens, plus
     lookahead + 1 for a speculative verify chunk written before its rollback."""
@@ -192,11 +181,8 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
         prior_logits = programs.prefix_logits(weights.params, c, prefix.depth_states, loops=loops, exit=exit)
     prior_seen = prefix.seen if prefix is not None else jnp.zeros((c.vocab_size,), bool)
     if adaptive is not None:
-        ro, work_mode = call_segments(weights, prefix, loops)
-        room, ring = own_room(int(lens.max()), max_new, window, speculation)
-        own = empty_cache(weights, room, loops, ring, start=P, kv_mode=work_mode, batch=N)
-        return decode_adaptive(weights, prefix, suffixes, request, loops, window, ro, own, prior_logits, prior_seen,
-                               lens, adaptive)
+        return decode_adaptive(weights, prefix, suffixes, request, loops, window, prior_logits, prior_seen, lens,
+                               adaptive)
     lay = paged_decode.layout(P, own_room(int(lens.max()), max_new, 0, speculation)[0], N)
     pool = paged_decode.empty_pool(c, loops, lay.n_pages)
     if prefix is not None:
@@ -221,38 +207,31 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
 
 
 def decode_adaptive(weights: Weights, prefix: PrefixCache | None, suffixes: list, request: Request, loops: int,
-                    window: int, ro: tuple, own: KVCache, prior_logits, prior_seen, lens: np.ndarray,
-                    adaptive: Adaptive) -> DecodeState:
-    """`decode`'s adaptive-depth path, from the call's segments on: the suffixes prefilled into
-    their dense segments (at full depth unless `adaptive.in_prefill`, where a chunk exits as a
-    whole), then loaded with the prefix into the call's pages, and the adaptive decode loop over
-    them (`paged_decode.decode_adaptive`)."""
+                    window: int, prior_logits, prior_seen, lens: np.ndarray, adaptive: Adaptive) -> DecodeState:
+    """`decode`'s adaptive-depth path: the call's pages (the prefix loaded as in `decode`), the
+    suffixes prefilled as one group of chunks (at full depth unless `adaptive.in_prefill`, where
+    a chunk exits as a whole), then the adaptive decode loop (`paged_decode.decode_adaptive`)."""
     c, N = weights.config, len(suffixes)
-    full = ad.Policy.stack([ad.make_policy(c, loops, None)] * N)
+    P, max_new = 0 if prefix is None else len(prefix), int(np.max(request.max_tokens))
+    lay = paged_decode.layout(P, int(lens.max()) + max_new, N)
+    pool = paged_decode.empty_pool(c, loops, lay.n_pages)
+    if prefix is not None:
+        pool = paged_decode.load_prefix(weights.params, c, pool, prefix.cache, P, lay)
+    windows = np.full((N,), window, np.int32) if window else None
+    seen = jnp.asarray(programs.token_mask(suffixes, c.vocab_size)) | prior_seen
     prior_depth = jnp.int32(loops)
     prior_state = (prefix.depth_states[c.n_pre_blocks + loops - 1] if prefix is not None
                    else jnp.zeros((c.d_model,), c.compute_dtype))
     if lens.max() > 0:
+        pol = adaptive.policy if adaptive.in_prefill else ad.Policy.stack([ad.make_policy(c, loops, None)] * N)
         tokens = np.stack([pad(s, kvc.bucket(int(lens.max()))) for s in suffixes])
-        start = jnp.full((N,), 0 if prefix is None else len(prefix), jnp.int32)
-        logits, seen, own, depth, state = programs.prefill_rows_adaptive(
-            weights.params, c, jnp.asarray(tokens), jnp.asarray(lens), start, ro, own, prior_logits, prior_seen,
-            jnp.asarray(programs.token_mask(suffixes, c.vocab_size)), prior_depth, prior_state,
-            adaptive.policy if adaptive.in_prefill else full, request.seed, loops=loops, window=window)
+        logits, pool, depth, state = paged_decode.prefill_adaptive(
+            weights.params, c, pool, paged.Rows(lay.tables, np.full((N,), P, np.int32), lens, windows),
+            jnp.asarray(tokens), prior_logits, prior_depth, prior_state, pol, request.seed, loops=loops)
     else:
         logits = jnp.broadcast_to(prior_logits, (N, c.vocab_size))
-        seen = jnp.broadcast_to(prior_seen, (N, c.vocab_size))
         depth, state = jnp.full((N,), loops, jnp.int32), jnp.broadcast_to(prior_state, (N, c.d_model))
     first = programs.first_tokens(logits, seen, request)
-    P, max_new = 0 if prefix is None else len(prefix), int(np.max(request.max_tokens))
-    lay = paged_decode.layout(P, int(lens.max()) + max_new, N)
-    pool = paged_decode.empty_pool(c, loops, lay.n_pages)
-    if prefix is not None:  # (ro: the prefix in the working mode, rebuilt once for the prefill)
-        pool = paged_decode.load_prefix(weights.params, c, pool, ro[0], P, lay)
-    for i in np.flatnonzero(lens):
-        pool = paged_decode.load_segment(pool, jax.tree.map(lambda a: a[i], own), jnp.asarray(lay.tables[i]),
-                                         jnp.int32(P), jnp.int32(P + lens[i]))
-    windows = np.full((N,), window, np.int32) if window else None
     rows = paged.Rows(lay.tables, P + lens, np.ones((N,), np.int32), windows)
     return paged_decode.decode_adaptive(weights.params, c, pool, rows, first, seen, depth, state, request,
                                         adaptive.policy, loops=loops, out_len=kvc.bucket(max_new))

@@ -5,7 +5,8 @@ the engine's step (`model.paged.forward`) under an on-device loop.
     its pages   the prefix's full pages once, shared by every row's table; then each row's own
                 pages (the prefix's partial last page copied into each row's first: rows write
                 after it); the pool holds nothing else and lives for the call
-    prefill     the suffixes as one group of prompt chunks [N, T] (`prefill`)
+    prefill     the suffixes as one group of prompt chunks [N, T] (`prefill`; with adaptive depth
+                `prefill_adaptive`, each chunk exiting as a whole or running every pass)
     decode      `decode`: a `lax.while_loop` of decode steps [N, 1] (or of speculative rounds,
                 `decode_speculative`), stops and max_tokens on the device, the carry the
                 `programs.DecodeState` of every loop with the pool as its `own`
@@ -106,6 +107,20 @@ def prefill(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.R
     x, pool = paged.forward(params, cfg, pool, rows, tokens, loops, window, exit, seeds)
     logits = paged.last_logits(params, cfg, x, rows)
     return jnp.where((rows.n_new > 0)[:, None], logits, prior_logits), pool
+
+
+@partial(jax.jit, static_argnames=("cfg", "loops"), donate_argnames=("pool",))
+def prefill_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, tokens: jax.Array,
+                     prior_logits: jax.Array, prior_depth: jax.Array, prior_state: jax.Array, pol: ad.Policy,
+                     seeds: jax.Array, loops: int):
+    """`prefill` with adaptive depth (`model.paged_adaptive.forward`; pol [N], kind NONE: every
+    pass; a chunk exits as a whole). Returns (logits [N, V], the pool, each row's depth [N] and
+    last state [N, D]); empty rows take what the prefix ends with (prior_logits [V], prior_depth
+    [], prior_state [D])."""
+    out = pa.forward(params, cfg, pool, rows, tokens, loops, pol, seeds)
+    has = rows.n_new > 0
+    return (jnp.where(has[:, None], out.logits, prior_logits), out.pool, jnp.where(has, out.depth, prior_depth),
+            jnp.where(has[:, None], out.state, prior_state.astype(out.state.dtype)))
 
 
 def _decoding(rows: paged.Rows, state: DecodeState) -> paged.Rows:

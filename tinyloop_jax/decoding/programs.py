@@ -1,16 +1,12 @@
-"""Jitted programs over dense segments: chunked prefill (prefixes), scoring, the adaptive-depth
-decode loop, the prefix operations; and the decode loops' carry (`DecodeState`) and emit
-rule, which the paged loops (`paged_decode`) share.
+"""Jitted programs over dense segments: chunked prefill (prefixes), scoring, the prefix
+operations; and the decode loops' carry (`DecodeState`) and emit rule, which the paged loops
+(`paged_decode`) run.
 
 Programs take the segment they write (`own`) as a donated argument, so XLA updates its buffers
 in place; read-only segments (`ro`, a shared prefix) are plain arguments and never written.
 Static arguments are only shapes and depths (config, loops, window, output length), so a
 workload of many prompt lengths compiles one program per capacity bucket, and the loop's
 passes run under `fori_loop`, so no program grows with `loops`.
-
-Requests are always a batch: N rows, each with its own segment, vmapped over the forward pass
-with the shared `ro` segments left unbatched (the prefix is read once per step for all rows).
-A single request is N = 1.
 """
 
 from __future__ import annotations
@@ -23,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ..model import adaptive as ad
 from ..model import cache as kvc
+from ..model import paged
 from ..model import transformer as tf
 from ..model.cache import KVCache
 from ..model.config import ModelConfig
@@ -40,44 +36,6 @@ def token_mask(rows, vocab_size: int) -> np.ndarray:
     for i, r in enumerate(rows):
         out[i, np.asarray(r, np.int64)] = True
     return out
-
-
-def forward_rows(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
-                 ro: tuple, own: KVCache, loops: int, window: int, exit: tf.Exit | None = None,
-                 seeds: jax.Array | None = None):
-    """The forward pass for N rows: tokens [N, T], n_valid, start_pos [N]; ro shared; own the
-    rows' segments (see `rows_in_loop`); seeds [N] uint32 (injection models' initial states;
-    None: 0). Returns (streams the logits come from [N, T, D], new own)."""
-    one = lambda t, n, s, o, sd: tf.forward(params, cfg, t, n, s, ro, o, loops, window, exit, sd)  # noqa: E731
-    if own.length.ndim == 0:  # the one row of N = 1, unbatched
-        x, own = one(tokens[0], n_valid[0], start_pos[0], own, None if seeds is None else seeds[0])
-        return x[None], own
-    return jax.vmap(one)(tokens, n_valid, start_pos, own, seeds)
-
-
-def rows_in_loop(own: KVCache) -> KVCache:
-    """The own segments as programs carry them: batched, except that one row (N = 1) is carried
-    unbatched. (Vmapped over a unit axis, its cache writes become scatters whose result
-    XLA fuses twice — into the stored carry and into the attention read — copying every layer
-    at every step; unbatched, they are in-place dynamic-update-slices.)"""
-    return jax.tree.map(lambda a: a[0], own) if own.length.shape == (1,) else own
-
-
-def rows_out_of_loop(own: KVCache) -> KVCache:
-    """Inverse of `rows_in_loop`: every array with its leading N axis."""
-    return jax.tree.map(lambda a: a[None], own) if own.length.ndim == 0 else own
-
-
-def row_lengths(own: KVCache) -> jax.Array:
-    """[N] int32: where each row's next token goes."""
-    return jnp.atleast_1d(own.length)
-
-
-def rollback_rows(own: KVCache, lengths: jax.Array) -> KVCache:
-    """Each row forgets its positions >= lengths[i] (lengths [N])."""
-    if own.length.ndim == 0:
-        return kvc.rollback(own, lengths[0])
-    return jax.vmap(kvc.rollback)(own, lengths)
 
 
 # ---- prefill ---------------------------------------------------------------------------------
@@ -179,7 +137,7 @@ class DecodeState:
     counts: Annotated[jax.Array, "int32[N, V]"]  # emitted tokens fed so far, per token (frequency, presence)
     done: Annotated[jax.Array, "bool[N]"]  # the row hit a stop sequence or its max_tokens
     step: Annotated[jax.Array, "int32[]"]  # loop iterations so far (the sampling key index)
-    own: KVCache  # the rows' own segments: leading N axis (one row: unbatched, see rows_in_loop)
+    own: paged.PagedKV  # the call's page pool (`paged_decode`)
     accepted: Annotated[jax.Array, "int32[N]"]  # speculative drafts kept (0 in plain decoding)
     depths: Annotated[jax.Array, "int32[N, S]"] | None = None  # adaptive depth: passes run for each emitted token
     warm: Annotated[jax.Array, "[N, D]"] | None = None  # adaptive depth: each row's last state (continuous compute)
@@ -238,20 +196,6 @@ def feed(state: DecodeState, tok: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 # ---- adaptive depth --------------------------------------------------------------------------
-
-@partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("own",))
-def prefill_rows_adaptive(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array,
-                          start_pos: jax.Array, ro: tuple, own: KVCache, prior_logits: jax.Array, prior_seen: jax.Array,
-                          seen: jax.Array, prior_depth: jax.Array, prior_state: jax.Array, pol: ad.Policy,
-                          seeds: jax.Array, loops: int, window: int):
-    """`prefill_rows` with adaptive depth (pol [N]; a policy of kind NONE prefills at full
-    depth): also returns each row's depth [N] and last state [N, D] (prior_depth [],
-    prior_state [D]: what the shared segments end with, for empty rows)."""
-    out = ad.forward_rows(params, cfg, tokens, n_valid, start_pos, ro, rows_in_loop(own), loops, window, pol, seeds)
-    has = n_valid > 0  # empty rows store nothing; they keep what the shared segments end with
-    return (jnp.where(has[:, None], out.logits, prior_logits), seen | prior_seen, rows_out_of_loop(out.own),
-            jnp.where(has, out.depth, prior_depth), jnp.where(has[:, None], out.state, prior_state))
-
 
 def record_depth(state: DecodeState, depth: jax.Array) -> jax.Array:
     """`depths` with depth [N] written where each row's next token goes (rows not done)."""

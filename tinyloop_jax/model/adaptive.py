@@ -17,11 +17,12 @@ may exit) exits as a whole: latent criteria average over its real positions, log
 look at its last one. A row that reaches `loops` without exiting takes the logits of its last
 check if it had one (the reference keeps them), else of its last pass.
 
-The pass loop is a `lax.while_loop` whose trip count is data: one program for every criterion
-and threshold (all traced, per row), and passes after every row's exit are not run. Rows of a
-batch that exited are masked (their results frozen) until the last row exits. The K/V a skipped
-pass would have written are filled, at exit, with the token's last computed pass of the same
-loop block, so every later token reads what the reference's `latest-m4` lookup gives it.
+This module holds the criteria, the policy and the evaluator; the pass loop over the page pool
+is `paged_adaptive.forward`: a `lax.while_loop` whose trip count is data (one program for every
+criterion and threshold, all traced, per row; passes after every row's exit are not run; rows
+that exited are masked until the last row exits), and the K/V a skipped pass would have written
+filled, at exit, with the token's last computed pass of the same loop block, so every later
+token reads what the reference's `latest-m4` lookup gives it.
 """
 
 from __future__ import annotations
@@ -33,12 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import cache as kvc
 from . import recurrence as rec
 from . import transformer as tf
-from .cache import KVCache
 from .config import ModelConfig
-from .params import Params
 
 CRITERIA = ("kl", "entropy-diff", "latent-diff", "cosine", "argmax-stability", "gate")
 DEFAULT_THRESHOLDS = {"kl": 1e-3, "entropy-diff": 1e-3, "latent-diff": 0.03, "cosine": 1e-3,
@@ -182,28 +180,6 @@ def quick_exit(pol: Policy, judge: Judge, last, s: jax.Array, valid: jax.Array, 
                     | ((k == GATE) & (cumulative >= pol.threshold)))
 
 
-def fill_skipped(stack: dict, slots: jax.Array, src: jax.Array, depth: jax.Array, loops: int) -> dict:
-    """Passes depth..loops-1 of the chunk's slots [T] (src [C]: their inverse, see
-    `cache.write`) take pass depth-1's K/V, block by block: what a token that exited after
-    `depth` passes offers the later tokens that run deeper."""
-    def one(a):  # [L, k, lead.., C, w]: slots on axis -2
-        ax = a.ndim - 2
-        col = jnp.take(a, jnp.minimum(slots, a.shape[ax] - 1), axis=ax)  # [L, k, lead.., T, w]
-        last = jax.lax.dynamic_index_in_dim(col, depth - 1, axis=0, keepdims=True)
-        p = jnp.arange(a.shape[0]).reshape((-1,) + (1,) * (a.ndim - 1))
-        col = jnp.where((p >= depth) & (p < loops), last, col)
-        if slots.shape[0] == 1:
-            return jax.lax.dynamic_update_slice_in_dim(a, col, slots[0], axis=ax)
-        return kvc.by_slot(col, a, src, axis=ax)
-    return {n: one(a) for n, a in stack.items()}
-
-
-def slot_values(post: tuple, slots: jax.Array) -> tuple:
-    """The coda layers' stored values at slots [T] (to put back where a row did not run it)."""
-    return tuple({n: jnp.take(a, jnp.minimum(slots, a.shape[-2] - 1), axis=a.ndim - 2) for n, a in e.items()}
-                 for e in post)
-
-
 class Carry(NamedTuple):
     """The adaptive pass loop's carry (per row: a leading row axis on each array)."""
     i: jax.Array  # [] passes run
@@ -215,99 +191,3 @@ class Carry(NamedTuple):
     judge: Judge
     logits: jax.Array  # the last check's logits
     have: jax.Array  # logits were computed (a check of a logit criterion, or an exit)
-
-
-class Step(NamedTuple):
-    """What `forward_rows` returns, per row (leading N axis)."""
-    logits: jax.Array  # [N, V] next-token logits after each row's last real token
-    own: KVCache
-    depth: jax.Array  # [N] int32 passes run
-    state: jax.Array  # [N, D] the last real token's state where it stopped (continuous compute)
-
-
-@tf.exact
-def forward_rows(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
-                 ro: tuple, own: KVCache, loops: int, window: int, pol: Policy, seeds: jax.Array,
-                 warm: jax.Array | None = None, ro_fn=None, ro_args: tuple = ()) -> Step:
-    """N rows' chunks tokens [N, T] (row i real up to n_valid[i] >= 1, at start_pos[i]) through
-    every layer with adaptive depth, appended to the rows' own segments (batched; one row may be
-    carried unbatched, see `programs.rows_in_loop`). pol: Policy [N]; seeds [N] uint32 (initial
-    states); warm [N, D]: the state a continuous-compute row starts from (None: none does).
-    A chunk exits as a whole at one depth. Read-only segments: `ro`, shared by every row, or
-    per row `ro_fn(*args)` of that row's ro_args (a tuple of [N] arrays; the serving pool as
-    each row sees it)."""
-    batched = own.length.ndim == 1
-    vm = jax.vmap if batched else (lambda f: f)
-    if not batched:  # the one row, without its N axis
-        tokens, n_valid, start_pos, pol, seeds, ro_args = jax.tree.map(lambda a: a[0], (tokens, n_valid, start_pos, pol,
-                                                                                   seeds, ro_args))
-        warm = None if warm is None else warm[0]
-    T, V = tokens.shape[-1], cfg.vocab_size
-    chunk = vm(lambda s, n: tf.make_chunk(s, n, T, own.capacity))(start_pos, n_valid)
-    valid = chunk.self_pos >= 0
-    last = jnp.maximum(n_valid - 1, 0)
-    at_last = vm(lambda a, i: jax.lax.dynamic_index_in_dim(a, i, axis=0, keepdims=False))
-
-    seg = (lambda ra: ro) if ro_fn is None else (lambda ra: ro_fn(*ra))  # noqa: E731 - a row's read-only segments
-
-    def pre(tok, ch, o, sd, ra):
-        return tf.run_pre(params, cfg, tf.embed(params, tok, ch.q_pos[0], cfg), ch, seg(ra), o, window, sd)
-    s, e, pre_stores, _ = vm(pre)(tokens, chunk, own, seeds, ro_args)
-    if warm is not None:
-        s = jnp.where(pol.warm[..., None, None], jnp.broadcast_to(warm[..., None, :], s.shape).astype(s.dtype), s)
-    judge = vm(lambda a: Judge.start(a, V))(s)
-
-    def coda_logits(x, post, need):
-        """The coda (writing only where `need`) and the logits at each row's last token."""
-        def one(x, ch, o, post, i, ra):
-            y, post = tf.run_coda(params, cfg, x, ch, seg(ra), o, post, window)
-            return tf.lm_head(params, cfg, jax.lax.dynamic_index_in_dim(y, i, axis=0, keepdims=False)), post
-        logits, new = vm(one)(x, chunk, own, post, last, ro_args)
-        if post:  # rows that did not need it get their coda slots back
-            old, fresh = vm(slot_values)(post, chunk.slots), vm(slot_values)(new, chunk.slots)
-            mask = lambda n, o: jnp.where(need.reshape(need.shape + (1,) * (n.ndim - need.ndim)), n, o)  # noqa: E731
-            vals = jax.tree.map(mask, fresh, old)
-            new = vm(lambda st, v, ch: tuple(kvc.write(a, b, ch.slots, ch.src) for a, b in zip(st, v)))(
-                new, vals, chunk)
-        return logits, new
-
-    def gate_prob(x):
-        if not cfg.early_exit_gate:
-            return jnp.zeros(x.shape[:-2], jnp.float32)
-        return vm(lambda x, i: tf.gate(params, jax.lax.dynamic_index_in_dim(x, i, axis=0, keepdims=False)))(x, last)
-
-    def body(c: Carry) -> Carry:
-        s_new, stack = vm(lambda s, e, st, ch, o, ra: tf.loop_pass(params, cfg, c.i, s, e, st, ch, seg(ra), o,
-                                                                   window))(c.s, e, c.stack, chunk, own, ro_args)
-        check = c.active & vm(lambda p: is_check(p, c.i))(pol)
-        g = gate_prob(s_new)
-        quick = vm(lambda p, j, x, v, gp, ck: quick_exit(p, j, c.i == loops - 1, x, v, gp, ck))(
-            pol, c.judge, s_new, valid, g, check)
-        need = check & (jnp.isin(pol.kind, jnp.array(LOGIT_KINDS)) | quick)
-        logits, post = jax.lax.cond(jnp.any(need), lambda p: coda_logits(s_new, p, need),
-                                    lambda p: (c.logits, p), c.post)
-        leave, judge = vm(lambda p, j, x, v, gp, lg, ck: judge_pass(p, j, c.i, c.i == loops - 1, x, v, gp, lg, ck))(
-            pol, c.judge, s_new, valid, g, logits, check)
-        judge = jax.tree.map(lambda n, o: jnp.where(c.active.reshape(c.active.shape + (1,) * (n.ndim - c.active.ndim)),
-                                                    n, o), judge, c.judge)
-        return Carry(c.i + 1, jnp.where(c.active[..., None, None], s_new, c.s), stack, post, c.active & ~leave,
-                     jnp.where(c.active, c.i + 1, c.depth), judge, jnp.where(need[..., None], logits, c.logits),
-                     c.have | need)
-
-    zeros = jnp.zeros(pol.kind.shape, jnp.int32)
-    c = Carry(jnp.int32(0), s, own.loop, own.post, jnp.ones(pol.kind.shape, bool), zeros, judge,
-              jnp.zeros(pol.kind.shape + (V,), jnp.float32), jnp.zeros(pol.kind.shape, bool))
-    c = jax.lax.while_loop(lambda c: (c.i < loops) & jnp.any(c.active), body, c)
-    # rows that never computed logits (no check of a logit criterion, no exit): the last pass's
-    final = ~c.have
-    logits, post = jax.lax.cond(jnp.any(final), lambda p: coda_logits(c.s, p, final), lambda p: (c.logits, p),
-                                c.post)
-    logits = jnp.where(final[..., None], logits, c.logits)
-    stack = vm(lambda st, ch, d: fill_skipped(st, ch.slots, ch.src, d, loops))(c.stack, chunk, c.depth)
-    new_own = own.replace(pre=tuple(pre_stores), loop=stack, post=post,
-                          pos=vm(kvc.write_positions)(own.pos, chunk.q_pos, chunk.slots, chunk.src),
-                          length=(start_pos + n_valid).astype(jnp.int32))
-    out = Step(logits, new_own, c.depth, at_last(c.s, last))
-    if not batched:
-        out = Step(out.logits[None], new_own, out.depth[None], out.state[None])
-    return out

@@ -1,5 +1,7 @@
-"""Adaptive depth on pages: b decode rows, one token each, whose passes stop at their exits
-(`adaptive`'s criteria and rules, on `paged`'s pool).
+"""Adaptive depth on pages: b rows, a prompt chunk or one decode token each, whose passes stop
+at their exits (`adaptive`'s criteria and rules, on `paged`'s pool). A chunk exits as a whole
+at one depth: latent criteria average over its real positions, logit criteria and the gate look
+at its last one.
 
 The pass loop is a `lax.while_loop` whose trip count is data: rows that exited keep their
 state (masked) until the last row exits; the coda runs at checks that need logits (its K/V
@@ -42,15 +44,22 @@ def fill_skipped(stack: dict, page: jax.Array, off: jax.Array, depth: jax.Array,
 
 
 @tf.exact
-def forward_decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, tokens: jax.Array,
-                   loops: int, pol: ad.Policy, seeds: jax.Array, warm: jax.Array | None = None) -> Out:
-    """Decode rows tokens [b] (at rows.start, n_new 1; 0: a filler row) with adaptive depth: pol
-    [b] each row's exit rule (kind NONE: every pass), seeds [b] uint32 (initial states), warm
-    [b, D]: the state a continuous-compute row starts from."""
-    b, V = tokens.shape[0], cfg.vocab_size
-    g = paged.Group.of(rows, 1, pool)
+def forward(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, tokens: jax.Array,
+            loops: int, pol: ad.Policy, seeds: jax.Array, warm: jax.Array | None = None) -> Out:
+    """Rows' chunks tokens [b, T] (row i's first rows.n_new[i] real, at rows.start[i]; 0: a
+    filler row) with adaptive depth: pol [b] each row's exit rule (kind NONE: every pass), seeds
+    [b] uint32 (initial states), warm [b, D]: the state a continuous-compute row starts from.
+    Logits and states are each row's last real token's."""
+    b, T = tokens.shape
+    V = cfg.vocab_size
+    g = paged.Group.of(rows, T, pool)
     groups, pos = (g,), g.pos.reshape(-1)
-    x = paged.embed(params, tokens, pos, cfg)
+    per_row = lambda a: a.reshape((b, T) + a.shape[1:])  # noqa: E731 - [b T, ..] -> [b, T, ..]
+    by_token = lambda a: jnp.repeat(a, T, axis=0)  # noqa: E731 - [b, ..] -> [b T, ..]
+    last = jnp.maximum(rows.n_new - 1, 0)
+    at_last = lambda a: per_row(a)[jnp.arange(b), last]  # noqa: E731 - [b T, ..] -> [b, ..]
+    valid = jnp.arange(T)[None] < jnp.maximum(rows.n_new, 1)[:, None]  # [b, T]
+    x = paged.embed(params, tokens.reshape(-1), pos, cfg)
     inject = rec.injected(cfg)
     if inject and cfg.embed_scale != 1.0:
         x = x * cfg.embed_scale
@@ -60,11 +69,10 @@ def forward_decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: 
         pre.append(store)
     e, s = None, x
     if inject:
-        e, s = x, jax.vmap(lambda sd, p: rec.initial_state(cfg, sd, p[None])[0])(seeds, pos)
+        e, s = x, jax.vmap(lambda sd, p: rec.initial_state(cfg, sd, p))(seeds, g.pos).reshape(b * T, -1)
         if warm is not None:
-            s = jnp.where(pol.warm[:, None], warm.astype(s.dtype), s)
-    judge = jax.vmap(lambda a: ad.Judge.start(a[None], V))(s)
-    valid = jnp.ones((b, 1), bool)
+            s = jnp.where(by_token(pol.warm)[:, None], by_token(warm).astype(s.dtype), s)
+    judge = jax.vmap(lambda a: ad.Judge.start(a, V))(per_row(s))
     vm = jax.vmap
 
     def coda_logits(x, post, need):
@@ -74,13 +82,13 @@ def forward_decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: 
         for blk, store in zip(params.post, post):
             y, store = paged.block(y, blk, cfg, groups, store, None, 0, pool.kv_mode)
             new.append(store)
-        keep = lambda n, o: jnp.where(need[None, :, None], n, o)  # noqa: E731
+        keep = lambda n, o: jnp.where(by_token(need)[None, :, None], n, o)  # noqa: E731
         new = [paged.write(store, {n: keep(store[n][:, g.page, g.off], o[n]) for n in store}, g.page, g.off)
                for store, o in zip(new, old)]
-        return tf.lm_head(params, cfg, y), tuple(new)
+        return tf.lm_head(params, cfg, at_last(y)), tuple(new)
 
     def gate_prob(x):
-        return tf.gate(params, x) if cfg.early_exit_gate else jnp.zeros((b,), jnp.float32)
+        return tf.gate(params, at_last(x)) if cfg.early_exit_gate else jnp.zeros((b,), jnp.float32)
 
     def body(c: ad.Carry) -> ad.Carry:
         x = rec.pass_input(params, c.s, e) if inject else c.s
@@ -88,28 +96,34 @@ def forward_decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: 
         for j, blk in enumerate(params.loop):
             x, stack = paged.block(x, blk, cfg, groups, stack, (c.i, j), 0, pool.kv_mode)
         s_new = tf.final_norm(params, cfg, x) if cfg.pass_norm else x
-        last = c.i == loops - 1
+        last_pass = c.i == loops - 1
         check = c.active & vm(lambda p: ad.is_check(p, c.i))(pol)
         gp = gate_prob(s_new)
-        quick = vm(lambda p, j, a, v, q, k: ad.quick_exit(p, j, last, a, v, q, k))(pol, c.judge, s_new[:, None], valid,
-                                                                                  gp, check)
+        quick = vm(lambda p, j, a, v, q, k: ad.quick_exit(p, j, last_pass, a, v, q, k))(pol, c.judge, per_row(s_new),
+                                                                                       valid, gp, check)
         need = check & (jnp.isin(pol.kind, jnp.array(ad.LOGIT_KINDS)) | quick)
         logits, post = jax.lax.cond(jnp.any(need), lambda p: coda_logits(s_new, p, need), lambda p: (c.logits, p),
                                     c.post)
-        leave, judge = vm(lambda p, j, a, v, q, lg, k: ad.judge_pass(p, j, c.i, last, a, v, q, lg, k))(
-            pol, c.judge, s_new[:, None], valid, gp, logits, check)
+        leave, judge = vm(lambda p, j, a, v, q, lg, k: ad.judge_pass(p, j, c.i, last_pass, a, v, q, lg, k))(
+            pol, c.judge, per_row(s_new), valid, gp, logits, check)
         judge = jax.tree.map(lambda n, o: jnp.where(c.active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o), judge,
                              c.judge)
-        return ad.Carry(c.i + 1, jnp.where(c.active[:, None], s_new, c.s), stack, post, c.active & ~leave,
-                     jnp.where(c.active, c.i + 1, c.depth), judge, jnp.where(need[:, None], logits, c.logits),
-                     c.have | need)
+        return ad.Carry(c.i + 1, jnp.where(by_token(c.active)[:, None], s_new, c.s), stack, post, c.active & ~leave,
+                        jnp.where(c.active, c.i + 1, c.depth), judge, jnp.where(need[:, None], logits, c.logits),
+                        c.have | need)
 
     c = ad.Carry(jnp.int32(0), s, pool.loop, pool.post, rows.n_new > 0, jnp.zeros((b,), jnp.int32), judge,
-              jnp.zeros((b, V), jnp.float32), jnp.zeros((b,), bool))
+                 jnp.zeros((b, V), jnp.float32), jnp.zeros((b,), bool))
     c = jax.lax.while_loop(lambda c: (c.i < loops) & jnp.any(c.active), body, c)
     final = ~c.have  # rows that never computed logits: the last pass's
     logits, post = jax.lax.cond(jnp.any(final), lambda p: coda_logits(c.s, p, final), lambda p: (c.logits, p),
                                 c.post)
     logits = jnp.where(final[:, None], logits, c.logits)
-    stack = fill_skipped(c.stack, g.page, g.off, c.depth, loops)
-    return Out(logits, pool.replace(pre=tuple(pre), loop=stack, post=post), c.depth, c.s)
+    stack = fill_skipped(c.stack, g.page, g.off, by_token(c.depth), loops)
+    return Out(logits, pool.replace(pre=tuple(pre), loop=stack, post=post), c.depth, at_last(c.s))
+
+
+def forward_decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, tokens: jax.Array,
+                   loops: int, pol: ad.Policy, seeds: jax.Array, warm: jax.Array | None = None) -> Out:
+    """`forward` for decode rows: tokens [b], one each (n_new 1; 0: a filler row)."""
+    return forward(params, cfg, pool, rows, tokens[:, None], loops, pol, seeds, warm)
