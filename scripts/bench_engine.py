@@ -112,8 +112,9 @@ def http_decode_rate(model, tok, messages, n: int, repeats: int) -> tuple[float,
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
                     times.append(time.perf_counter())
-            if i:
-                rates.append(stream_rate(times))
+            if i:  # a chunk carries the tokens that came together (a burst of `decode_steps`): the
+                # rate counts tokens, n + 1 of them (ignore_eos), the first alone in its chunk (the prefill's)
+                rates.append(n / (times[-1] - times[0]))
                 ttfts.append(times[0] - t0)
     finally:
         server.should_exit = True

@@ -35,8 +35,9 @@ from ..model import paged_adaptive as pa
 from ..model import transformer as tf
 from ..model.config import ModelConfig
 from ..model.params import Params
-from .programs import DecodeState, emit, feed, is_done, materialize, record_depth, start
-from .sampling import Request, select_tokens
+from . import row_state as R
+from .programs import DecodeState, emit, is_done, materialize, record_depth, start
+from .sampling import Request
 from .speculative import DRAFT_STREAM, fold_in, round_paged
 
 
@@ -133,11 +134,11 @@ def _step(params: Params, cfg: ModelConfig, rows: paged.Rows, req: Request, loop
           exit: tf.Exit | None):
     """One decode step of every row (the loop body of `decode` and `decode_more`)."""
     def step(state: DecodeState) -> DecodeState:
-        seen, counts = feed(state, state.last)
-        x, pool = paged.forward(params, cfg, state.own, _decoding(rows, state), state.last[:, None], loops, window,
+        fed = R.feed(state.rows)
+        x, pool = paged.forward(params, cfg, state.own, _decoding(rows, state), fed.last[:, None], loops, window,
                                 exit, req.seed)
-        tok = select_tokens(tf.lm_head(params, cfg, x[:, 0]), seen, req, state.step + 1, counts)
-        return emit(state.replace(seen=seen, counts=counts, own=pool, step=state.step + 1), tok, req)
+        tok = R.choose(fed, tf.lm_head(params, cfg, x[:, 0]), req, state.step + 1)
+        return emit(state.replace(rows=fed, own=pool, step=state.step + 1), tok, req)
     return step
 
 
@@ -181,9 +182,9 @@ def decode_speculative(params: Params, cfg: ModelConfig, pool: paged.PagedKV, ro
     def round_(state: DecodeState) -> DecodeState:
         keys = fold_in(req.keys(state.step), DRAFT_STREAM)
         tokens, a, seen, counts, pool = round_paged(params, cfg, state.own, _decoding(rows, state), state.last,
-                                                    state.seen, state.counts, req, keys, loops, draft_loops, k,
-                                                    window, exit)
-        state = state.replace(seen=seen, counts=counts, own=pool, step=state.step + 1,
+                                                    state.rows.seen, state.rows.counts, req, keys, loops, draft_loops,
+                                                    k, window, exit)
+        state = state.replace(rows=state.rows.replace(seen=seen, counts=counts), own=pool, step=state.step + 1,
                               accepted=state.accepted + jnp.where(state.done, 0, a))
         # emit d_1 .. d_a, then the next token, one at a time so that stops and max_tokens cut exactly
         return jax.lax.fori_loop(0, k + 1, lambda j, s: emit(s, tokens[:, j], req, hold=j > a), state)
@@ -201,15 +202,16 @@ def decode_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows:
     `depths` hold the passes run for each emitted token."""
     N = first.shape[0]
     s0 = start(first, seen, pool, req, out_len)
-    s0 = s0.replace(depths=jnp.zeros((N, out_len), jnp.int32).at[:, 0].set(first_depth), warm=first_state)
+    s0 = s0.replace(depths=jnp.zeros((N, out_len), jnp.int32).at[:, 0].set(first_depth),
+                    rows=s0.rows.replace(warm=first_state))
 
     def step(state: DecodeState) -> DecodeState:
-        seen, counts = feed(state, state.last)
-        out = pa.forward_decode(params, cfg, state.own, _decoding(rows, state), state.last, loops, pol, req.seed,
-                                state.warm)
-        tok = select_tokens(out.logits, seen, req, state.step + 1, counts)
-        state = state.replace(seen=seen, counts=counts, own=out.pool, step=state.step + 1,
-                              depths=record_depth(state, out.depth), warm=out.state.astype(state.warm.dtype))
+        fed = R.feed(state.rows)
+        out = pa.forward_decode(params, cfg, state.own, _decoding(rows, state), fed.last, loops, pol, req.seed,
+                                fed.warm)
+        tok = R.choose(fed, out.logits, req, state.step + 1)
+        state = state.replace(rows=fed.replace(warm=out.state.astype(fed.warm.dtype)), own=out.pool,
+                              step=state.step + 1, depths=record_depth(state, out.depth))
         return emit(state, tok, req)
 
     return jax.lax.while_loop(lambda s: ~is_done(s), step, s0)

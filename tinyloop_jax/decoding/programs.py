@@ -25,6 +25,7 @@ from ..model import transformer as tf
 from ..model.cache import KVCache
 from ..model.config import ModelConfig
 from ..model.params import Params
+from .row_state import RowState
 from .sampling import Request, select_tokens, stop_hit
 
 
@@ -127,20 +128,21 @@ def prefill_prefix(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid:
 
 @struct.dataclass
 class DecodeState:
-    """The carry of every decode loop (plain, batched, speculative) for N requests; S is the
-    output buffer's length, V the vocabulary."""
+    """The carry of every decode loop (plain, batched, speculative, adaptive) for N requests; S is
+    the output buffer's length."""
 
     tokens: Annotated[jax.Array, "int32[N, S]"]  # emitted tokens, -1 past each row's end
     n: Annotated[jax.Array, "int32[N]"]  # tokens emitted so far
-    last: Annotated[jax.Array, "int32[N]"]  # the last emitted token (fed next)
-    seen: Annotated[jax.Array, "bool[N, V]"]  # tokens fed so far, prompt included (repetition penalty)
-    counts: Annotated[jax.Array, "int32[N, V]"]  # emitted tokens fed so far, per token (frequency, presence)
+    rows: RowState  # what sampling knows of each row (seen, counts, the last token, adaptive: warm)
     done: Annotated[jax.Array, "bool[N]"]  # the row hit a stop sequence or its max_tokens
     step: Annotated[jax.Array, "int32[]"]  # loop iterations so far (the sampling key index)
     own: paged.PagedKV  # the call's page pool (`paged_decode`)
     accepted: Annotated[jax.Array, "int32[N]"]  # speculative drafts kept (0 in plain decoding)
     depths: Annotated[jax.Array, "int32[N, S]"] | None = None  # adaptive depth: passes run for each emitted token
-    warm: Annotated[jax.Array, "[N, D]"] | None = None  # adaptive depth: each row's last state (continuous compute)
+
+    @property
+    def last(self) -> jax.Array:
+        return self.rows.last
 
 
 def is_done(state: DecodeState) -> jax.Array:
@@ -164,7 +166,8 @@ def emit(state: DecodeState, tok: jax.Array, req: Request, hold: jax.Array | Non
     tokens, n, new_done = jax.vmap(emit_row)(state.tokens, state.n, done, tok, req.stop.tokens, req.stop.lengths,
                                              req.max_tokens)
     done = new_done if hold is None else state.done | (new_done & ~hold)
-    return state.replace(tokens=tokens, n=n, done=done, last=jnp.where(n > state.n, tok, state.last))
+    return state.replace(tokens=tokens, n=n, done=done,
+                         rows=state.rows.replace(last=jnp.where(n > state.n, tok, state.last)))
 
 
 @jax.jit
@@ -176,23 +179,15 @@ def first_tokens(logits: jax.Array, seen: jax.Array, req: Request) -> jax.Array:
     return select_tokens(logits, seen, req, jnp.int32(0))
 
 
-def start(first: jax.Array, seen: jax.Array, own: KVCache, req: Request, out_len: int) -> DecodeState:
+def start(first: jax.Array, seen: jax.Array, own, req: Request, out_len: int) -> DecodeState:
     """The state after the first token: first [N] int32 (`first_tokens`), or the prompts'
     logits [N, V] to choose it from here."""
     N = first.shape[0]
     tok = first if first.ndim == 1 else select_tokens(first, seen, req, jnp.int32(0))
-    state = DecodeState(tokens=jnp.full((N, out_len), -1, jnp.int32), n=jnp.zeros((N,), jnp.int32), last=tok,
-                        seen=seen, counts=jnp.zeros(seen.shape, jnp.int32), done=jnp.zeros((N,), bool),
-                        step=jnp.int32(0), own=own, accepted=jnp.zeros((N,), jnp.int32))
+    state = DecodeState(tokens=jnp.full((N, out_len), -1, jnp.int32), n=jnp.zeros((N,), jnp.int32),
+                        rows=RowState.start(seen, tok), done=jnp.zeros((N,), bool), step=jnp.int32(0), own=own,
+                        accepted=jnp.zeros((N,), jnp.int32))
     return emit(state, tok, req)
-
-
-def feed(state: DecodeState, tok: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(`seen`, `counts`) with the emitted tokens tok [N] fed."""
-    # one-hots (elementwise), not scatters: on a mesh whose vocabulary axis is split, a scatter
-    # would cost an all-reduce per step, and XLA:CPU runs one as a loop over the rows
-    hot = jax.nn.one_hot(tok, state.counts.shape[-1], dtype=jnp.int32)
-    return state.seen | (hot > 0), state.counts + hot
 
 
 # ---- adaptive depth --------------------------------------------------------------------------

@@ -66,7 +66,7 @@ class Depth:
     exit: object  # tf.Exit or None
     pool: paged.PagedKV
     book: PageBook
-    state: S.RowState
+    state: S.Requests
     rows: dict = field(default_factory=dict)  # request row -> Row
     prefilling: collections.deque = field(default_factory=collections.deque)  # rows with prompt left, FIFO
     used: int = 0  # tick of its last admission
@@ -113,12 +113,12 @@ class Batcher:
         return paged.page_nbytes(c.storage, c.n_cache_layers(loops), c.n_kv_heads, self.page_size, c.head_dim,
                                  c.d_model)
 
-    def _empty_rows(self) -> S.RowState:
+    def _empty_rows(self) -> S.Requests:
         c = self.cfg
         return S.empty_rows(self.max_batch, c.vocab_size, c.d_model, c.compute_dtype)
 
     def rows_nbytes(self) -> int:
-        """Bytes of a depth's request rows (`step.RowState`)."""
+        """Bytes of a depth's request rows (`step.Requests`)."""
         if not hasattr(self, "_rows_nbytes"):
             shapes = jax.eval_shape(self._empty_rows)
             self._rows_nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))

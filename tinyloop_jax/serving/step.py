@@ -3,7 +3,8 @@ prompt chunks and a group of decode rows together and chooses their next tokens;
 packs a request's row once.
 
     pool   PagedKV       every cache layer of one depth, in pages (read and written by the step)
-    state  RowState      M request rows: tokens seen, tokens emitted per id, last token, knobs
+    state  Requests      M request rows: their `RowState` (the `Model` path's decode loops carry
+                         the same, with the same feed-and-choose rule), knobs and exit rules
 
 A row of the step names its request row (`slot`); a decode row's input is that request's last
 token, kept on the device, so the host can dispatch step t + 1 before it reads step t's
@@ -21,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from ..decoding import row_state as R
+from ..decoding.row_state import RowState
 from ..decoding.sampling import Request, select_tokens
 from ..decoding.speculative import DRAFT_STREAM, fold_in, round_paged
 from ..model import adaptive as ad
@@ -35,22 +38,19 @@ FILLER = 1 << 30  # the request row of a filler row: past every state, so its wr
 
 
 @struct.dataclass
-class RowState:
+class Requests:
     """M request rows (a row of the step reads and writes its request's row by `slot`)."""
 
-    seen: Annotated[jax.Array, "bool[M, V]"]  # the prompt's tokens and those emitted and fed
-    counts: Annotated[jax.Array, "int32[M, V]"]  # emitted tokens fed so far, per id (OpenAI penalties)
-    last: Annotated[jax.Array, "int32[M]"]  # the last token chosen (a decode row's next input)
+    rows: RowState  # [M] seen, counts, the last token (a decode row's next input), warm (continuous compute)
     req: Request  # [M] the knobs (stops are checked on the host)
     pol: ad.Policy  # [M] the exit rules (adaptive depth; kind NONE: every pass)
-    warm: Annotated[jax.Array, "[M, D]"]  # each request's last loop state (continuous compute)
 
 
-def empty_rows(rows: int, vocab: int, d_model: int, dtype=jnp.float32) -> RowState:
+def empty_rows(rows: int, vocab: int, d_model: int, dtype=jnp.float32) -> Requests:
     req = Request.make(rows, 0.0, 0, 1.0, 1.0, max_tokens=1, carry_bias=True, sampled=True)
     pol = jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (rows,)), ad.EVERY_PASS)
-    return RowState(jnp.zeros((rows, vocab), bool), jnp.zeros((rows, vocab), jnp.int32), jnp.zeros((rows,), jnp.int32),
-                    jax.tree.map(jnp.asarray, req), pol, jnp.zeros((rows, d_model), dtype))
+    return Requests(RowState.start(jnp.zeros((rows, vocab), bool), jnp.zeros((rows,), jnp.int32),
+                                   jnp.zeros((rows, d_model), dtype)), jax.tree.map(jnp.asarray, req), pol)
 
 
 @struct.dataclass
@@ -81,15 +81,16 @@ def _put(tree, slot, value):
     return jax.tree.map(lambda a, v: a.at[slot].set(v, mode="drop"), tree, value)
 
 
-def admit(state: RowState, slot: jax.Array, seen: jax.Array, req: Request, pol: ad.Policy) -> RowState:
+def admit(state: Requests, slot: jax.Array, seen: jax.Array, req: Request, pol: ad.Policy) -> Requests:
     """Request row `slot` <- a new request: its prompt's tokens seen [V], nothing emitted, its
     knobs req [1], its exit rule pol []."""
-    return state.replace(seen=state.seen.at[slot].set(seen, mode="drop"),
-                         counts=state.counts.at[slot].set(0, mode="drop"), req=_put(state.req, slot[None], req),
+    rows = state.rows
+    rows = rows.replace(seen=rows.seen.at[slot].set(seen, mode="drop"), counts=rows.counts.at[slot].set(0, mode="drop"))
+    return state.replace(rows=rows, req=_put(state.req, slot[None], req),
                          pol=_put(state.pol, slot[None], jax.tree.map(lambda a: jnp.asarray(a)[None], pol)))
 
 
-def step(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: RowState, chunks: Chunks | None,
+def step(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, chunks: Chunks | None,
          decodes: Decodes | None, loops: int, exit: tf.Exit | None = None):
     """One step: the chunks' tokens and each decode row's last token through the model at depth
     `loops`, written into the pages; then a token for every decode row and every final chunk.
@@ -101,7 +102,7 @@ def step(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: RowState,
         seeds.append(_take(state.req.seed, chunks.slot))
     if decodes is not None:
         groups.append(decodes.rows)
-        tokens.append(_take(state.last, decodes.slot)[:, None])
+        tokens.append(_take(state.rows.last, decodes.slot)[:, None])
         seeds.append(_take(state.req.seed, decodes.slot))
     xs, pool, states = paged.forward(params, cfg, pool, tuple(groups), tuple(tokens), loops, 0, exit, tuple(seeds),
                                      keep_state=True)
@@ -113,30 +114,33 @@ def step(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: RowState,
     return ctok, dtok, pool, state
 
 
-def _first_tokens(params, cfg, state: RowState, chunks: Chunks, x: jax.Array, loop_state: jax.Array):
+def _first_tokens(params, cfg, state: Requests, chunks: Chunks, x: jax.Array, loop_state: jax.Array):
     """The chunks' first tokens (meaningful for final chunks, which keep them as `last`, and
     their last loop state as `warm`)."""
     logits = paged.last_logits(params, cfg, x, chunks.rows)
-    tok = select_tokens(logits, _take(state.seen, chunks.slot), _take(state.req, chunks.slot), jnp.int32(0))
+    tok = select_tokens(logits, _take(state.rows.seen, chunks.slot), _take(state.req, chunks.slot), jnp.int32(0))
     at = jnp.where(chunks.final, chunks.slot, FILLER)
     last = jnp.maximum(chunks.rows.n_new - 1, 0)
     warm = jnp.take_along_axis(loop_state, last[:, None, None], axis=1)[:, 0]
-    return tok, state.replace(last=state.last.at[at].set(tok, mode="drop"),
-                              warm=state.warm.at[at].set(warm.astype(state.warm.dtype), mode="drop"))
+    rows = state.rows
+    return tok, state.replace(rows=rows.replace(last=rows.last.at[at].set(tok, mode="drop"),
+                                                warm=rows.warm.at[at].set(warm.astype(rows.warm.dtype), mode="drop")))
 
 
-def _next_tokens(state: RowState, decodes: Decodes, logits: jax.Array):
-    """Each decode row's next token from its logits [b, V]: its fed token joins seen / counts
-    first (a filler row's slot drops its writes)."""
+def _next_tokens(state: Requests, decodes: Decodes, logits: jax.Array, warm: jax.Array | None = None):
+    """Each decode row's next token from its logits [b, V] by the rule of every decode loop
+    (`row_state.feed`, then `choose`); warm [b, D]: the rows' new loop states (adaptive depth).
+    A filler row's slot drops its writes."""
     s = decodes.slot
-    fed = _take(state.last, s)
-    seen = state.seen.at[s, fed].set(True, mode="drop")
-    counts = state.counts.at[s, fed].add(1, mode="drop")
-    tok = select_tokens(logits, _take(seen, s), _take(state.req, s), decodes.steps, _take(counts, s))
-    return tok, state.replace(seen=seen, counts=counts, last=state.last.at[s].set(tok, mode="drop"))
+    fed = R.feed(state.rows, s)
+    tok = R.choose(fed, logits, _take(state.req, s), decodes.steps, s)
+    fed = fed.replace(last=fed.last.at[s].set(tok, mode="drop"))
+    if warm is not None:
+        fed = fed.replace(warm=fed.warm.at[s].set(warm.astype(fed.warm.dtype), mode="drop"))
+    return tok, state.replace(rows=fed)
 
 
-def decode_steps(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: RowState, decodes: Decodes,
+def decode_steps(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, decodes: Decodes,
                  n: jax.Array, loops: int, n_max: int, exit: tf.Exit | None = None):
     """n (traced, 1 <= n <= n_max) decode steps in one program: the decode rows' step when no
     prompt chunk runs beside them (n = 1), or a burst when nothing waits (the host's work per
@@ -149,7 +153,7 @@ def decode_steps(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: R
         live = i < decodes.left
         d = decodes.replace(rows=decodes.rows.replace(start=decodes.rows.start + i, n_new=decodes.rows.n_new * live),
                             slot=jnp.where(live, decodes.slot, FILLER), steps=decodes.steps + i)
-        x, pool = paged.forward(params, cfg, pool, d.rows, _take(state.last, d.slot)[:, None], loops, 0, exit,
+        x, pool = paged.forward(params, cfg, pool, d.rows, _take(state.rows.last, d.slot)[:, None], loops, 0, exit,
                                 _take(state.req.seed, d.slot))
         tok, state = _next_tokens(state, d, tf.lm_head(params, cfg, x[:, 0]))
         return pool, state, out.at[:, i].set(tok)
@@ -159,19 +163,18 @@ def decode_steps(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: R
     return out, pool, state
 
 
-def step_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: RowState, decodes: Decodes,
+def step_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, decodes: Decodes,
                   loops: int):
     """The decode rows' next tokens with adaptive depth: each row's passes stop at its exit (its
     request's `pol`; kind NONE: every pass). Returns (tokens [b], passes run [b], pool, state)."""
     s = decodes.slot
-    out = pa.forward_decode(params, cfg, pool, decodes.rows, _take(state.last, s), loops, _take(state.pol, s),
-                            _take(state.req.seed, s), _take(state.warm, s))
-    tok, state = _next_tokens(state, decodes, out.logits)
-    return tok, out.depth, out.pool, state.replace(warm=state.warm.at[s].set(out.state.astype(state.warm.dtype),
-                                                                               mode="drop"))
+    out = pa.forward_decode(params, cfg, pool, decodes.rows, _take(state.rows.last, s), loops, _take(state.pol, s),
+                            _take(state.req.seed, s), _take(state.rows.warm, s))
+    tok, state = _next_tokens(state, decodes, out.logits, out.state)
+    return tok, out.depth, out.pool, state
 
 
-def step_speculative(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: RowState, decodes: Decodes,
+def step_speculative(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, decodes: Decodes,
                      loops: int, draft_loops: int, lookahead: int, exit: tf.Exit | None = None):
     """One round of self-speculative decoding for the decode rows (`speculative.round_paged`:
     drafts at `draft_loops` over their pages, one verify chunk at `loops`; greedy: plain
@@ -181,13 +184,11 @@ def step_speculative(params: Params, cfg: ModelConfig, pool: paged.PagedKV, stat
     s = decodes.slot
     req = _take(state.req, s)
     keys = fold_in(req.keys(decodes.steps), DRAFT_STREAM)
-    tokens, a, seen, counts, pool = round_paged(params, cfg, pool, decodes.rows, _take(state.last, s),
-                                                _take(state.seen, s), _take(state.counts, s), req, keys, loops,
-                                                draft_loops, lookahead, 0, exit)
+    rows = _take(state.rows, s)
+    tokens, a, seen, counts, pool = round_paged(params, cfg, pool, decodes.rows, rows.last, rows.seen, rows.counts,
+                                                req, keys, loops, draft_loops, lookahead, 0, exit)
     nxt = jnp.take_along_axis(tokens, a[:, None], axis=1)[:, 0]
-    return tokens, a, pool, state.replace(seen=state.seen.at[s].set(seen, mode="drop"),
-                                          counts=state.counts.at[s].set(counts, mode="drop"),
-                                          last=state.last.at[s].set(nxt, mode="drop"))
+    return tokens, a, pool, state.replace(rows=_put(state.rows, s, rows.replace(seen=seen, counts=counts, last=nxt)))
 
 
 load_entry = paged.load_segment
