@@ -182,10 +182,7 @@ def engines(tag: str, single: tl.Model, m: tl.Model) -> None:
     ok(f"{tag} engine", out[0] == out[1] and split, (out, next(iter(pool.loop.values())).sharding))
 
 
-def main() -> None:
-    # (4x2 is 2x4 with the axes' sizes swapped: `python mesh_checks.py 4x2` runs it)
-    shapes = [tuple(int(x) for x in s.split("x")) for s in sys.argv[1:]] or [(1, 4), (2, 4), (8, 1)]
-    assert jax.device_count() == 8, jax.devices()
+def gpt2_meshes(shapes: list) -> None:
     gpt2 = tl.Model.random(GPT2, seed=0)
     for i, (d, mm) in enumerate(shapes):
         tag = f"gpt2 {d}x{mm}"
@@ -198,6 +195,9 @@ def main() -> None:
         shards(tag, m)
         if mm > 1 and d > 1:
             collectives(tag, m)
+
+
+def kv_modes_and_weights() -> None:
     mesh = sharding.make_mesh(2, 4)
     for mode in ("fp16", "int4", "fp16-h", "int8-h", "int4-h"):  # fp32 above, int8 with the Ouro layout below
         one, many = tl.Model.random(GPT2.replace(kv_mode=mode), seed=0), tl.Model.random(GPT2.replace(kv_mode=mode),
@@ -207,6 +207,17 @@ def main() -> None:
            == one.generate_batch_from_prefix_cache(b, SUFFIXES[:2], max_tokens=5))
         if mode == "int4-h":
             engines(f"gpt2 2x4 {mode}", one, many)
+    # packed int4 weights (qarray): placed by their fields' specs, dequantized whole on the mesh
+    q_one = tl.Model.random(PACKED, seed=0, quantize_weights="int4")
+    q_many = tl.Model.random(PACKED, seed=0, quantize_weights="int4", mesh=sharding.make_mesh(2, 4))
+    pm, ps = q_many.build_prefix_cache(PROMPT[:12]), q_one.build_prefix_cache(PROMPT[:12])
+    ok("int4 weights 2x4", q_many.fingerprint == q_one.fingerprint
+       and q_many.generate(PROMPT, max_tokens=8) == q_one.generate(PROMPT, max_tokens=8)
+       and q_many.generate_batch_from_prefix_cache(pm, SUFFIXES, max_tokens=5)
+       == q_one.generate_batch_from_prefix_cache(ps, SUFFIXES, max_tokens=5))
+
+
+def ouro_layout() -> None:
     ouro = tl.Model.random(OURO, seed=0)
     m = tl.Model.random(OURO, seed=0, mesh=sharding.make_mesh(2, 4))
     same_calls("ouro 2x4", ouro, m, full=True)
@@ -222,19 +233,28 @@ def main() -> None:
     pk, pr = kern.build_prefix_cache(PROMPT[:12]), ref.build_prefix_cache(PROMPT[:12])
     ok("int4 kernel under shard_map", kern.generate_batch_from_prefix_cache(pk, SUFFIXES, max_tokens=5)
        == ref.generate_batch_from_prefix_cache(pr, SUFFIXES, max_tokens=5))
-    # packed int4 weights (qarray): placed by their fields' specs, dequantized whole on the mesh
-    q_one = tl.Model.random(PACKED, seed=0, quantize_weights="int4")
-    q_many = tl.Model.random(PACKED, seed=0, quantize_weights="int4", mesh=sharding.make_mesh(2, 4))
-    pm, ps = q_many.build_prefix_cache(PROMPT[:12]), q_one.build_prefix_cache(PROMPT[:12])
-    ok("int4 weights 2x4", q_many.fingerprint == q_one.fingerprint
-       and q_many.generate(PROMPT, max_tokens=8) == q_one.generate(PROMPT, max_tokens=8)
-       and q_many.generate_batch_from_prefix_cache(pm, SUFFIXES, max_tokens=5)
-       == q_one.generate_batch_from_prefix_cache(ps, SUFFIXES, max_tokens=5))
     try:
         tl.Model.random(OURO.replace(n_heads=6, n_kv_heads=3), mesh=sharding.make_mesh(2, 4))
         ok("indivisible heads", False)
     except ValueError as e:
         ok("indivisible heads", "4 devices" in str(e) and "3 key/value heads" in str(e), e)
+
+
+PARTS = {"gpt2": gpt2_meshes, "modes": kv_modes_and_weights, "ouro": ouro_layout}
+
+
+def main() -> None:
+    """`python mesh_checks.py [part ...] [DxM ...]`: the parts (default all; the suite runs one a
+    process, so its workers share them) and GPT-2's meshes (default 1x4, 2x4, 8x1; 4x2 is 2x4
+    with the axes' sizes swapped)."""
+    parts = [a for a in sys.argv[1:] if a in PARTS] or list(PARTS)
+    shapes = [tuple(int(x) for x in a.split("x")) for a in sys.argv[1:] if a not in PARTS] or [(1, 4), (2, 4), (8, 1)]
+    assert jax.device_count() == 8, jax.devices()
+    for part in parts:
+        if part == "gpt2":
+            gpt2_meshes(shapes)
+        else:
+            PARTS[part]()
 
 
 if __name__ == "__main__":

@@ -23,14 +23,20 @@ def run(args, env=None, timeout=600):
                           env={**os.environ, **(env or {})})
 
 
-def test_mesh_checks_on_8_fake_devices():
-    r = run(["mesh_checks.py"], env={"JAX_NUM_CPU_DEVICES": "8"})
+# each part's subprocess, with lines it must print (a part is one process: the suite's workers share them)
+MESH_PARTS = {"gpt2": ("ok gpt2 8x1 own K shard", "ok gpt2 2x4 warm calls trace nothing", "ok gpt2 2x4 engine"),
+              "modes": ("ok gpt2 2x4 int4-h engine", "ok int4 weights 2x4"),
+              "ouro": ("ok ouro 2x4 collectives", "ok indivisible heads", "ok ouro 2x4 engine",
+                       "ok prefix saved on the mesh, loaded on one device")}
+
+
+@pytest.mark.parametrize("part", list(MESH_PARTS))
+def test_mesh_checks_on_8_fake_devices(part):
+    r = run(["mesh_checks.py", part], env={"JAX_NUM_CPU_DEVICES": "8"})
     print(r.stdout[-4000:])
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     lines = r.stdout.split("\n")
-    for want in ("ok gpt2 8x1 own K shard", "ok ouro 2x4 collectives", "ok indivisible heads", "ok int4 weights 2x4",
-                 "ok prefix saved on the mesh, loaded on one device", "ok gpt2 2x4 warm calls trace nothing",
-                 "ok gpt2 2x4 engine", "ok ouro 2x4 engine", "ok gpt2 2x4 int4-h engine"):
+    for want in MESH_PARTS[part]:
         assert any(ln.startswith(want) for ln in lines), want
 
 
