@@ -157,6 +157,8 @@ def test_concurrent_clients_equal_sequential(server):
     (dict(prompt="hi", exit_criterion="nope"), "exit_criterion"),
     (dict(prompt="hi", exit_criterion="kl", check_every=0), "check_every"),
     (dict(prompt="hi", exit_criterion="kl", exit_threshold=-1), "exit_threshold"),
+    (dict(prompt="hi", exit_in_prefill=True), "exit_in_prefill"),
+    (dict(prompt="hi", exit_criterion="kl", exit_in_prefill="yes"), "exit_in_prefill"),
     (dict(prompt="hi", model="gpt-4"), "gpt-4"),
     (dict(prompt="hi", draft_loops=99), "draft_loops"),
     (dict(prompt="hi", draft_loops=1, lookahead=0), "lookahead"),
@@ -182,6 +184,9 @@ def test_adaptive_depth_extras_equal_generate(model, server):
     assert after - before == skipped
     metrics = urllib.request.urlopen(server.url + "/metrics").read().decode()
     assert "tinyloop_passes_skipped_total" in metrics
+    kw.update(exit_in_prefill=True)  # the prompt one chunk that exits as a whole, as generate's
+    r = complete(server, "The \"for\" statement\n", max_tokens=7, ignore_eos=True, extra_body=kw)
+    assert r.choices[0].token_ids == model.generate(ids, max_tokens=7, **kw)[len(ids):]
 
 
 def test_speculative_extras_equal_generate(model, server):

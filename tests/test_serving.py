@@ -290,15 +290,15 @@ def test_several_decode_steps_per_dispatch_equal_generate(model, overlap):
 
 def test_submit_takes_the_request_as_two_values(model, engine):
     """`Engine.submit(params=SamplingParams, plan=DepthPlan)` equals the keywords; the engine's
-    per-depth exit pick and full-depth prefill refuse a plan that asks otherwise."""
+    per-depth exit pick refuses a plan that asks for another."""
     p = np.arange(20, dtype=np.int32) * 3 % 128
     params = tl.SamplingParams(max_tokens=6, temperature=0.7, seed=9)
     plan = tl.DepthPlan(loops=2, draft_loops=1, lookahead=2)
     assert engine.submit(p, params=params, plan=plan).result() == \
         engine.submit(p, max_tokens=6, temperature=0.7, seed=9, loops=2, draft_loops=1, lookahead=2).result()
     assert engine.submit(p, params=tl.SamplingParams(max_tokens=5)).result() == model.generate(p, max_tokens=5)
-    with pytest.raises(ValueError, match="exit_in_prefill"):
-        engine.submit(p, plan=tl.DepthPlan(exit_criterion="kl", exit_in_prefill=True))
+    with pytest.raises(ValueError, match="exit_at_step"):
+        engine.submit(p, plan=tl.DepthPlan(exit_at_step=1))
     with pytest.raises(ValueError, match="pass seed inside the SamplingParams"):
         engine.submit(p, seed=1, params=params)
 

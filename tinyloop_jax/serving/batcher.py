@@ -218,10 +218,12 @@ class Batcher:
             raise MemoryBudgetError(f"a request of {n} + {max_tokens} tokens needs {need} pages; the pool at "
                                     f"loops={h.loops} holds {d.book.n_pages} within memory_budget="
                                     f"{self.memory_budget} bytes")
-        # at least the last token is computed (its logits)
+        # at least the last token is computed (its logits); a prompt that may exit is computed whole
+        # (one chunk exiting as a whole) and shares no pages: its K/V depend on where it exited
+        share = self.prefix_cache and not h.in_prefill
         ns = self.namespace(h)
-        shared = d.book.match(h.prompt[:n - 1], ns) if self.prefix_cache else []
-        if self.prefix_cache and self._written_soon(d, h, ns, len(shared)):
+        shared = d.book.match(h.prompt[:n - 1], ns) if share else []
+        if share and self._written_soon(d, h, ns, len(shared)):
             self.stats["prefix_waits"] += 1
             return False
         d.book.retain(shared)
@@ -230,7 +232,7 @@ class Batcher:
         except Exception as e:
             self.fail_depth(d, e)  # its donated pool is gone: the depth is made anew for the next request
             raise
-        tail = d.book.match_tail(h.prompt[:n - 1], len(shared), ns) if self.prefix_cache else None
+        tail = d.book.match_tail(h.prompt[:n - 1], len(shared), ns) if share else None
         if tail is not None:
             d.book.retain([tail[0]])  # not evicted for this request's own pages: it is copied into the first
         own = d.book.alloc(need - len(shared))
@@ -283,6 +285,8 @@ class Batcher:
         if len(prompt) // self.page_size <= have:
             return False
         for r in d.prefilling:
+            if r.handle.in_prefill:  # its pages are never indexed
+                continue
             other = r.handle.prompt
             m = min(len(other), len(prompt))
             common = int(np.argmin(np.append(other[:m] == prompt[:m], False)))
@@ -303,7 +307,7 @@ class Batcher:
         from the store's entry when it holds more of the prompt (then indexed: later prompts read
         them in the pool)."""
         store, prompt = self.store, h.prompt
-        if store is None or not self.prefix_cache or store.loops != d.loops:
+        if store is None or not self.prefix_cache or store.loops != d.loops or h.in_prefill:
             return shared
         if h.cache_window:  # store entries attend to the whole context
             return shared
@@ -351,7 +355,8 @@ class Batcher:
         chunk = None
         if d.prefilling:
             r = d.prefilling[0]
-            n = min(self.chunk, len(r.handle.prompt) - r.fed)
+            n = len(r.handle.prompt) - r.fed  # (exit_in_prefill: the whole prompt, one chunk)
+            n = n if r.handle.in_prefill else min(self.chunk, n)
             chunk = (r, n, r.fed + n == len(r.handle.prompt))
         decoding = [r for r in d.rows.values() if r.decoding and r.handle.speculation is None
                     and len(r.handle.tokens) + r.ahead < r.handle.params.max_tokens]
@@ -367,7 +372,7 @@ class Batcher:
             T = bd = 0
             if chunk is not None:
                 r, n, final = chunk
-                T = next(t for t in self.chunk_sizes() if t >= n)
+                T = bucket(n) if r.handle.in_prefill else next(t for t in self.chunk_sizes() if t >= n)
                 chunks = S.make_chunks([r.pages], [r.handle.prompt[r.fed:r.fed + n]], [r.fed], [r.slot], [final], T,
                                        R, 1, [r.handle.cache_window])
             if decoding or not d.adaptive:  # (a chunk alone: beside one filler decode row, one program fewer)
@@ -378,17 +383,25 @@ class Batcher:
                                          [len(r.handle.tokens) + r.ahead for r in decoding], R, bd,
                                          [r.handle.cache_window for r in decoding], left if burst else None)
             w, jits = self.model.weights, self.jits(d.loops)
-            dtok = passes = None
+            dtok = passes = cdepth = None
+            exits = chunk is not None and chunk[0].handle.in_prefill
             if burst:
                 dtok, d.pool, d.state = self._run(("steps", d.loops, bd, R), jits["decode_steps"], w.params,
                                                   w.config, d.pool, d.state, decodes, np.int32(many), loops=d.loops,
                                                   n_max=self.decode_steps, exit=d.exit)
-            elif d.adaptive and decoding:  # the decode rows' passes stop at their exits
-                if chunks is not None:
+            elif d.adaptive and (decoding or exits):  # the decode rows' passes stop at their exits
+                if exits:  # the prompt exits as a whole: its passes read now (once a request)
+                    ctok, cdepth, d.pool, d.state = self._run(("chunk_adaptive", d.loops, T, R), jits["chunk_adaptive"],
+                                                              w.params, w.config, d.pool, d.state, chunks,
+                                                              loops=d.loops)
+                    cdepth = int(np.asarray(cdepth)[0])
+                elif chunks is not None:
                     ctok, _, d.pool, d.state = self._run(("step", d.loops, 0, T, R), jits["step"], w.params, w.config,
                                                          d.pool, d.state, chunks, None, loops=d.loops, exit=d.exit)
-                dtok, passes, d.pool, d.state = self._run(("step_adaptive", d.loops, bd, R), jits["step_adaptive"],
-                                                          w.params, w.config, d.pool, d.state, decodes, loops=d.loops)
+                if decoding:
+                    dtok, passes, d.pool, d.state = self._run(("step_adaptive", d.loops, bd, R),
+                                                              jits["step_adaptive"], w.params, w.config, d.pool,
+                                                              d.state, decodes, loops=d.loops)
             else:
                 ctok, dtok, d.pool, d.state = self._run(("step", d.loops, bd, T, R), jits["step"], w.params, w.config,
                                                         d.pool, d.state, chunks, decodes, loops=d.loops, exit=d.exit)
@@ -397,17 +410,19 @@ class Batcher:
             if chunk is not None:
                 r, n, final = chunk
                 r.fed += n
-                if self.prefix_cache:  # its full pages (and at its end its partial last one): shareable now
+                if self.prefix_cache and not exits:  # its full pages (and at its end its partial last one):
+                    # shareable now
                     d.book.insert(r.handle.prompt[:r.fed], r.pages, partial=final, ns=self.namespace(r.handle))
                 self.stats["prefill_chunks"] += 1
                 counts["tokens_computed"] += n
-                counts["passes"] += n * d.loops
+                counts["passes"] += n * (d.loops if cdepth is None else cdepth)
+                counts["passes_skipped"] += 0 if cdepth is None else n * (d.loops - cdepth)
                 if final:
                     d.prefilling.popleft()
                     r.decoding = True
                     r.ahead += 1
-                    if r.handle.policy is not None:  # the prompt ran every pass
-                        r.handle.depths.append(d.loops)
+                    if r.handle.policy is not None:  # the prompt ran every pass, or exited as a whole
+                        r.handle.depths.append(d.loops if cdepth is None else cdepth)
                     ran.append((r, 0, ctok, None))
             fed = 0
             for i, r in enumerate(decoding):
@@ -517,8 +532,8 @@ class Batcher:
         r.left = True
         if d.rows.get(r.slot) is r:
             del d.rows[r.slot]
-            if r.decoding and self.prefix_cache:  # prompt and output whose K/V are written (each emitted
-                # token but the last was fed): a later turn of the chat reads them
+            if r.decoding and self.prefix_cache and not r.handle.in_prefill:  # prompt and output whose K/V
+                # are written (each emitted token but the last was fed): a later turn of the chat reads them
                 d.book.insert(list(r.handle.prompt) + r.handle.tokens[:-1], r.pages, partial=True,
                               ns=self.namespace(r.handle))
             d.book.release(r.pages)

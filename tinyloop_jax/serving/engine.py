@@ -134,7 +134,8 @@ class Engine:
                logit_bias=None, exit_criterion: str | None = None, exit_threshold: float | None = None,
                min_steps: int = 0, check_every: int = 1, continuous_compute: bool = False,
                cache_window: int = 0, draft_loops: int | None = None, lookahead: int = 4,
-               params: SamplingParams | None = None, plan: check.DepthPlan | None = None) -> Handle:
+               exit_in_prefill: bool = False, params: SamplingParams | None = None,
+               plan: check.DepthPlan | None = None) -> Handle:
         """Queue a request (the arguments of `model.generate`, or its two values: params, a
         `SamplingParams`, and plan, a `DepthPlan`; the keywords are sugar over them); returns
         its `Handle` at once. The engine serves each depth's default exit pick (no
@@ -145,8 +146,9 @@ class Engine:
         depth d over the request's pages, verified at `loops` in one chunk (greedy: the same
         tokens); `handle.drafted` / `handle.accepted` count the drafts.
         With an exit_criterion (adaptive depth, `model.adaptive`) its tokens stop looping at
-        their exits, the prompt runs every pass, and `handle.depths` gives the passes run per
-        emitted token.
+        their exits, the prompt runs every pass (exit_in_prefill=True: the whole prompt is one
+        chunk that exits as a whole, as `generate`'s; it shares no pages), and `handle.depths`
+        gives the passes run per emitted token.
         Bad arguments raise here (ValueError / RuntimeError) and nothing is queued; a full
         queue raises `QueueFull`; a request whose pages cannot fit the memory budget even
         alone, `MemoryBudgetError`."""
@@ -159,10 +161,15 @@ class Engine:
         d = check.one_value(check.DepthPlan, plan, dict(
             loops=loops, exit_criterion=exit_criterion, exit_threshold=exit_threshold, min_steps=min_steps,
             check_every=check_every, continuous_compute=continuous_compute, draft_loops=draft_loops,
-            lookahead=lookahead))
-        if d.get("exit_at_step") is not None or d.get("early_exit_threshold") is not None or d.get("exit_in_prefill"):
-            raise ValueError("the engine serves each depth's default exit pick and prefills prompts at full depth: "
-                             "no exit_at_step / early_exit_threshold / exit_in_prefill per request")
+            lookahead=lookahead, exit_in_prefill=exit_in_prefill))
+        if d.get("exit_at_step") is not None or d.get("early_exit_threshold") is not None:
+            raise ValueError("the engine serves each depth's default exit pick: no exit_at_step / "
+                             "early_exit_threshold per request")
+        in_prefill = d["exit_in_prefill"]
+        if not isinstance(in_prefill, bool):
+            raise ValueError(f"exit_in_prefill must be True or False, got {in_prefill!r}")
+        if in_prefill and d["exit_criterion"] is None:
+            raise ValueError("exit_in_prefill needs an exit_criterion")
         loops = c.default_loops if d["loops"] is None else check.loops(d["loops"])
         if loops > self.max_loops:
             raise ValueError(f"loops={loops} is above this engine's max_loops={self.max_loops}")
@@ -188,7 +195,7 @@ class Engine:
         if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         h = Handle(prompt, params, loops, None if timeout is None else time.perf_counter() + timeout, self._cancelled,
-                   policy, cache_window, spec)
+                   policy, cache_window, spec, in_prefill)
         with self._cv:
             if self._closed:
                 raise RuntimeError("engine is closed")

@@ -43,12 +43,13 @@ class Handle:
 
     def __init__(self, prompt: np.ndarray, params: SamplingParams, loops: int, deadline: float | None,
                  on_cancel: Callable[["Handle"], None] = lambda h: None, policy=None, cache_window: int = 0,
-                 speculation=None):
+                 speculation=None, in_prefill: bool = False):
         self.id = next(Handle._ids)
         self.prompt, self.params, self.loops, self.deadline = prompt, params, loops, deadline
         self.cache_window = cache_window  # > 0: every query attends to the last cache_window positions only
         self.policy = policy  # adaptive depth: the request's exit rule (`model.adaptive.Policy`), or None
         self.depths: list[int] = []  # with a policy: the passes run for each emitted token
+        self.in_prefill = in_prefill  # with a policy: the prompt is one chunk that exits as a whole
         self.speculation = speculation  # self-speculative decoding (`decoding.speculative.Speculation`), or None
         self.drafted = self.accepted = 0  # with speculation: drafts made and kept
         self.tokens: list[int] = []

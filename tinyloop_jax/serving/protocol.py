@@ -210,7 +210,7 @@ def parse_adaptive(body: dict) -> dict:
             raise BadRequest(f"exit_criterion must be a string, got {body['exit_criterion']!r}", "exit_criterion")
         kw["exit_criterion"] = body["exit_criterion"]
     for name, read in (("exit_threshold", _num), ("min_steps", _int), ("check_every", _int),
-                       ("continuous_compute", _bool)):
+                       ("continuous_compute", _bool), ("exit_in_prefill", _bool)):
         if body.get(name) is not None:
             kw[name] = read(body, name, None)
     return kw
@@ -220,7 +220,9 @@ def check_adaptive(req: "Parsed", cfg, loops: int) -> "Parsed":
     """The adaptive-depth extras against the model and the request's depth: a BadRequest naming
     the field."""
     kw = {k: req.submit[k] for k in ("exit_criterion", "exit_threshold", "min_steps", "check_every",
-                                     "continuous_compute") if k in req.submit}
+                                     "continuous_compute", "exit_in_prefill") if k in req.submit}
+    if kw.get("exit_in_prefill") and kw.get("exit_criterion") is None:
+        raise BadRequest("exit_in_prefill needs an exit_criterion", "exit_in_prefill")
     if kw:
         try:
             make_policy(cfg, loops, kw.get("exit_criterion"), kw.get("exit_threshold"), kw.get("min_steps", 0),

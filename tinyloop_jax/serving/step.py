@@ -174,6 +174,21 @@ def step_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: 
     return tok, out.depth, out.pool, state
 
 
+def chunk_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, chunks: Chunks,
+                   loops: int):
+    """Prompts that may exit (`exit_in_prefill`), each one chunk exiting as a whole at its
+    request's exit rule, as `generate` prefills them: their first tokens, the passes each ran,
+    and the last state as the request's warm state. Returns (tokens [b], passes [b], pool, state)."""
+    s = chunks.slot
+    out = pa.forward(params, cfg, pool, chunks.rows, chunks.tokens, loops, _take(state.pol, s),
+                     _take(state.req.seed, s))
+    tok = select_tokens(out.logits, _take(state.rows.seen, s), _take(state.req, s), jnp.int32(0))
+    at, rows = jnp.where(chunks.final, s, FILLER), state.rows
+    return tok, out.depth, out.pool, state.replace(rows=rows.replace(
+        last=rows.last.at[at].set(tok, mode="drop"), warm=rows.warm.at[at].set(out.state.astype(rows.warm.dtype),
+                                                                               mode="drop")))
+
+
 def step_speculative(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, decodes: Decodes,
                      loops: int, draft_loops: int, lookahead: int, exit: tf.Exit | None = None):
     """One round of self-speculative decoding for the decode rows (`speculative.round_paged`:
@@ -196,6 +211,7 @@ copy_pages = paged.copy_pages
 
 JIT_OPTIONS = dict(load_entry=dict(donate_argnames=("pool",)), copy_pages=dict(donate_argnames=("pool",)),
                    step_adaptive=dict(static_argnames=("cfg", "loops"), donate_argnames=("pool", "state")),
+                   chunk_adaptive=dict(static_argnames=("cfg", "loops"), donate_argnames=("pool", "state")),
                    decode_steps=dict(static_argnames=("cfg", "loops", "n_max"), donate_argnames=("pool", "state")),
                    step=dict(static_argnames=("cfg", "loops"), donate_argnames=("pool", "state")),
                    step_speculative=dict(static_argnames=("cfg", "loops", "draft_loops", "lookahead"),
