@@ -161,8 +161,10 @@ def main():
     ap.add_argument("--live", default="64,512,2048")
     ap.add_argument("--skip-steps", action="store_true")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--activations", default="float32", choices=["float32", "int8"],
+                    help="what the packed weights multiply (`Model`'s activations)")
     args = ap.parse_args()
-    model = tl.Model.from_pretrained("smollm2")
+    model = tl.Model.from_pretrained("smollm2", activations=args.activations)
     tok = tl.load_tokenizer("smollm2")
     messages = [dict(role="system", content=SYSTEM), dict(role="user", content=QUESTION)]
     ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True).tolist()

@@ -39,8 +39,10 @@ def main():
     ap.add_argument("--label", default="this tree")
     ap.add_argument("--modes", default="fp32,fp16,int8,int4,fp16-h,int4-h")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--activations", default="float32", choices=["float32", "int8"],
+                    help="what the packed weights multiply (`Model`'s activations)")
     args = ap.parse_args()
-    model = tl.Model.from_pretrained("smollm2")
+    model = tl.Model.from_pretrained("smollm2", activations=args.activations)
     tok = tl.load_tokenizer("smollm2")
     chat = lambda q: tok.apply_chat_template([dict(role="system", content=SYSTEM),  # noqa: E731
                                                dict(role="user", content=q)], tokenize=True,

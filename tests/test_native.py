@@ -4,7 +4,7 @@ order (tiled inside the program) and pre-tiled (`qarray.tile`, as a Model holds 
 around its 6-row passes (AVX-512; 1 with AVX2), its switch to dequantized panels past 16 rows and their 6-row blocks,
 widths that leave a partial 64-column tile, narrow matrices also split along K; under vmap (a
 batch of rows folded into one call) and inside a while loop, as a decode step runs it; the
-AVX2 and portable (non-AVX-512) builds; the tiled layout's round trip."""
+AVX2 and portable (non-AVX-512) builds; the tiled layout's round trip; 8-bit activations."""
 
 import os
 import shutil
@@ -76,6 +76,57 @@ def test_head_vmap_and_while_loop(fmt):
     close(jax.jit(lambda v: jax.lax.fori_loop(0, 3, step, v))(x[0]), want)
 
 
+def rounded(x: np.ndarray) -> np.ndarray:
+    """x [.., K] rounded to 8 bits per 32 inputs, written from the definition (llama.cpp's q8_0 of
+    x with a float32 scale): d = max|x| / 127, q = x / d to the nearest integer, ties to even."""
+    xb = x.reshape(*x.shape[:-1], -1, 32).astype(np.float32)
+    d = (np.abs(xb).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d > 0, np.rint(xb * (np.float32(1) / d)), 0)
+    return (q * d).astype(np.float32).reshape(x.shape)
+
+
+# the integer paths (AVX-512 VNNI: q8_0, q4_0, q4_1 at <= 16 rows) and the float ones (panels, the
+# other formats) over one rows' rounding
+INT8_CASES = ([(f, *s) for f in ("q8_0", "q4_0", "q4_1") for s in (SHAPES[0], SHAPES[1], SHAPES[3], SHAPES[5],
+                                                                   SHAPES[6], SHAPES[7], SHAPES[9])]
+              + [(f, *SHAPES[3]) for f in qarray.FORMATS[3:]])
+
+
+@pytest.mark.parametrize("fmt,k,n,rows", INT8_CASES)
+def test_8bit_activations_equal_numpy(fmt, k, n, rows):
+    """act="int8": x rounded to 8 bits per 32, then the product, by the kernel (integers where the
+    CPU has VNNI) and by XLA's dequantize + dot (`tile`: the path meshes and GPUs take) alike; a
+    row of zeros stays zero; the float product is measurably different (the rounding happened)."""
+    k = width(fmt, k)
+    w, dense = packed(fmt, k, n)
+    w8 = qarray.with_activations({"w": w}, "int8")["w"]
+    x = np.random.default_rng(1).standard_normal((rows, k)).astype(np.float32)
+    x[0, :32] = 0
+    want = rounded(x) @ dense
+    close(jax.jit(qarray.matmul)(x, qarray.tile(w8)), want)
+    close(jax.jit(lambda v: qarray.matmul(v, w8, tile=1 << 30))(x), want)
+    assert np.abs(x @ dense - want).max() > 1e-3 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "q5_0"])
+def test_8bit_activations_head_and_vmap(fmt):
+    """The head's product and a vmap over rows (a decode step's batch folded into one call), with
+    8-bit activations."""
+    head, dense_head = packed(fmt, 64, 300, seed=2, transposed=True)
+    head = qarray.tile(qarray.with_activations({"h": head}, "int8")["h"])
+    x = np.random.default_rng(3).standard_normal((2, 3, 64)).astype(np.float32)
+    want = rounded(x) @ dense_head.T
+    close(jax.jit(qarray.head)(x, head), want)
+    close(jax.jit(jax.vmap(jax.vmap(lambda r: qarray.head(r[None], head)[0])))(x), want)
+
+
+def test_activations_are_checked():
+    w, _ = packed("q4_1", 64, 64)
+    with pytest.raises(ValueError, match="activations='int4'"):
+        qarray.with_activations({"w": w}, "int4")
+
+
 def test_a_failed_build_is_a_runtime_error(monkeypatch, tmp_path):
     monkeypatch.setenv("TINYLOOP_HOME", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
@@ -122,16 +173,22 @@ PORTABLE = textwrap.dedent("""
             want = x @ dense
             got = np.asarray(jax.jit(qarray.matmul)(x, qarray.tile(w)))
             assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), (fmt, k, n, rows)
+            w8 = qarray.with_activations({"w": qarray.tile(w)}, "int8")["w"]
+            want = np.asarray(jax.jit(lambda v: qarray.matmul(v, w, tile=1 << 30))(qarray.round_activations(x)))
+            got = np.asarray(jax.jit(qarray.matmul)(x, w8))
+            assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), ("int8", fmt, k, n, rows)
     print("ok")
 """)
 
 
-@pytest.mark.parametrize("flags", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2"]], ids=["avx2", "portable"])
+@pytest.mark.parametrize("flags", [["-mno-avx512vnni"], ["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2"]],
+                         ids=["no-vnni", "avx2", "portable"])
 def test_the_narrower_builds_equal_numpy(flags):
     """Where the CPU has no AVX-512 the kernel runs its AVX2 vectors (8 lanes: x86-64 CPUs of the
     last decade), and without AVX2 its plain C++ loops: each built here with those instruction
     sets turned off (its own file: the flags are in the build's key), in a fresh process. (On a
-    CPU without AVX2 both builds are the portable one.)"""
+    CPU without AVX2 both builds are the portable one.) Each also with 8-bit activations, which
+    without AVX-512 VNNI are rounded and multiplied in float."""
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "1"}  # one device (tests/mesh_checks.py, imported by
     env.pop("TINYLOOP_NATIVE", None)                   # test_mesh, sets 8 for its worker's children)
     r = subprocess.run([sys.executable, "-c", PORTABLE, os.path.dirname(__file__), *flags], capture_output=True,

@@ -17,9 +17,10 @@ class UsageError(Exception):
     """A user mistake: printed as one line, exit code 2."""
 
 
-def _load(path: str | None, kv_mode: str | None, weights: str = "as-stored"):
+def _load(path: str | None, kv_mode: str | None, weights: str = "as-stored", activations: str = "float32"):
     """A tinyloop checkpoint (tinyloop.json), a Hugging Face folder (config.json), a GGUF file or
-    folder, or a known model name ("smollm2"); `weights`: --weights (`quantize_weights`)."""
+    folder, or a known model name ("smollm2"); `weights`: --weights (`quantize_weights`);
+    `activations`: --activations."""
     import tinyloop_jax as tl
 
     from .formats import gguf, hub
@@ -27,18 +28,18 @@ def _load(path: str | None, kv_mode: str | None, weights: str = "as-stored"):
     path = path or BUNDLED
     q = None if weights == "as-stored" else weights
     if hub.is_name(path) or gguf.find_file(path) is not None:  # "smollm2", a GGUF file or a folder holding one
-        return tl.Model.from_pretrained(path, kv_mode=kv_mode, quantize_weights=q)
+        return tl.Model.from_pretrained(path, kv_mode=kv_mode, quantize_weights=q, activations=activations)
     if not os.path.isdir(path):
         raise UsageError(f"no model at {path}" + ("" if path != BUNDLED else " (the bundled checkpoint is missing)"))
     if os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(os.path.join(path, "tinyloop.json")):
-        return tl.Model.from_pretrained(path, kv_mode=kv_mode, quantize_weights=q)
-    return tl.Model.load(path, kv_mode=kv_mode, quantize_weights=q)
+        return tl.Model.from_pretrained(path, kv_mode=kv_mode, quantize_weights=q, activations=activations)
+    return tl.Model.load(path, kv_mode=kv_mode, quantize_weights=q, activations=activations)
 
 
 def _model_and_tokenizer(args, tok=None):
     from .formats.tokenizer import tokenizer_for
 
-    model, tok = _load(args.model, args.kv_mode, args.weights), tok or tokenizer_for(args.model)
+    model, tok = _load(args.model, args.kv_mode, args.weights, args.activations), tok or tokenizer_for(args.model)
     if tok.vocab_size > model.config()["vocab_size"]:
         raise UsageError(f"the tokenizer has {tok.vocab_size} ids but the model only {model.config()['vocab_size']}")
     return model, tok
@@ -178,14 +179,14 @@ def cmd_eval(args) -> None:
         ids, n_bytes = tok.encode(text, special=False), len(text.encode("utf-8"))
     if args.seq_len is not None and args.seq_len < 2:
         raise UsageError(f"--seq-len must be >= 2, got {args.seq_len}")
-    rows, model = [], _load(args.model, args.kv_modes[0], args.weights)
+    rows, model = [], _load(args.model, args.kv_modes[0], args.weights, args.activations)
     # a looped model's depths; a model without loops (one pass of its stack, a Llama import) at its own
     depth = model.config()["default_loops"]
     loop_list = args.loops or ([1, 2, 4, 8, 16] if depth > 1 else [depth])
     grid = [(m, L, w) for m in args.kv_modes for w in args.windows for L in loop_list]
     for j, mode in enumerate(args.kv_modes):
         if j:
-            model = _load(args.model, mode, args.weights)
+            model = _load(args.model, mode, args.weights, args.activations)
         w_ = model.weights
         for window in args.windows:
             for loops in loop_list:
@@ -256,6 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     model_arg.add_argument("--weights", default="as-stored", choices=["as-stored", "float", "int8", "int4"],
                            help="weights as stored (a GGUF's quantized blocks packed), all float, or quantized to "
                                 "int8 / int4 blocks (default: as-stored)")
+    model_arg.add_argument("--activations", default="float32", choices=["float32", "int8"],
+                           help="what packed weights multiply: the inputs as computed, or rounded to 8 bits per 32 "
+                                "(llama.cpp's arithmetic: faster on a CPU with AVX-512 VNNI, logits within ~1%%) "
+                                "(default: float32)")
     common = argparse.ArgumentParser(add_help=False, parents=[model_arg])
     common.add_argument("--kv-mode", default=None, help="KV cache storage mode: " + ", ".join(KV_MODES))
 

@@ -58,6 +58,7 @@ SPECS = {"q8_0": (32, 34, 0, None), "q4_0": (32, 18, 0, None), "q4_1": (32, 20, 
          "q4_k": (256, 144, 0, 2), "q5_k": (256, 176, 0, 2), "q6_k": (256, 210, 208, None)}
 FORMATS = tuple(SPECS)
 QUANTIZE = {"int8": "q8_0", "int4": "q4_0"}  # quantize_weights= -> the format it writes
+ACTIVATIONS = native.ACTIVATIONS  # what packed weights multiply: "float32" inputs, or "int8"-rounded ones
 
 
 def block_values(fmt: str) -> int:
@@ -78,6 +79,9 @@ class QuantArray:
     transposed: bool = struct.field(pytree_node=False, default=False)
     # the kernel's layout (`tile`): the logical output axes, which q's shape no longer shows
     tiled: tuple | None = struct.field(pytree_node=False, default=None)
+    # what a product multiplies it by (`ACTIVATIONS`): the inputs as given, or rounded to 8 bits
+    # per 32 (`round_activations`; llama.cpp's arithmetic), a load-time choice (`with_activations`)
+    act: str = struct.field(pytree_node=False, default="float32")
 
     @property
     def out_shape(self) -> tuple:
@@ -331,7 +335,7 @@ def apply(fn, *ws):
     ws = [canonical(w) for w in ws]
     if all(is_quant(w) and not w.transposed and w.fmt == ws[0].fmt for w in ws):
         field = lambda name: None if getattr(ws[0], name) is None else fn(*(getattr(w, name) for w in ws))  # noqa: E731
-        return QuantArray(q=field("q"), scale=field("scale"), min=field("min"), fmt=ws[0].fmt)
+        return QuantArray(q=field("q"), scale=field("scale"), min=field("min"), fmt=ws[0].fmt, act=ws[0].act)
     if all(is_quant(w) and not w.transposed and len(w.out_shape) == 1 for w in ws):
         at = np.cumsum([0] + [w.out_shape[0] for w in ws])  # fn over column numbers: where each goes
         cols = np.asarray(fn(*(np.arange(at[i], at[i + 1]) for i in range(len(ws)))))
@@ -408,15 +412,43 @@ def _columns(w: QuantArray, x: jax.Array, tile: int | None):
         yield _dequantize(part.q, _after(x, part.scale), part.min, w.fmt)
 
 
+def check_activations(act: str) -> str:
+    if act not in ACTIVATIONS:
+        raise ValueError(f"activations={act!r}; valid: {', '.join(map(repr, ACTIVATIONS))}")
+    return act
+
+
+def with_activations(params, act: str):
+    """params with every packed weight's products over `act` inputs ("float32" or "int8", see
+    `round_activations`); float weights are unchanged."""
+    check_activations(act)
+    return jax.tree.map(lambda a: a.replace(act=act) if is_quant(a) else a, params, is_leaf=is_quant)
+
+
+def round_activations(x: jax.Array) -> jax.Array:
+    """x [..., K] (K a multiple of 32) rounded to 8 bits per 32 consecutive inputs, as floats:
+    q = rint(x / d) with d = max|x| / 127 over the 32 (ties to even; an all-zero block stays zero),
+    then q * d. The native kernel multiplies q itself as integers (qmatmul.cc, `round_inputs`)."""
+    xb = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, BLOCK)
+    d = jnp.max(jnp.abs(xb), axis=-1, keepdims=True) / np.float32(127)
+    inv = jnp.where(d > 0, 1 / jnp.where(d > 0, d, 1), 0)
+    return (jnp.round(xb * inv) * d).reshape(x.shape).astype(x.dtype)
+
+
+def _inputs(x: jax.Array, act: str) -> jax.Array:
+    return round_activations(x) if act == "int8" else x
+
+
 def _product(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array, fmt: str) -> jax.Array:
     """x [..., K] @ the packed fields of a [K, N] weight, through XLA (dequantize, then dot)."""
     return jnp.einsum("...k,kn->...n", x, _dequantize(q, d, m, fmt).astype(x.dtype))
 
 
-def _tiled_product(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array, fmt: str, n: int) -> jax.Array:
+def _tiled_product(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array, fmt: str, n: int,
+                   act: str = "float32") -> jax.Array:
     """`_product` of a weight in the kernel's layout (flattened to n columns)."""
     w = canonical(QuantArray(q=q, scale=d, min=m, fmt=fmt, tiled=(n,)))
-    return _product(x, w.q, w.scale, w.min, fmt)
+    return _product(_inputs(x, act), w.q, w.scale, w.min, fmt)
 
 
 def _kernel(x: jax.Array, w: QuantArray) -> jax.Array:
@@ -425,7 +457,8 @@ def _kernel(x: jax.Array, w: QuantArray) -> jax.Array:
     `native.available()`). A weight in GGUF's order is tiled here, inside the program: models
     hold theirs tiled already (`tile_params`)."""
     t, n = tile(w), int(np.prod(w.out_shape, dtype=np.int64))
-    return native.qmatmul(x, t.q, t.scale, t.min, w.fmt, n, partial(_tiled_product, fmt=w.fmt, n=n))
+    return native.qmatmul(x, t.q, t.scale, t.min, w.fmt, n, partial(_tiled_product, fmt=w.fmt, n=n, act=w.act),
+                          act=w.act)
 
 
 def matmul(x: jax.Array, w, tile: int | None = None) -> jax.Array:
@@ -439,6 +472,7 @@ def matmul(x: jax.Array, w, tile: int | None = None) -> jax.Array:
         return jnp.tensordot(x, w, axes=1)
     if tile is None and native.available():
         return _kernel(x, w).astype(x.dtype).reshape(*x.shape[:-1], *w.out_shape)
+    x = _inputs(x, w.act)
     parts = [jnp.einsum("...k,kn->...n", x, t.astype(x.dtype)) for t in _columns(w, x, tile)]
     y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
     return y.reshape(*x.shape[:-1], *w.out_shape)
@@ -450,6 +484,7 @@ def head(x: jax.Array, w) -> jax.Array:
         return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
     if native.available():  # w's blocks run along D: the kernel's [K, N] weight with N = V
         return _kernel(x, w)
+    x = _inputs(x, w.act)
     (t,) = _columns(w, x, None)
     return jnp.einsum("...d,dv->...v", x, t.astype(x.dtype), preferred_element_type=jnp.float32)
 

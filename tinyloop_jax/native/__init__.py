@@ -40,6 +40,7 @@ PAGED_TARGET = "tinyloop_paged_attention"
 PAGE_FORMATS = {"fp32": 0, "fp16": 1, "int8": 2, "int4": 3}
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w", "-fopenmp-simd", "-fno-math-errno"]
 FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q5_0": 3, "q5_1": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7}
+ACTIVATIONS = ("float32", "int8")  # qmatmul's `act`: the inputs as given, or rounded to 8 bits per 32
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -109,18 +110,18 @@ def available() -> bool:
         return _state["ok"]
 
 
-def _call(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array, fmt: str, n: int) -> jax.Array:
+def _call(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array, fmt: str, n: int, act: str) -> jax.Array:
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32))(
-        x.astype(jnp.float32), q, d, m, fmt=np.int32(FORMATS[fmt]))
+        x.astype(jnp.float32), q, d, m, fmt=np.int32(FORMATS[fmt]), act=np.int32(ACTIVATIONS.index(act)))
 
 
-def _kernel(fmt: str, n: int, dense):
+def _kernel(fmt: str, n: int, dense, act: str):
     """The custom call as a function that vmap folds into its rows: a batch of rows is more
     rows of x (the weight is shared), so a decode step over 16 requests is one call."""
 
     @jax.custom_batching.custom_vmap
     def f(x, q, d, m):
-        return _call(x, q, d, m, fmt, n)
+        return _call(x, q, d, m, fmt, n, act)
 
     @f.def_vmap
     def rule(axis_size, in_batched, x, q, d, m):
@@ -137,13 +138,17 @@ def _kernel(fmt: str, n: int, dense):
 _kernels: dict = {}
 
 
-def qmatmul(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array | None, fmt: str, n: int, dense) -> jax.Array:
+def qmatmul(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array | None, fmt: str, n: int, dense,
+            act: str = "float32") -> jax.Array:
     """x [..., K] @ a packed [K, n] weight in qarray's kernel layout (`qarray.tile`: q [C, K/S,
     R, 64], d and m [C, K/S, 64], C = ceil(n / 64); m None for formats without one) -> float32 [..., n].
-    `dense(x, q, d, m)`: the same product through XLA, for a vmap that batches the weight itself."""
-    if (fmt, n) not in _kernels:
-        _kernels[fmt, n] = _kernel(fmt, n, dense)
-    return _kernels[fmt, n](x, q, d, d if m is None else m)
+    `dense(x, q, d, m)`: the same product through XLA, for a vmap that batches the weight itself
+    (given x already rounded where act is "int8"). `act`: "float32", or "int8": each row's inputs
+    rounded to 8 bits per 32 (`qarray.round_activations`) and, where the CPU has AVX-512 VNNI,
+    multiplied as integers (Q8_0, Q4_0, Q4_1)."""
+    if (fmt, n, act) not in _kernels:
+        _kernels[fmt, n, act] = _kernel(fmt, n, dense, act)
+    return _kernels[fmt, n, act](x, q, d, d if m is None else m)
 
 
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, ks: jax.Array | None, vs: jax.Array | None,

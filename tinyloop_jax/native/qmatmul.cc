@@ -24,6 +24,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -193,6 +194,11 @@ struct Problem {
   float* y;
   int64_t M, K, N, nb, ns;
   int32_t fmt;
+  // 8-bit activations (act = 1; x then holds them rounded, as floats): per row and 32 inputs
+  // xq [M, K], their scale dx and their sum sq [M, K / 32]; null otherwise
+  const int8_t* xq;
+  const float* dx;
+  const int32_t* sq;
   // tile c's block b: its R x 64 bytes of q and its 64 scales (and mins)
   template <int32_t FMT>
   const uint8_t* qt(int64_t c, int64_t b) const { return q + (c * nb + b) * kRows<FMT> * kW; }
@@ -514,8 +520,136 @@ void stream_tail(const Problem& p, int64_t t0, int64_t n, int64_t c, int64_t w, 
   }
 }
 
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define TL_VNNI 1
+// 8-bit activations against Q8_0 / Q4_0 / Q4_1 as integer dot products (AVX-512 VNNI: 64
+// multiply-adds an instruction against a float FMA's 16; llama.cpp's way on this CPU). A block is
+// turned once into 8 quads of 4 inputs x 64 columns, each column's 4 weights one 32-bit lane (byte
+// transposes: vector g's lane 4L + i is column 16L + 4g + i, undone at the end), unsigned (Q8_0
+// offset by 128, corrected by 128 x the row's block sum); then each row's 8 x 4 `vpdpbusd` against
+// its 4-input groups broadcast, and the block's int32 sums scaled into float outputs.
+template <int32_t FMT>
+constexpr bool kVnni = FMT == kQ8_0 || FMT == kQ4_0 || FMT == kQ4_1;
+
+// Four byte rows (byte n: column n) -> e[g]: lane dword 4L + i = the 4 rows' bytes of column 16L + 4g + i.
+inline void quads(__m512i r0, __m512i r1, __m512i r2, __m512i r3, __m512i* e) {
+  const __m512i a = _mm512_unpacklo_epi8(r0, r1), b = _mm512_unpackhi_epi8(r0, r1);
+  const __m512i c = _mm512_unpacklo_epi8(r2, r3), d = _mm512_unpackhi_epi8(r2, r3);
+  e[0] = _mm512_unpacklo_epi16(a, c), e[1] = _mm512_unpackhi_epi16(a, c);
+  e[2] = _mm512_unpacklo_epi16(b, d), e[3] = _mm512_unpackhi_epi16(b, d);
+}
+
+// The 4 x 4 transpose of 128-bit lanes across v[0..3]: natural column order <-> the quads' order.
+inline void lanes4x4(__m512* v) {
+  const __m512 t0 = _mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(1, 0, 1, 0));
+  const __m512 t1 = _mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(3, 2, 3, 2));
+  const __m512 t2 = _mm512_shuffle_f32x4(v[2], v[3], _MM_SHUFFLE(1, 0, 1, 0));
+  const __m512 t3 = _mm512_shuffle_f32x4(v[2], v[3], _MM_SHUFFLE(3, 2, 3, 2));
+  v[0] = _mm512_shuffle_f32x4(t0, t2, _MM_SHUFFLE(2, 0, 2, 0));
+  v[1] = _mm512_shuffle_f32x4(t0, t2, _MM_SHUFFLE(3, 1, 3, 1));
+  v[2] = _mm512_shuffle_f32x4(t1, t3, _MM_SHUFFLE(2, 0, 2, 0));
+  v[3] = _mm512_shuffle_f32x4(t1, t3, _MM_SHUFFLE(3, 1, 3, 1));
+}
+
+// Block b of tile c as quads: w[4 i + g] holds inputs 4i..4i+3 (unsigned bytes).
+template <int32_t FMT>
+inline void vnni_block(const Problem& p, int64_t c, int64_t b, __m512i* w) {
+  const uint8_t* qb = p.qt<FMT>(c, b);
+  auto row = [&](int64_t j) { return _mm512_loadu_si512(qb + j * kW); };
+  if constexpr (FMT == kQ8_0) {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t i = 0; i < 8; ++i)
+      quads(_mm512_xor_si512(row(4 * i), flip), _mm512_xor_si512(row(4 * i + 1), flip),
+            _mm512_xor_si512(row(4 * i + 2), flip), _mm512_xor_si512(row(4 * i + 3), flip), w + 4 * i);
+  } else {  // byte row j: input j in the low nibble, j + 16 in the high one
+    const __m512i lo = _mm512_set1_epi8(15);
+    for (int64_t i = 0; i < 4; ++i) {
+      __m512i r[4];
+      for (int64_t k = 0; k < 4; ++k) r[k] = row(4 * i + k);
+      quads(_mm512_and_si512(r[0], lo), _mm512_and_si512(r[1], lo), _mm512_and_si512(r[2], lo),
+            _mm512_and_si512(r[3], lo), w + 4 * i);
+      quads(_mm512_and_si512(_mm512_srli_epi16(r[0], 4), lo), _mm512_and_si512(_mm512_srli_epi16(r[1], 4), lo),
+            _mm512_and_si512(_mm512_srli_epi16(r[2], 4), lo), _mm512_and_si512(_mm512_srli_epi16(r[3], 4), lo),
+            w + 16 + 4 * i);
+    }
+  }
+}
+
+// MT rows from t0 of block b: out [rows, 64] (the quads' column order) += the block's products.
+template <int32_t FMT, int MT>
+inline void vnni_rows(const Problem& p, const __m512i* w, const __m512* dv, const __m512* mv, int64_t t0, int64_t b,
+                      float* out) {
+  __m512i acc[MT][4];
+  for (auto& a : acc) for (auto& v : a) v = _mm512_setzero_si512();
+  const int8_t* xq = p.xq + t0 * p.K + b * 32;
+  for (int64_t i = 0; i < 8; ++i)
+    for (int t = 0; t < MT; ++t) {
+      int32_t four;
+      std::memcpy(&four, xq + t * p.K + 4 * i, 4);
+      const __m512i xv = _mm512_set1_epi32(four);
+      for (int g = 0; g < 4; ++g) acc[t][g] = _mm512_dpbusd_epi32(acc[t][g], w[4 * i + g], xv);
+    }
+  for (int t = 0; t < MT; ++t) {
+    const int64_t at = (t0 + t) * p.ns + b;
+    const __m512i corr = _mm512_set1_epi32(FMT == kQ8_0 ? 128 * p.sq[at] : FMT == kQ4_0 ? 8 * p.sq[at] : 0);
+    const __m512 dx = _mm512_set1_ps(p.dx[at]);
+    float* o = out + (t0 + t) * kW;
+    for (int g = 0; g < 4; ++g) {
+      const __m512 s = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[t][g], corr));
+      __m512 y = _mm512_fmadd_ps(s, _mm512_mul_ps(dv[g], dx), _mm512_load_ps(o + 16 * g));
+      if constexpr (FMT == kQ4_1) y = _mm512_fmadd_ps(mv[g], _mm512_set1_ps(p.sx[at]), y);
+      _mm512_store_ps(o + 16 * g, y);
+    }
+  }
+}
+
+template <int32_t FMT, int MT>
+void vnni_tail(const Problem& p, const __m512i* w, const __m512* dv, const __m512* mv, int64_t t0, int64_t n,
+               int64_t b, float* out) {
+  if constexpr (MT > 0) {
+    if (n == MT) return vnni_rows<FMT, MT>(p, w, dv, mv, t0, b, out);
+    vnni_tail<FMT, MT - 1>(p, w, dv, mv, t0, n, b, out);
+  }
+}
+
+// Every row (at most kPanelRows) through tile c's blocks [b0, b1).
+template <int32_t FMT>
+void stream_vnni(const Problem& p, int64_t c, int64_t w, int64_t b0, int64_t b1, float* dst) {
+  constexpr int kRowsAtOnce = 6;  // 6 x 4 sums + 4 weights + 1 input in registers
+  alignas(64) float out[kPanelRows * kW];
+  alignas(64) __m512i wq[32];
+  std::fill(out, out + p.M * kW, 0.f);
+  for (int64_t b = b0; b < b1; ++b) {
+    prefetch<FMT>(p, c, b + kAhead);
+    vnni_block<FMT>(p, c, b, wq);
+    __m512 dv[4], mv[4];
+    for (int g = 0; g < 4; ++g) {
+      dv[g] = V::halves(p.d + p.at(c, b) + 16 * g);
+      mv[g] = FMT == kQ4_1 ? V::halves(p.m + p.at(c, b) + 16 * g) : V::zero();
+    }
+    lanes4x4(dv);
+    if constexpr (FMT == kQ4_1) lanes4x4(mv);
+    int64_t t0 = 0;
+    for (; t0 + kRowsAtOnce <= p.M; t0 += kRowsAtOnce) vnni_rows<FMT, kRowsAtOnce>(p, wq, dv, mv, t0, b, out);
+    vnni_tail<FMT, kRowsAtOnce - 1>(p, wq, dv, mv, t0, p.M - t0, b, out);
+  }
+  for (int64_t t = 0; t < p.M; ++t) {
+    __m512 v[4];
+    for (int g = 0; g < 4; ++g) v[g] = _mm512_load_ps(out + t * kW + 16 * g);
+    lanes4x4(v);
+    for (int g = 0; g < 4; ++g) V::store_first(dst + t * p.N + c * kW + 16 * g, v[g], w - 16 * g);
+  }
+}
+#endif
+
 template <int32_t FMT>
 void stream(const Problem& p, int64_t c, int64_t w, int64_t b0, int64_t b1, float* dst) {
+#if defined(TL_VNNI)
+  if constexpr (kVnni<FMT>) {
+    if (p.xq) return stream_vnni<FMT>(p, c, w, b0, b1, dst);
+  }
+#endif
   int64_t t0 = 0;
   for (; t0 + V::kMT <= p.M; t0 += V::kMT) stream_rows<FMT, V::kMT>(p, t0, c, w, b0, b1, dst);
   stream_tail<FMT, V::kMT - 1>(p, t0, p.M - t0, c, w, b0, b1, dst);
@@ -702,9 +836,55 @@ class Spinners {
   std::condition_variable cv_;
 };
 
+// 8-bit activations: each row's inputs in blocks of 32 scaled by amax / 127 and rounded to the
+// nearest integer (ties to even), as llama.cpp's q8_0 of x with a float32 scale; f holds them
+// back as floats (q * d) for the products that stay in float, s each block's integer sum.
+struct Act8 {
+  std::unique_ptr<int8_t[]> q;
+  std::unique_ptr<float[]> d, f;
+  std::unique_ptr<int32_t[]> s;
+};
+
+Act8 round_inputs(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / 32;
+  Act8 a{std::make_unique<int8_t[]>(std::max<int64_t>(M * K, 1)), std::make_unique<float[]>(std::max<int64_t>(M * nb, 1)),
+         std::make_unique<float[]>(std::max<int64_t>(M * K, 1)), std::make_unique<int32_t[]>(std::max<int64_t>(M * nb, 1))};
+  for (int64_t r = 0; r < M * nb; ++r) {
+    const float* v = x + r * 32;
+#if defined(__AVX512F__)
+    const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+    const float amax0 = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float d0 = amax0 / 127.f, id0 = d0 > 0.f ? 1.f / d0 : 0.f;
+    constexpr int kNear = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512 q0 = _mm512_roundscale_ps(_mm512_mul_ps(v0, _mm512_set1_ps(id0)), kNear);
+    const __m512 q1 = _mm512_roundscale_ps(_mm512_mul_ps(v1, _mm512_set1_ps(id0)), kNear);
+    const __m512i i0 = _mm512_cvtps_epi32(q0), i1 = _mm512_cvtps_epi32(q1);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.q.get() + r * 32), _mm512_cvtepi32_epi8(i0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.q.get() + r * 32 + 16), _mm512_cvtepi32_epi8(i1));
+    _mm512_storeu_ps(a.f.get() + r * 32, _mm512_mul_ps(q0, _mm512_set1_ps(d0)));
+    _mm512_storeu_ps(a.f.get() + r * 32 + 16, _mm512_mul_ps(q1, _mm512_set1_ps(d0)));
+    a.d[r] = d0, a.s[r] = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+    continue;
+#endif
+    float amax = 0.f;
+    for (int64_t j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    int32_t sum = 0;
+    for (int64_t j = 0; j < 32; ++j) {
+      const float qv = std::nearbyint(v[j] * id);
+      a.q[r * 32 + j] = static_cast<int8_t>(qv);
+      a.f[r * 32 + j] = qv * d;
+      sum += static_cast<int32_t>(qv);
+    }
+    a.d[r] = d, a.s[r] = sum;
+  }
+  return a;
+}
+
 ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> d,
-                   ffi::Buffer<ffi::F16> m, ffi::ResultBuffer<ffi::F32> y, int32_t fmt) {
+                   ffi::Buffer<ffi::F16> m, ffi::ResultBuffer<ffi::F32> y, int32_t fmt, int32_t act) {
   if (fmt < kQ8_0 || fmt > kQ6_K) return ffi::Error::InvalidArgument("qmatmul: unknown format");
+  if (act != 0 && act != 1) return ffi::Error::InvalidArgument("qmatmul: act is 0 (float) or 1 (8-bit)");
   const auto xd = x.dimensions(), qd = q.dimensions(), yd = y->dimensions();
   if (xd.size() < 1 || qd.size() != 4 || yd.size() < 1)
     return ffi::Error::InvalidArgument("qmatmul: x [..., K], q [N/64, K/S, R, 64], y [..., N]");
@@ -716,17 +896,24 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   }
   const int64_t M = K ? static_cast<int64_t>(x.element_count()) / K : 0;
   if (static_cast<int64_t>(y->element_count()) != M * N) return ffi::Error::InvalidArgument("qmatmul: y is not [M, N]");
+  const float* xs = x.typed_data();
+  Act8 a8;
+  if (act) {
+    if (K % 32) return ffi::Error::InvalidArgument("qmatmul: 8-bit activations need K a multiple of 32");
+    a8 = round_inputs(xs, M, K);
+    xs = a8.f.get();
+  }
   auto sx = std::make_unique<float[]>(std::max<int64_t>(M * ns, 1));
   for (int64_t t = 0; t < M; ++t)
     for (int64_t b = 0; b < ns; ++b) {
       float s = 0.f;
-      for (int64_t j = 0; j < sub; ++j) s += x.typed_data()[t * K + b * sub + j];
+      for (int64_t j = 0; j < sub; ++j) s += xs[t * K + b * sub + j];
       sx[t * ns + b] = s;
     }
   auto sh = std::make_shared<Shared>();
-  sh->p = Problem{x.typed_data(), static_cast<const uint8_t*>(q.untyped_data()),
+  sh->p = Problem{xs, static_cast<const uint8_t*>(q.untyped_data()),
                   reinterpret_cast<const uint16_t*>(d.typed_data()), reinterpret_cast<const uint16_t*>(m.typed_data()),
-                  sx.get(), y->typed_data(), M, K, N, nb, ns, fmt};
+                  sx.get(), y->typed_data(), M, K, N, nb, ns, fmt, a8.q.get(), a8.d.get(), a8.s.get()};
   // as many workers as XLA's pool has threads (one per core), this thread one of them
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   static std::atomic<uint64_t> calls{0};
@@ -776,4 +963,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TinyloopQMatmul, QMatmul,
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("fmt"));
+                                  .Attr<int32_t>("fmt")
+                                  .Attr<int32_t>("act"));
