@@ -576,7 +576,7 @@ inline void vnni_block(const Problem& p, int64_t c, int64_t b, __m512i* w) {
   }
 }
 
-// MT rows from t0 of block b: out [rows, 64] (the quads' column order) += the block's products.
+// MT rows from t0 of block b: out [MT, 64] (the quads' column order, row t0 first) += the block's products.
 template <int32_t FMT, int MT>
 inline void vnni_rows(const Problem& p, const __m512i* w, const __m512* dv, const __m512* mv, int64_t t0, int64_t b,
                       float* out) {
@@ -594,7 +594,7 @@ inline void vnni_rows(const Problem& p, const __m512i* w, const __m512* dv, cons
     const int64_t at = (t0 + t) * p.ns + b;
     const __m512i corr = _mm512_set1_epi32(FMT == kQ8_0 ? 128 * p.sq[at] : FMT == kQ4_0 ? 8 * p.sq[at] : 0);
     const __m512 dx = _mm512_set1_ps(p.dx[at]);
-    float* o = out + (t0 + t) * kW;
+    float* o = out + t * kW;
     for (int g = 0; g < 4; ++g) {
       const __m512 s = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[t][g], corr));
       __m512 y = _mm512_fmadd_ps(s, _mm512_mul_ps(dv[g], dx), _mm512_load_ps(o + 16 * g));
@@ -613,13 +613,16 @@ void vnni_tail(const Problem& p, const __m512i* w, const __m512* dv, const __m51
   }
 }
 
-// Every row (at most kPanelRows) through tile c's blocks [b0, b1).
+// Rows [r0, r1) through tile c's blocks [b0, b1), each block's quads made once for all of them
+// (a decode step's few rows, or a prompt chunk's share of rows: no float panel).
 template <int32_t FMT>
-void stream_vnni(const Problem& p, int64_t c, int64_t w, int64_t b0, int64_t b1, float* dst) {
-  constexpr int kRowsAtOnce = 6;  // 6 x 4 sums + 4 weights + 1 input in registers
-  alignas(64) float out[kPanelRows * kW];
+void stream_vnni(const Problem& p, int64_t c, int64_t w, int64_t b0, int64_t b1, int64_t r0, int64_t r1, float* dst) {
+  constexpr int kRowsAtOnce = 4;  // 4 x 4 sums + 4 weights + 1 input + the scales in registers (6 rows spilled: 2x slower)
+  thread_local Floats buf;
+  thread_local int64_t size = 0;
+  float* out = scratch(buf, size, (r1 - r0) * kW);
   alignas(64) __m512i wq[32];
-  std::fill(out, out + p.M * kW, 0.f);
+  std::fill(out, out + (r1 - r0) * kW, 0.f);
   for (int64_t b = b0; b < b1; ++b) {
     prefetch<FMT>(p, c, b + kAhead);
     vnni_block<FMT>(p, c, b, wq);
@@ -630,13 +633,14 @@ void stream_vnni(const Problem& p, int64_t c, int64_t w, int64_t b0, int64_t b1,
     }
     lanes4x4(dv);
     if constexpr (FMT == kQ4_1) lanes4x4(mv);
-    int64_t t0 = 0;
-    for (; t0 + kRowsAtOnce <= p.M; t0 += kRowsAtOnce) vnni_rows<FMT, kRowsAtOnce>(p, wq, dv, mv, t0, b, out);
-    vnni_tail<FMT, kRowsAtOnce - 1>(p, wq, dv, mv, t0, p.M - t0, b, out);
+    int64_t t0 = r0;
+    for (; t0 + kRowsAtOnce <= r1; t0 += kRowsAtOnce)
+      vnni_rows<FMT, kRowsAtOnce>(p, wq, dv, mv, t0, b, out + (t0 - r0) * kW);
+    vnni_tail<FMT, kRowsAtOnce - 1>(p, wq, dv, mv, t0, r1 - t0, b, out + (t0 - r0) * kW);
   }
-  for (int64_t t = 0; t < p.M; ++t) {
+  for (int64_t t = r0; t < r1; ++t) {
     __m512 v[4];
-    for (int g = 0; g < 4; ++g) v[g] = _mm512_load_ps(out + t * kW + 16 * g);
+    for (int g = 0; g < 4; ++g) v[g] = _mm512_load_ps(out + (t - r0) * kW + 16 * g);
     lanes4x4(v);
     for (int g = 0; g < 4; ++g) V::store_first(dst + t * p.N + c * kW + 16 * g, v[g], w - 16 * g);
   }
@@ -647,7 +651,7 @@ template <int32_t FMT>
 void stream(const Problem& p, int64_t c, int64_t w, int64_t b0, int64_t b1, float* dst) {
 #if defined(TL_VNNI)
   if constexpr (kVnni<FMT>) {
-    if (p.xq) return stream_vnni<FMT>(p, c, w, b0, b1, dst);
+    if (p.xq) return stream_vnni<FMT>(p, c, w, b0, b1, 0, p.M, dst);
   }
 #endif
   int64_t t0 = 0;
@@ -766,6 +770,7 @@ struct Shared {
   int64_t tiles, parts;
   float* partial;  // [parts, M, N] when parts > 1
   bool panels;     // many rows: `panel_gemm` per tile
+  bool int_rows;   // many rows of 8-bit activations (VNNI formats): `stream_vnni` per tile and rows part
   uint64_t call;   // this call's number (from 1), unique in the process
   std::atomic<int64_t> next{0}, done{0};
   int64_t units() const { return tiles * parts; }
@@ -775,6 +780,15 @@ struct Shared {
       const int64_t c = i / parts, r = i % parts, w = std::min(kW, p.N - c * kW);
       const int64_t t0 = p.M * r / parts, t1 = p.M * (r + 1) / parts;
       return by_format(p.fmt, [&](auto f) { panel_gemm<decltype(f)::value>(p, call, c, w, t0, t1, p.y); });
+    }
+#endif
+#if defined(TL_VNNI)
+    if (int_rows) {  // as panels, the integer product in place of the float panel
+      const int64_t c = i / parts, r = i % parts, w = std::min(kW, p.N - c * kW);
+      const int64_t t0 = p.M * r / parts, t1 = p.M * (r + 1) / parts;
+      return by_format(p.fmt, [&](auto f) {
+        if constexpr (kVnni<decltype(f)::value>) stream_vnni<decltype(f)::value>(p, c, w, 0, p.nb, t0, t1, p.y);
+      });
     }
 #endif
     const int64_t c = i % tiles, r = i / tiles, w = std::min(kW, p.N - c * kW);
@@ -919,17 +933,24 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   static std::atomic<uint64_t> calls{0};
   sh->call = calls.fetch_add(1) + 1;
   sh->tiles = C;
-  sh->panels = false;
+  sh->panels = sh->int_rows = false;
 #if defined(TL_SIMD)
   sh->panels = M > kPanelRows;
+#endif
+#if defined(TL_VNNI)
+  // 8-bit activations against a VNNI format: integer products for any number of rows (the
+  // quads of a block cost ~1/2 of a float panel's product per row at 64 rows)
+  sh->int_rows = sh->panels && act && (fmt == kQ8_0 || fmt == kQ4_0 || fmt == kQ4_1);
+  sh->panels = sh->panels && !sh->int_rows;
 #endif
   // at least ~8 units per thread for balance: parts of K (few rows; while each keeps a few
   // blocks) or of the rows (panels; while each keeps a few dozen)
   const int64_t want = (8 * threads + C - 1) / std::max<int64_t>(C, 1);
-  sh->parts = std::clamp<int64_t>(want, 1, std::max<int64_t>(1, sh->panels ? M / 24 : nb / 4));
+  const bool by_rows = sh->panels || sh->int_rows;
+  sh->parts = std::clamp<int64_t>(want, 1, std::max<int64_t>(1, by_rows ? M / 24 : nb / 4));
   std::unique_ptr<float[]> partial;
   sh->partial = nullptr;
-  if (sh->parts > 1 && !sh->panels) {
+  if (sh->parts > 1 && !by_rows) {
     partial.reset(new float[sh->parts * M * N]);
     sh->partial = partial.get();
   }
@@ -937,14 +958,14 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   // Panels (a prompt's chunk: milliseconds a call) go to XLA's pool, whose threads the prompt's
   // other ops use too: spinning helpers competed with them (512 tokens: 771-849 ms against
   // 605-664 through the pool). Streams (decode: tens of microseconds a call) go to the spinners.
-  if (sh->panels) {
+  if (by_rows) {
     for (int64_t h = 0; h < std::min<int64_t>(threads - 1, sh->units() - 1); ++h) pool.Schedule([sh] { sh->work(); });
   } else if (threads > 1 && sh->units() > 1) {
     spinners->submit(sh);
   }
   sh->work();
   while (sh->done.load(std::memory_order_acquire) < sh->units()) std::this_thread::yield();
-  if (sh->parts > 1 && !sh->panels) {
+  if (sh->parts > 1 && !by_rows) {
     float* out = y->typed_data();
     std::memcpy(out, partial.get(), M * N * sizeof(float));
     for (int64_t r = 1; r < sh->parts; ++r)
