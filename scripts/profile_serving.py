@@ -35,6 +35,8 @@ def rss() -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--activations", default="float32", choices=["float32", "int8"],
+                    help="what the packed weights multiply (`Model`'s activations)")
     args = ap.parse_args()
     mem = [("python", rss())]
     import jax
@@ -49,7 +51,7 @@ def main() -> None:
     from tinyloop_jax.model import qarray
     from tinyloop_jax.serving import step as S
 
-    model = tl.Model.from_pretrained("smollm2")
+    model = tl.Model.from_pretrained("smollm2", activations=args.activations)
     gc.collect()
     mem.append((f"+ the model ({model.nbytes / 2**20:.0f} MiB of weights)", rss()))
     c, p = model.weights.config, model.weights.params
