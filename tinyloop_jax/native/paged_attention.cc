@@ -245,18 +245,25 @@ void step64(int64_t, const float* qv, const float* kq, const float* vq, int64_t 
 }
 #endif
 
-// Row r, KV head g: every real query of the row, for the G query heads of g, a page of keys at a
-// time (one online-softmax STEP per page and query head, inlined).
+// Keys an online-softmax step reads: up to this many of a row's consecutive pages (a page of 16
+// keys a step spent as much on the step's bookkeeping, its max, rescale and exponentials, as on
+// the dot products)
+constexpr int64_t kBlockKeys = 64;
+
+// Row r, KV head g: every real query of the row, for the G query heads of g, a run of up to
+// kBlockKeys / P consecutive pages at a time (their keys contiguous in kb, vb; one
+// online-softmax STEP per run and query head, inlined).
 template <auto STEP>
 void unit(const Job& j, int64_t r, int64_t g, std::vector<float>& buf) {
   const int64_t G = j.H / j.KV, hd = j.hd, T = j.T, P = j.P;
+  const int64_t B = std::max<int64_t>(1, kBlockKeys / P);  // pages a run
   const int64_t n = std::clamp<int64_t>(j.n_new[r], 0, T), s0 = j.start[r];
   const int64_t len = s0 + n;  // live positions after the step
   const int64_t window = j.windows[r];
-  buf.resize(2 * P * hd + T * G * (hd + 2) + P + 16);
+  buf.resize(2 * B * P * hd + T * G * (hd + 2) + B * P + 16);
   float* kb = buf.data();
-  float* vb = kb + P * hd;
-  float* acc = vb + P * hd;
+  float* vb = kb + B * P * hd;
+  float* acc = vb + B * P * hd;
   float* m = acc + T * G * hd;
   float* l = m + T * G;
   float* sc = l + T * G;
@@ -264,12 +271,21 @@ void unit(const Job& j, int64_t r, int64_t g, std::vector<float>& buf) {
   std::fill(m, m + T * G, -INFINITY);
   std::fill(l, l + T * G, 0.f);
   const int64_t lo = window > 0 ? std::max<int64_t>(0, s0 - window + 1) : 0;
-  for (int64_t e = lo / P; e * P < len && e < j.R; ++e) {
-    const int64_t page = j.table[r * j.R + e];
-    if (page < 0 || page >= j.NP) continue;
-    const int64_t p0 = std::max(e * P, lo), p1 = std::min(e * P + P, len);  // keys [p0, p1)
-    load_block(j, j.k, g, page, p0 - e * P, p1 - p0, kb);
-    load_block(j, j.v, g, page, p0 - e * P, p1 - p0, vb);
+  for (int64_t e = lo / P; e * P < len && e < j.R;) {
+    const int64_t p0 = std::max(e * P, lo);
+    int64_t p1 = p0, e1 = e;  // keys [p0, p1) of pages [e, e1), all valid
+    for (; e1 < e + B && e1 * P < len && e1 < j.R; ++e1) {
+      const int64_t page = j.table[r * j.R + e1];
+      if (page < 0 || page >= j.NP) break;
+      const int64_t a = std::max(e1 * P, lo), b = std::min(e1 * P + P, len);
+      load_block(j, j.k, g, page, a - e1 * P, b - a, kb + (a - p0) * hd);
+      load_block(j, j.v, g, page, a - e1 * P, b - a, vb + (a - p0) * hd);
+      p1 = b;
+    }
+    if (e1 == e) {  // an invalid entry: its keys are not read
+      ++e;
+      continue;
+    }
     for (int64_t t = 0; t < n; ++t) {
       const int64_t pq = s0 + t;
       const int64_t a0 = window > 0 ? std::max(p0, pq - window + 1) : p0, a1 = std::min(p1, pq + 1);
@@ -280,6 +296,7 @@ void unit(const Job& j, int64_t r, int64_t g, std::vector<float>& buf) {
              acc + i * hd, m[i], l[i], sc);
       }
     }
+    e = e1;
   }
   for (int64_t t = 0; t < T; ++t)
     for (int64_t a = 0; a < G; ++a) {
