@@ -266,3 +266,7 @@ def test_cli_weights_flag(packed_file, capsys):
     assert outs["as-stored"] == outs["float"]  # packed == dequantized, greedy
     assert outs["int4"].startswith("the cat")
     assert tinyloop(capsys, "generate", "--model", packed_file, "--weights", "int3", "x").returncode == 2
+    r = tinyloop(capsys, "generate", "--model", packed_file, "--kv-mode", "fp32", "--activations", "int8",
+                 "--max-tokens", "6", "the cat")
+    assert r.returncode == 0 and r.stdout.startswith("the cat"), r.stderr
+    assert tinyloop(capsys, "generate", "--model", packed_file, "--activations", "int4", "x").returncode == 2
