@@ -143,7 +143,7 @@ def qmatmul(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array | None, fmt: 
     """x [..., K] @ a packed [K, n] weight in qarray's kernel layout (`qarray.tile`: q [C, K/S,
     R, 64], d and m [C, K/S, 64], C = ceil(n / 64); m None for formats without one) -> float32 [..., n].
     `dense(x, q, d, m)`: the same product through XLA, for a vmap that batches the weight itself
-    (given x already rounded where act is "int8"). `act`: "float32", or "int8": each row's inputs
+    (it rounds x itself where act is "int8"). `act`: "float32", or "int8": each row's inputs
     rounded to 8 bits per 32 (`qarray.round_activations`) and, where the CPU has AVX-512 VNNI,
     multiplied as integers (Q8_0, Q4_0, Q4_1)."""
     if (fmt, n, act) not in _kernels:
