@@ -20,7 +20,9 @@ from safetensors.numpy import load_file
 
 import tinyloop_jax as tl
 from tinyloop_jax.api import functional as F
+from tinyloop_jax.api.prefix import tree_equal
 from tinyloop_jax.formats import hub
+from tinyloop_jax.model import cache as kvc
 from tinyloop_jax.model import qarray
 from tinyloop_jax.model import transformer as tf
 
@@ -156,6 +158,42 @@ def test_engine_equals_generate(golden):
         got = [h.result() for h in handles]
     for (p, kw), tokens in zip(work, got):
         assert tokens == m.generate(p, max_tokens=12, **kw), kw
+
+
+def test_local_layers_hold_only_their_window(golden, tmp_path):
+    """Past a window, each local layer's cache is a ring of its window (8 positions: 16 slots)
+    and the global layer holds every position: in a prefix (its bytes), read by suffixes (==
+    recompute, == transformers' logits), continued by a PrefixStore only where the ring still
+    holds the matched part's window, saved and loaded, and served by the engine from the store."""
+    m = tl.Model.from_pretrained(TINY, kv_mode="fp32", dtype="float32")
+    p, want = golden["prompt_40"], golden["logits_40"]
+    prefix = m.build_prefix_cache(p[:36])
+    c = prefix.cache
+    assert (c.rings, c.capacity, c.ring_capacity) == ((0, 1, 2, 3, 4), 64, 16)
+    assert [e["k"].shape[-2] for e in c.pre] == [16] * 5 and c.loop["k"].shape[-2] == 64
+    assert sorted(np.asarray(c.ring_pos).tolist()) == list(range(20, 36))
+    whole = kvc.cache_nbytes("fp32", 6, 1, 64, 32)
+    assert prefix.nbytes == kvc.cache_nbytes("fp32", 6, 1, 64, 32, rings=5, ring_capacity=16) < 0.45 * whole
+    np.testing.assert_allclose(m.next_token_logits_from_prefix(prefix, p[36:40]), want[39], **PARITY)
+    assert m.generate_from_prefix_cache(prefix, suffix=p[36:], max_tokens=8) == m.generate(p, max_tokens=8)
+
+    store = tl.PrefixStore(m, loops=1)
+    store.prefix_for(p[:36])
+    tail = (p[:6] + 1) % 96
+    near, far = np.concatenate([p[:30], tail]), np.concatenate([p[:12], tail])
+    assert store.generate(near, max_tokens=6) == m.generate(near, max_tokens=6)
+    assert store.stats()["tokens_reused"] == 30  # the ring holds positions 20..35: 22..29 are in it
+    assert store.generate(far, max_tokens=6) == m.generate(far, max_tokens=6)
+    assert store.stats()["tokens_reused"] == 30  # 4..11 are not: prefilled whole
+    with pytest.raises(ValueError, match="k=12"):
+        F.extend_prefix(prefix, 12, far)
+
+    prefix.save(str(tmp_path / "p"))
+    back = tl.PrefixCache.load(str(tmp_path / "p"), m)
+    assert back.cache.rings == c.rings and tree_equal(back.cache, c)
+    with tl.Engine(m, max_batch=2, prefill_chunk=16, store=store) as eng:
+        got = [eng.submit(q, max_tokens=6).result() for q in (near, p[:38])]
+    assert got == [m.generate(near, max_tokens=6), m.generate(p[:38], max_tokens=6)]
 
 
 LOOPED = dict(block="llama", vocab_size=96, d_model=64, n_heads=4, n_kv_heads=1, head_dim=32, intermediate_size=96,

@@ -18,6 +18,7 @@ The seed-000 pair is a few lines on top of it:
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import jax
@@ -59,10 +60,25 @@ def empty_cache(weights: Weights, n_tokens: int, loops: int | None = None, cache
     those of the model's mode, see `transformer.block`)."""
     c = weights.config
     loops = c.default_loops if loops is None else loops
+    rings, ring = ring_plan(c, n_tokens, cache_window)
     own = kvc.empty(kv_mode or c.kv_mode, c.n_pre_blocks, loops, c.n_kv_heads,
                     kvc.segment_capacity(n_tokens, cache_window), c.head_dim, batch, c.loop_blocks, c.d_model,
-                    c.n_post_blocks, c.mesh)
+                    c.n_post_blocks, c.mesh, rings, ring)
     return own.replace(length=jnp.full(own.length.shape, start, jnp.int32))
+
+
+def ring_plan(c, n_tokens: int, cache_window: int = 0) -> tuple[tuple, int]:
+    """The pre layers of `c` held as rings of their window (`cache.ring_plan`), and its slots.
+    `TINYLOOP_LAYER_RINGS=0`: none (every layer holds the whole segment: a benchmark's other arm)."""
+    if os.environ.get("TINYLOOP_LAYER_RINGS", "1") == "0":
+        return (), 0
+    return kvc.ring_plan([c.block_window(j) for j in range(c.n_pre_blocks)], n_tokens, cache_window)
+
+
+def ring_window(c, cache_window: int = 0) -> int:
+    """The most positions a ring layer of `c` looks back over (0: no block has a window)."""
+    need = [w if cache_window <= 0 else min(w, cache_window) for w in map(c.block_window, range(c.n_pre_blocks))]
+    return max(need, default=0)
 
 
 def prefill(weights: Weights, tokens, cache: KVCache, ro: tuple = (), start_pos: int | None = None,
@@ -104,8 +120,9 @@ def _wrap(weights: Weights, own: KVCache, prompt: np.ndarray, loops: int, window
 
 def prefix_nbytes(weights: Weights, n_tokens: int, loops: int, cache_window: int = 0) -> int:
     c = weights.config
+    rings, ring = ring_plan(c, n_tokens, cache_window)
     return kvc.cache_nbytes(c.kv_mode, c.n_cache_layers(loops), c.n_kv_heads,
-                            kvc.segment_capacity(n_tokens, cache_window), c.head_dim, c.d_model)
+                            kvc.segment_capacity(n_tokens, cache_window), c.head_dim, c.d_model, len(rings), ring)
 
 
 def build_prefix(weights: Weights, prompt, loops: int | None = None, cache_window: int = 0,
@@ -132,8 +149,12 @@ def extend_prefix(source: PrefixCache, k: int, prompt, exit: Exit | None = None)
     w, loops, window = source.weights, source.loops, source.cache_window
     prompt = np.asarray(prompt, np.int32)
     w.config.check_positions(len(prompt), "the prompt")
+    if not 0 < k < len(prompt) or not kvc.holds(source.cache, k, window, ring_window(w.config, window)):
+        raise ValueError(f"k={k}: the source does not hold what its first {k} positions need "
+                         f"(a prompt of {len(prompt)} tokens, the source's ring or window is shorter)")
+    rings, ring = ring_plan(w.config, len(prompt), window)
     own = programs.copy_prefix(source.cache, jnp.int32(k), capacity=kvc.segment_capacity(len(prompt), window),
-                             passes=loops)
+                               passes=loops, rings=rings, ring_capacity=ring)
     out = programs.prefill_prefix(w.params, w.config, jnp.asarray(pad(prompt[k:])), jnp.int32(len(prompt) - k),
                                   jnp.int32(k), jnp.asarray(programs.token_mask([prompt], w.config.vocab_size)[0]),
                                   own, loops=loops, window=window, keep_state=False, exit=exit,

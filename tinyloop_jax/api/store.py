@@ -25,7 +25,7 @@ import threading
 import numpy as np
 
 from . import functional as F
-from ..model import sharding
+from ..model import cache as kvc
 from . import validation as check
 from .prefix import PrefixCache
 from .radix import RadixIndex, Recency
@@ -185,13 +185,14 @@ class PrefixStore:
     def _usable(self, entry: PrefixCache, k: int, n_prompt: int) -> int:
         """How many of the k matched positions this entry can hand over: the next-token logits
         are stored only for an entry's last position, so a full-prompt match inside a longer
-        entry re-runs its last token; a ring buffer (window) must still hold the last W of them."""
+        entry re-runs its last token; a ring buffer (the window, or a layer's own) must still hold
+        the last W of them."""
         if k == n_prompt and len(entry) > k:
             k -= 1
-        if self.cache_window > 0 and k > 0:
-            held = set(sharding.to_host(entry.cache.pos).tolist())
-            if any(p not in held for p in range(max(0, k - self.cache_window), k)):
-                return 0
+        c = self.model.weights.config
+        if k > 0 and (self.cache_window > 0 or entry.cache.rings) and not kvc.holds(
+                entry.cache, k, self.cache_window, F.ring_window(c, self.cache_window)):
+            return 0
         return k
 
     def generate(self, prompt, max_tokens: int = 32, temperature: float = 0.0, top_k: int = 50, top_p: float = 1.0,

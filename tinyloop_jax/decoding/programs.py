@@ -228,4 +228,4 @@ def materialize(params: Params, cfg: ModelConfig, seg: KVCache, passes: int) -> 
     return tf.materialize(params, cfg, seg, passes)
 
 
-copy_prefix = jax.jit(kvc.copy_prefix, static_argnames=("capacity", "passes"))
+copy_prefix = jax.jit(kvc.copy_prefix, static_argnames=("capacity", "passes", "rings", "ring_capacity"))

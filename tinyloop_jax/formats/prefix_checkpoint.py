@@ -1,8 +1,8 @@
 """Prefix checkpoints: a `PrefixCache`'s arrays, keyed by tree path, in a `checkpoint` folder.
 
     <path>/tinyloop.json   kind "prefix_cache"; model_fingerprint, kv_mode, loops, cache_window,
-                           n_pre, n_post, prompt_len, layout
-    <path>/arrays/         cache.{pre.j, loop, post.j}.<name>, cache.pos, cache.length, prompt,
+                           n_pre, n_post, prompt_len, layout, rings (the pre layers held as rings)
+    <path>/arrays/         cache.{pre.j, loop, post.j}.<name>, cache.pos (, cache.ring_pos), cache.length, prompt,
                            logits, seen, depth_states (, state)
 
 Plain functions over the prefix's fields: this module reads a prefix's attributes and returns
@@ -36,13 +36,13 @@ def save(path: str, prefix: "PrefixCache") -> None:
     if cache.passes > prefix.loops:
         cache, states, state = first_passes(cache, prefix.loops), states[:len(cache.pre) + prefix.loops], None
     tree = dict(cache=dict(pre=list(cache.pre), loop=cache.loop, post=list(cache.post), pos=cache.pos,
-                           length=cache.length),
+                           length=cache.length, **({} if cache.ring_pos is None else dict(ring_pos=cache.ring_pos))),
                 prompt=prefix.prompt, logits=prefix.logits, seen=prefix.seen, depth_states=states)
     if state is not None:
         tree["state"] = state
     meta = dict(model_fingerprint=prefix.model_fingerprint, loops=prefix.loops, cache_window=prefix.cache_window,
                 kv_mode=cache.kv_mode.name, n_pre=len(cache.pre), n_post=len(cache.post), prompt_len=len(prefix.prompt),
-                layout=LAYOUT, seed=prefix.seed)
+                layout=LAYOUT, seed=prefix.seed, rings=list(cache.rings))
     checkpoint.save(path, KIND, checkpoint.flatten(tree), meta)
 
 
@@ -69,7 +69,9 @@ def load(path: str, fingerprint: str, mesh=None) -> dict:
     cache = KVCache(pre=tuple(field(f"cache.pre.{j}") for j in range(int(meta["n_pre"]))), loop=loop,
                     pos=jnp.asarray(arrays["cache.pos"]), length=jnp.asarray(arrays["cache.length"]),
                     kv_mode=meta["kv_mode"],
-                    post=tuple(field(f"cache.post.{j}") for j in range(int(meta.get("n_post", 0)))))
+                    post=tuple(field(f"cache.post.{j}") for j in range(int(meta.get("n_post", 0)))),
+                    ring_pos=jnp.asarray(arrays["cache.ring_pos"]) if meta.get("rings") else None,
+                    rings=tuple(meta.get("rings", ())))
     if mesh is not None:  # saved from anywhere: placed on this model's mesh
         cache = sharding.place_cache(cache, mesh)
     prompt = arrays["prompt"].copy()

@@ -14,6 +14,8 @@ writes only its own:
     post[j]  = like pre[j]                                    one per coda block (after the loop)
     pos      = [C] int32: absolute position held by each slot, -1 = empty
     length   = []  int32: one past the last position written
+    rings    = pre blocks with a window of their own (Gemma's local layers), sized by it:
+    ring_pos = [Cw] int32: the positions their Cw < C slots hold (None: no such layers)
 
 Cache layer n_pre + t * k + j is pass t, loop block j: `loop[n][t, j]`; the coda's layers come
 last. Coda K/V depend on the depth the loop ran to, so they belong to one depth. Stacking the passes
@@ -24,7 +26,9 @@ less. A batch of segments (one per request) has a leading request axis on every 
 
 Slot of position p is `p % C`. A contiguous run of at most C positions never collides, so the
 same rule serves a full cache (C >= tokens) and a sliding-window ring buffer (C >= W: old
-positions are overwritten, and attention masks by position anyway).
+positions are overwritten, and attention masks by position anyway). A pre block with a window
+of its own holds only a ring of Cw >= W slots when the segment is longer (`ring_plan`): its
+layer reads `ring_pos` instead of `pos` (`pre_pos`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from . import sharding
@@ -47,13 +52,27 @@ class KVCache:
     length: jax.Array  # [..] int32
     kv_mode: KVMode = struct.field(pytree_node=False)  # a mode name is parsed on construction
     post: tuple = ()  # tuple[dict, ...], one per coda block
+    ring_pos: jax.Array | None = None  # [.., Cw] int32: the ring layers' positions (None: no ring)
+    rings: tuple = struct.field(pytree_node=False, default=())  # pre blocks holding Cw slots
 
     def __post_init__(self):
         object.__setattr__(self, "kv_mode", parse_mode(self.kv_mode))
+        object.__setattr__(self, "rings", tuple(int(j) for j in self.rings))
+        if bool(self.rings) != (self.ring_pos is not None):
+            raise ValueError(f"rings={self.rings} and ring_pos must come together")
 
     @property
     def capacity(self) -> int:
         return int(self.pos.shape[-1])
+
+    @property
+    def ring_capacity(self) -> int:
+        """Slots of the ring layers (the capacity when there are none)."""
+        return self.capacity if self.ring_pos is None else int(self.ring_pos.shape[-1])
+
+    def pre_pos(self, j: int) -> jax.Array:
+        """The positions pre layer j's slots hold."""
+        return self.ring_pos if j in self.rings else self.pos
 
     @property
     def passes(self) -> int:
@@ -105,11 +124,35 @@ def segment_capacity(n_tokens: int, cache_window: int) -> int:
 
 
 def cache_nbytes(kv_mode: str | KVMode, n_layers: int, n_kv_heads: int, capacity: int, head_dim: int,
-                 d_model: int | None = None) -> int:
-    """Bytes of a segment of n_layers cache layers (d_model, the width h modes store, defaults
-    to n_kv_heads * head_dim)."""
+                 d_model: int | None = None, rings: int = 0, ring_capacity: int = 0) -> int:
+    """Bytes of a segment of n_layers cache layers, `rings` of them of ring_capacity slots
+    (d_model, the width h modes store, defaults to n_kv_heads * head_dim)."""
     d_model = n_kv_heads * head_dim if d_model is None else d_model
-    return n_layers * parse_mode(kv_mode).layer_nbytes(n_kv_heads, capacity, head_dim, d_model) + capacity * 4 + 4
+    size = lambda c: parse_mode(kv_mode).layer_nbytes(n_kv_heads, c, head_dim, d_model)  # noqa: E731
+    ring = rings * size(ring_capacity) + ring_capacity * 4 if rings else 0
+    return (n_layers - rings) * size(capacity) + ring + capacity * 4 + 4
+
+
+def ring_plan(windows, n_tokens: int, cache_window: int = 0, spare: int = 0) -> tuple[tuple, int]:
+    """Which pre layers hold a ring of their own, and its slots: windows, each pre block's own
+    window (0: none); a segment for n_tokens positions (or the last cache_window of them). A
+    block with a window needs only its last W (the call's window, if smaller) plus `spare`
+    (positions written ahead and rolled back); when that is no smaller than the segment, every
+    layer keeps the segment's slots: ((), 0)."""
+    need = {j: w if cache_window <= 0 else min(w, cache_window) for j, w in enumerate(windows) if w > 0}
+    if not need:
+        return (), 0
+    ring = bucket(min(n_tokens, max(need.values()) + spare))
+    return (tuple(need), ring) if ring < segment_capacity(n_tokens, cache_window) else ((), 0)
+
+
+def holds(seg: KVCache, k: int, cache_window: int, ring_window: int) -> bool:
+    """Host check: can seg's first k positions be continued (`copy_prefix`)? Every layer must
+    still hold the last cache_window of them (0: all), its ring layers the last ring_window."""
+    def has(pos, w):
+        held = set(np.asarray(jax.device_get(pos)).reshape(-1).tolist())
+        return all(p in held for p in range(max(0, k - w) if w > 0 else 0, k))
+    return has(seg.pos, cache_window) and (seg.ring_pos is None or has(seg.ring_pos, ring_window))
 
 
 def free_bytes() -> int | None:
@@ -144,18 +187,20 @@ def check_fits(need: int, what: str) -> None:
 
 def empty(kv_mode: str | KVMode, n_pre: int, passes: int, n_kv_heads: int, capacity: int, head_dim: int,
           batch: int | None = None, loop_blocks: int = 1, d_model: int | None = None, n_post: int = 0,
-          mesh=None) -> KVCache:
+          mesh=None, rings: tuple = (), ring_capacity: int = 0) -> KVCache:
     """A fresh segment of n_pre pre layers, `passes` passes of `loop_blocks` layers and n_post
-    coda layers (with `batch`: one per request, every array with a leading request axis). With
-    a mesh, every array is allocated in its shards (`sharding.cache_spec`). Out of memory is a
-    RuntimeError."""
+    coda layers (with `batch`: one per request, every array with a leading request axis); the
+    pre layers in `rings` hold ring_capacity slots (`ring_plan`). With a mesh, every array is
+    allocated in its shards (`sharding.cache_spec`). Out of memory is a RuntimeError."""
     mode = parse_mode(kv_mode)
     lead = () if batch is None else (batch,)
     d_model = n_kv_heads * head_dim if d_model is None else d_model
     layers = n_pre + passes * loop_blocks + n_post
-    check_fits(cache_nbytes(kv_mode, layers, n_kv_heads, capacity, head_dim, d_model) * (batch or 1),
-               f"a KV cache of {layers} layers x {capacity} slots ({kv_mode})")
+    rings = tuple(rings) if ring_capacity else ()
+    check_fits(cache_nbytes(kv_mode, layers, n_kv_heads, capacity, head_dim, d_model, len(rings), ring_capacity)
+               * (batch or 1), f"a KV cache of {layers} layers x {capacity} slots ({kv_mode})")
     shapes = mode.layer_shapes(n_kv_heads, capacity, head_dim, d_model)
+    ring_shapes = mode.layer_shapes(n_kv_heads, ring_capacity, head_dim, d_model) if rings else shapes
 
     def zeros(shape, dtype, head_axis=None, fill=0):
         if mesh is None:
@@ -164,11 +209,12 @@ def empty(kv_mode: str | KVMode, n_pre: int, passes: int, n_kv_heads: int, capac
         return sharding.zeros(shape, dtype, spec, mesh, fill)
 
     try:
-        layer = lambda: {n: zeros(lead + s, d, len(lead)) for n, (s, d) in shapes.items()}  # noqa: E731
+        layer = lambda sh=shapes: {n: zeros(lead + s, d, len(lead)) for n, (s, d) in sh.items()}  # noqa: E731
         loop = {n: zeros(lead + (passes, loop_blocks) + s, d, len(lead) + 2) for n, (s, d) in shapes.items()}
-        return KVCache(pre=tuple(layer() for _ in range(n_pre)), loop=loop, pos=zeros(lead + (capacity,), jnp.int32,
-                                                                                       fill=-1),
-                       length=zeros(lead, jnp.int32), kv_mode=mode, post=tuple(layer() for _ in range(n_post)))
+        return KVCache(pre=tuple(layer(ring_shapes if j in rings else shapes) for j in range(n_pre)), loop=loop,
+                       pos=zeros(lead + (capacity,), jnp.int32, fill=-1), length=zeros(lead, jnp.int32), kv_mode=mode,
+                       post=tuple(layer() for _ in range(n_post)),
+                       ring_pos=zeros(lead + (ring_capacity,), jnp.int32, fill=-1) if rings else None, rings=rings)
     except Exception as e:  # noqa: BLE001 - XLA reports OOM as a generic runtime error
         if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
             raise RuntimeError(f"out of memory while allocating a KV cache: {e}") from e
@@ -253,22 +299,39 @@ def append_passes(seg: KVCache, more: KVCache) -> KVCache:
 
 def rollback(own: KVCache, length: jax.Array) -> KVCache:
     """Forget every position >= length (slots stay, masked by their position)."""
-    return own.replace(pos=jnp.where(own.pos < length, own.pos, -1), length=length.astype(jnp.int32))
+    forget = lambda p: None if p is None else jnp.where(p < length, p, -1)  # noqa: E731
+    return own.replace(pos=forget(own.pos), ring_pos=forget(own.ring_pos), length=length.astype(jnp.int32))
 
 
-def copy_prefix(src: KVCache, k: jax.Array, capacity: int, passes: int) -> KVCache:
+def copy_prefix(src: KVCache, k: jax.Array, capacity: int, passes: int, rings: tuple = (),
+                ring_capacity: int = 0) -> KVCache:
     """A new segment of `capacity` slots holding src's positions in [k - capacity, k) (those
     src still holds) and its first `passes` passes, length k: the first k tokens of a cached
-    prompt, ready to be extended. Stored values are copied as they are (no re-quantization)."""
-    s = jnp.arange(capacity)
-    p = s + capacity * ((k - 1 - s) // capacity)  # the last position < k that lands in slot s
-    src_slot = p % src.capacity
-    ok = (p >= 0) & (src.pos[src_slot] == p)
+    prompt, ready to be extended; its pre layers in `rings` hold ring_capacity slots (the last
+    ones src holds). Stored values are copied as they are (no re-quantization)."""
+    rings = tuple(rings) if ring_capacity else ()
+    if src.rings and not set(rings) <= set(src.rings):
+        raise ValueError(f"rings={rings}: the source's ring layers are {src.rings}")
 
-    def take(a: jax.Array) -> jax.Array:  # a [..., lead, C, w]: slot axis -2
+    def plan(src_pos: jax.Array, C: int):
+        s = jnp.arange(C)
+        p = s + C * ((k - 1 - s) // C)  # the last position < k that lands in slot s
+        src_slot = p % src_pos.shape[-1]
+        ok = (p >= 0) & (src_pos[src_slot] == p)
+        return src_slot, ok, jnp.where(ok, p, -1).astype(jnp.int32)
+
+    def take(a: jax.Array, how) -> jax.Array:  # a [..., lead, C, w]: slot axis -2
+        src_slot, ok, _ = how
         return jnp.where(ok[:, None], jnp.take(a, src_slot, axis=-2), jnp.zeros((), a.dtype))
 
-    return KVCache(pre=tuple({n: take(a) for n, a in e.items()} for e in src.pre),
-                   loop={n: take(a[:passes]) for n, a in src.loop.items()},
-                   pos=jnp.where(ok, p, -1).astype(jnp.int32), length=jnp.asarray(k, jnp.int32), kv_mode=src.kv_mode,
-                   post=tuple({n: take(a) for n, a in e.items()} for e in src.post))
+    def layer(e: dict, how) -> dict:
+        return {n: take(a, how) for n, a in e.items()}
+
+    full = plan(src.pos, capacity)
+    pre = tuple(layer(e, plan(src.pre_pos(j), ring_capacity if j in rings else capacity))
+                for j, e in enumerate(src.pre))
+    return KVCache(pre=pre, loop={n: take(a[:passes], full) for n, a in src.loop.items()}, pos=full[2],
+                   length=jnp.asarray(k, jnp.int32), kv_mode=src.kv_mode,
+                   post=tuple(layer(e, full) for e in src.post),
+                   ring_pos=plan(src.pre_pos(rings[0]), ring_capacity)[2] if rings else None,
+                   rings=rings)

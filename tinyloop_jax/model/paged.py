@@ -414,16 +414,21 @@ def last_logits(params: Params, cfg: ModelConfig, x: jax.Array, rows: Rows) -> j
 
 def load_segment(pool: PagedKV, seg, pages: jax.Array, start: jax.Array, n: jax.Array) -> PagedKV:
     """Positions [start, n) of a dense segment (a `PrefixCache`'s `model.cache.KVCache`: slot s
-    holds position seg.pos[s], a window's ring included) written into the pages pages [R]
-    (position p: page pages[p // P]), every layer, stored values as they are."""
+    holds position seg.pos[s], a window's ring included; a ring layer's slots seg.ring_pos[s])
+    written into the pages pages [R] (position p: page pages[p // P]), every layer, stored values
+    as they are. A ring layer writes only the positions it holds (the last of its window)."""
     P = pool.page_size
-    p = seg.pos
-    page = jnp.where((p >= start) & (p < n), pages[jnp.clip(p // P, 0, pages.shape[0] - 1)], pool.n_pages)
-    off = jnp.maximum(p, 0) % P
-    put = lambda store, layer: write(store, layer, page, off)  # noqa: E731
+
+    def where(p):  # the page and offset of each slot's position (outside [start, n): dropped)
+        page = jnp.where((p >= start) & (p < n), pages[jnp.clip(p // P, 0, pages.shape[0] - 1)], pool.n_pages)
+        return page, jnp.maximum(p, 0) % P
+    page, off = where(seg.pos)
+    ring = where(seg.ring_pos) if seg.rings else None
+    put = lambda store, layer, at=(page, off): write(store, layer, *at)  # noqa: E731
     loop = {k: a.at[:, :, :, page, off].set(seg.loop[k][:a.shape[0]].astype(a.dtype), mode="drop")
             for k, a in pool.loop.items()}
-    return pool.replace(pre=tuple(put(a, b) for a, b in zip(pool.pre, seg.pre)), loop=loop,
+    return pool.replace(pre=tuple(put(a, b, ring if j in seg.rings else (page, off))
+                                  for j, (a, b) in enumerate(zip(pool.pre, seg.pre))), loop=loop,
                         post=tuple(put(a, b) for a, b in zip(pool.post, seg.post)))
 
 

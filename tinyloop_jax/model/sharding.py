@@ -159,7 +159,8 @@ def place_cache(cache, mesh: Mesh):
     layer = lambda e: {n: put(a, 0) for n, a in e.items()}  # noqa: E731
     return cache.replace(pre=tuple(map(layer, cache.pre)), post=tuple(map(layer, cache.post)),
                          loop={n: put(a, 2) for n, a in cache.loop.items()},
-                         pos=put(cache.pos, None), length=put(cache.length, None))
+                         pos=put(cache.pos, None), length=put(cache.length, None),
+                         ring_pos=None if cache.ring_pos is None else put(cache.ring_pos, None))
 
 
 def rows(mesh: Mesh | None, n: int) -> int:

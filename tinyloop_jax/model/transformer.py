@@ -389,11 +389,12 @@ def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Arra
                          + (f"; an injection model takes embeddings [T, D] with every pre layer or its (state | e) "
                             f"carry [T, 2D] with none, got x {tuple(x.shape)}" if inject else ""))
     chunk = make_chunk(start_pos, n_valid, T, own.capacity)
+    ring = make_chunk(start_pos, n_valid, T, own.ring_capacity) if own.rings else None
     last = jnp.maximum(n_valid - 1, 0)
     at_last = lambda x: jax.lax.dynamic_index_in_dim(x, last, axis=0, keepdims=False)  # noqa: E731
     gated = exit is not None and cfg.early_exit_gate
 
-    x, e, pre, states = run_pre(params, cfg, x, chunk, ro, own, window, seed, continuing)
+    x, e, pre, states = run_pre(params, cfg, x, chunk, ro, own, window, seed, continuing, ring)
 
     def one_pass(i, carry):
         x, stack, passes, sel = carry
@@ -410,6 +411,8 @@ def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Arra
     y, post = run_coda(params, cfg, x, chunk, ro, own, own.post, window)
     new_own = own.replace(pre=tuple(pre), loop=loop, post=post,
                           pos=kvc.write_positions(own.pos, chunk.q_pos, chunk.slots, chunk.src),
+                          ring_pos=None if ring is None else kvc.write_positions(own.ring_pos, ring.q_pos, ring.slots,
+                                                                                 ring.src),
                           length=(start_pos + n_valid).astype(jnp.int32))
     if keep_states:
         states = jnp.concatenate([jnp.stack(states), passes]) if states else passes
@@ -426,11 +429,11 @@ def make_chunk(start_pos: jax.Array, n_valid: jax.Array, T: int, capacity: int) 
 
 
 def run_pre(params: Params, cfg: ModelConfig, x: jax.Array, chunk: Chunk, ro: tuple, own: KVCache, window: int,
-            seed: jax.Array | None, continuing: bool = False):
-    """The chunk through own's pre blocks (if it holds them). Returns (the stream entering the
-    first pass [T, D] (injection: the initial state), the pre blocks' output e (injection,
-    else None), own's pre layers with the chunk written, the last real token's stream after each
-    pre block ([D] each))."""
+            seed: jax.Array | None, continuing: bool = False, ring: Chunk | None = None):
+    """The chunk through own's pre blocks (if it holds them; its ring layers written by `ring`,
+    the chunk placed in their slots). Returns (the stream entering the first pass [T, D]
+    (injection: the initial state), the pre blocks' output e (injection, else None), own's pre
+    layers with the chunk written, the last real token's stream after each pre block ([D] each))."""
     inject = rec.injected(cfg)
     last = jnp.maximum(jnp.sum(chunk.self_pos >= 0) - 1, 0)
     if continuing:
@@ -439,9 +442,11 @@ def run_pre(params: Params, cfg: ModelConfig, x: jax.Array, chunk: Chunk, ro: tu
         x = x * cfg.embed_scale
     e = e if continuing else None
     pre, states = [], []
+    ring_own = own.replace(pos=own.ring_pos) if own.rings else None
     for j, store in enumerate(own.pre):
-        layers = [Layer(s.pre[j], s.pos, s.kv_mode) for s in ro]
-        x, store = block(x, params.pre[j], cfg, chunk, layers, own, store, None, window)
+        layers = [Layer(s.pre[j], s.pre_pos(j), s.kv_mode) for s in ro]
+        mine, at = (ring_own, ring) if j in own.rings else (own, chunk)
+        x, store = block(x, params.pre[j], cfg, at, layers, mine, store, None, window)
         pre.append(store)
         states.append(jax.lax.dynamic_index_in_dim(x, last, axis=0, keepdims=False))
     if inject and not continuing:
@@ -512,7 +517,9 @@ def materialize(params: Params, cfg: ModelConfig, seg: KVCache, passes: int) -> 
     loop = {n: a[:passes] for n, a in seg.loop.items()}  # [passes, k, ...]
     per_block = [jax.vmap(lambda e, b=b: kv(e, b))({n: a[:, j] for n, a in loop.items()})
                  for j, b in enumerate(params.loop)]
-    return seg.replace(pre=tuple(kv(e, b) for e, b in zip(seg.pre, params.pre)),
+    pre = tuple(dict(zip("kv", read_kv(cfg, e, b, seg.kv_mode, seg.pre_pos(j))))
+                for j, (e, b) in enumerate(zip(seg.pre, params.pre)))
+    return seg.replace(pre=pre,
                        loop={n: jnp.stack([p[n] for p in per_block], axis=1) for n in "kv"},
                        post=tuple(kv(e, b) for e, b in zip(seg.post, params.post)), kv_mode="fp32")
 

@@ -317,6 +317,8 @@ class Batcher:
         full = min(k, len(prompt) - 1) // self.page_size
         if entry is None or full <= len(shared) or entry.cache.kv_mode != self.cfg.storage:
             return shared
+        if entry.cache.rings:  # its local layers hold only their last window: the pages would be partly empty
+            return shared
         new = d.book.alloc(full - len(shared))
         if new is None:
             return shared
@@ -631,7 +633,7 @@ class Batcher:
             self.jits(loops)["copy_pages"].lower(pool, one, one).compile()
             new.add(("copy", loops))
         if self.store is not None and self.store.loops == loops:  # loads of the store's entries
-            for e in self.store.entries():
+            for e in (e for e in self.store.entries() if not e.cache.rings):
                 R = pow2(-(-len(e.prompt) // P), MIN_TABLE)
                 key = ("load", loops, e.cache.capacity, R)
                 if key not in self.programs and key not in new:
