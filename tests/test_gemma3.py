@@ -196,6 +196,23 @@ def test_local_layers_hold_only_their_window(golden, tmp_path):
     assert got == [m.generate(near, max_tokens=6), m.generate(p[:38], max_tokens=6)]
 
 
+@pytest.mark.parametrize("chunk", [5, 16])
+def test_a_long_prompt_is_prefilled_in_chunks(golden, monkeypatch, chunk):
+    """A prefix longer than `PREFILL_CHUNK` is prefilled a chunk at a time (local layers reading
+    their ring beside each chunk): transformers' logits, and a store's extension (itself in
+    chunks) equals building it whole."""
+    monkeypatch.setattr(F, "PREFILL_CHUNK", chunk)
+    m = tl.Model.from_pretrained(TINY, kv_mode="fp32", dtype="float32")
+    p, want = golden["prompt_40"], golden["logits_40"]
+    prefix = m.build_prefix_cache(p[:37])
+    assert prefix.cache.rings
+    np.testing.assert_allclose(np.asarray(prefix.logits), want[36], **PARITY)
+    np.testing.assert_allclose(m.next_token_logits_from_prefix(prefix, p[37:]), want[39], **PARITY)
+    longer = F.extend_prefix(prefix, 30, p)
+    np.testing.assert_allclose(np.asarray(longer.logits), want[39], **PARITY)
+    assert m.generate_from_prefix_cache(longer, max_tokens=6) == m.generate(p, max_tokens=6)
+
+
 LOOPED = dict(block="llama", vocab_size=96, d_model=64, n_heads=4, n_kv_heads=1, head_dim=32, intermediate_size=96,
               n_pre_blocks=1, loop_blocks=2, default_loops=3, max_seq_len=256, norm_placement="sandwich", qk_norm=True,
               mlp_act="gelu_tanh", embed_scale=8.0, layer_windows=(6, 0, 6), rope_theta=1e6, rope_local_theta=1e4)

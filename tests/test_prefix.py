@@ -84,6 +84,19 @@ def test_prefix_unchanged_after_serial_and_threaded_reuse(models):
     assert same_as(prefix, snap) and len(prefix) == 40
 
 
+@pytest.mark.parametrize("mode,window", [("fp32", 0), ("fp16", 9)])
+def test_long_prompts_are_prefilled_in_chunks(models, monkeypatch, mode, window):
+    """Past `PREFILL_CHUNK` tokens a prefix is prefilled a chunk at a time (8 here): the same
+    logits as one forward of the whole prompt, under a window too."""
+    monkeypatch.setattr(F, "PREFILL_CHUNK", 8)
+    model, p = models[mode], prompt_of(29, seed=8)
+    prefix = model.build_prefix_cache(p[:27], loops=2, cache_window=window)
+    np.testing.assert_allclose(np.asarray(prefix.logits), model.next_token_logits(p[:27], loops=2,
+                                                                                 cache_window=window), **CLOSE)
+    np.testing.assert_allclose(model.next_token_logits_from_prefix(prefix, p[27:]),
+                               model.next_token_logits(p, loops=2, cache_window=window), **CLOSE)
+
+
 @pytest.mark.parametrize("window", [0, 9])
 @pytest.mark.parametrize("loops", [1, 4])
 def test_greedy_from_prefix_equals_greedy_from_full_prompt(models, loops, window):

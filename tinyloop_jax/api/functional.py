@@ -135,12 +135,31 @@ def build_prefix(weights: Weights, prompt, loops: int | None = None, cache_windo
     prompt = np.asarray(prompt, np.int32)
     weights.config.check_positions(len(prompt), "the prompt")
     own = empty_cache(weights, len(prompt), loops, cache_window)
-    tokens, n = jnp.asarray(pad(prompt)), jnp.int32(len(prompt))
+    own, at = (own, 0) if keep_state else _prefill_head(weights, prompt, 0, own, loops, cache_window, seed)
+    tokens, n = jnp.asarray(pad(prompt[at:])), jnp.int32(len(prompt) - at)
     seen = jnp.asarray(programs.token_mask([prompt], weights.config.vocab_size)[0])
-    out = programs.prefill_prefix(weights.params, weights.config, tokens, n, jnp.int32(0), seen, own, loops=loops,
+    out = programs.prefill_prefix(weights.params, weights.config, tokens, n, jnp.int32(at), seen, own, loops=loops,
                                   window=cache_window, keep_state=keep_state, exit=exit, seed=jnp.uint32(seed))
     return _wrap(weights, out.own, prompt, loops, cache_window, out.logits, out.seen, out.depth_states, out.state,
                  seed)
+
+
+# A long prompt's dense prefill runs in chunks of this many tokens: attention's [T, T] scores of one
+# chunk would grow with the square of the prompt (a 32 k-token prompt: gigabytes a layer), and a
+# chunk's windowed layers read only their ring beside it.
+PREFILL_CHUNK = 512
+
+
+def _prefill_head(weights: Weights, prompt: np.ndarray, start: int, own: KVCache, loops: int, window: int,
+                  seed: int) -> tuple[KVCache, int]:
+    """All but the last (1 .. PREFILL_CHUNK) tokens of prompt[start:] appended to own at their
+    positions, a chunk at a time. Returns (own, where the rest begins)."""
+    c, end = weights.config, start + (len(prompt) - start - 1) // PREFILL_CHUNK * PREFILL_CHUNK
+    for at in range(start, end, PREFILL_CHUNK):
+        _, own = programs.prefill(weights.params, c, jnp.asarray(prompt[at:at + PREFILL_CHUNK]),
+                                  jnp.int32(PREFILL_CHUNK), jnp.int32(at), (), own, loops=loops, window=window,
+                                  seed=jnp.uint32(seed))
+    return own, end
 
 
 def extend_prefix(source: PrefixCache, k: int, prompt, exit: Exit | None = None) -> PrefixCache:
@@ -155,6 +174,7 @@ def extend_prefix(source: PrefixCache, k: int, prompt, exit: Exit | None = None)
     rings, ring = ring_plan(w.config, len(prompt), window)
     own = programs.copy_prefix(source.cache, jnp.int32(k), capacity=kvc.segment_capacity(len(prompt), window),
                                passes=loops, rings=rings, ring_capacity=ring)
+    own, k = _prefill_head(w, prompt, k, own, loops, window, source.seed)
     out = programs.prefill_prefix(w.params, w.config, jnp.asarray(pad(prompt[k:])), jnp.int32(len(prompt) - k),
                                   jnp.int32(k), jnp.asarray(programs.token_mask([prompt], w.config.vocab_size)[0]),
                                   own, loops=loops, window=window, keep_state=False, exit=exit,
