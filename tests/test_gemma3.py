@@ -213,6 +213,26 @@ def test_a_long_prompt_is_prefilled_in_chunks(golden, monkeypatch, chunk):
     assert m.generate_from_prefix_cache(longer, max_tokens=6) == m.generate(p, max_tokens=6)
 
 
+def test_engine_keeps_local_layers_to_their_window(golden, monkeypatch):
+    """The engine keeps the local layers' K/V in local slots that follow each row's window
+    (here slots for little more than two rows' windows; by default half the pages'): a long
+    answer, another that takes back the first one's idle slots, a chat's next turn (its last
+    window still held) and a prompt sharing the first one's start (whose window lost its slots:
+    recomputed) equal `generate`."""
+    from tinyloop_jax.serving.batcher import Batcher
+    monkeypatch.setattr(Batcher, "local_slots", lambda self, n: min(n, self.max_batch * self.credits(n) + 2))
+    m = tl.Model.from_pretrained(TINY, kv_mode="fp16", dtype="float32")
+    p = golden["prompt_40"]
+    with tl.Engine(m, max_batch=2, prefill_chunk=16) as eng:
+        run = lambda q, n: (q, n, eng.submit(q, max_tokens=n).result())  # noqa: E731
+        done = [run(p[:30], 60), run((p[5:25] + 7) % 96, 100)]
+        done += [run(np.concatenate([done[0][2], p[30:36]]), 24), run(np.concatenate([p[:34], p[:6]]), 8)]
+        pages = eng.stats()["pages"][1]
+    for q, n, tokens in done:
+        assert tokens == m.generate(q, max_tokens=n)
+    assert pages["local_slots"] < pages["total"] and pages["local_reclaimed"] > 0, pages
+
+
 LOOPED = dict(block="llama", vocab_size=96, d_model=64, n_heads=4, n_kv_heads=1, head_dim=32, intermediate_size=96,
               n_pre_blocks=1, loop_blocks=2, default_loops=3, max_seq_len=256, norm_placement="sandwich", qk_norm=True,
               mlp_act="gelu_tanh", embed_scale=8.0, layer_windows=(6, 0, 6), rope_theta=1e6, rope_local_theta=1e4)
@@ -236,6 +256,25 @@ def test_a_looped_gemma_works_like_the_other_families():
     with tl.Engine(m, max_batch=2, prefill_chunk=16) as eng:
         got = [h.result() for h in [eng.submit(p, max_tokens=8), eng.submit(p[:9], max_tokens=8, loops=2)]]
     assert got == [m.generate(p, max_tokens=8), m.generate(p[:9], max_tokens=8, loops=2)]
+
+
+def test_local_slots_under_speculation_and_exits(monkeypatch):
+    """A looped Gemma's local layer (its pre block, window 6) in scarce local slots: speculative
+    rounds (written ahead, rolled back) and adaptive exits beside a plain row, past the window
+    many times over, equal `generate`."""
+    from tinyloop_jax.serving.batcher import Batcher
+    monkeypatch.setattr(Batcher, "local_slots", lambda self, n: min(n, self.max_batch * self.credits(n, 3) + 2))
+    m = tl.Model.random(tl.ModelConfig(**LOOPED, kv_mode="fp32"), seed=3)
+    rng = np.random.default_rng(6)
+    work = [(rng.integers(0, 96, 21), dict(max_tokens=80, draft_loops=1, lookahead=3)),
+            (rng.integers(0, 96, 9), dict(max_tokens=80, exit_criterion="kl", exit_threshold=1e-3)),
+            (rng.integers(0, 96, 30), dict(max_tokens=80))]
+    with tl.Engine(m, max_batch=3, prefill_chunk=16) as eng:
+        got = [h.result() for h in [eng.submit(q, **kw) for q, kw in work]]
+        pages = eng.stats()["pages"][3]
+    for (q, kw), tokens in zip(work, got):
+        assert tokens == m.generate(q, **kw), kw
+    assert pages["local_slots"] < pages["total"] and pages["local_reclaimed"] > 0, pages
 
 
 def test_packed_gguf_equals_its_dequantized_load(tmp_path):

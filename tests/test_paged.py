@@ -272,6 +272,39 @@ def test_page_book_refuses_misuse():
         PageBook(0, 4)
 
 
+def test_local_slots_follow_windows_and_back_their_credits():
+    """`LocalSlots`: rows hold slots against credits (never more than promised), dropped slots
+    stay idle (their K/V kept) until a hold takes the least recently idle one back, a freed page
+    frees its slot, and a match is cut to where its window still has slots."""
+    book = PageBook(n_pages=8, page_size=4, n_local=3, window=6)
+    local = book.local
+    pages = book.alloc(4)
+    assert local.promise(3) and not local.promise(1)
+    for p in pages[:3]:
+        local.hold(p)
+    assert [local.slot[p] for p in pages[:3]] == [0, 1, 2] and local.available() == 0
+    with pytest.raises(RuntimeError, match="without a credit"):
+        local.hold(pages[3])
+    local.drop(pages[0])  # the window has passed it: idle, its slot still its
+    assert local.has(pages[0]) and local.idle == 1 and local.available() == 0
+    local.hold(pages[3])  # no slot free: the idle one is taken back
+    assert not local.has(pages[0]) and local.slot[pages[3]] == 0 and local.reclaimed == 1
+    book.insert(list(range(16)), pages)  # indexed: a match must see the window before its end
+    # a query at 16 reads positions 11..15 (pages 2, 3: slots), at 8 positions 3..7 (page 0: none)
+    assert book.windowed(pages) == 4 and book.windowed(pages[:2]) == 0
+    for p in pages[1:]:
+        local.drop(p)
+    local.unpromise(3)
+    book.release(pages)  # the index keeps them: slots idle
+    assert local.idle == 3 and local.free == 0
+    book.evict(4)  # freed pages free their slots
+    assert local.free == 3 and local.idle == 0 and local.available() == 3
+    with pytest.raises(RuntimeError, match="dropped more often"):
+        local.drop(pages[1])
+    with pytest.raises(ValueError, match="n_slots=0"):
+        PageBook(4, 4, n_local=0)
+
+
 OPS = st.lists(st.tuples(st.sampled_from(["admit", "extend", "fork", "cancel", "finish", "evict"]),
                          st.integers(0, 7), st.integers(1, 40)), max_size=60)
 

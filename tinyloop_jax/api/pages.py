@@ -21,6 +21,7 @@ previous one to the token).
 
 from __future__ import annotations
 
+import collections
 import itertools
 from typing import Iterable, Sequence
 
@@ -34,13 +35,104 @@ class _Node:
         self.used = 0
 
 
-class PageBook:
-    """Pages 0 .. n_pages - 1 of one pool of `page_size`-token pages."""
+class LocalSlots:
+    """The slots of a pool's local layers (layers with a window of their own: `model.paged`'s
+    `local_map`): a page has a slot while a row whose window covers it holds it, and keeps it
+    idle afterwards (an indexed page's local K/V serve later matches) until a row needs the slot.
 
-    def __init__(self, n_pages: int, page_size: int):
+    Rows hold slots against credits promised when they are admitted (`promise`): each `hold`
+    spends one, each `drop` gives it back, so slots free or idle always cover what is promised
+    and a row never waits for a slot once admitted. A page whose slot was taken back has no
+    local K/V: only queries past its window may read it (`PageBook.windowed`)."""
+
+    def __init__(self, n_slots: int, n_pages: int):
+        if n_slots < 1:
+            raise ValueError(f"n_slots={n_slots} must be >= 1")
+        self.n_slots = n_slots
+        self.slot = [-1] * n_pages  # page -> its slot (-1: none)
+        self.holders = [0] * n_pages
+        self._free = list(range(n_slots - 1, -1, -1))
+        self._idle: collections.OrderedDict = collections.OrderedDict()  # pages with a slot no row holds, LRU first
+        self.promised = 0  # credits promised and not yet spent
+        self.changed = True  # the map differs from the device's copy
+        self.reclaimed = 0  # idle slots taken back for another page
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
+
+    def available(self) -> int:
+        """Slots that can still be promised."""
+        return self.free + self.idle - self.promised
+
+    def promise(self, n: int) -> bool:
+        if n > self.available():
+            return False
+        self.promised += n
+        return True
+
+    def unpromise(self, n: int) -> None:
+        if n > self.promised:
+            raise RuntimeError(f"{n} local credits given back, only {self.promised} promised")
+        self.promised -= n
+
+    def has(self, page: int) -> bool:
+        return self.slot[page] >= 0
+
+    def hold(self, page: int) -> None:
+        """A row's window reaches `page` (spends one of its credits): the page gets a slot (a
+        free one, else the least recently idle page's) unless it has one."""
+        if self.promised < 1:
+            raise RuntimeError("a local slot held without a credit")
+        self.promised -= 1
+        if self.holders[page] == 0:
+            if self.slot[page] >= 0:
+                del self._idle[page]
+            else:
+                if self._free:
+                    s = self._free.pop()
+                else:
+                    old, _ = self._idle.popitem(last=False)
+                    s, self.slot[old] = self.slot[old], -1
+                    self.reclaimed += 1
+                self.slot[page] = s
+                self.changed = True
+        self.holders[page] += 1
+
+    def drop(self, page: int) -> None:
+        """A row's window has passed `page` (its credit back)."""
+        if self.holders[page] <= 0:
+            raise RuntimeError(f"page {page}'s local slot dropped more often than it was held")
+        self.holders[page] -= 1
+        self.promised += 1
+        if self.holders[page] == 0:
+            self._idle[page] = None
+
+    def forget(self, page: int) -> None:
+        """The page is free: so is its slot."""
+        if self.slot[page] >= 0:
+            if self.holders[page]:
+                raise RuntimeError(f"page {page} freed while a row holds its local slot")
+            del self._idle[page]
+            self._free.append(self.slot[page])
+            self.slot[page] = -1
+            self.changed = True
+
+
+class PageBook:
+    """Pages 0 .. n_pages - 1 of one pool of `page_size`-token pages (with n_local: and the
+    `LocalSlots` of its local layers, whose window is `window` positions)."""
+
+    def __init__(self, n_pages: int, page_size: int, n_local: int | None = None, window: int = 0):
         if n_pages < 1:
             raise ValueError(f"n_pages={n_pages} must be >= 1")
         self.n_pages, self.page_size = n_pages, page_size
+        self.local = None if n_local is None else LocalSlots(n_local, n_pages)
+        self.window = window
         self.refs = [0] * n_pages
         self._free = list(range(n_pages - 1, -1, -1))  # a stack: low ids first
         self._roots: dict = {}  # namespace -> the root of its tree
@@ -97,6 +189,8 @@ class PageBook:
             self.refs[p] -= 1
             if self.refs[p] == 0:
                 self._free.append(p)
+                if self.local is not None:
+                    self.local.forget(p)
 
     def alloc(self, n: int) -> list[int] | None:
         """n pages held once by the caller, evicting cached pages if needed; None (nothing
@@ -109,6 +203,20 @@ class PageBook:
         for p in out:
             self.refs[p] = 1
         return out
+
+    def windowed(self, pages: Sequence[int], tail: int | None = None, extra: int = 0) -> int:
+        """How many of `pages` (a match: positions from 0) a request can start after, reading
+        its local layers: the most m whose last window (of a first query at m P + extra, the
+        partial page `tail` after them copied in) has local slots. Without local slots: all."""
+        if self.local is None:
+            return len(pages)
+        P, W = self.page_size, self.window
+        for m in range(len(pages), -1, -1):
+            q = m * P + (extra if m == len(pages) and tail is not None else 0)
+            need = list(pages[max(0, q - W + 1) // P:m]) + ([tail] if q > m * P else [])
+            if all(self.local.has(p) for p in need):
+                return m
+        return 0
 
     # ---- the index ---------------------------------------------------------------------------
 

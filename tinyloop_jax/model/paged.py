@@ -52,13 +52,18 @@ class PagedKV:
     """A pool of pages (see the module doc): every cache layer of one depth, page-major inside
     each head, in `kv_mode`'s stored arrays."""
 
-    pre: tuple  # tuple[dict[str, Array [lead, NP, P, w]], ...]
+    pre: tuple  # tuple[dict[str, Array [lead, NP, P, w]], ...] (local layers: [lead, NL, P, w])
     loop: dict  # dict[str, Array [L, k, lead, NP, P, w]]
     kv_mode: KVMode = struct.field(pytree_node=False)
     post: tuple = ()
+    # The pre blocks with a window of their own kept in local slots (see `local_map`), and each
+    # page's slot (-1: none); () and None: every layer on the pages themselves.
+    slot_of: jax.Array | None = None  # int32 [NP]
+    local: tuple = struct.field(pytree_node=False, default=())
 
     def __post_init__(self):
         object.__setattr__(self, "kv_mode", parse_mode(self.kv_mode))
+        object.__setattr__(self, "local", tuple(int(j) for j in self.local))
 
     @property
     def _any(self) -> jax.Array:
@@ -75,6 +80,15 @@ class PagedKV:
     @property
     def passes(self) -> int:
         return int(self._any.shape[0])
+
+    @property
+    def n_local(self) -> int:
+        """Local slots (the pages when there are no local layers)."""
+        return int(next(iter(self.pre[self.local[0]].values())).shape[-3]) if self.local else self.n_pages
+
+    def map_of(self, j: int) -> jax.Array | None:
+        """Pre layer j's page -> slot map (None: it is stored on the pages)."""
+        return self.slot_of if j in self.local else None
 
     @property
     def nbytes(self) -> int:
@@ -118,20 +132,42 @@ def page_shapes(mode: KVMode, n_kv_heads: int, n_pages: int, page_size: int, hea
     return out
 
 
-def empty(cfg: ModelConfig, passes: int, n_pages: int, page_size: int = PAGE_SIZE, kv_mode=None) -> PagedKV:
+def local_layers(cfg: ModelConfig) -> tuple:
+    """The pre blocks with a window of their own (Gemma's local layers)."""
+    return tuple(j for j in range(cfg.n_pre_blocks) if cfg.block_window(j) > 0)
+
+
+def empty(cfg: ModelConfig, passes: int, n_pages: int, page_size: int = PAGE_SIZE, kv_mode=None,
+          n_local: int | None = None) -> PagedKV:
     """A pool of n_pages zeroed pages for `cfg`'s layers at depth `passes`, in cfg's kv_mode (or
-    `kv_mode`: a call's working pool, see `block`). Out of memory is a RuntimeError (checked
-    before anything is allocated)."""
+    `kv_mode`: a call's working pool, see `block`); with n_local, the pre blocks with a window of
+    their own in n_local local slots instead (`local_map`; no page has a slot yet). Out of memory
+    is a RuntimeError (checked before anything is allocated)."""
     if page_size < 1 or page_size & (page_size - 1):
         raise ValueError(f"page_size={page_size} must be a power of two")
     mode = cfg.storage if kv_mode is None else parse_mode(kv_mode)
-    layers = cfg.n_cache_layers(passes)
-    need = n_pages * page_nbytes(mode, layers, cfg.n_kv_heads, page_size, cfg.head_dim, cfg.d_model)
+    layers, local = cfg.n_cache_layers(passes), (local_layers(cfg) if n_local is not None else ())
+    size = lambda n, k: n * page_nbytes(mode, k, cfg.n_kv_heads, page_size, cfg.head_dim, cfg.d_model)  # noqa: E731
+    need = size(n_pages, layers - len(local)) + (size(n_local, len(local)) if local else 0)
     kvc.check_fits(need, f"a page pool of {n_pages} pages x {page_size} tokens x {layers} layers ({mode})")
     shapes = page_shapes(mode, cfg.n_kv_heads, n_pages, page_size, cfg.head_dim, cfg.d_model)
-    layer = lambda lead=(): {n: jnp.zeros(lead + s, d) for n, (s, d) in shapes.items()}  # noqa: E731
-    return placed(PagedKV(pre=tuple(layer() for _ in range(cfg.n_pre_blocks)), loop=layer((passes, cfg.loop_blocks)),
-                          kv_mode=mode, post=tuple(layer() for _ in range(cfg.n_post_blocks))), cfg.mesh)
+    slots = page_shapes(mode, cfg.n_kv_heads, n_local, page_size, cfg.head_dim, cfg.d_model) if local else shapes
+    layer = lambda lead=(), sh=shapes: {n: jnp.zeros(lead + s, d) for n, (s, d) in sh.items()}  # noqa: E731
+    pre = tuple(layer(sh=slots if j in local else shapes) for j in range(cfg.n_pre_blocks))
+    return placed(PagedKV(pre=pre, loop=layer((passes, cfg.loop_blocks)), kv_mode=mode,
+                          post=tuple(layer() for _ in range(cfg.n_post_blocks)),
+                          slot_of=jnp.full((n_pages,), -1, jnp.int32) if local else None, local=local), cfg.mesh)
+
+
+def local_map(slot_of: jax.Array | None, pages: jax.Array, n_slots: int, write: bool = False) -> jax.Array:
+    """Page ids -> the local slots holding a local layer's K/V for them (`PagedKV.slot_of`; None:
+    the pages themselves). A page without a slot reads slot 0 (only pages outside every query's
+    window lose theirs: masked) and its writes, like those past the pool, are dropped."""
+    if slot_of is None:
+        return pages
+    n = slot_of.shape[0]
+    slot = jnp.where(pages < n, slot_of[jnp.clip(pages, 0, n - 1)], -1)
+    return jnp.where(slot >= 0, slot, n_slots) if write else jnp.maximum(slot, 0)
 
 
 def placed(pool: PagedKV, mesh) -> PagedKV:
@@ -165,10 +201,17 @@ def over_data(x: jax.Array, mesh) -> jax.Array:
 
 
 def copy_pages(pool: PagedKV, src: jax.Array, dst: jax.Array) -> PagedKV:
-    """Pages dst [n] <- pages src [n], every layer (copy-on-write of a shared partial page)."""
-    def cp(a):  # [.., lead, NP, P, w]
-        return a.at[..., dst, :, :].set(a[..., src, :, :])
-    return jax.tree.map(cp, pool)
+    """Pages dst [n] <- pages src [n], every layer (copy-on-write of a shared partial page; a
+    local layer copies their slots)."""
+    def cp(layer, m=None):  # [.., lead, NP, P, w]
+        s, d = local_map(m, src, 0), local_map(m, dst, _slots(layer), write=True)
+        return {n: a.at[..., d, :, :].set(a[..., s, :, :], mode="drop") for n, a in layer.items()}
+    return pool.replace(pre=tuple(cp(e, pool.map_of(j)) for j, e in enumerate(pool.pre)), loop=cp(pool.loop),
+                        post=tuple(map(cp, pool.post)))
+
+
+def _slots(layer: dict) -> int:
+    return int(next(iter(layer.values())).shape[-3])
 
 
 # ---- reading and writing one layer ------------------------------------------------------------
@@ -274,15 +317,16 @@ def attention_kernel(cfg: ModelConfig, mode: KVMode | None = None) -> str:
 
 
 def block(x: jax.Array, blk, cfg: ModelConfig, groups: tuple, store: dict, index, window: int,
-          mode: KVMode | None = None):
+          mode: KVMode | None = None, slot_of: jax.Array | None = None):
     """One transformer block on the step's streams x [N, D] (the groups' tokens one after
     another): the step's K/V written into the pages, then each row's queries attend to the row's
     pages. mode: the pool's (default the model's; a call's working pool of an h mode holds
-    float32 K/V, written as the model's mode would give them when read back). Returns (x', store)."""
+    float32 K/V, written as the model's mode would give them when read back). slot_of: a local
+    layer's page -> slot map (`local_map`). Returns (x', store)."""
     pos = jnp.concatenate([g.pos.reshape(-1) for g in groups])
     window = tf.layer_window(window, blk)
     h, q, k, v = tf.qkv_heads(x, blk, cfg, pos)
-    page = jnp.concatenate([g.page for g in groups])
+    page = local_map(slot_of, jnp.concatenate([g.page for g in groups]), _slots(store), write=True)
     off = jnp.concatenate([g.off for g in groups])
     mode = cfg.storage if mode is None else mode
     fresh = cfg.storage.pack(h, k, v)
@@ -296,6 +340,7 @@ def block(x: jax.Array, blk, cfg: ModelConfig, groups: tuple, store: dict, index
     outs, at = [], 0
     for g in groups:
         b, T = g.pos.shape
+        table = local_map(slot_of, g.rows.pages, 0)
         qg = q[:, at:at + b * T].reshape(H, b, T, hd).transpose(1, 0, 2, 3)  # [b, H, T, hd]
         rows_window = None if g.rows.window is None else tf.layer_window(g.rows.window, blk)
         win = jnp.full((b,), window, jnp.int32) if rows_window is None else rows_window  # [b]
@@ -304,13 +349,13 @@ def block(x: jax.Array, blk, cfg: ModelConfig, groups: tuple, store: dict, index
             run = (native.paged_attention if kernel == "native" else
                    functools.partial(paged_pallas.paged_attention, interpret=kernel == "interpret"))
             a = run((qg * hd ** -0.5).transpose(0, 2, 1, 3), store["k"], store["v"], store.get("ks"),
-                    store.get("vs"), g.rows.pages, g.rows.start, g.rows.n_new, jnp.asarray(i, jnp.int32),
+                    store.get("vs"), table, g.rows.start, g.rows.n_new, jnp.asarray(i, jnp.int32),
                     mode.format.name, win, cfg.n_kv_heads).transpose(0, 2, 1, 3)
         else:  # each row's own window (traced), or the step's
             w = win if rows_window is not None else jnp.full((b,), -1, jnp.int32)
             a = jax.vmap(lambda q_, p_, t_, n_, w_: row_attention(
                 cfg, blk, layer, q_, p_, t_, n_, window if rows_window is None else w_, mode))(
-                    qg, g.pos, g.rows.pages, g.length, w)
+                    qg, g.pos, table, g.length, w)
         outs.append(a.transpose(1, 0, 2, 3).reshape(H, b * T, hd))
         at += b * T
     return tf.block_out(x, jnp.concatenate(outs, axis=1), blk, cfg), store
@@ -360,8 +405,8 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
         x = x * cfg.embed_scale
 
     pre = []
-    for blk, store in zip(params.pre, pool.pre):
-        x, store = block(x, blk, cfg, groups, store, None, window, pool.kv_mode)
+    for j, (blk, store) in enumerate(zip(params.pre, pool.pre)):
+        x, store = block(x, blk, cfg, groups, store, None, window, pool.kv_mode, pool.map_of(j))
         pre.append(store)
     e = None
     if inject:
@@ -424,10 +469,12 @@ def load_segment(pool: PagedKV, seg, pages: jax.Array, start: jax.Array, n: jax.
         return page, jnp.maximum(p, 0) % P
     page, off = where(seg.pos)
     ring = where(seg.ring_pos) if seg.rings else None
-    put = lambda store, layer, at=(page, off): write(store, layer, *at)  # noqa: E731
+
+    def put(store, layer, at=(page, off), m=None):
+        return write(store, layer, local_map(m, at[0], _slots(store), write=True), at[1])
     loop = {k: a.at[:, :, :, page, off].set(seg.loop[k][:a.shape[0]].astype(a.dtype), mode="drop")
             for k, a in pool.loop.items()}
-    return pool.replace(pre=tuple(put(a, b, ring if j in seg.rings else (page, off))
+    return pool.replace(pre=tuple(put(a, b, ring if j in seg.rings else (page, off), pool.map_of(j))
                                   for j, (a, b) in enumerate(zip(pool.pre, seg.pre))), loop=loop,
                         post=tuple(put(a, b) for a, b in zip(pool.post, seg.post)))
 
@@ -444,8 +491,11 @@ def to_segment(pool: PagedKV, pages: jax.Array, n: jax.Array, capacity: int) -> 
     P = pool.page_size
     slot = jnp.arange(capacity, dtype=jnp.int32)
     page, off = pages[jnp.clip(slot // P, 0, pages.shape[0] - 1)], slot % P
-    take = lambda layer: {k: a[..., page, off, :] for k, a in layer.items()}  # noqa: E731 - [.., lead, C, w]
-    return kvc.KVCache(pre=tuple(take(s) for s in pool.pre), loop=take(pool.loop),
+
+    def take(layer, m=None):  # [.., lead, C, w]
+        at = local_map(m, page, 0)
+        return {k: a[..., at, off, :] for k, a in layer.items()}
+    return kvc.KVCache(pre=tuple(take(s, pool.map_of(j)) for j, s in enumerate(pool.pre)), loop=take(pool.loop),
                        pos=jnp.where(slot < n, slot, -1), length=jnp.asarray(n, jnp.int32), kv_mode=pool.kv_mode,
                        post=tuple(take(s) for s in pool.post))
 
@@ -455,5 +505,7 @@ def grow(pool: PagedKV, n_pages: int) -> PagedKV:
     extra = n_pages - pool.n_pages
     if extra < 0:
         raise ValueError(f"cannot shrink a pool of {pool.n_pages} pages to {n_pages}")
+    if pool.local:
+        raise ValueError("a pool with local slots does not grow")
     pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 3) + [(0, extra), (0, 0), (0, 0)])  # noqa: E731
     return jax.tree.map(pad, pool)

@@ -64,8 +64,8 @@ def forward(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.R
     if inject and cfg.embed_scale != 1.0:
         x = x * cfg.embed_scale
     pre = []
-    for blk, store in zip(params.pre, pool.pre):
-        x, store = paged.block(x, blk, cfg, groups, store, None, 0, pool.kv_mode)
+    for j, (blk, store) in enumerate(zip(params.pre, pool.pre)):
+        x, store = paged.block(x, blk, cfg, groups, store, None, 0, pool.kv_mode, pool.map_of(j))
         pre.append(store)
     e, s = None, x
     if inject:

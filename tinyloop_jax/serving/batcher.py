@@ -56,6 +56,8 @@ class Row:
     decoding: bool = False
     ahead: int = 0  # tokens a dispatched step chose for it that the host has not read yet
     left: bool = False  # it left (a step still in flight chose a token for it: discarded)
+    credits: int = 0  # local slots promised to it (`LocalSlots`)
+    held: set = field(default_factory=set)  # indices of its pages whose local slot it holds
 
 
 @dataclass
@@ -108,10 +110,31 @@ class Batcher:
     def cfg(self):
         return self.model.weights.config
 
-    def page_nbytes(self, loops: int) -> int:
+    def page_nbytes(self, loops: int, layers: int | None = None) -> int:
+        """Bytes of a page (of `layers` of its cache layers; default every layer on the pages)."""
         c = self.cfg
-        return paged.page_nbytes(c.storage, c.n_cache_layers(loops), c.n_kv_heads, self.page_size, c.head_dim,
-                                 c.d_model)
+        layers = c.n_cache_layers(loops) - len(self.local) if layers is None else layers
+        return paged.page_nbytes(c.storage, layers, c.n_kv_heads, self.page_size, c.head_dim, c.d_model)
+
+    @property
+    def local(self) -> tuple:
+        """The pre layers kept in local slots: those with a window of their own."""
+        return paged.local_layers(self.cfg)
+
+    @property
+    def local_window(self) -> int:
+        return max((self.cfg.block_window(j) for j in self.local), default=0)
+
+    def credits(self, n_pages: int, lookahead: int = 0, chunk: int | None = None) -> int:
+        """Local slots a row of n_pages pages holds at most: the pages of its last window and of
+        the most positions one step writes."""
+        P, W = self.page_size, self.local_window
+        T = max(self.chunk if chunk is None else chunk, self.decode_steps, lookahead + 1)
+        return min(n_pages, -(-(W - 1) // P) + -(-T // P) + 3)  # (+1: a speculative round rolled back)
+
+    def local_slots(self, n_pages: int) -> int:
+        """Local slots beside n_pages pages: half as many, and at least every row's window."""
+        return min(n_pages, max(n_pages // 2, self.max_batch * self.credits(n_pages)))
 
     def _empty_rows(self) -> S.Requests:
         c = self.cfg
@@ -137,10 +160,24 @@ class Batcher:
         are the ones serving runs)."""
         if self.memory_budget is None:
             return self.max_pages()
-        return max(0, min(self.max_pages(), (self.memory_budget - self.rows_nbytes()) // self.page_nbytes(loops)))
+        room = self.memory_budget - self.rows_nbytes()
+        if not self.local:
+            return max(0, min(self.max_pages(), room // self.page_nbytes(loops)))
+        g, l = self.page_nbytes(loops), self.page_nbytes(loops, len(self.local))  # noqa: E741
+        n = min(self.max_pages(), room // (g + l // 2))
+        while n > 0 and n * g + self.local_slots(n) * l > room:  # the rows' windows take more than half
+            n -= max(1, n // 64)
+        return max(0, n)
 
     def depth_nbytes(self, loops: int) -> int:
-        return self.pool_pages(loops) * self.page_nbytes(loops) + self.rows_nbytes()
+        n = self.pool_pages(loops)
+        local = self.local_slots(n) * self.page_nbytes(loops, len(self.local)) if self.local and n else 0
+        return n * self.page_nbytes(loops) + local + self.rows_nbytes()
+
+    def empty_pool(self, loops: int, n_pages: int) -> paged.PagedKV:
+        """A depth's pool (its local layers in `local_slots` slots)."""
+        return paged.empty(self.cfg, loops, n_pages, self.page_size,
+                           n_local=self.local_slots(n_pages) if self.local else None)
 
     def memory_bytes(self) -> int:
         return sum(d.pool.nbytes + self.rows_nbytes() for d in self.depths.values())
@@ -194,9 +231,9 @@ class Batcher:
             self.stats["memory_waits"] += 1
             return None
         n_pages = self.pool_pages(loops)
-        pool = jax.jit(lambda: paged.empty(self.cfg, loops, n_pages, self.page_size))()
-        d = Depth(loops, self.model.exit_for(loops), pool, PageBook(n_pages, self.page_size),
-                  jax.jit(self._empty_rows)())
+        pool = jax.jit(lambda: self.empty_pool(loops, n_pages))()
+        book = PageBook(n_pages, self.page_size, self.local_slots(n_pages) if self.local else None, self.local_window)
+        d = Depth(loops, self.model.exit_for(loops), pool, book, jax.jit(self._empty_rows)())
         self.depths[loops] = d
         return d
 
@@ -212,7 +249,8 @@ class Batcher:
         if slot is None:
             return False
         need = self.need_pages(n, max_tokens + (h.speculation.lookahead if h.speculation else 0))
-        if need > d.book.n_pages:
+        credits = self.credits(need, h.speculation.lookahead if h.speculation else 0, n if h.in_prefill else None)
+        if need > d.book.n_pages or (d.book.local is not None and credits + 1 > d.book.local.n_slots):
             if d.rows:
                 return False
             raise MemoryBudgetError(f"a request of {n} + {max_tokens} tokens needs {need} pages; the pool at "
@@ -233,24 +271,43 @@ class Batcher:
             self.fail_depth(d, e)  # its donated pool is gone: the depth is made anew for the next request
             raise
         tail = d.book.match_tail(h.prompt[:n - 1], len(shared), ns) if share else None
+        if tail is not None and d.book.windowed(shared, *tail) < len(shared):
+            tail = None  # its local layers' window is gone (it is recomputed)
+        keep = d.book.windowed(shared)
+        d.book.release(shared[keep:])  # their local layers' window is gone
+        shared = shared[:keep]
         if tail is not None:
             d.book.retain([tail[0]])  # not evicted for this request's own pages: it is copied into the first
         own = d.book.alloc(need - len(shared))
+        if own is not None and d.book.local is not None and not d.book.local.promise(credits + 1):
+            d.book.release(own)
+            own = None
         if own is None:
             d.book.release(shared + ([tail[0]] if tail else []))
             self.stats["memory_waits"] += 1
             return False
+        row = Row(h, slot, shared + own, 0, credits=credits)
         extra = 0
+        if d.book.local is not None:  # the tail's slot first (its copy's source), then the first window
+            if tail is not None:
+                d.book.local.hold(tail[0])
+            self._window(d, row, len(shared) * self.page_size + (tail[1] if tail else 0), 1)
         if tail is not None:  # a partial page that begins the rest: copied, then continued
             try:
+                self._sync(d)
                 d.pool = self._run(("copy", d.loops), self.jits(d.loops)["copy_pages"], d.pool,
                                    np.asarray([tail[0]], np.int32), np.asarray([own[0]], np.int32))
             except Exception as e:
+                self._unhold(d, row)
                 d.book.release(shared + own + [tail[0]])
                 self.fail_depth(d, e)
                 raise
+            if d.book.local is not None:
+                d.book.local.drop(tail[0])
             d.book.release([tail[0]])
             extra = tail[1]
+        if d.book.local is not None:
+            d.book.local.unpromise(1)  # the tail's credit
         seen = np.zeros((self.cfg.vocab_size,), bool)
         seen[h.prompt] = True
         req = Request.from_params([h.params], stops=False, logit_bias=True, sampled=True)
@@ -259,6 +316,7 @@ class Batcher:
             d.state = self._run(("admit", d.loops), self.jits(d.loops)["admit"], d.state, np.int32(slot), seen, req,
                                 pol)
         except Exception as e:
+            self._unhold(d, row)
             d.book.release(shared + own)
             self.fail_depth(d, e)
             raise
@@ -271,7 +329,8 @@ class Batcher:
         counts["prefix_cache_hits"] += hit
         self.stats["requests_prefix_hit" if hit else "requests_prefix_miss"] += 1
         self.stats["prefix_tokens_reused"] += hit
-        row = d.rows[slot] = Row(h, slot, shared + own, hit)
+        row.fed = hit
+        d.rows[slot] = row
         d.prefilling.append(row)
         d.adaptive |= h.policy is not None
         return True
@@ -317,8 +376,8 @@ class Batcher:
         full = min(k, len(prompt) - 1) // self.page_size
         if entry is None or full <= len(shared) or entry.cache.kv_mode != self.cfg.storage:
             return shared
-        if entry.cache.rings:  # its local layers hold only their last window: the pages would be partly empty
-            return shared
+        if entry.cache.rings or d.book.local is not None:  # its local layers hold only their last window, or
+            return shared  # the pool's have no slots for the pages it would fill
         new = d.book.alloc(full - len(shared))
         if new is None:
             return shared
@@ -333,6 +392,40 @@ class Batcher:
         store.touch(entry)
         self.stats["prefix_pool_loads"] += 1
         return pages
+
+    # ---- local slots ---------------------------------------------------------------------------
+
+    def _window(self, d: Depth, r: Row, q0: int, T: int) -> None:
+        """Row r's next program queries positions q0 .. q0 + T - 1: its local slots follow its
+        window there (pages wholly before it are dropped: no later query of the row reads them)."""
+        if d.book.local is None:
+            return
+        P = self.page_size
+        first, last = max(0, q0 - self.local_window + 1) // P, min((q0 + T - 1) // P, len(r.pages) - 1)
+        for i in sorted(i for i in r.held if i < first):
+            d.book.local.drop(r.pages[i])
+            r.held.discard(i)
+        for i in range(first, last + 1):
+            if i not in r.held:
+                d.book.local.hold(r.pages[i])
+                r.held.add(i)
+
+    def _unhold(self, d: Depth, r: Row) -> None:
+        """Row r's slots and credits back (it leaves)."""
+        if d.book.local is None or r.credits == 0:
+            return
+        for i in r.held:
+            d.book.local.drop(r.pages[i])
+        r.held.clear()
+        d.book.local.unpromise(r.credits)
+        r.credits = 0
+
+    def _sync(self, d: Depth) -> None:
+        """The device's page -> slot map brought up to the book's."""
+        local = d.book.local
+        if local is not None and local.changed:
+            d.pool = d.pool.replace(slot_of=jax.device_put(np.asarray(local.slot, np.int32)))
+            local.changed = False
 
     def _run(self, key: tuple, program, *args, **kw):
         if key not in self.programs:
@@ -384,6 +477,11 @@ class Batcher:
                 decodes = S.make_decodes([r.pages for r in decoding], starts, [r.slot for r in decoding],
                                          [len(r.handle.tokens) + r.ahead for r in decoding], R, bd,
                                          [r.handle.cache_window for r in decoding], left if burst else None)
+            if chunk is not None:
+                self._window(d, chunk[0], chunk[0].fed, chunk[1])
+            for r, q in zip(decoding, starts if decodes is not None else ()):
+                self._window(d, r, q, many)
+            self._sync(d)
             w, jits = self.model.weights, self.jits(d.loops)
             dtok = passes = cdepth = None
             exits = chunk is not None and chunk[0].handle.in_prefill
@@ -463,6 +561,9 @@ class Batcher:
             bd = next(b for b in batch_buckets(self.max_batch) if b >= len(rows))
             decodes = S.make_decodes([r.pages for r in rows], starts, [r.slot for r in rows],
                                      [len(r.handle.tokens) for r in rows], R, bd, [r.handle.cache_window for r in rows])
+            for r, q in zip(rows, starts):
+                self._window(d, r, q, k + 1)
+            self._sync(d)
             w = self.model.weights
             tokens, kept, d.pool, d.state = self._run(
                 ("speculate", d.loops, spec, bd, R), self.jits(d.loops)["step_speculative"], w.params, w.config,
@@ -538,6 +639,7 @@ class Batcher:
                 # are written (each emitted token but the last was fed): a later turn of the chat reads them
                 d.book.insert(list(r.handle.prompt) + r.handle.tokens[:-1], r.pages, partial=True,
                               ns=self.namespace(r.handle))
+            self._unhold(d, r)
             d.book.release(r.pages)
         if r in d.prefilling:
             d.prefilling.remove(r)
@@ -603,7 +705,7 @@ class Batcher:
         so any thread may call it while the loop serves); returns how many were new."""
         w, c, P = self.model.weights, self.cfg, self.page_size
         n_pages = self.pool_pages(loops)
-        pool = jax.eval_shape(lambda: paged.empty(c, loops, n_pages, P))
+        pool = jax.eval_shape(lambda: self.empty_pool(loops, n_pages))
         state = jax.eval_shape(self._empty_rows)
         new = set()
         for bd, T, R in self.step_shapes(loops):
@@ -648,5 +750,8 @@ class Batcher:
         return dict(self.stats, running=self.running(), lanes=len(self.depths), memory_bytes=self.memory_bytes(),
                     programs=len(self.programs), compiles_after_warmup=self.compiles_after_warmup,
                     depths={loops: dict(c) for loops, c in self.depth_counts.items()},
-                    pages={loops: dict(total=d.book.n_pages, free=d.book.free, cached=d.book.cached())
+                    pages={loops: dict(total=d.book.n_pages, free=d.book.free, cached=d.book.cached(),
+                                       **({} if d.book.local is None else dict(
+                                           local_slots=d.book.local.n_slots, local_free=d.book.local.free,
+                                           local_idle=d.book.local.idle, local_reclaimed=d.book.local.reclaimed)))
                            for loops, d in self.depths.items()})
