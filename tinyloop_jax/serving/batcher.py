@@ -20,6 +20,7 @@ the room (or fails with `MemoryBudgetError` when nothing can free it).
 from __future__ import annotations
 
 import collections
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -118,7 +119,10 @@ class Batcher:
 
     @property
     def local(self) -> tuple:
-        """The pre layers kept in local slots: those with a window of their own."""
+        """The pre layers kept in local slots: those with a window of their own
+        (`TINYLOOP_LAYER_RINGS=0`: none, every layer on the pages: a benchmark's other arm)."""
+        if os.environ.get("TINYLOOP_LAYER_RINGS", "1") == "0":
+            return ()
         return paged.local_layers(self.cfg)
 
     @property
