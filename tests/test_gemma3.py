@@ -213,6 +213,32 @@ def test_a_long_prompt_is_prefilled_in_chunks(golden, monkeypatch, chunk):
     assert m.generate_from_prefix_cache(longer, max_tokens=6) == m.generate(p, max_tokens=6)
 
 
+@pytest.mark.parametrize("window,chunk", [(8, 8), (8, 512), (40, 8)])
+def test_generate_keeps_local_layers_in_rings(golden, monkeypatch, window, chunk):
+    """`generate`'s per-call pool keeps the local layers in rings of slots (the window and one
+    step: a prompt chunk of `PREFILL_CHUNK`, 8 here to cut the prompts in pieces): long answers,
+    from a prefix and for a batch of suffixes of several lengths, equal every layer on pages —
+    the tiny Gemma (window 8, within a page) and a random one whose window spans pages (40)."""
+    monkeypatch.setattr(F, "PREFILL_CHUNK", chunk)
+    if window == 8:
+        m, p = tl.Model.from_pretrained(TINY, kv_mode="fp32", dtype="float32"), golden["prompt_40"]
+    else:
+        cfg = dict(LOOPED, n_pre_blocks=3, loop_blocks=1, default_loops=2, layer_windows=(40, 0, 40, 0), kv_mode="fp32")
+        m, p = tl.Model.random(tl.ModelConfig(**cfg), seed=4), np.random.default_rng(2).integers(0, 96, 40)
+    lay = F.call_layout(m.weights.config, 0, 40, 200, 1)
+    assert lay.slot_of is not None and lay.n_local <= lay.n_pages / 2
+    prefix = m.build_prefix_cache(p[:20])
+    suffixes = [p[20:23], p[20:40], p[25:26]]
+
+    def run():
+        return (m.generate(p, max_tokens=200), m.generate_from_prefix_cache(prefix, suffix=p[20:30], max_tokens=80),
+                m.generate_batch_from_prefix_cache(prefix, suffixes, max_tokens=40))
+    rings = run()
+    monkeypatch.setenv("TINYLOOP_LAYER_RINGS", "0")
+    assert F.call_layout(m.weights.config, 0, 40, 200, 1).slot_of is None
+    assert rings == run()
+
+
 def test_engine_keeps_local_layers_to_their_window(golden, monkeypatch):
     """The engine keeps the local layers' K/V in local slots that follow each row's window
     (here slots for little more than two rows' windows; by default half the pages'): a long
@@ -275,6 +301,9 @@ def test_local_slots_under_speculation_and_exits(monkeypatch):
     for (q, kw), tokens in zip(work, got):
         assert tokens == m.generate(q, **kw), kw
     assert pages["local_slots"] < pages["total"] and pages["local_reclaimed"] > 0, pages
+    monkeypatch.setenv("TINYLOOP_LAYER_RINGS", "0")  # `generate`'s rings (speculative: verify chunks) too
+    for (q, kw), tokens in zip(work, got):
+        assert tokens == m.generate(q, **kw), kw
 
 
 def test_packed_gguf_equals_its_dequantized_load(tmp_path):

@@ -224,18 +224,20 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
     if adaptive is not None:
         return decode_adaptive(weights, prefix, suffixes, request, loops, window, prior_logits, prior_seen, lens,
                                adaptive)
-    lay = paged_decode.layout(P, own_room(int(lens.max()), max_new, 0, speculation)[0], N)
-    pool = paged_decode.empty_pool(c, loops, lay.n_pages)
+    lay = call_layout(c, P, int(lens.max()), max_new, N, speculation)
+    pool = paged_decode.empty_pool(c, loops, lay.n_pages, lay)
     if prefix is not None:
         pool = paged_decode.load_prefix(weights.params, c, pool, prefix.cache, P, lay)
     seen = jnp.asarray(programs.token_mask(suffixes, c.vocab_size)) | prior_seen
-    if lens.max() > 0:
-        tokens = np.stack([pad(s, kvc.bucket(int(lens.max()))) for s in suffixes])
-        rows = paged.Rows(lay.tables, np.full((N,), P, np.int32), lens)
-        logits, pool = paged_decode.prefill(weights.params, c, pool, rows, jnp.asarray(tokens), prior_logits,
-                                            loops=loops, window=window, exit=exit, seeds=request.seed)
-    else:
-        logits = jnp.broadcast_to(prior_logits, (N, c.vocab_size))
+    logits = jnp.broadcast_to(prior_logits, (N, c.vocab_size))
+    step = PREFILL_CHUNK if lay.slot_of is not None else max(int(lens.max()), 1)  # (a ring: chunks it holds)
+    for at in range(0, int(lens.max()), step):
+        n_new = np.clip(lens - at, 0, step).astype(np.int32)
+        tokens = np.stack([pad(s[at:at + step], kvc.bucket(int(n_new.max()))) for s in suffixes])
+        rows = paged.Rows(lay.tables, np.full((N,), P + at, np.int32), n_new)
+        logits, pool = paged_decode.prefill(weights.params, c, pool, rows, jnp.asarray(tokens),
+                                            prior_logits if at == 0 else logits, loops=loops, window=window,
+                                            exit=exit, seeds=request.seed)
     rows = paged.Rows(lay.tables, P + lens, np.ones((N,), np.int32))  # where each first emitted token is fed
     args = (weights.params, c, pool, rows, programs.first_tokens(logits, seen, request), seen, request)
     # the output buffer in the own segment's buckets (16 and up): calls that differ only in a
@@ -245,6 +247,18 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
         return paged_decode.decode(*args, **kw)
     return paged_decode.decode_speculative(*args, **kw, draft_loops=speculation.draft_loops,
                                            lookahead=speculation.lookahead)
+
+
+def call_layout(c, prefix_len: int, longest: int, max_new: int, n_rows: int,
+                speculation: Speculation | None = None) -> paged_decode.Layout:
+    """A `decode` call's pages (`paged_decode.layout`): with local layers (windows of their own),
+    their slots in rings as long as the window and one step: a prompt chunk (`PREFILL_CHUNK`) or
+    a verify chunk."""
+    room = own_room(longest, max_new, 0, speculation)[0]
+    local = paged.local_layers(c) if os.environ.get("TINYLOOP_LAYER_RINGS", "1") != "0" else ()
+    window = max((c.block_window(j) for j in local), default=0)
+    step = max(min(longest, PREFILL_CHUNK), speculation.lookahead + 1 if speculation is not None else 1)
+    return paged_decode.layout(prefix_len, room, n_rows, window=window, step=step)
 
 
 def decode_adaptive(weights: Weights, prefix: PrefixCache | None, suffixes: list, request: Request, loops: int,
@@ -298,8 +312,8 @@ def check_fits(weights: Weights, prompt_lens: list, request: Request, loops: int
     cannot fit in the memory free now: N requests of prompt_lens tokens after a prefix of
     prefix_len, in the call's pages (`paged_decode.layout`)."""
     c = weights.config
-    room = own_room(max(prompt_lens), int(np.max(request.max_tokens)), 0, speculation)[0]
-    need = paged_decode.pool_nbytes(c, loops, paged_decode.layout(prefix_len, room, len(prompt_lens)))
+    lay = call_layout(c, prefix_len, max(prompt_lens), int(np.max(request.max_tokens)), len(prompt_lens), speculation)
+    need = paged_decode.pool_nbytes(c, loops, lay)
     kvc.check_fits(need, f"the KV caches of {len(prompt_lens)} request(s) at loops={loops} "
                          f"({c.n_cache_layers(loops)} layers, {c.kv_mode})")
 

@@ -51,34 +51,59 @@ class Layout:
     shared: int
     own: int
     n_pages: int
+    slot_of: np.ndarray | None = None  # [n_pages] each page's local slot (-1: none); None: no local slots
+    n_local: int = 0
 
 
-def layout(prefix_len: int, room: int, n_rows: int, page_size: int = paged.PAGE_SIZE) -> Layout:
+def layout(prefix_len: int, room: int, n_rows: int, page_size: int = paged.PAGE_SIZE, window: int = 0,
+           step: int = 1) -> Layout:
     """Page tables for n_rows rows of prefix_len shared positions + `room` own positions each
     (the longest suffix, max_tokens, a verify chunk). The table's length and the pool's come
     in buckets (`cache.bucket`), so that calls of nearby lengths share programs; a row is given
-    only the pages it can write."""
+    only the pages it can write.
+
+    window > 0: the model's local layers (`paged.local_layers`, their windows at most `window`)
+    get local slots when that saves some: the prefix's pages a first query's window reads, and
+    for each row a ring of slots over its own pages (page i in slot i mod ring) as long as its
+    window and the most positions one step writes (`step`), so a page is overwritten only once
+    no query reads it."""
     shared = prefix_len // page_size
     own = -(-(prefix_len + room) // page_size) - shared
     R = -(-kvc.bucket(prefix_len + room) // page_size)
     tables = np.zeros((n_rows, R), np.int32)
     tables[:, :shared] = np.arange(shared)
     tables[:, shared:shared + own] = shared + np.arange(n_rows * own).reshape(n_rows, own)
-    return Layout(tables, shared, own, kvc.bucket(shared + n_rows * own, 1))
+    n_pages = kvc.bucket(shared + n_rows * own, 1)
+    ring = -(-(window - 1) // page_size) + -(-step // page_size) + 1
+    first = max(0, prefix_len - window + 1) // page_size
+    n_local = kvc.bucket(shared - first + n_rows * ring, 1)
+    if window <= 0 or ring >= own or n_local >= n_pages:
+        return Layout(tables, shared, own, n_pages)
+    slot_of = np.full((n_pages,), -1, np.int32)
+    slot_of[first:shared] = np.arange(shared - first)
+    rows = np.arange(n_rows)[:, None] * ring + np.arange(own)[None] % ring  # [n_rows, own]
+    slot_of[shared:shared + n_rows * own] = (shared - first + rows).reshape(-1)
+    return Layout(tables, shared, own, n_pages, slot_of, n_local)
 
 
 def pool_nbytes(cfg: ModelConfig, loops: int, lay: Layout) -> int:
-    return lay.n_pages * paged.page_nbytes(cfg.storage.working, cfg.n_cache_layers(loops), cfg.n_kv_heads,
-                                           paged.PAGE_SIZE, cfg.head_dim, cfg.d_model)
+    size = lambda n, layers: n * paged.page_nbytes(cfg.storage.working, layers, cfg.n_kv_heads,  # noqa: E731
+                                                   paged.PAGE_SIZE, cfg.head_dim, cfg.d_model)
+    local = len(paged.local_layers(cfg)) if lay.slot_of is not None else 0
+    return size(lay.n_pages, cfg.n_cache_layers(loops) - local) + size(lay.n_local, local)
 
 
-_empty = jax.jit(paged.empty, static_argnums=(0, 1, 2, 3, 4))
+_empty = jax.jit(paged.empty, static_argnums=(0, 1, 2, 3, 4, 5))
 
 
-def empty_pool(cfg: ModelConfig, loops: int, n_pages: int) -> paged.PagedKV:
+def empty_pool(cfg: ModelConfig, loops: int, n_pages: int, lay: Layout | None = None) -> paged.PagedKV:
     """A call's pool, in the model's working mode: an h mode's call holds float32 K/V (rebuilt
-    from h once, when the prefix is loaded, not at every step; as the model stores them)."""
-    return _empty(cfg, loops, n_pages, paged.PAGE_SIZE, cfg.storage.working)
+    from h once, when the prefix is loaded, not at every step; as the model stores them); with
+    a layout's local slots, its local layers in them."""
+    if lay is None or lay.slot_of is None:
+        return _empty(cfg, loops, n_pages, paged.PAGE_SIZE, cfg.storage.working)
+    pool = _empty(cfg, loops, n_pages, paged.PAGE_SIZE, cfg.storage.working, lay.n_local)
+    return pool.replace(slot_of=jnp.asarray(lay.slot_of))
 load_segment = jax.jit(paged.load_segment, donate_argnames=("pool",))
 copy_pages = jax.jit(paged.copy_pages, donate_argnames=("pool",))
 
