@@ -227,6 +227,9 @@ def test_generate_keeps_local_layers_in_rings(golden, monkeypatch, window, chunk
         m, p = tl.Model.random(tl.ModelConfig(**cfg), seed=4), np.random.default_rng(2).integers(0, 96, 40)
     lay = F.call_layout(m.weights.config, 0, 40, 200, 1)
     assert lay.slot_of is not None and lay.n_local <= lay.n_pages / 2
+    lay = F.call_layout(m.weights.config, 160, 4, 8, 2)  # a long prefix: slots for its last window only
+    first = (160 - window + 1) // 16
+    assert (lay.slot_of[:first] == -1).all() and (lay.slot_of[first:lay.shared] >= 0).all()
     prefix = m.build_prefix_cache(p[:20])
     suffixes = [p[20:23], p[20:40], p[25:26]]
 

@@ -65,8 +65,8 @@ def layout(prefix_len: int, room: int, n_rows: int, page_size: int = paged.PAGE_
     window > 0: the model's local layers (`paged.local_layers`, their windows at most `window`)
     get local slots when that saves some: the prefix's pages a first query's window reads, and
     for each row a ring of slots over its own pages (page i in slot i mod ring) as long as its
-    window and the most positions one step writes (`step`), so a page is overwritten only once
-    no query reads it."""
+    window and the most positions one step writes (`step`; or all its pages), so a page is
+    overwritten only once no query reads it."""
     shared = prefix_len // page_size
     own = -(-(prefix_len + room) // page_size) - shared
     R = -(-kvc.bucket(prefix_len + room) // page_size)
@@ -74,10 +74,10 @@ def layout(prefix_len: int, room: int, n_rows: int, page_size: int = paged.PAGE_
     tables[:, :shared] = np.arange(shared)
     tables[:, shared:shared + own] = shared + np.arange(n_rows * own).reshape(n_rows, own)
     n_pages = kvc.bucket(shared + n_rows * own, 1)
-    ring = -(-(window - 1) // page_size) + -(-step // page_size) + 1
+    ring = min(own, -(-(window - 1) // page_size) + -(-step // page_size) + 1)
     first = max(0, prefix_len - window + 1) // page_size
     n_local = kvc.bucket(shared - first + n_rows * ring, 1)
-    if window <= 0 or ring >= own or n_local >= n_pages:
+    if window <= 0 or n_local >= n_pages:
         return Layout(tables, shared, own, n_pages)
     slot_of = np.full((n_pages,), -1, np.int32)
     slot_of[first:shared] = np.arange(shared - first)
