@@ -9,6 +9,13 @@ list of page ids (its page table), the same for every layer:
     post[j] = like pre[j]                                    one per coda block
     page table of a row: [R] int32; its position p lives in page table[p // P], offset p % P
 
+A model whose pre blocks have windows of their own (Gemma's local layers) may keep those layers
+in *local slots* instead (`empty(n_local=)`): their arrays have NL < NP slots, and `slot_of [NP]`
+says which slot holds a page's K/V for them (-1: none, for pages outside every query's window);
+`local_map` turns a row's table and write targets into slots, so the tables stay the pages'.
+The host moves slots with the windows (the engine's `LocalSlots`; `generate`'s pools a static
+ring per row).
+
 Positions are implicit: the i-th entry of a row's table holds positions [i P, (i + 1) P), so a
 prefix shared by many rows is one run of pages at the head of each of their tables, read by all
 and written by none (a row writes only at positions >= its `start`, in pages of its own; the host
