@@ -191,9 +191,12 @@ def test_local_layers_hold_only_their_window(golden, tmp_path):
     prefix.save(str(tmp_path / "p"))
     back = tl.PrefixCache.load(str(tmp_path / "p"), m)
     assert back.cache.rings == c.rings and tree_equal(back.cache, c)
-    with tl.Engine(m, max_batch=2, prefill_chunk=16, store=store) as eng:
-        got = [eng.submit(q, max_tokens=6).result() for q in (near, p[:38])]
-    assert got == [m.generate(near, max_tokens=6), m.generate(p[:38], max_tokens=6)]
+    with tl.Engine(m, max_batch=2, prefill_chunk=16, store=store) as eng:  # ring entries loaded into its pages
+        handles = [eng.submit(q, max_tokens=6) for q in (near, p[:38])]
+        got = [h.result() for h in handles]
+        loads = eng.stats()["prefix_pool_loads"]
+    assert got == [m.generate(near, max_tokens=6), m.generate(p[:38], max_tokens=6)] and loads >= 1
+    assert handles[0].prefix_tokens == 32  # two pages loaded, the window's with their local K/V
 
 
 @pytest.mark.parametrize("chunk", [5, 16])

@@ -34,6 +34,7 @@ from ..decoding.sampling import Request, SamplingParams
 from ..model import adaptive as ad
 from ..model import paged
 from ..model import recurrence as rec
+from ..model import cache as kvc
 from ..model.cache import bucket
 
 MIN_TABLE = 4  # page-table entries of the smallest program (64 tokens at P = 16)
@@ -380,19 +381,33 @@ class Batcher:
         full = min(k, len(prompt) - 1) // self.page_size
         if entry is None or full <= len(shared) or entry.cache.kv_mode != self.cfg.storage:
             return shared
-        if entry.cache.rings or d.book.local is not None:  # its local layers hold only their last window, or
-            return shared  # the pool's have no slots for the pages it would fill
+        P, W = self.page_size, self.local_window
+        if entry.cache.rings and (d.book.local is None or not kvc.holds(entry.cache, full * P, 0, W)):
+            return shared  # its local layers hold only the last window of a longer prompt
+        first = max(0, full * P - W + 1) // P  # the first page the first query's window reads
+        if d.book.local is not None and not all(d.book.local.has(p) for p in shared[first:]):
+            return shared  # a shared page of that window lost its local K/V (the load writes no shared page)
         new = d.book.alloc(full - len(shared))
         if new is None:
             return shared
         pages = shared + new
+        window = pages[first:] if d.book.local is not None else []
+        if window and not d.book.local.promise(len(window)):
+            d.book.release(new)
+            return shared
+        for p in window:  # slots for the pages the first query's window reads, filled by the load
+            d.book.local.hold(p)
         R = pow2(len(pages), MIN_TABLE)
         table = np.zeros((R,), np.int32)
         table[:len(pages)] = pages
+        self._sync(d)
         d.pool = self._run(("load", d.loops, entry.cache.capacity, R), self.jits(d.loops)["load_entry"], d.pool,
-                           entry.cache, table, np.int32(len(shared) * self.page_size),
-                           np.int32(full * self.page_size))
-        d.book.insert(prompt[:full * self.page_size], pages, ns=self.namespace(h))
+                           entry.cache, table, np.int32(len(shared) * P), np.int32(full * P))
+        for p in window:  # idle now, their K/V kept: the request holds them again at once
+            d.book.local.drop(p)
+        if window:
+            d.book.local.unpromise(len(window))
+        d.book.insert(prompt[:full * P], pages, ns=self.namespace(h))
         store.touch(entry)
         self.stats["prefix_pool_loads"] += 1
         return pages
@@ -739,7 +754,7 @@ class Batcher:
             self.jits(loops)["copy_pages"].lower(pool, one, one).compile()
             new.add(("copy", loops))
         if self.store is not None and self.store.loops == loops:  # loads of the store's entries
-            for e in (e for e in self.store.entries() if not e.cache.rings):
+            for e in (e for e in self.store.entries() if self.local or not e.cache.rings):
                 R = pow2(-(-len(e.prompt) // P), MIN_TABLE)
                 key = ("load", loops, e.cache.capacity, R)
                 if key not in self.programs and key not in new:
