@@ -18,7 +18,6 @@ The seed-000 pair is a few lines on top of it:
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import jax
@@ -68,17 +67,11 @@ def empty_cache(weights: Weights, n_tokens: int, loops: int | None = None, cache
 
 
 def ring_plan(c, n_tokens: int, cache_window: int = 0) -> tuple[tuple, int]:
-    """The pre layers of `c` held as rings of their window (`cache.ring_plan`), and its slots.
-    `TINYLOOP_LAYER_RINGS=0`: none (every layer holds the whole segment: a benchmark's other arm)."""
-    if os.environ.get("TINYLOOP_LAYER_RINGS", "1") == "0":
-        return (), 0
-    return kvc.ring_plan([c.block_window(j) for j in range(c.n_pre_blocks)], n_tokens, cache_window)
-
-
-def ring_window(c, cache_window: int = 0) -> int:
-    """The most positions a ring layer of `c` looks back over (0: no block has a window)."""
-    need = [w if cache_window <= 0 else min(w, cache_window) for w in map(c.block_window, range(c.n_pre_blocks))]
-    return max(need, default=0)
+    """The pre layers of `c` held as rings of their window (`cache.ring_plan` over its local
+    layers, `paged.local_layers`), and the ring's slots."""
+    local = paged.local_layers(c)
+    return kvc.ring_plan([c.block_window(j) if j in local else 0 for j in range(c.n_pre_blocks)], n_tokens,
+                         cache_window)
 
 
 def prefill(weights: Weights, tokens, cache: KVCache, ro: tuple = (), start_pos: int | None = None,
@@ -168,7 +161,7 @@ def extend_prefix(source: PrefixCache, k: int, prompt, exit: Exit | None = None)
     w, loops, window = source.weights, source.loops, source.cache_window
     prompt = np.asarray(prompt, np.int32)
     w.config.check_positions(len(prompt), "the prompt")
-    if not 0 < k < len(prompt) or not kvc.holds(source.cache, k, window, ring_window(w.config, window)):
+    if not 0 < k < len(prompt) or not kvc.holds(source.cache, k, window, paged.local_window(w.config, window)):
         raise ValueError(f"k={k}: the source does not hold what its first {k} positions need "
                          f"(a prompt of {len(prompt)} tokens, the source's ring or window is shorter)")
     rings, ring = ring_plan(w.config, len(prompt), window)
@@ -255,8 +248,7 @@ def call_layout(c, prefix_len: int, longest: int, max_new: int, n_rows: int,
     their slots in rings as long as the window and one step: a prompt chunk (`PREFILL_CHUNK`) or
     a verify chunk."""
     room = own_room(longest, max_new, 0, speculation)[0]
-    local = paged.local_layers(c) if os.environ.get("TINYLOOP_LAYER_RINGS", "1") != "0" else ()
-    window = max((c.block_window(j) for j in local), default=0)
+    window = paged.local_window(c)
     step = max(min(longest, PREFILL_CHUNK), speculation.lookahead + 1 if speculation is not None else 1)
     return paged_decode.layout(prefix_len, room, n_rows, window=window, step=step)
 

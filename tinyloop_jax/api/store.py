@@ -26,6 +26,7 @@ import numpy as np
 
 from . import functional as F
 from ..model import cache as kvc
+from ..model import paged
 from . import validation as check
 from .prefix import PrefixCache
 from .radix import RadixIndex, Recency
@@ -191,7 +192,7 @@ class PrefixStore:
             k -= 1
         c = self.model.weights.config
         if k > 0 and (self.cache_window > 0 or entry.cache.rings) and not kvc.holds(
-                entry.cache, k, self.cache_window, F.ring_window(c, self.cache_window)):
+                entry.cache, k, self.cache_window, paged.local_window(c, self.cache_window)):
             return 0
         return k
 

@@ -140,8 +140,19 @@ def page_shapes(mode: KVMode, n_kv_heads: int, n_pages: int, page_size: int, hea
 
 
 def local_layers(cfg: ModelConfig) -> tuple:
-    """The pre blocks with a window of their own (Gemma's local layers)."""
+    """The pre blocks with a window of their own (Gemma's local layers), which caches may keep to
+    their window (dense rings, local slots). `TINYLOOP_LAYER_RINGS=0`: none (every layer keeps
+    the whole context: a benchmark's other arm)."""
+    if os.environ.get("TINYLOOP_LAYER_RINGS", "1") == "0":
+        return ()
     return tuple(j for j in range(cfg.n_pre_blocks) if cfg.block_window(j) > 0)
+
+
+def local_window(cfg: ModelConfig, cache_window: int = 0) -> int:
+    """The most positions a local layer looks back over (a call's cache_window, if smaller;
+    0: no local layers)."""
+    need = [cfg.block_window(j) for j in local_layers(cfg)]
+    return max((w if cache_window <= 0 else min(w, cache_window) for w in need), default=0)
 
 
 def empty(cfg: ModelConfig, passes: int, n_pages: int, page_size: int = PAGE_SIZE, kv_mode=None,

@@ -20,7 +20,6 @@ the room (or fails with `MemoryBudgetError` when nothing can free it).
 from __future__ import annotations
 
 import collections
-import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -120,15 +119,12 @@ class Batcher:
 
     @property
     def local(self) -> tuple:
-        """The pre layers kept in local slots: those with a window of their own
-        (`TINYLOOP_LAYER_RINGS=0`: none, every layer on the pages: a benchmark's other arm)."""
-        if os.environ.get("TINYLOOP_LAYER_RINGS", "1") == "0":
-            return ()
+        """The pre layers kept in local slots (`paged.local_layers`)."""
         return paged.local_layers(self.cfg)
 
     @property
     def local_window(self) -> int:
-        return max((self.cfg.block_window(j) for j in self.local), default=0)
+        return paged.local_window(self.cfg)
 
     def credits(self, n_pages: int, lookahead: int = 0, chunk: int | None = None) -> int:
         """Local slots a row of n_pages pages holds at most: the pages of its last window and of
