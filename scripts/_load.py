@@ -8,7 +8,8 @@ against the bundled model on a tiny load (tests/test_bench_load.py).
 
 Each client sends `per_client` requests back to back: one of the workload's shared system
 prompts (Zipf: prompt i with weight 1 / (i + 1)) plus a question of its own, `max_tokens` tokens
-out (`ignore_eos`, which both servers take), temperature 0, streamed. Tokens are counted from the
+out (`ignore_eos`, which both servers take), greedy (temperature 0) unless the workload's
+`sampling` says otherwise, streamed. Tokens are counted from the
 usage the server reports with the last chunk (`stream_options.include_usage`), else as content
 chunks.
 """
@@ -59,6 +60,9 @@ class Workload:
     per_client: int = 2
     chat: bool = True
     question: object = question  # (client, j) -> str
+    # the request's sampling knobs: temperature and top_p as OpenAI's fields, others (top_k) as
+    # extras both servers take; a request seeded by its client and turn (reproducible draws)
+    sampling: tuple = (("temperature", 0.0),)
 
 
 @dataclass
@@ -116,11 +120,13 @@ def client(url: str):
     return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=600)
 
 
-def request(cl, work: Workload, system: str, q: str, max_tokens: int | None = None) -> Result:
+def request(cl, work: Workload, system: str, q: str, max_tokens: int | None = None, seed: int = 0) -> Result:
     """One streamed request; its times and tokens."""
     n = work.max_tokens if max_tokens is None else max_tokens
-    common = dict(model=work.model, max_tokens=n, temperature=0, stream=True,
-                  stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    knobs = dict(work.sampling)
+    common = dict(model=work.model, max_tokens=n, stream=True, stream_options={"include_usage": True},
+                  seed=seed, **{k: knobs.pop(k) for k in ("temperature", "top_p") if k in knobs},
+                  extra_body={"ignore_eos": True, **knobs})
     t0 = time.perf_counter()
     times, usage = [], None
     if work.chat:
@@ -158,7 +164,7 @@ def load(url: str, work: Workload, clients: int, seed: int = 0) -> Load:
         try:
             cl = client(url)
             for j in range(work.per_client):
-                r = request(cl, work, work.systems[int(picks[c, j])], work.question(c, j))
+                r = request(cl, work, work.systems[int(picks[c, j])], work.question(c, j), seed=c * 1000 + j)
                 with lock:
                     out.results.append(r)
         except Exception as e:  # noqa: BLE001 - re-raised below, in the caller's thread

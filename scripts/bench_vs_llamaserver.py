@@ -16,7 +16,8 @@ build died with SIGILL in its first eval (`bench_vs_llamacpp.cmake_args`).
    for 128 tokens - time for 1), medians).
 2. Served: each server started, warmed (one pass over the system prompts), then the load of
    `_load.py` (N streaming chat clients, Zipf over 4 shared ~330-token system prompts plus a
-   unique question, 64 tokens each, `ignore_eos`, temperature 0) at 1, 4 and 16 clients;
+   unique question, 64 tokens each, `ignore_eos`) at 1, 4 and 16 clients, once per `--sampling`
+   preset (greedy; temperature 0.8; temperature 0.8 with top_k 40 and top_p 0.95);
    tokens/s, TTFT p50 / p99, inter-token p50 / p99, latency p50, the server's peak RSS.
    llama.cpp twice: its defaults (`-t 2` only: slots auto, unified KV, the host prompt cache)
    and with 16 slots (`-np 16 -c 16384`: a slot per client, each its own 1024 positions).
@@ -123,16 +124,24 @@ def ours_decode(batches: list[int], repeats: int, activations: str = "float32") 
 
 # ---- served ---------------------------------------------------------------------------------
 
-def serve(cmd: list[str], env: dict, url: str, work: _load.Workload, clients: list[int], ready) -> list:
+# --sampling presets: the knobs every request of a load sends (top_k as an extra both servers take)
+SAMPLING = {"greedy": (("temperature", 0.0),),
+            "t0.8": (("temperature", 0.8),),
+            "t0.8-k40-p0.95": (("temperature", 0.8), ("top_k", 40), ("top_p", 0.95))}
+
+
+def serve(cmd: list[str], env: dict, url: str, works: dict, clients: list[int], ready) -> dict:
+    """One server process, each workload's load at each client count: {workload name: [Row]}."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    rows = []
+    rows = {}
     try:
         _load.wait_healthy(url, proc, timeout=900, ready=ready)
-        _load.warm(url, work)
-        for n in clients:
-            row = _load.summary(_load.load(url, work, n, seed=n), _load.peak_rss(proc.pid))
-            rows.append(row)
-            print(f"  {_load.line(row)}", flush=True)
+        for name, work in works.items():
+            _load.warm(url, work)
+            for n in clients:
+                row = _load.summary(_load.load(url, work, n, seed=n), _load.peak_rss(proc.pid))
+                rows.setdefault(name, []).append(row)
+                print(f"  {name}: {_load.line(row)}", flush=True)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -151,6 +160,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-batched", action="store_true", help="no pure-decode comparison")
+    ap.add_argument("--sampling", default=",".join(SAMPLING), help="the loads' knobs, of: " + ", ".join(SAMPLING)
+                    + " (comma-separated; top_k 0 and top_p 1 are our server's defaults, llama.cpp's are 40 and "
+                    "0.95 with min_p 0.05)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--activations", default="float32,int8",
                     help="our server once per entry: the packed weights multiplying float32 or 8-bit inputs "
@@ -172,7 +184,9 @@ def main() -> None:
             batched[name] = ours_decode(batches, args.repeats, act)
             print(name, batched[name], flush=True)
 
-    work = _load.Workload(max_tokens=args.max_tokens, per_client=args.per_client)
+    picked = args.sampling.split(",")
+    works = {name: _load.Workload(max_tokens=args.max_tokens, per_client=args.per_client, sampling=SAMPLING[name])
+             for name in picked}
     served = {}
     port = _load.free_port()
     url = f"http://127.0.0.1:{port}"
@@ -181,40 +195,57 @@ def main() -> None:
         print(name, flush=True)
         served[name] = serve([sys.executable, "-m", "tinyloop_jax.cli", "serve", "--model", "smollm2",
                               "--port", str(port), "--log-level", "warning", "--activations", act],
-                             dict(os.environ), url, work, clients, ours_ready)
+                             dict(os.environ), url, works, clients, ours_ready)
     for name, extra in LLAMA_CONFIGS.items():
         print(name, flush=True)
         served[name] = serve([os.path.join(bindir, "llama-server"), "-m", gguf, "-t", str(args.threads), "-tb",
                               str(args.threads), "--port", str(port), "--no-webui", *extra], dict(os.environ), url,
-                             work, clients, lambda body: True)
+                             works, clients, lambda body: True)
     report(args, served, batched, batches)
 
 
 def report(args, served: dict, batched: dict, batches: list[int]) -> None:
-    mine = {name: rows for name, rows in served.items() if name.startswith("tinyloop")}
-    theirs = [x for name, rows in served.items() if name not in mine for x in rows]
-    best = {n: max((x for x in theirs if x.clients == n), key=lambda x: x.tps) for n in {x.clients for x in theirs}}
-    lines = ["## `tinyloop serve` vs llama.cpp's server (issue 46, `scripts/bench_vs_llamaserver.py`)", "",
+    """served: {server: {sampling preset: [Row per client count]}}."""
+    lines = ["## `tinyloop serve` vs llama.cpp's server (issues 46, 58; `scripts/bench_vs_llamaserver.py`)", "",
              f"`{command()}` on {machine()}; llama.cpp {VERSION} (the `{PACKAGE}` source package) built here for this "
              f"CPU; both on SmolLM2-135M-Instruct's GGUF as shipped (Q4_1 body), {args.threads} threads. "
-             f"Load (`scripts/_load.py`): chat completions of {args.max_tokens} tokens (`ignore_eos`, greedy, "
-             f"streamed) over 4 shared ~330-token system prompts (Zipf) plus a unique question, {args.per_client} "
+             f"Load (`scripts/_load.py`): chat completions of {args.max_tokens} tokens (`ignore_eos`, streamed, "
+             f"seeded) over 4 shared ~330-token system prompts (Zipf) plus a unique question, {args.per_client} "
              "requests per client back to back, after one warm-up request per system prompt; one server at a "
-             "time.", ""]
-    lines += _load.table([(name, r) for name, rows in served.items() for r in rows])
-    lines += ["", "| ours | clients | ours / llama.cpp's best, tok/s | TTFT p99 ours / best's (s) | "
-              "peak RSS ours / best's |", "|---|---|---|---|---|"]
-    for name, ours in mine.items():
-        for r in ours:
-            b = best[r.clients]
-            lines.append(f"| {name} | {r.clients} | {r.tps / b.tps:.2f}x | {r.ttft99:.2f} / {b.ttft99:.2f} | "
-                         f"{r.rss / b.rss:.2f}x |")
-    for name, ours in mine.items():
-        if len(ours) > 1:
-            lines += ["", f"{name} at {ours[-1].clients} clients: {ours[-1].tps / ours[0].tps:.2f}x its "
-                      f"{ours[0].clients}-client tokens/s."]
+             "time, each load in turn in the same process. Sampling presets: " + "; ".join(
+                 f"{name} = {', '.join(f'{k} {v}' for k, v in knobs)}" for name, knobs in SAMPLING.items()
+                 if name in args.sampling.split(",")) + " (the rest each server's defaults: ours top_k 0 and "
+             "top_p 1, llama.cpp's top_k 40, top_p 0.95, min_p 0.05 and more).", ""]
+    presets = list(dict.fromkeys(p for rows in served.values() for p in rows))
+    for preset in presets:
+        lines += [f"### {preset}", ""]
+        lines += _load.table([(name, r) for name, by in served.items() for r in by.get(preset, [])])
+        mine = {name: by[preset] for name, by in served.items() if name.startswith("tinyloop") and preset in by}
+        theirs = [x for name, by in served.items() if name not in mine for x in by.get(preset, [])]
+        best = {n: max((x for x in theirs if x.clients == n), key=lambda x: x.tps)
+                for n in {x.clients for x in theirs}}
+        lines += ["", "| ours | clients | ours / llama.cpp's best, tok/s | TTFT p99 ours / best's (s) | "
+                  "peak RSS ours / best's |", "|---|---|---|---|---|"]
+        for name, ours in mine.items():
+            for r in ours:
+                if r.clients in best:
+                    b = best[r.clients]
+                    lines.append(f"| {name} | {r.clients} | {r.tps / b.tps:.2f}x | {r.ttft99:.2f} / {b.ttft99:.2f} | "
+                                 f"{r.rss / b.rss:.2f}x |")
+        lines.append("")
+    greedy = {name: {r.clients: r for r in by["greedy"]} for name, by in served.items() if "greedy" in by}
+    if greedy and len(presets) > 1:
+        lines += ["Sampled tokens/s over greedy, per server and client count:", "",
+                  "| server | preset | " + " | ".join(f"{n} clients" for n in sorted(next(iter(greedy.values())))) +
+                  " |", "|---|---|" + "---|" * len(next(iter(greedy.values())))]
+        for name, by in served.items():
+            for preset, rows in by.items():
+                if preset != "greedy" and name in greedy:
+                    lines.append(f"| {name} | {preset} | " + " | ".join(
+                        f"{r.tps / greedy[name][r.clients].tps:.2f}x" for r in rows) + " |")
+        lines.append("")
     if batched:
-        lines += ["", "Pure decode, no server (prompt 128 tokens, 128 generated; tok/s):", "",
+        lines += ["Pure decode, no server (prompt 128 tokens, 128 generated; tok/s):", "",
                   "| | " + " | ".join(f"batch {b}" for b in batches) + " |", "|---" * (len(batches) + 1) + "|"]
         for name, res in batched.items():
             lines.append(f"| {name} | " + " | ".join(f"{res.get(b, float('nan')):.1f}" for b in batches) + " |")
