@@ -32,11 +32,12 @@ KNOBS = {"greedy": dict(temperature=0.0),
          "t=0.8, top_k 0, top_p 0.95": dict(temperature=0.8, top_k=0, top_p=0.95)}
 
 
-def prompt(tok, n: int) -> list[int]:
-    from _load import system_prompt
+def prompt(tok, n: int, row: int = 0) -> list[int]:
+    """About n tokens of text: one of `_load`'s shared system prompts, cut, then a question of
+    the row's own (rows of a batch share the first, not the second)."""
+    from _load import question, system_prompt
 
-    ids = tok.encode(system_prompt(0) + " " + system_prompt(1))
-    return ids[:n]
+    return list(tok.encode(system_prompt(row % 4)))[:n - 24] + list(tok.encode(" " + question(row, 0)))
 
 
 def generate_rates(model, ids: list[int], new: int, repeats: int) -> dict:
@@ -50,15 +51,17 @@ def generate_rates(model, ids: list[int], new: int, repeats: int) -> dict:
     return out
 
 
-def engine_rates(model, ids: list[int], rows: int, new: int, repeats: int) -> dict:
-    """tok/s of the engine decoding `rows` requests at once (the same prompt's pages shared)."""
+def engine_rates(model, prompts: list[list[int]], new: int, repeats: int) -> dict:
+    """tok/s of the engine decoding len(prompts) requests at once (shared system prompts' pages
+    shared)."""
     import tinyloop_jax as tl
 
     out = {}
+    rows = len(prompts)
     with tl.Engine(model, max_batch=rows) as eng:
         for name, kw in KNOBS.items():
             def run(n):
-                for h in [eng.submit(ids + [i], max_tokens=n, seed=i, **kw) for i in range(rows)]:
+                for h in [eng.submit(p, max_tokens=n, seed=i, **kw) for i, p in enumerate(prompts)]:
                     h.result()
             run(new + 1)
             long_, short = median_time(lambda: run(new + 1), repeats), median_time(lambda: run(1), repeats)
@@ -72,7 +75,7 @@ def paths(model, ids: list[int], steps: int) -> dict:
     logits after every prefix of a sampled continuation (temperature 0.8), counted by path."""
     import jax.numpy as jnp
 
-    from tinyloop_jax.decoding import sampling as S
+    from tinyloop_jax.decoding import filtering as F
 
     text = model.generate(ids, max_tokens=steps, temperature=0.8, top_k=0, seed=3)
     logits = np.stack([np.asarray(model.next_token_logits(text[:len(ids) + i])) for i in range(steps)])
@@ -81,9 +84,9 @@ def paths(model, ids: list[int], steps: int) -> dict:
         if kw["temperature"] == 0:
             continue
         p = {**dict(top_k=50, top_p=1.0), **kw}
-        c, _, _ = S.cut(jnp.asarray(logits) / kw["temperature"], jnp.full((steps,), p["top_k"], jnp.int32),
+        c = F.cut(jnp.asarray(logits) / kw["temperature"], jnp.full((steps,), p["top_k"], jnp.int32),
                         jnp.full((steps,), p["top_p"], jnp.float32))
-        out[name] = np.bincount(np.asarray(c.path), minlength=len(S.PATHS))
+        out[name] = np.bincount(np.asarray(c.path), minlength=len(F.PATHS))
     return out
 
 
@@ -98,15 +101,16 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     import tinyloop_jax as tl
-    from tinyloop_jax.decoding import sampling as S
+    from tinyloop_jax.decoding import filtering as F
 
     model, tok = tl.Model.from_pretrained("smollm2"), tl.load_tokenizer("smollm2")
     ids = prompt(tok, args.prompt)
     gen = generate_rates(model, ids, args.new, args.repeats)
-    eng = engine_rates(model, ids, args.rows, args.new, args.repeats)
+    eng = engine_rates(model, [prompt(tok, args.prompt, r) for r in range(args.rows)], args.new, args.repeats)
     found = paths(model, ids, args.path_steps)
     lines = [f"`{command()}` on {machine()}, {args.label}; SmolLM2-135M-Instruct as shipped (Q4_1 body, "
-             f"fp32 KV), a {len(ids)}-token prompt, {args.new} tokens decoded (prefill left out), medians of "
+             f"fp32 KV), {len(ids)}-token prompts (a shared system prompt, cut, and a question of the row's own), "
+             f"{args.new} tokens decoded (prefill left out), medians of "
              f"{args.repeats}.", "",
              f"| knobs | `generate` batch 1, tok/s | / greedy | engine, {args.rows} rows, tok/s | / greedy |",
              "|---|---|---|---|---|"]
@@ -115,7 +119,7 @@ def main() -> None:
         lines.append(f"| {name} | {gen[name]:.1f} | {gen[name] / g0:.2f}x | {eng[name]:.1f} | {eng[name] / e0:.2f}x |")
     lines += ["", f"How rows found their kept set (`sampling.cut`'s paths) over {args.path_steps} next-token "
               "distributions of a sampled SmolLM2 continuation:", "",
-              "| knobs | " + " | ".join(S.PATHS) + " |", "|---" * (len(S.PATHS) + 1) + "|"]
+              "| knobs | " + " | ".join(F.PATHS) + " |", "|---" * (len(F.PATHS) + 1) + "|"]
     for name, counts in found.items():
         lines.append(f"| {name} | " + " | ".join(str(int(c)) for c in counts) + " |")
     body = "\n".join(lines)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import tinyloop_jax as tl
+from tinyloop_jax.decoding import filtering as F
 from tinyloop_jax.decoding import sampling as S
 
 
@@ -42,24 +43,25 @@ def rows(rng, N, V, knobs, flat=0):
     return logits, t, k, p
 
 
-@pytest.mark.parametrize("V", [96, 3000])
+@pytest.mark.parametrize("V", [96, 6000])
 def test_the_kept_set_and_the_tokens_equal_the_full_sort_reference(V):
-    """Random logits and knobs (top_k 0 / 1 / 40 / 200 / V, top_p 0.05 / 0.9 / 1, temperature
-    0.3 / 1 / 2, ties): the filtered logits equal the full-sort reference exactly, and the drawn
-    tokens equal `jax.random.categorical` over the reference with the same keys, on every path:
-    no filter, the 64 candidates, the 1,024, the full sort (V = 3,000 reaches all four)."""
+    """Random logits and knobs (top_k 0 / 1 / 40 / 200 / 2,000 / V, top_p 0.05 / 0.9 / 1,
+    temperature 0.3 / 1 / 2, ties): the filtered logits equal the full-sort reference exactly,
+    and the drawn tokens equal `jax.random.categorical` over the reference with the same keys,
+    on every path: no filter, the top 64, 1,024, 4,096, the sort (V = 6,000 reaches all five)."""
     rng = np.random.default_rng(V)
     seen = set()
     for trial in range(4):
         N = 24
-        logits, t, k, p = rows(rng, N, V, ([0.3, 1.0, 2.0], [0, 1, 40, 200, V], [0.05, 0.9, 1.0]), flat=4)
+        logits, t, k, p = rows(rng, N, V, ([0.3, 1.0, 2.0], [0, 1, 40, 200, 2000, V], [0.05, 0.9, 1.0]),
+                                 flat=4)
         args = tuple(map(jnp.asarray, (logits, t, k, p)))
         want = np.asarray(reference_filter(*args))
-        np.testing.assert_array_equal(np.asarray(S.filtered_logits(*args)), want)
+        np.testing.assert_array_equal(np.asarray(F.filtered_logits(*args)), want)
         keys = jax.vmap(jax.random.key)(jnp.arange(N, dtype=jnp.uint32) + 100 * trial)
-        np.testing.assert_array_equal(np.asarray(S.sample(*args, keys)), np.asarray(reference_draw(keys, want)))
-        seen |= set(np.asarray(S.cut(args[0] / args[1][:, None], args[2], args[3])[0].path).tolist())
-    assert seen == ({0, 1, 2, 3} if V > S.WIDE_CANDIDATES else {0, 1, 2})
+        np.testing.assert_array_equal(np.asarray(F.sample(*args, keys)), np.asarray(reference_draw(keys, want)))
+        seen |= set(np.asarray(F.cut(args[0] / args[1][:, None], args[2], args[3]).path).tolist())
+    assert seen == ({0, 1, 2, 3, 4} if V > F.LADDER[-1] else {0, 1, 2})
 
 
 def test_a_batch_mixing_greedy_and_sampled_rows():
@@ -82,21 +84,21 @@ def test_a_batch_mixing_greedy_and_sampled_rows():
 def test_gumbel_at_is_jax_gumbel_at_those_ids():
     key = jax.random.fold_in(jax.random.key(11), 4)
     ids = jnp.asarray([0, 5, 49151, 777, 5], jnp.int32)
-    np.testing.assert_array_equal(np.asarray(S.gumbel_at(key, ids, 49152)),
+    np.testing.assert_array_equal(np.asarray(F.gumbel_at(key, ids, 49152)),
                                   np.asarray(jax.random.gumbel(key, (49152,))[ids]))
 
 
 def test_only_the_rows_that_need_it_take_a_wider_path():
-    """One flat row among peaked ones: that row alone is found again (top 1,024, then the sort);
-    the others keep their 64 candidates."""
+    """One flat row among peaked ones: that row alone is found again (top 1,024, 4,096, then the
+    sort); the others keep their 64 candidates."""
     rng = np.random.default_rng(3)
-    V = 3000
-    logits = rng.normal(0, 4, (4, V)).astype(np.float32)
+    V = 6000
+    logits = rng.normal(0, 8, (4, V)).astype(np.float32)
     logits[2] = rng.normal(0, 0.01, V)
-    c, _, _ = S.cut(jnp.asarray(logits), jnp.asarray([0, 0, 0, 0]), jnp.asarray([0.9, 0.9, 0.9, 0.9]))
-    assert np.asarray(c.path).tolist() == [1, 1, 3, 1]
-    c, _, _ = S.cut(jnp.asarray(logits), jnp.asarray([0, 100, 0, 0]), jnp.asarray([1.0, 1.0, 0.9, 0.9]))
-    assert np.asarray(c.path).tolist() == [0, 2, 3, 1]  # no filter; top_k 100 > 64; flat; peaked
+    c = F.cut(jnp.asarray(logits), jnp.asarray([0, 0, 0, 0]), jnp.asarray([0.9, 0.9, 0.9, 0.9]))
+    assert np.asarray(c.path).tolist() == [1, 1, 4, 1]
+    c = F.cut(jnp.asarray(logits), jnp.asarray([0, 100, 2000, 0]), jnp.asarray([1.0, 1.0, 1.0, 0.9]))
+    assert np.asarray(c.path).tolist() == [0, 2, 3, 1]  # no filter; top_k 100, 2,000; peaked
 
 
 def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
@@ -151,7 +153,7 @@ def test_the_compiled_sampling_step_sorts_no_row_of_the_vocabulary():
     """XLA:CPU runs `lax.top_k` as a full sort when its output is sliced (130x slower at 16 rows
     of 49,152): the compiled step holds the TopK call, and a sort over a whole row only in the
     fallback branch (one row, [V], never the batch's [N, V])."""
-    N, V = 4, 4096
+    N, V = 4, 8192
     req = tl.Request.make(N, temperature=0.8, top_k=0, top_p=0.9)
     step = jax.jit(lambda lg, req: S.select_tokens(lg, jnp.zeros((N, V), bool), req, jnp.int32(0)))
     hlo = step.lower(jnp.zeros((N, V)), req).compile().as_text()

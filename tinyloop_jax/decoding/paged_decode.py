@@ -162,7 +162,7 @@ def _step(params: Params, cfg: ModelConfig, rows: paged.Rows, req: Request, loop
         fed = R.feed(state.rows)
         x, pool = paged.forward(params, cfg, state.own, _decoding(rows, state), fed.last[:, None], loops, window,
                                 exit, req.seed)
-        tok = R.choose(fed, tf.lm_head(params, cfg, x[:, 0]), req, state.step + 1)
+        tok = R.choose(fed, tf.lm_head(params, cfg, x[:, 0]), req.greedy_where(state.done), state.step + 1)
         return emit(state.replace(rows=fed, own=pool, step=state.step + 1), tok, req)
     return step
 
@@ -234,7 +234,7 @@ def decode_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows:
         fed = R.feed(state.rows)
         out = pa.forward_decode(params, cfg, state.own, _decoding(rows, state), fed.last, loops, pol, req.seed,
                                 fed.warm)
-        tok = R.choose(fed, out.logits, req, state.step + 1)
+        tok = R.choose(fed, out.logits, req.greedy_where(state.done), state.step + 1)
         state = state.replace(rows=fed.replace(warm=out.state.astype(fed.warm.dtype)), own=out.pool,
                               step=state.step + 1, depths=record_depth(state, out.depth))
         return emit(state, tok, req)

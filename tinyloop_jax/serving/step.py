@@ -77,6 +77,12 @@ def _take(tree, slot):
     return jax.tree.map(lambda a: jnp.take(a, slot, axis=0, mode="clip"), tree)
 
 
+def _knobs(state: "Requests", slot: jax.Array, live: jax.Array) -> Request:
+    """The knobs of request rows `slot` [b]; those not live (filler rows, prompts' inner chunks)
+    greedy (`Request.greedy_where`)."""
+    return _take(state.req, slot).greedy_where(~live)
+
+
 def _put(tree, slot, value):
     return jax.tree.map(lambda a, v: a.at[slot].set(v, mode="drop"), tree, value)
 
@@ -118,7 +124,8 @@ def _first_tokens(params, cfg, state: Requests, chunks: Chunks, x: jax.Array, lo
     """The chunks' first tokens (meaningful for final chunks, which keep them as `last`, and
     their last loop state as `warm`)."""
     logits = paged.last_logits(params, cfg, x, chunks.rows)
-    tok = select_tokens(logits, _take(state.rows.seen, chunks.slot), _take(state.req, chunks.slot), jnp.int32(0))
+    tok = select_tokens(logits, _take(state.rows.seen, chunks.slot), _knobs(state, chunks.slot, chunks.final),
+                        jnp.int32(0))
     at = jnp.where(chunks.final, chunks.slot, FILLER)
     last = jnp.maximum(chunks.rows.n_new - 1, 0)
     warm = jnp.take_along_axis(loop_state, last[:, None, None], axis=1)[:, 0]
@@ -133,7 +140,7 @@ def _next_tokens(state: Requests, decodes: Decodes, logits: jax.Array, warm: jax
     A filler row's slot drops its writes."""
     s = decodes.slot
     fed = R.feed(state.rows, s)
-    tok = R.choose(fed, logits, _take(state.req, s), decodes.steps, s)
+    tok = R.choose(fed, logits, _knobs(state, s, s != FILLER), decodes.steps, s)
     fed = fed.replace(last=fed.last.at[s].set(tok, mode="drop"))
     if warm is not None:
         fed = fed.replace(warm=fed.warm.at[s].set(warm.astype(fed.warm.dtype), mode="drop"))
@@ -182,7 +189,7 @@ def chunk_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state:
     s = chunks.slot
     out = pa.forward(params, cfg, pool, chunks.rows, chunks.tokens, loops, _take(state.pol, s),
                      _take(state.req.seed, s))
-    tok = select_tokens(out.logits, _take(state.rows.seen, s), _take(state.req, s), jnp.int32(0))
+    tok = select_tokens(out.logits, _take(state.rows.seen, s), _knobs(state, s, chunks.final), jnp.int32(0))
     at, rows = jnp.where(chunks.final, s, FILLER), state.rows
     return tok, out.depth, out.pool, state.replace(rows=rows.replace(
         last=rows.last.at[at].set(tok, mode="drop"), warm=rows.warm.at[at].set(out.state.astype(rows.warm.dtype),
@@ -197,7 +204,7 @@ def step_speculative(params: Params, cfg: ModelConfig, pool: paged.PagedKV, stat
     fold_in(keys(steps), DRAFT_STREAM)). Returns (tokens [b, k + 1]: d_1 .. d_a then the next
     token, kept a [b], pool, state)."""
     s = decodes.slot
-    req = _take(state.req, s)
+    req = _knobs(state, s, s != FILLER)
     keys = fold_in(req.keys(decodes.steps), DRAFT_STREAM)
     rows = _take(state.rows, s)
     tokens, a, seen, counts, pool = round_paged(params, cfg, pool, decodes.rows, rows.last, rows.seen, rows.counts,
