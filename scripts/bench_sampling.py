@@ -98,16 +98,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--path-steps", type=int, default=256)
     ap.add_argument("--label", default="this tree")
+    ap.add_argument("--no-paths", action="store_true", help="leave out the paths' counts (a tree before them)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     import tinyloop_jax as tl
-    from tinyloop_jax.decoding import filtering as F
 
     model, tok = tl.Model.from_pretrained("smollm2"), tl.load_tokenizer("smollm2")
     ids = prompt(tok, args.prompt)
     gen = generate_rates(model, ids, args.new, args.repeats)
     eng = engine_rates(model, [prompt(tok, args.prompt, r) for r in range(args.rows)], args.new, args.repeats)
-    found = paths(model, ids, args.path_steps)
+    found = {} if args.no_paths else paths(model, ids, args.path_steps)
     lines = [f"`{command()}` on {machine()}, {args.label}; SmolLM2-135M-Instruct as shipped (Q4_1 body, "
              f"fp32 KV), {len(ids)}-token prompts (a shared system prompt, cut, and a question of the row's own), "
              f"{args.new} tokens decoded (prefill left out), medians of "
@@ -117,11 +117,14 @@ def main() -> None:
     g0, e0 = gen["greedy"], eng["greedy"]
     for name in KNOBS:
         lines.append(f"| {name} | {gen[name]:.1f} | {gen[name] / g0:.2f}x | {eng[name]:.1f} | {eng[name] / e0:.2f}x |")
-    lines += ["", f"How rows found their kept set (`sampling.cut`'s paths) over {args.path_steps} next-token "
-              "distributions of a sampled SmolLM2 continuation:", "",
-              "| knobs | " + " | ".join(F.PATHS) + " |", "|---" * (len(F.PATHS) + 1) + "|"]
-    for name, counts in found.items():
-        lines.append(f"| {name} | " + " | ".join(str(int(c)) for c in counts) + " |")
+    if found:
+        from tinyloop_jax.decoding.filtering import PATHS
+
+        lines += ["", f"How rows found their kept set (`filtering.cut`'s paths) over {args.path_steps} next-token "
+                  "distributions of a sampled SmolLM2 continuation:", "",
+                  "| knobs | " + " | ".join(PATHS) + " |", "|---" * (len(PATHS) + 1) + "|"]
+        for name, counts in found.items():
+            lines.append(f"| {name} | " + " | ".join(str(int(c)) for c in counts) + " |")
     body = "\n".join(lines)
     print(body)
     if not args.no_write:
