@@ -5,7 +5,6 @@ of admissions, forks, cancellations, finishes and evictions."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -19,9 +18,8 @@ from tinyloop_jax.api.pages import PageBook
 from tinyloop_jax.model import paged
 from tinyloop_jax.model import transformer as tf
 from tinyloop_jax.model.kv_modes import KV_MODES
-from tinyloop_jax.model.params import random_params
 
-from conftest import OURO, prompt_of, tiny_model
+from conftest import OURO, huginn_model, prompt_of, tiny_model
 
 CLOSE = dict(atol=1e-3, rtol=1e-2)
 
@@ -165,21 +163,13 @@ def test_paged_step_huginn_layout_with_seeds(monkeypatch):
     states come from its own seed. On the XLA reference attention, whose sums run in the order of
     the cache-free forward's.
 
-    The recurrence is made contractive (its blocks' output norms scaled by 1/4, what a trained
-    Huginn's converging recurrence is): at full gain the random model turned a float sum's order
-    into 1e-3 within ten positions, 0.9x the bound on an EPYC and 1.006x on a Xeon, 0.2x to 4.6x
-    over model seeds 0-3; calmed, 0.06x to 0.43x over the same seeds."""
+    The recurrence is contractive (`conftest.huginn_model`): at full gain the random model turned
+    a float sum's order into 1e-3 within ten positions, 0.9x the bound on an EPYC and 1.006x on a
+    Xeon, 0.2x to 4.6x over model seeds 0-3; calmed, 0.06x to 0.43x over the same seeds."""
     monkeypatch.setenv("TINYLOOP_PAGED_KERNEL", "0")
     jax.clear_caches()
-    cfg = tl.ModelConfig(vocab_size=128, d_model=32, n_heads=4, block="llama", intermediate_size=48,
-                         n_pre_blocks=1, loop_blocks=2, n_post_blocks=1, default_loops=3, max_seq_len=64,
-                         norm_placement="normed_residual", injection="concat_adapter", embed_scale=4.0,
-                         norm_before_coda=True, rope_pairing="adjacent", attention_bias=True, kv_mode="fp32")
-    p = random_params(cfg, 2)
-    calm = tuple(dataclasses.replace(b, attn_out_norm=b.attn_out_norm / 4, mlp_out_norm=b.mlp_out_norm / 4)
-                 for b in p.loop)
     seeds = np.asarray([7, 7, 3], np.uint32)  # B forks A: the same seed
-    d = _ragged_session(tl.Model(dataclasses.replace(p, loop=calm), cfg), loops=3, seeds=seeds)
+    d = _ragged_session(huginn_model(2, max_seq_len=64), loops=3, seeds=seeds)
     for b in range(3):
         d.check(b, jnp.uint32(seeds[b]))
     other = tf.forward_seq(d.params, d.cfg, jnp.asarray(d.fed[2], jnp.int32), 3, 0, jnp.uint32(4))

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import tiny_model
+from conftest import huginn_model, tiny_model
 
 import tinyloop_jax as tl
 from tinyloop_jax.serving import Cancelled, QueueFull, RequestTimeout
@@ -178,19 +178,13 @@ def test_steps_mix_prompt_chunks_with_decode_rows_and_tables_follow_lengths(mode
         assert tables == ({8} if paged.attention_kernel(model.weights.config) != "xla" else {4, 8})
 
 
-HUGINN = dict(vocab_size=128, d_model=32, n_heads=4, block="llama", intermediate_size=48, n_pre_blocks=1,
-              loop_blocks=2, n_post_blocks=1, default_loops=3, max_seq_len=128, norm_placement="normed_residual",
-              injection="concat_adapter", embed_scale=4.0, norm_before_coda=True, rope_pairing="adjacent",
-              attention_bias=True, kv_mode="fp32")
-
-
 @pytest.mark.parametrize("family", ["ouro", "huginn"])
 def test_engine_equals_generate_for_looped_families(family):
     """Ouro's layout (GQA, 2 loop blocks, sandwich norms, its exit pick) and Huginn's (injection,
     drawn initial states: each request's from its own seed, not 0), several requests in flight,
     one of them speculative."""
     from conftest import ouro_model
-    model = ouro_model("int8") if family == "ouro" else tl.Model.random(tl.ModelConfig(**HUGINN), seed=3)
+    model = ouro_model("int8") if family == "ouro" else huginn_model(3)
     rng = np.random.default_rng(11)
     system = rng.integers(0, 128, 37)
     work = [(np.concatenate([system, rng.integers(0, 128, 4 + i)]), dict(max_tokens=5 + i, seed=7 * i + 1))
