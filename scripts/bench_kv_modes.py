@@ -78,7 +78,7 @@ def h_rebuild(model, prompt, suffix, repeats):
     cfg, w = model.weights.config, model.weights
     loops, new = cfg.default_loops, 33
     pre = model.build_prefix_cache(prompt)
-    req = tl.Request.make(1, max_tokens=new)
+    req = tl.Knobs.make(1, max_tokens=new)
     lay = paged_decode.layout(len(prompt), len(suffix) + new, 1)
 
     def program(mode):

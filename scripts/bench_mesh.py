@@ -33,7 +33,7 @@ from tinyloop_jax.decoding import paged_decode  # noqa: E402
 from tinyloop_jax.model import paged, sharding  # noqa: E402
 from tinyloop_jax.model.kv_modes import kv_mode as parse_kv_mode  # noqa: E402
 from tinyloop_jax.model.params import Shape, param_shapes  # noqa: E402
-from tinyloop_jax.decoding.sampling import Request  # noqa: E402
+from tinyloop_jax.decoding.sampling import Knobs  # noqa: E402
 
 GPT2_SMALL = dict(vocab_size=50257, d_model=768, n_heads=12, n_pre_blocks=11, default_loops=1, max_seq_len=1024)
 OURO_1_4B = dict(vocab_size=49152, d_model=2048, n_heads=16, n_kv_heads=16, head_dim=128, intermediate_size=5632,
@@ -90,7 +90,7 @@ def measure(name, shape, d, m, args):
     lay = paged_decode.layout(args.prefix, args.own, n)
     pages = pool(cfg, mesh, args.kv_mode, lay.n_pages, loops)
     rep = lambda shape, dt: abstract(shape, dt, jax.sharding.PartitionSpec(), mesh)  # noqa: E731
-    req = Request.make(n, max_tokens=args.own // 2)
+    req = Knobs.make(n, max_tokens=args.own // 2)
     rows = paged.Rows(lay.tables, np.full((n,), args.prefix, np.int32), np.ones((n,), np.int32))
     lowered = paged_decode.decode.lower(w, cfg, pages, rows, rep((n,), jnp.int32), rep((n, cfg.vocab_size), jnp.bool_),
                                         req, loops=loops, window=0, out_len=args.own // 2)

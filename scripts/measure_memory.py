@@ -32,7 +32,7 @@ def decode_memory(model, prefix, own_capacity, loops, out_len=32):
     c = paged_decode.decode.lower(model.weights.params, cfg, pool,
                                   paged.Rows(lay.tables, np.int32([len(prefix)]), np.int32([1])),
                                   jnp.zeros((1,), jnp.int32), jnp.zeros((1, cfg.vocab_size), bool),
-                                  tl.Request.make(1, max_tokens=out_len), loops=loops, window=0,
+                                  tl.Knobs.make(1, max_tokens=out_len), loops=loops, window=0,
                                   out_len=out_len).compile()
     return c.memory_analysis(), pool.nbytes
 

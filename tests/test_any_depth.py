@@ -32,7 +32,7 @@ def programs(model, loops: int) -> dict:
     rows = paged.Rows.make([[0, 1], [2, 3]], [5, 5], [5, 5])
     tokens, n = jnp.zeros((16,), jnp.int32), jnp.int32(5)
     logits, seen = jnp.zeros((2, c.vocab_size)), jnp.zeros((2, c.vocab_size), bool)
-    req = tl.Request.make(2, max_tokens=8)
+    req = tl.Knobs.make(2, max_tokens=8)
     kw = dict(loops=loops, window=0)
     return {
         "prefill": engine.prefill.lower(p, c, tokens, n, jnp.int32(0), (), own, **kw),
@@ -105,7 +105,7 @@ def test_functional_pipeline_runs_without_a_model():
     prompt = prompt_of(15, seed=1)
     prefix = F.build_prefix(w, prompt, loops=2, keep_state=True)
     deeper = F.prefix_at_depth(prefix, 4)
-    req = tl.Request.make(2, max_tokens=5, seeds=[0, 1])
+    req = tl.Knobs.make(2, max_tokens=5, seeds=[0, 1])
     state = F.decode(w, deeper, [np.array([7], np.int32), np.zeros((0,), np.int32)], req)
     got = [np.asarray(state.tokens)[i, : int(state.n[i])].tolist() for i in range(2)]
     assert got[0] == model.generate(np.concatenate([prompt, [7]]), max_tokens=5, loops=4)[16:]

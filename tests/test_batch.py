@@ -101,7 +101,7 @@ def test_prefix_is_not_copied_per_request(mode_models):
     compiled = paged_decode.decode.lower(
         w.params, cfg, pool, paged.Rows(lay.tables, np.full(N, 120, np.int32), np.ones(N, np.int32)),
         jnp.zeros((N,), jnp.int32), jnp.zeros((N, cfg.vocab_size), bool),
-        tl.Request.make(N, top_k=0, seeds=list(range(N)), max_tokens=16), loops=3, window=0, out_len=16).compile()
+        tl.Knobs.make(N, top_k=0, seeds=list(range(N)), max_tokens=16), loops=3, window=0, out_len=16).compile()
     mem = compiled.memory_analysis()
     assert mem.temp_size_in_bytes < prefix.nbytes, (mem.temp_size_in_bytes, prefix.nbytes)
     assert mem.argument_size_in_bytes < pool.nbytes + sum(x.nbytes for x in jax.tree.leaves(w.params)) + 2**20

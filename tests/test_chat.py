@@ -234,7 +234,7 @@ def test_conversation_takes_the_request_as_values(smollm2):
     sampled turn, the same seed)."""
     model, tok = smollm2
     by_values = tl.Conversation(model, tok, params=tl.SamplingParams(max_tokens=MAX, temperature=0.9, seed=4),
-                                plan=tl.DepthPlan(loops=1))
+                                plan=tl.Fixed(loops=1))
     by_keywords = tl.Conversation(model, tok, max_tokens=MAX, temperature=0.9, seed=4, loops=1)
     assert "".join(by_values.send(FRANCE)) == "".join(by_keywords.send(FRANCE))
     assert by_values.turns[0].answer == by_keywords.turns[0].answer
@@ -245,8 +245,8 @@ def test_conversation_refuses_what_it_cannot_run():
         chat_template, eos_token_ids = "{{ messages }}", [0]
 
     model = tl.Model.random(tiny_config(), seed=0)
-    with pytest.raises(ValueError, match="fixed depth .* exit_criterion"):
-        tl.Conversation(model, Tok(), plan=tl.DepthPlan(exit_criterion="kl", exit_threshold=0.1))
+    with pytest.raises(ValueError, match="fixed depth .* Adaptive"):
+        tl.Conversation(model, Tok(), plan=tl.Adaptive(criterion="kl", threshold=0.1))
     with pytest.raises(ValueError, match="take no stop_sequences"):
         tl.Conversation(model, Tok(), params=tl.SamplingParams(stop_sequences=((1,),)))
     with pytest.raises(ValueError, match="pass temperature inside the SamplingParams"):

@@ -123,9 +123,9 @@ def test_learned_positions_past_max_seq_len_are_refused(models):
     with pytest.raises(RuntimeError, match="max_seq_len=128"):
         F.decode_step(w, 1, cache)
     prefix = F.build_prefix(w, p[:100])
-    F.decode(w, prefix, [p[100:120]], tl.Request.make(1, max_tokens=9))  # feeds positions up to 127
+    F.decode(w, prefix, [p[100:120]], tl.Knobs.make(1, max_tokens=9))  # feeds positions up to 127
     with pytest.raises(RuntimeError, match="max_seq_len=128"):
-        F.decode(w, prefix, [p[100:120]], tl.Request.make(1, max_tokens=10))
+        F.decode(w, prefix, [p[100:120]], tl.Knobs.make(1, max_tokens=10))
 
 
 def test_sampling_arguments_are_one_checked_value(models):

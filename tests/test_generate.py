@@ -148,7 +148,7 @@ def test_decode_updates_cache_in_place():
     import jax.numpy as jnp
     compiled = paged_decode.decode.lower(
         model.weights.params, cfg, pool, paged.Rows.make([list(range(64))], [16], [1]), jnp.zeros((1,), jnp.int32),
-        jnp.zeros((1, cfg.vocab_size), bool), tl.Request.make(1, max_tokens=8), loops=3, window=0,
+        jnp.zeros((1, cfg.vocab_size), bool), tl.Knobs.make(1, max_tokens=8), loops=3, window=0,
         out_len=16).compile()
     mem = compiled.memory_analysis()
     assert mem.alias_size_in_bytes >= pool.nbytes - 8
@@ -156,22 +156,22 @@ def test_decode_updates_cache_in_place():
 
 
 def test_request_rows_are_the_sampling_params():
-    """`Request.from_params`: row i holds the i-th SamplingParams (the stops padded and
-    left-aligned, or left out for callers that check them on the host); `Request.make` is the
+    """`Knobs.from_params`: row i holds the i-th SamplingParams (the stops padded and
+    left-aligned, or left out for callers that check them on the host); `Knobs.make` is the
     same rows from keywords."""
     a = tl.SamplingParams(max_tokens=5, temperature=0.7, top_k=3, top_p=0.9, repetition_penalty=1.2, seed=9,
                           stop_sequences=((1, 2, 3), (4,)))
-    req = tl.Request.from_params([a, tl.SamplingParams()])
+    req = tl.Knobs.from_params([a, tl.SamplingParams()])
     assert req.max_tokens.tolist() == [5, 32] and req.top_k.tolist() == [3, 50] and req.seed.tolist() == [9, 0]
     np.testing.assert_array_equal(req.temperature, np.float32([0.7, 0.0]))
     np.testing.assert_array_equal(req.top_p, np.float32([0.9, 1.0]))
     np.testing.assert_array_equal(req.repetition_penalty, np.float32([1.2, 1.0]))
     assert req.stop.tokens.shape == (2, 2, 4) and req.stop.lengths.tolist() == [[3, 1], [0, 0]]
     assert req.stop.tokens[0, 0].tolist() == [1, 2, 3, -1] and req.stop.tokens[0, 1].tolist() == [4, -1, -1, -1]
-    assert tl.Request.from_params([a], stops=False).stop.lengths.tolist() == [[0]]
-    made = tl.Request.make(2, temperature=0.7, top_k=3, top_p=0.9, repetition_penalty=1.2, seeds=[9, 0],
+    assert tl.Knobs.from_params([a], stops=False).stop.lengths.tolist() == [[0]]
+    made = tl.Knobs.make(2, temperature=0.7, top_k=3, top_p=0.9, repetition_penalty=1.2, seeds=[9, 0],
                            max_tokens=[5, 5], stop_sequences=[[[1, 2, 3], [4]], []])
-    want = tl.Request.from_params([a, dataclasses.replace(a, seed=0, stop_sequences=())])
+    want = tl.Knobs.from_params([a, dataclasses.replace(a, seed=0, stop_sequences=())])
     assert jax.tree.all(jax.tree.map(np.array_equal, made, want))
 
 
@@ -184,16 +184,16 @@ def test_a_request_as_two_values_equals_the_keywords():
     kw = dict(max_tokens=7, temperature=0.8, top_k=20, seed=5, stop_sequences=[[3, 4]], logit_bias={7: 2.0})
     params = tl.SamplingParams(max_tokens=7, temperature=0.8, top_k=20, seed=5, stop_sequences=((3, 4),),
                                logit_bias=((7, 2.0),))
-    assert model.generate(p, params=params, plan=tl.DepthPlan(loops=2, draft_loops=1, lookahead=2)) == \
+    assert model.generate(p, params=params, plan=tl.Speculative(loops=2, draft_loops=1, lookahead=2)) == \
         model.generate(p, loops=2, draft_loops=1, lookahead=2, **kw)
     prefix = model.build_prefix_cache(p[:8])
-    plan = tl.DepthPlan(exit_criterion="latent-diff", exit_threshold=0.5)
+    plan = tl.Adaptive(criterion="latent-diff", threshold=0.5)
     assert model.generate_from_prefix_cache(prefix, suffix=p[8:], params=params, plan=plan) == \
         model.generate_from_prefix_cache(prefix, suffix=p[8:], exit_criterion="latent-diff", exit_threshold=0.5, **kw)
     with pytest.raises(ValueError, match="pass max_tokens inside the SamplingParams or as keywords"):
         model.generate(p, max_tokens=3, params=params)
     with pytest.raises(ValueError, match="pass loops inside the DepthPlan"):
-        model.generate(p, loops=3, plan=tl.DepthPlan(loops=2))
+        model.generate(p, loops=3, plan=tl.Fixed(loops=2))
     with pytest.raises(ValueError, match="expected a DepthPlan"):
         model.generate(p, plan=dict(loops=2))
 
@@ -205,7 +205,7 @@ def test_batch_calls_take_the_request_as_values():
     prompts = [prompt_of(9, seed=3), prompt_of(5, seed=4)]
     rows = [tl.SamplingParams(max_tokens=6, temperature=0.8, seed=s, stop_sequences=st)
             for s, st in ((1, ((3, 4),)), (7, ()))]
-    plan = tl.DepthPlan(loops=3, exit_criterion="latent-diff", exit_threshold=0.5)
+    plan = tl.DepthPlan.of(loops=3, exit_criterion="latent-diff", exit_threshold=0.5)
     kw = dict(max_tokens=6, temperature=0.8, seeds=[1, 7], stop_sequences=[[[3, 4]], []], loops=3,
               exit_criterion="latent-diff", exit_threshold=0.5)
     assert model.generate_batch(prompts, params=rows, plan=plan) == model.generate_batch(prompts, **kw)
@@ -221,7 +221,7 @@ def test_batch_calls_take_the_request_as_values():
     with pytest.raises(ValueError, match="params has 1 SamplingParams for 2 requests"):
         model.generate_batch(prompts, params=rows[:1])
     with pytest.raises(ValueError, match="draft_loops=1: a batch call does not speculate"):
-        model.generate_batch(prompts, plan=tl.DepthPlan(loops=2, draft_loops=1))
+        model.generate_batch(prompts, plan=tl.Speculative(loops=2, draft_loops=1))
 
 
 def test_argmax_is_jnp_argmax_with_ties_and_nans():

@@ -42,7 +42,7 @@ def test_adjusted_logits_and_the_sampling_distribution_equal_the_reference():
                  temperature=0.0)]
     params = [tl.SamplingParams(top_k=0, logit_bias=tuple(sorted(r["logit_bias"].items())),
                                 **{k: v for k, v in r.items() if k != "logit_bias"}) for r in rows]
-    req = tl.Request.from_params(params)
+    req = tl.Knobs.from_params(params)
     assert req.bias_ids.shape == (N, MAX_LOGIT_BIAS)  # one shape whatever the biases: one program
     got = np.asarray(adjusted_logits(jnp.asarray(logits), jnp.asarray(seen), req, jnp.asarray(counts, jnp.int32)))
     dist = np.asarray(distribution(jnp.asarray(logits), jnp.asarray(seen), req, jnp.asarray(counts, jnp.int32)))
@@ -67,9 +67,9 @@ def test_a_batch_without_logit_bias_carries_none_and_gets_the_same_logits():
     rng = np.random.default_rng(1)
     logits, seen = jnp.asarray(rng.normal(0, 2, (2, 64)), jnp.float32), jnp.asarray(rng.random((2, 64)) < 0.2)
     params = [tl.SamplingParams(repetition_penalty=1.3), tl.SamplingParams()]
-    plain, carried = tl.Request.from_params(params), tl.Request.from_params(params, logit_bias=True)
+    plain, carried = tl.Knobs.from_params(params), tl.Knobs.from_params(params, logit_bias=True)
     assert plain.bias_ids is None and carried.bias_ids.shape == (2, MAX_LOGIT_BIAS)
-    assert tl.Request.make(2, logit_bias={3: 1.0}).bias_ids.shape == (2, MAX_LOGIT_BIAS)
+    assert tl.Knobs.make(2, logit_bias={3: 1.0}).bias_ids.shape == (2, MAX_LOGIT_BIAS)
     np.testing.assert_array_equal(adjusted_logits(logits, seen, plain), adjusted_logits(logits, seen, carried))
 
 
@@ -81,9 +81,9 @@ def test_a_greedy_batch_compiles_no_sampling_and_chooses_the_same_tokens(model):
     rng = np.random.default_rng(2)
     logits, seen = jnp.asarray(rng.normal(0, 2, (2, 64)), jnp.float32), jnp.asarray(rng.random((2, 64)) < 0.2)
     params = [tl.SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5), tl.SamplingParams()]
-    greedy, marked = tl.Request.from_params(params), tl.Request.from_params(params, sampled=True)
+    greedy, marked = tl.Knobs.from_params(params), tl.Knobs.from_params(params, sampled=True)
     assert not greedy.sampled and marked.sampled
-    assert tl.Request.from_params([params[0], tl.SamplingParams(temperature=0.7)]).sampled
+    assert tl.Knobs.from_params([params[0], tl.SamplingParams(temperature=0.7)]).sampled
     counts = jnp.asarray(rng.integers(0, 3, (2, 64)), jnp.int32)
     pick = lambda req: select_tokens(logits, seen, req, jnp.int32(3), counts)  # noqa: E731
     np.testing.assert_array_equal(pick(greedy), pick(marked))

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tinyloop_jax.decoding import row_state as R
-from tinyloop_jax.decoding.sampling import Request
+from tinyloop_jax.decoding.sampling import Knobs
 
 M, V = 5, 11
 FILLER = 1 << 30
@@ -41,6 +41,6 @@ def test_by_slot_equals_the_rows_taken():
     for got, want, before in ((by_slot.seen, taken.seen, rows.seen), (by_slot.counts, taken.counts, rows.counts)):
         np.testing.assert_array_equal(np.asarray(got)[pick], np.asarray(want))
         np.testing.assert_array_equal(np.asarray(got)[rest], np.asarray(before)[rest])
-    tok = R.choose(by_slot, logits, Request.make(3, **knobs), jnp.int32(1), slot)
-    want = R.choose(taken, logits[:2], Request.make(2, **knobs), jnp.int32(1))
+    tok = R.choose(by_slot, logits, Knobs.make(3, **knobs), jnp.int32(1), slot)
+    want = R.choose(taken, logits[:2], Knobs.make(2, **knobs), jnp.int32(1))
     np.testing.assert_array_equal(np.asarray(tok)[:2], np.asarray(want))

@@ -71,7 +71,7 @@ def test_a_batch_mixing_greedy_and_sampled_rows():
     N, V = 12, 500
     logits, _, k, p = rows(rng, N, V, ([1.0], [0, 3, 40], [0.5, 0.9, 1.0]))
     t = np.where(np.arange(N) % 3 == 0, 0.0, 0.8).astype(np.float32)
-    req = tl.Request.from_params([tl.SamplingParams(temperature=float(t[i]), top_k=int(k[i]), top_p=float(p[i]),
+    req = tl.Knobs.from_params([tl.SamplingParams(temperature=float(t[i]), top_k=int(k[i]), top_p=float(p[i]),
                                                     seed=i) for i in range(N)])
     step = jnp.int32(7)
     got = np.asarray(S.select_tokens(jnp.asarray(logits), jnp.zeros((N, V), bool), req, step))
@@ -122,7 +122,7 @@ def test_sampled_frequencies_match_the_filtered_softmax(top_k, top_p):
     V, N, temp = 64, 40_000, 0.7
     row = np.sort(rng.normal(0, 1.2, V)).astype(np.float32)[::-1].copy()
     rng.shuffle(row)
-    req = tl.Request.make(N, temperature=temp, top_k=top_k, top_p=top_p, seeds=np.arange(N))
+    req = tl.Knobs.make(N, temperature=temp, top_k=top_k, top_p=top_p, seeds=np.arange(N))
     toks = np.asarray(S.select_tokens(jnp.asarray(np.broadcast_to(row, (N, V))), jnp.zeros((N, V), bool), req,
                                       jnp.int32(0)))
     counts = np.bincount(toks, minlength=V)
@@ -154,7 +154,7 @@ def test_the_compiled_sampling_step_sorts_no_row_of_the_vocabulary():
     of 49,152): the compiled step holds the TopK call, and a sort over a whole row only in the
     fallback branch (one row, [V], never the batch's [N, V])."""
     N, V = 4, 8192
-    req = tl.Request.make(N, temperature=0.8, top_k=0, top_p=0.9)
+    req = tl.Knobs.make(N, temperature=0.8, top_k=0, top_p=0.9)
     step = jax.jit(lambda lg, req: S.select_tokens(lg, jnp.zeros((N, V), bool), req, jnp.int32(0)))
     hlo = step.lower(jnp.zeros((N, V)), req).compile().as_text()
     sorts = [line for line in hlo.splitlines() if " sort(" in line]

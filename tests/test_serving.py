@@ -283,16 +283,19 @@ def test_several_decode_steps_per_dispatch_equal_generate(model, overlap):
 
 
 def test_submit_takes_the_request_as_two_values(model, engine):
-    """`Engine.submit(params=SamplingParams, plan=DepthPlan)` equals the keywords; the engine's
-    per-depth exit pick refuses a plan that asks for another."""
+    """`Engine.submit(params=SamplingParams, plan=DepthPlan)` and `Engine.submit(Request)` equal the
+    keywords; the engine's per-depth exit pick refuses a plan that asks for another."""
     p = np.arange(20, dtype=np.int32) * 3 % 128
     params = tl.SamplingParams(max_tokens=6, temperature=0.7, seed=9)
-    plan = tl.DepthPlan(loops=2, draft_loops=1, lookahead=2)
+    plan = tl.Speculative(loops=2, draft_loops=1, lookahead=2)
     assert engine.submit(p, params=params, plan=plan).result() == \
         engine.submit(p, max_tokens=6, temperature=0.7, seed=9, loops=2, draft_loops=1, lookahead=2).result()
     assert engine.submit(p, params=tl.SamplingParams(max_tokens=5)).result() == model.generate(p, max_tokens=5)
+    assert engine.submit(tl.Request(p, params, plan)).result() == engine.submit(p, params=params, plan=plan).result()
+    with pytest.raises(ValueError, match="inside the Request or as keywords"):
+        engine.submit(tl.Request(p, params), loops=2)
     with pytest.raises(ValueError, match="exit_at_step"):
-        engine.submit(p, plan=tl.DepthPlan(exit_at_step=1))
+        engine.submit(p, plan=tl.Fixed(exit_at_step=1))
     with pytest.raises(ValueError, match="pass seed inside the SamplingParams"):
         engine.submit(p, seed=1, params=params)
 
@@ -336,7 +339,7 @@ def test_a_burst_reaches_an_async_reader_as_one_list():
 
     from tinyloop_jax.serving.handles import Handle
 
-    h = Handle(np.asarray([1, 2], np.int32), tl.SamplingParams(max_tokens=5), 1, None)
+    h = Handle(tl.Request(np.asarray([1, 2], np.int32), tl.SamplingParams(max_tokens=5)))
 
     async def read():
         got = []

@@ -53,8 +53,8 @@ def test_pages_after_run_equal_plain_decoding_pages(models):
         pool = paged_decode.load_prefix(w.params, cfg, paged_decode.empty_pool(cfg, 3, lay.n_pages), prefix.cache,
                                         16, lay)
         args = (w.params, cfg, pool, paged.Rows(lay.tables, np.int32([16]), np.int32([1])),
-                engine.first_tokens(prefix.logits[None], prefix.seen[None], tl.Request.make(1, max_tokens=15)),
-                prefix.seen[None], tl.Request.make(1, max_tokens=15))
+                engine.first_tokens(prefix.logits[None], prefix.seen[None], tl.Knobs.make(1, max_tokens=15)),
+                prefix.seen[None], tl.Knobs.make(1, max_tokens=15))
         kw = dict(loops=3, window=0, out_len=16)
         outs[name] = (paged_decode.decode(*args, **kw) if name == "plain"
                       else paged_decode.decode_speculative(*args, **kw, draft_loops=1, lookahead=3))

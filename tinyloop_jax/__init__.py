@@ -7,8 +7,8 @@ from .model.kv_modes import KV_MODES
 from .model.params import Weights
 from .api.prefix import PrefixCache
 from .api.runtime import Model, ResumeHandle
-from .decoding.sampling import Request, SamplingParams
-from .api.validation import DepthPlan
+from .decoding.sampling import Knobs, SamplingParams
+from .api.request import Adaptive, DepthPlan, Fixed, Request, Speculative
 from .serving.engine import Engine
 from .api.store import PrefixStore
 from .api.chat import Conversation
@@ -16,7 +16,7 @@ from .formats.hub import model_path
 from .formats.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from .model.transformer import Exit
 
-__all__ = ["ByteTokenizer", "Conversation", "DepthPlan", "Engine", "Exit", "HFTokenizer", "KV_MODES", "KVCache",
-           "Model", "ModelConfig", "PrefixCache", "PrefixStore", "Request", "ResumeHandle", "SamplingParams",
-           "Weights", "functional", "load_tokenizer", "model_path"]
+__all__ = ["Adaptive", "ByteTokenizer", "Conversation", "DepthPlan", "Engine", "Exit", "Fixed", "HFTokenizer",
+           "KV_MODES", "KVCache", "Knobs", "Model", "ModelConfig", "PrefixCache", "PrefixStore", "Request",
+           "ResumeHandle", "SamplingParams", "Speculative", "Weights", "functional", "load_tokenizer", "model_path"]
 __version__ = "0.1.0"

@@ -35,10 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import functional as F
-from . import validation as check
+from . import request as R
 from .prefix import PrefixCache
 from ..decoding import paged_decode, programs
-from ..decoding.sampling import Request, SamplingParams
+from ..decoding.sampling import Knobs, SamplingParams
 from ..model import cache as kvc
 from ..model import paged
 
@@ -152,7 +152,7 @@ class Conversation:
     def __init__(self, model, tokenizer, system: str | None = None, loops: int | None = None,
                  max_tokens: int | None = None, temperature: float = 0.0, top_k: int = 50, top_p: float = 1.0,
                  repetition_penalty: float = 1.0, seed: int = 0, params: SamplingParams | None = None,
-                 plan: check.DepthPlan | None = None):
+                 plan: R.DepthPlan | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template: chat needs an instruction-tuned model "
                              "(e.g. --model smollm2)")
@@ -164,20 +164,19 @@ class Conversation:
                      repetition_penalty=repetition_penalty)
         if max_tokens is not None or params is None:  # a chat's answers default to 512 tokens
             given["max_tokens"] = MAX_TOKENS if max_tokens is None else max_tokens
-        fields = check.one_value(SamplingParams, params, given)
-        d = check.one_value(check.DepthPlan, plan, dict(loops=loops))
-        fixed = ("loops", "exit_at_step", "early_exit_threshold")
-        other = sorted(k for k, v in d.items() if k not in fixed and v != getattr(check.DepthPlan, k))
-        if other:
-            raise ValueError("a Conversation runs at a fixed depth (loops and an exit pick); its plan sets "
-                             + ", ".join(other))
-        self.loops = c.default_loops if d["loops"] is None else check.loops(d["loops"])
-        self.eos = list(tokenizer.eos_token_ids)
-        if fields.get("stop_sequences"):
+        plan = R.plan_of(plan, dict(loops=loops))
+        if type(plan) is not R.Fixed:
+            raise ValueError(f"a Conversation runs at a fixed depth (loops and an exit pick); its plan is {plan!r}")
+        params = R.params_of(params, given)
+        if params.stop_sequences:
             raise ValueError("a Conversation stops at the tokenizer's end-of-turn tokens; its params take no "
                              "stop_sequences")
-        self.params = check.sampling_params(c.vocab_size, **dict(fields, stop_sequences=[[i] for i in self.eos]))
-        self._exit = model.exit_for(self.loops, d.get("exit_at_step"), d.get("early_exit_threshold"))
+        self.eos = list(tokenizer.eos_token_ids)
+        stops = tuple((i,) for i in self.eos)
+        req = R.checked(R.Request(np.zeros((0,), np.int32), dataclasses.replace(params, stop_sequences=stops), plan),
+                        c, allow_empty=True)
+        self.loops, self.params = req.loops, req.params
+        self._exit = model.exit_for(self.loops, *req.exit_pick)
         self.turns: list[Turn] = []
         self.reset()
 
@@ -227,7 +226,7 @@ class Conversation:
         else:
             pool = kept.pool  # donated: the turn writes only positions >= k, so an abandoned turn keeps it
         table = np.arange(pool.n_pages, dtype=np.int32)[None]
-        req = Request.from_params([dataclasses.replace(self.params, max_tokens=max_new)])
+        req = Knobs.from_params([dataclasses.replace(self.params, max_tokens=max_new)])
         seen = jnp.asarray(programs.token_mask([ids], c.vocab_size))
         live = [pool]  # the pool as the last program returned it
         finished = False
@@ -274,7 +273,7 @@ class Conversation:
                                finish_reason="stop" if stopped else "length", first_token_s=first - t0,
                                seconds=time.perf_counter() - t0))
 
-    def _decode(self, ids: np.ndarray, table: np.ndarray, live: list, logits, seen, req: Request,
+    def _decode(self, ids: np.ndarray, table: np.ndarray, live: list, logits, seen, req: Knobs,
                 max_new: int) -> Iterator[int]:
         """The answer's tokens, a burst of `BURST` at a time: `paged_decode.decode_more` over the
         pool live[0] (kept there after each burst), stopping on the device at an end-of-turn

@@ -4,7 +4,7 @@ speculative). `Model` checks arguments, calls these, and turns the device result
 
     >>> w = model.weights
     >>> prefix = build_prefix(w, prompt, loops=4)                       # a PrefixCache
-    >>> state = decode(w, prefix, [suffix], Request.make(1, max_tokens=16))
+    >>> state = decode(w, prefix, [suffix], Knobs.make(1, max_tokens=16))
     >>> state.tokens[0, : state.n[0]]                                   # the emitted tokens
 
 The seed-000 pair is a few lines on top of it:
@@ -32,7 +32,7 @@ from ..model.cache import KVCache
 from ..decoding.programs import DecodeState
 from ..model.params import Weights
 from .prefix import PrefixCache, prefix_at_depth  # noqa: F401 - prefix_at_depth is part of this API
-from ..decoding.sampling import Request
+from ..decoding.sampling import Knobs
 from ..decoding.speculative import Speculation
 from ..model.transformer import Exit
 
@@ -187,7 +187,7 @@ def own_room(longest_suffix: int, max_new: int, cache_window: int, speculation: 
     return room, ring
 
 
-def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request: Request, loops: int | None = None,
+def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request: Knobs, loops: int | None = None,
            cache_window: int | None = None, speculation: Speculation | None = None,
            exit: Exit | None = None, adaptive: Adaptive | None = None) -> DecodeState:
     """N requests, each = prefix (shared, read once per step for all; or none) + its suffix
@@ -253,7 +253,7 @@ def call_layout(c, prefix_len: int, longest: int, max_new: int, n_rows: int,
     return paged_decode.layout(prefix_len, room, n_rows, window=window, step=step)
 
 
-def decode_adaptive(weights: Weights, prefix: PrefixCache | None, suffixes: list, request: Request, loops: int,
+def decode_adaptive(weights: Weights, prefix: PrefixCache | None, suffixes: list, request: Knobs, loops: int,
                     window: int, prior_logits, prior_seen, lens: np.ndarray, adaptive: Adaptive) -> DecodeState:
     """`decode`'s adaptive-depth path: the call's pages (the prefix loaded as in `decode`), the
     suffixes prefilled as one group of chunks (at full depth unless `adaptive.in_prefill`, where
@@ -284,7 +284,7 @@ def decode_adaptive(weights: Weights, prefix: PrefixCache | None, suffixes: list
                                         adaptive.policy, loops=loops, out_len=kvc.bucket(max_new))
 
 
-def generate(weights: Weights, prompts: list, request: Request, loops: int | None = None, cache_window: int = 0,
+def generate(weights: Weights, prompts: list, request: Knobs, loops: int | None = None, cache_window: int = 0,
              speculation: Speculation | None = None, exit: Exit | None = None,
              adaptive: Adaptive | None = None) -> DecodeState:
     """N unrelated prompts, decoded together (`decode` without a prefix); with adaptive depth
@@ -298,7 +298,7 @@ def generate(weights: Weights, prompts: list, request: Request, loops: int | Non
     return decode(weights, None, prompts, request, loops, cache_window, speculation, exit, adaptive)
 
 
-def check_fits(weights: Weights, prompt_lens: list, request: Request, loops: int, cache_window: int,
+def check_fits(weights: Weights, prompt_lens: list, request: Knobs, loops: int, cache_window: int,
                speculation: Speculation | None = None, prefix_len: int = 0) -> None:
     """RuntimeError, before anything is allocated or compiled, if the caches of this call
     cannot fit in the memory free now: N requests of prompt_lens tokens after a prefix of

@@ -8,6 +8,8 @@ the prompt, then generate from it".
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,10 +23,11 @@ from ..formats import gguf, hf_import, hub
 from .. import native
 from ..model import qarray, sharding
 from . import functional as F
+from . import request as R
 from . import validation as check
 from ..model.config import ModelConfig, check_kv_mode
 from ..decoding.programs import DecodeState
-from ..decoding.sampling import Request, SamplingParams
+from ..decoding.sampling import Knobs, SamplingParams
 from ..model.params import (Params, Weights, check_shapes, check_weight_mode, nbytes, quantize_params, random_params,
                             with_layers)
 from .prefix import PrefixCache
@@ -164,41 +167,49 @@ class Model:
         early_exit_threshold); None when neither says (the last pass). The serving engine asks
         it for a depth's default exit. (An exit_criterion's exit_threshold is another knob:
         adaptive depth, passes skipped.)"""
-        c = self._config
-        if not c.early_exit_gate:
-            if exit_at_step is not None or early_exit_threshold is not None:
-                raise ValueError("exit_at_step / early_exit_threshold need a model with an early-exit gate (Ouro); "
-                                 "this model has none")
-            return None
-        step = c.early_exit_step if exit_at_step is None else check.integer(exit_at_step, "exit_at_step")
-        thr = (c.early_exit_threshold if early_exit_threshold is None
-               else check.unit_interval(early_exit_threshold, "early_exit_threshold"))
-        if step is not None and not 0 <= step < loops:
-            raise ValueError(f"exit_at_step={step} is not a pass of this call (0 <= step < loops={loops})")
+        step, thr = R.exit_pick(self._config, loops, exit_at_step, early_exit_threshold)
         return None if step is None and thr is None else Exit.make(step, thr)
 
-    def _sampling(self, **fields) -> SamplingParams:
-        """The call's sampling keywords, checked, as the one value the call carries."""
-        return check.sampling_params(self._config.vocab_size, **fields)
+    def _request(self, prompt, keywords: dict, allow_empty: bool = False, prefix: PrefixCache | None = None
+                 ) -> R.Request:
+        """A call's Request from its keywords (`keywords`: its locals; `request.from_keywords`),
+        checked. Off a prefix, loops / cache_window left None are the prefix's own, and any
+        other is a RuntimeError."""
+        req = R.from_keywords(prompt, **{k: v for k, v in keywords.items() if k in R.KEYWORDS})
+        if prefix is not None:
+            self._check_prefix(prefix)
+            req = R.Request(req.prompt, req.params, dataclasses.replace(req.plan, loops=prefix.loops)
+                            if req.plan.loops is None else req.plan,
+                            prefix.cache_window if req.cache_window is None else req.cache_window)
+        req = R.checked(req, self._config, allow_empty, "prompt" if prefix is None else "suffix")
+        if prefix is not None:
+            self._prefix_matches(prefix, req.loops, req.cache_window)
+            if req.in_prefill:
+                raise ValueError("exit_in_prefill=True: a prefix was prefilled at full depth; pass the whole prompt "
+                                 "to generate instead")
+        return req
 
-    def _request(self, params, plan, keywords: dict) -> tuple[SamplingParams, dict]:
-        """A call's two values — its SamplingParams (checked) and its DepthPlan's fields — from
-        `params` / `plan` or from the call's keywords of the same names (`keywords`: its
-        locals; `validation.one_value`)."""
-        pick = lambda names: {k: keywords[k] for k in names}  # noqa: E731
-        return (self._sampling(**check.one_value(SamplingParams, params, pick(check.SAMPLING_FIELDS))),
-                check.one_value(check.DepthPlan, plan, pick(check.PLAN_FIELDS)))
-
-    def _batch_request(self, n: int, params, plan, keywords: dict) -> tuple[list[SamplingParams], dict]:
+    def _batch_request(self, n: int, keywords: dict, prefix: PrefixCache | None = None
+                       ) -> tuple[list[SamplingParams], R.Request]:
         """A batch call's values: one SamplingParams per request (`params`: one for every row or
-        a list of one per row; else the keywords, `seeds` per row) and its DepthPlan's fields."""
+        a list of one per row; else the keywords, `seeds` per row) and the shared plan and window
+        as a checked Request with no prompt of its own."""
         sampling = [k for k in check.SAMPLING_FIELDS if k != "seed"] + ["seeds"]
-        rows = check.batch_request(self._config.vocab_size, n, params, {k: keywords[k] for k in sampling})
-        d = check.one_value(check.DepthPlan, plan, {k: keywords[k] for k in check.PLAN_FIELDS if k in keywords})
-        if d.get("draft_loops") is not None:
-            raise ValueError(f"draft_loops={d['draft_loops']}: a batch call does not speculate; call generate per "
+        rows = check.batch_request(self._config.vocab_size, n, keywords["params"], {k: keywords[k] for k in sampling})
+        plan = R.plan_of(keywords["plan"], {k: keywords[k] for k in R.PLAN_FIELDS if k in keywords})
+        if isinstance(plan, R.Speculative):
+            raise ValueError(f"draft_loops={plan.draft_loops}: a batch call does not speculate; call generate per "
                              "request, or submit them to an Engine")
-        return rows, d
+        shared = dict(plan=plan, cache_window=keywords["cache_window"])
+        return rows, self._request(np.zeros((0,), np.int32), shared, allow_empty=True, prefix=prefix)
+
+    def _adaptive(self, req: R.Request, n: int = 1) -> F.Adaptive | None:
+        """The call's adaptive depth (`model.adaptive`) for its n rows; None for a fixed depth."""
+        return None if req.policy is None else F.Adaptive(ad.Policy.stack([req.policy] * n), req.in_prefill)
+
+    def _exit(self, req: R.Request) -> Exit | None:
+        """The call's exit pick (a fixed depth's; None: the last pass, or adaptive)."""
+        return None if req.policy is not None else self.exit_for(req.loops, *req.exit_pick)
 
     def _tokens(self, ids, name: str = "prompt", allow_empty: bool = False) -> np.ndarray:
         return check.tokens(ids, self._config.vocab_size, name=name, allow_empty=allow_empty)
@@ -213,37 +224,13 @@ class Model:
         if prefix.weights is not self.weights and prefix.model_fingerprint != self.fingerprint:
             raise ValueError("prefix was built by another model (weights, config or kv_mode differ)")
 
-    def _prefix_call(self, prefix, loops, cache_window, suffix) -> tuple[int, int, np.ndarray]:
-        self._check_prefix(prefix)
-        loops = prefix.loops if loops is None else check.loops(loops)
+    def _prefix_matches(self, prefix: PrefixCache, loops: int, window: int) -> None:
         if loops != prefix.loops:
             raise RuntimeError(f"loops mismatch: the call asks for loops={loops} but the prefix was "
                                f"built at loops={prefix.loops}; rebuild the prefix at the target depth")
-        window = prefix.cache_window if cache_window is None else check.cache_window(cache_window)
         if window != prefix.cache_window:
             raise RuntimeError(f"cache_window mismatch: the call asks for {window} but the prefix was "
                                f"built with cache_window={prefix.cache_window}")
-        suffix = np.zeros((0,), np.int32) if suffix is None else self._tokens(suffix, "suffix", allow_empty=True)
-        return loops, window, suffix
-
-    def _adaptive(self, n: int, loops: int, criterion, threshold, min_steps, check_every, in_prefill, continuous,
-                  speculation, exit_at_step, prefix: bool = False) -> F.Adaptive | None:
-        """The call's adaptive depth (`model.adaptive`), checked; None without an exit_criterion."""
-        pol = ad.make_policy(self._config, loops, criterion, threshold, min_steps, check_every, continuous)
-        if not isinstance(in_prefill, bool):
-            raise ValueError(f"exit_in_prefill must be True or False, got {in_prefill!r}")
-        if criterion is None:
-            if in_prefill:
-                raise ValueError("exit_in_prefill needs an exit_criterion")
-            return None
-        if exit_at_step is not None:
-            raise ValueError("exit_at_step picks a pass of a full-depth run; it does not go with exit_criterion")
-        if speculation is not None:
-            raise ValueError("draft_loops (speculative decoding) does not go with exit_criterion")
-        if in_prefill and prefix:
-            raise ValueError("exit_in_prefill=True: a prefix was prefilled at full depth; pass the whole prompt to "
-                             "generate instead")
-        return F.Adaptive(ad.Policy.stack([pol] * n), in_prefill)
 
     # ---- device -> host ----------------------------------------------------------------------
 
@@ -304,12 +291,13 @@ class Model:
                  frequency_penalty: float = 0.0, logit_bias=None, early_exit_threshold: float | None = None,
                  exit_criterion: str | None = None, min_steps: int = 0, check_every: int = 1,
                  exit_in_prefill: bool = False, continuous_compute: bool = False,
-                 params: SamplingParams | None = None, plan: check.DepthPlan | None = None) -> list[int]:
+                 params: SamplingParams | None = None, plan: R.DepthPlan | None = None) -> list[int]:
         """Prompt + up to `max_tokens` emitted tokens (a list of ints).
 
         The request as two values: params (`SamplingParams`: max_tokens .. logit_bias) and plan
         (`DepthPlan`: loops, the exit pick, adaptive depth, speculation); the keywords are the
-        same fields as sugar (one or the other for each value, not both).
+        same fields as sugar (one or the other for each value, not both). Or the whole request
+        as one value: `generate(Request(prompt, params, plan, cache_window))`.
 
         presence_penalty / frequency_penalty (in [-2, 2]) and logit_bias ({token id: bias in
         [-100, 100]}, at most 300) as in OpenAI's API: a token's logit is lowered by
@@ -324,16 +312,11 @@ class Model:
         pass still runs); exit_criterion + exit_threshold stop a token's passes early (adaptive
         depth, `model.adaptive`).
         """
-        w = self.weights
-        prompt = self._tokens(prompt)
-        params, d = self._request(params, plan, locals())
-        loops, window = self._loops(d["loops"]), check.cache_window(cache_window)
-        spec = check.speculation(d["draft_loops"], d["lookahead"], loops)
-        ada = self._adaptive(1, loops, d["exit_criterion"], d["exit_threshold"], d["min_steps"], d["check_every"],
-                             d["exit_in_prefill"], d["continuous_compute"], spec, d["exit_at_step"])
-        ex = None if ada else self.exit_for(loops, d["exit_at_step"], d["early_exit_threshold"])
+        req = self._request(prompt, locals())
+        prompt, params, spec = req.prompt, req.params, req.speculation
         self._check_length(len(prompt) + params.max_tokens, "prompt + max_tokens")
-        state = F.generate(w, [prompt], Request.from_params([params]), loops, window, spec, ex, ada)
+        state = F.generate(self.weights, [prompt], Knobs.from_params([params]), req.loops, req.cache_window, spec,
+                           self._exit(req), self._adaptive(req))
         out = self._lists(state, [prompt.tolist()], spec)[0]
         self.last_depths = self.last_depths and self.last_depths[0]
         return out
@@ -369,23 +352,20 @@ class Model:
                                    exit_criterion: str | None = None, min_steps: int = 0, check_every: int = 1,
                                    exit_in_prefill: bool = False, continuous_compute: bool = False,
                                    params: SamplingParams | None = None,
-                                   plan: check.DepthPlan | None = None) -> list[int]:
+                                   plan: R.DepthPlan | None = None) -> list[int]:
         """prefix.prompt + suffix + up to `max_tokens` emitted tokens. The prefix is only read.
 
         `loops` / `cache_window` default to the prefix's own; any other value is a RuntimeError.
         params / plan: the request as two values, as `generate` takes them.
         """
         w = self.weights
-        params, d = self._request(params, plan, locals())
-        loops, window, suffix = self._prefix_call(prefix, d["loops"], cache_window, suffix)
-        req = Request.from_params([params])
-        spec = check.speculation(d["draft_loops"], d["lookahead"], loops)
-        ada = self._adaptive(1, loops, d["exit_criterion"], d["exit_threshold"], d["min_steps"], d["check_every"],
-                             d["exit_in_prefill"], d["continuous_compute"], spec, d["exit_at_step"], prefix=True)
-        ex = None if ada else self.exit_for(loops, d["exit_at_step"], d["early_exit_threshold"])
+        r = self._request(np.zeros((0,), np.int32) if suffix is None else suffix, locals(), allow_empty=True,
+                          prefix=prefix)
+        suffix, params, spec, loops, window = r.prompt, r.params, r.speculation, r.loops, r.cache_window
+        req = Knobs.from_params([params])
         self._check_length(len(prefix) + len(suffix) + params.max_tokens, "prefix + suffix + max_tokens")
         F.check_fits(w, [len(suffix)], req, loops, window, spec, prefix_len=len(prefix))
-        state = F.decode(w, prefix, [suffix], req, loops, window, spec, ex, ada)
+        state = F.decode(w, prefix, [suffix], req, loops, window, spec, self._exit(r), self._adaptive(r))
         out = self._lists(state, [prefix.prompt.tolist() + suffix.tolist()], spec)[0]
         self.last_depths = self.last_depths and self.last_depths[0]
         return out
@@ -400,7 +380,7 @@ class Model:
                                          logit_bias=None, exit_criterion: str | None = None, min_steps: int = 0,
                                          check_every: int = 1, exit_in_prefill: bool = False,
                                          continuous_compute: bool = False, params=None,
-                                         plan: check.DepthPlan | None = None) -> list[list[int]]:
+                                         plan: R.DepthPlan | None = None) -> list[list[int]]:
         """N requests off one prefix, decoded together: the i-th result equals
         `generate_from_prefix_cache(prefix, suffix=suffixes[i], seed=seeds[i], ...)`.
 
@@ -412,13 +392,9 @@ class Model:
         """
         w = self.weights
         suffixes = check.token_lists(suffixes, self._config.vocab_size, "suffixes", allow_empty=True)
-        params, d = self._batch_request(len(suffixes), params, plan, locals())
-        loops, window, _ = self._prefix_call(prefix, d["loops"], cache_window, None)
-        req = Request.from_params(params)
-        ada = self._adaptive(len(suffixes), loops, d["exit_criterion"], d["exit_threshold"], d["min_steps"],
-                             d["check_every"], d["exit_in_prefill"], d["continuous_compute"], None, d["exit_at_step"],
-                             prefix=True)
-        ex = None if ada else self.exit_for(loops, d["exit_at_step"], d["early_exit_threshold"])
+        params, r = self._batch_request(len(suffixes), locals(), prefix)
+        loops, window, ada, ex = r.loops, r.cache_window, self._adaptive(r, len(suffixes)), self._exit(r)
+        req = Knobs.from_params(params)
         self._check_length(len(prefix) + max(len(x) for x in suffixes) + max(p.max_tokens for p in params),
                            "prefix + longest suffix + max_tokens")
         F.check_fits(w, [len(x) for x in suffixes], req, loops, window, prefix_len=len(prefix))
@@ -434,20 +410,17 @@ class Model:
                        frequency_penalty: float = 0.0, logit_bias=None,
                        exit_criterion: str | None = None, min_steps: int = 0, check_every: int = 1,
                        exit_in_prefill: bool = False, continuous_compute: bool = False, params=None,
-                       plan: check.DepthPlan | None = None) -> list[list[int]]:
+                       plan: R.DepthPlan | None = None) -> list[list[int]]:
         """Unrelated prompts decoded together (ragged, padded and masked): the i-th result
         equals `generate(prompts[i], seed=seeds[i], ...)`. params / plan: as in
         `generate_batch_from_prefix_cache`."""
         w = self.weights
         prompts = check.token_lists(prompts, self._config.vocab_size, "prompts", allow_empty=False)
-        params, d = self._batch_request(len(prompts), params, plan, locals())
-        loops, window = self._loops(d["loops"]), check.cache_window(cache_window)
-        ada = self._adaptive(len(prompts), loops, d["exit_criterion"], d["exit_threshold"], d["min_steps"],
-                             d["check_every"], d["exit_in_prefill"], d["continuous_compute"], None, d["exit_at_step"])
-        ex = None if ada else self.exit_for(loops, d["exit_at_step"], d["early_exit_threshold"])
+        params, r = self._batch_request(len(prompts), locals())
+        loops, window, ada, ex = r.loops, r.cache_window, self._adaptive(r, len(prompts)), self._exit(r)
         self._check_length(max(len(x) for x in prompts) + max(p.max_tokens for p in params),
                            "longest prompt + max_tokens")
-        state = F.generate(w, prompts, Request.from_params(params), loops, window, exit=ex, adaptive=ada)
+        state = F.generate(w, prompts, Knobs.from_params(params), loops, window, exit=ex, adaptive=ada)
         return self._lists(state, [x.tolist() for x in prompts], None)
 
     def next_token_logits_from_prefix(self, prefix: PrefixCache, suffix, loops: int | None = None,
@@ -455,7 +428,10 @@ class Model:
                                       early_exit_threshold: float | None = None) -> np.ndarray:
         """Next-token logits [V] float32 after prefix.prompt + suffix, reusing the prefix."""
         w = self.weights
-        loops, window, suffix = self._prefix_call(prefix, loops, None, suffix)
+        self._check_prefix(prefix)
+        loops = prefix.loops if loops is None else check.loops(loops)
+        self._prefix_matches(prefix, loops, prefix.cache_window)
+        window, suffix = prefix.cache_window, self._tokens(suffix, "suffix", allow_empty=True)
         ex = self.exit_for(loops, exit_at_step, early_exit_threshold)
         self._check_length(len(prefix) + len(suffix), "prefix + suffix")
         if len(suffix) == 0:

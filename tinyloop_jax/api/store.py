@@ -27,6 +27,7 @@ import numpy as np
 from . import functional as F
 from ..model import cache as kvc
 from ..model import paged
+from . import request as R
 from . import validation as check
 from .prefix import PrefixCache
 from .radix import RadixIndex, Recency
@@ -203,16 +204,17 @@ class PrefixStore:
         """`model.generate(prompt, ...)` at the store's depth and window, prefilling only the part
         of `prompt` that no cached entry holds. params: the sampling knobs as one value (the
         keywords are sugar over it)."""
-        vocab = self.model.config()["vocab_size"]
-        prompt = check.tokens(prompt, vocab)
         # checked before the store is touched: a bad argument inserts nothing
-        params = check.sampling_params(vocab, **check.one_value(SamplingParams, params, dict(
+        params = R.params_of(params, dict(
             max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed,
-            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias)))
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias))
+        req = R.checked(R.Request(prompt, params, R.Fixed(loops=self.loops), self.cache_window),
+                        self.model.weights.config)
+        prompt = req.prompt
         prefix, i = self._acquire(prompt)
         try:
-            return self.model.generate_from_prefix_cache(prefix, **dataclasses.asdict(params))
+            return self.model.generate_from_prefix_cache(prefix, **dataclasses.asdict(req.params))
         finally:
             with self._lock:
                 self._pin(i, -1)

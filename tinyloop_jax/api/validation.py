@@ -13,53 +13,7 @@ from ..decoding.speculative import Speculation
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
-@dataclasses.dataclass(frozen=True)
-class DepthPlan:
-    """How deep one request runs, as one value (the keywords of `generate` and `Engine.submit`
-    are sugar over it): `loops` passes (None: the model's default), and at most one of
-
-        an exit pick      exit_at_step / early_exit_threshold: which pass's output feeds the
-                          head (Ouro's gate; every pass still runs)
-        adaptive depth    exit_criterion + exit_threshold, min_steps, check_every,
-                          continuous_compute, exit_in_prefill: a token's passes stop early
-        a draft           draft_loops + lookahead: self-speculative decoding
-
-    Checked against the model where it is used (`model.adaptive.make_policy`, `speculation`).
-
-    >>> DepthPlan(loops=8, exit_criterion="kl", exit_threshold=1e-3)
-    """
-
-    loops: int | None = None
-    exit_at_step: int | None = None
-    early_exit_threshold: float | None = None
-    exit_criterion: str | None = None
-    exit_threshold: float | None = None
-    min_steps: int = 0
-    check_every: int = 1
-    continuous_compute: bool = False
-    exit_in_prefill: bool = False
-    draft_loops: int | None = None
-    lookahead: int = 4
-
-
-PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(DepthPlan))
-
-
-def one_value(kind, value, fields: dict):
-    """`value` (a SamplingParams or a DepthPlan, or None) or the same fields given as keywords,
-    never both: the keywords are sugar. Returns the fields as a dict."""
-    defaults = {f.name: f.default for f in dataclasses.fields(kind)}
-    if value is None:
-        return fields
-    if not isinstance(value, kind):
-        raise ValueError(f"expected a {kind.__name__}, got {type(value).__name__}")
-    given = sorted(k for k, v in fields.items() if k in defaults and not _same(v, defaults[k]))
-    if given:
-        raise ValueError(f"pass {', '.join(given)} inside the {kind.__name__} or as keywords, not both")
-    return dict(fields, **dataclasses.asdict(value))
-
-
-def _same(a, b) -> bool:
+def same(a, b) -> bool:
     """a equals b, an empty list, tuple, dict or None all alike (stop_sequences=(), logit_bias=None)."""
     def empty(x):
         return x is None or (isinstance(x, (tuple, list, dict)) and not x)
@@ -286,7 +240,7 @@ def batch_request(vocab_size: int, n: int, params, fields: dict) -> list[Samplin
     if len(rows) != n:
         raise ValueError(f"params has {len(rows)} SamplingParams for {n} requests")
     defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams)} | {"seeds": None}
-    given = sorted(k for k, v in fields.items() if not _same(v, defaults[k]))
+    given = sorted(k for k, v in fields.items() if not same(v, defaults[k]))
     if given:
         raise ValueError(f"pass {', '.join(given)} inside the SamplingParams or as keywords, not both")
     return [sampling_params(vocab_size, **dataclasses.asdict(p)) for p in rows]

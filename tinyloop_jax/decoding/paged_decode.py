@@ -37,7 +37,7 @@ from ..model.config import ModelConfig
 from ..model.params import Params
 from . import row_state as R
 from .programs import DecodeState, emit, is_done, materialize, record_depth, start
-from .sampling import Request
+from .sampling import Knobs
 from .speculative import DRAFT_STREAM, fold_in, round_paged
 
 
@@ -155,7 +155,7 @@ def _decoding(rows: paged.Rows, state: DecodeState) -> paged.Rows:
     return rows.replace(start=rows.start + state.n - 1, n_new=(~state.done).astype(jnp.int32))
 
 
-def _step(params: Params, cfg: ModelConfig, rows: paged.Rows, req: Request, loops: int, window: int,
+def _step(params: Params, cfg: ModelConfig, rows: paged.Rows, req: Knobs, loops: int, window: int,
           exit: tf.Exit | None):
     """One decode step of every row (the loop body of `decode` and `decode_more`)."""
     def step(state: DecodeState) -> DecodeState:
@@ -169,7 +169,7 @@ def _step(params: Params, cfg: ModelConfig, rows: paged.Rows, req: Request, loop
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len"), donate_argnames=("pool",))
 def decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, first: jax.Array,
-           seen: jax.Array, req: Request, loops: int, window: int, out_len: int,
+           seen: jax.Array, req: Knobs, loops: int, window: int, out_len: int,
            exit: tf.Exit | None = None) -> DecodeState:
     """Emit up to req.max_tokens (<= out_len) tokens for each of N rows as one `lax.while_loop`
     on the device. rows: page tables [N, R], start [N] the position each row's first emitted
@@ -184,7 +184,7 @@ begin = jax.jit(start, static_argnames=("out_len",), donate_argnames=("own",))
 
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("state",))
-def decode_more(params: Params, cfg: ModelConfig, state: DecodeState, rows: paged.Rows, req: Request,
+def decode_more(params: Params, cfg: ModelConfig, state: DecodeState, rows: paged.Rows, req: Knobs,
                 limit: jax.Array, loops: int, window: int, exit: tf.Exit | None = None) -> DecodeState:
     """`decode`'s loop resumed from `state` (`begin`: the first tokens emitted) until every row
     is done or holds `limit` tokens: a burst, after which the caller streams what came and
@@ -196,7 +196,7 @@ def decode_more(params: Params, cfg: ModelConfig, state: DecodeState, rows: page
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len", "draft_loops", "lookahead"),
          donate_argnames=("pool",))
 def decode_speculative(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, first: jax.Array,
-                       seen: jax.Array, req: Request, loops: int, window: int, out_len: int, draft_loops: int,
+                       seen: jax.Array, req: Knobs, loops: int, window: int, out_len: int, draft_loops: int,
                        lookahead: int, exit: tf.Exit | None = None) -> DecodeState:
     """`decode` in rounds of self-speculative decoding (`speculative.round_paged`: `lookahead`
     drafts at depth `draft_loops`, one verify chunk at `loops`); the rows' pages need room for
@@ -219,7 +219,7 @@ def decode_speculative(params: Params, cfg: ModelConfig, pool: paged.PagedKV, ro
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "out_len"), donate_argnames=("pool",))
 def decode_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, first: jax.Array,
-                    seen: jax.Array, first_depth: jax.Array, first_state: jax.Array, req: Request, pol: ad.Policy,
+                    seen: jax.Array, first_depth: jax.Array, first_state: jax.Array, req: Knobs, pol: ad.Policy,
                     loops: int, out_len: int) -> DecodeState:
     """`decode` with adaptive depth (`model.paged_adaptive.forward_decode`): each step's passes
     stop at each row's exit (pol [N]); rows.window: each row's cache_window (or None).

@@ -26,7 +26,7 @@ from ..model.cache import KVCache
 from ..model.config import ModelConfig
 from ..model.params import Params
 from .row_state import RowState
-from .sampling import Request, select_tokens, stop_hit
+from .sampling import Knobs, select_tokens, stop_hit
 
 
 def token_mask(rows, vocab_size: int) -> np.ndarray:
@@ -160,7 +160,7 @@ def emit_row(tokens: jax.Array, n: jax.Array, done: jax.Array, tok: jax.Array, s
     return tokens, n, done | (go & (stop_hit(tokens, n, stop_tokens, stop_lengths) | (n >= max_tokens)))
 
 
-def emit(state: DecodeState, tok: jax.Array, req: Request, hold: jax.Array | None = None) -> DecodeState:
+def emit(state: DecodeState, tok: jax.Array, req: Knobs, hold: jax.Array | None = None) -> DecodeState:
     """Append tok [N] to every row that is not done (nor held: hold [N] bool)."""
     done = state.done if hold is None else state.done | hold
     tokens, n, new_done = jax.vmap(emit_row)(state.tokens, state.n, done, tok, req.stop.tokens, req.stop.lengths,
@@ -171,7 +171,7 @@ def emit(state: DecodeState, tok: jax.Array, req: Request, hold: jax.Array | Non
 
 
 @jax.jit
-def first_tokens(logits: jax.Array, seen: jax.Array, req: Request) -> jax.Array:
+def first_tokens(logits: jax.Array, seen: jax.Array, req: Knobs) -> jax.Array:
     """Each row's first token [N] int32, chosen from its prompt's logits [N, V] (loop step 0).
     A program of its own, shared by every model, depth and capacity with the same N and V: a
     decode loop handed these tokens compiles one token selection (in its loop), not two —
@@ -179,7 +179,7 @@ def first_tokens(logits: jax.Array, seen: jax.Array, req: Request) -> jax.Array:
     return select_tokens(logits, seen, req, jnp.int32(0))
 
 
-def start(first: jax.Array, seen: jax.Array, own, req: Request, out_len: int) -> DecodeState:
+def start(first: jax.Array, seen: jax.Array, own, req: Knobs, out_len: int) -> DecodeState:
     """The state after the first token: first [N] int32 (`first_tokens`), or the prompts'
     logits [N, V] to choose it from here."""
     N = first.shape[0]

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from .sampling import Request, select_tokens
+from .sampling import Knobs, select_tokens
 
 
 @struct.dataclass
@@ -43,7 +43,7 @@ def feed(rows: RowState, slot: jax.Array | None = None) -> RowState:
     return rows.replace(seen=rows.seen | (hot > 0), counts=rows.counts + hot)
 
 
-def choose(rows: RowState, logits: jax.Array, req: Request, step: jax.Array,
+def choose(rows: RowState, logits: jax.Array, req: Knobs, step: jax.Array,
            slot: jax.Array | None = None) -> jax.Array:
     """Each row's next token [N] from its logits [N, V] (after `feed`), drawn with
     req.keys(step) (step [] or [N]); slot [b]: the rows of `rows` the logits [b, V] are for."""

@@ -1,8 +1,8 @@
 """Token selection on device: one request value, one sampling distribution, stop sequences.
 
 A request's knobs travel as one value from the API edge to the device: `SamplingParams` (one
-request, on the host; checked at the edge by `validation.sampling_params`) -> `Request` (N
-requests' rows as arrays, `Request.from_params`) -> the jitted loops. Every knob is a traced
+request, on the host; checked at the edge by `validation.sampling_params`) -> `Knobs` (N
+requests' rows as arrays, `Knobs.from_params`) -> the jitted loops. Every knob is a traced
 array with one row per request (never static), so changing them never recompiles and requests
 with different knobs share a batch. The order is vLLM's:
 
@@ -43,10 +43,10 @@ MAX_LOGIT_BIAS = 300  # (token, bias) pairs per request, as OpenAI allows
 class SamplingParams:
     """What one request asks of the decode loop (host side, hashable). Built once at the API
     edge (`validation.sampling_params` checks every field against the model) and turned into
-    device rows by `Request.from_params`.
+    device rows by `Knobs.from_params`.
 
     >>> p = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=3, stop_sequences=((13, 10),))
-    >>> req = Request.from_params([p, dataclasses.replace(p, seed=4)])   # two rows
+    >>> req = Knobs.from_params([p, dataclasses.replace(p, seed=4)])   # two rows
     """
 
     max_tokens: int = 32  # >= 1 tokens emitted at most
@@ -85,9 +85,9 @@ class StopSpec:
 
 
 @struct.dataclass
-class Request:
+class Knobs:
     """What N requests ask of the decode loop, one row each: N `SamplingParams` as arrays. Made
-    on the host (numpy) by `Request.from_params`; traced inside the jitted loops."""
+    on the host (numpy) by `Knobs.from_params`; traced inside the jitted loops."""
 
     temperature: Annotated[jax.Array, "float32[N]"]  # 0 = greedy
     top_k: Annotated[jax.Array, "int32[N]"]  # 0 = off
@@ -105,7 +105,7 @@ class Request:
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], stops: bool = True,
-                    logit_bias: bool | None = None, sampled: bool | None = None) -> "Request":
+                    logit_bias: bool | None = None, sampled: bool | None = None) -> "Knobs":
         """One row per request, in order. stops=False leaves the stop sequences out (an empty
         spec, the same shape for every batch): for callers that check stops on the host.
         logit_bias: carry the bias rows (None: only if some request has a logit bias); sampled:
@@ -128,7 +128,7 @@ class Request:
     @classmethod
     def make(cls, n: int, temperature=0.0, top_k=50, top_p=1.0, repetition_penalty=1.0, seeds=None, max_tokens=32,
              stop_sequences=None, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=(),
-             carry_bias: bool | None = None, sampled: bool | None = None) -> "Request":
+             carry_bias: bool | None = None, sampled: bool | None = None) -> "Knobs":
         """N rows from keywords (unchecked; the functional API's shorthand for `from_params`):
         scalars apply to every row; `seeds` and `max_tokens` may be per row; stop_sequences
         is one list of token-id lists per row (None: no stops); logit_bias one {token: bias}
@@ -149,13 +149,13 @@ class Request:
     def n(self) -> int:
         return int(self.temperature.shape[0])
 
-    def pad(self, k: int) -> "Request":
+    def pad(self, k: int) -> "Knobs":
         """k more rows (copies of the last) that stop after one token: filler for a batch split
         over devices."""
         out = jax.tree.map(lambda a: np.concatenate([np.asarray(a), np.repeat(np.asarray(a)[-1:], k, 0)]), self)
         return out.replace(max_tokens=np.concatenate([np.asarray(self.max_tokens), np.ones((k,), np.int32)]))
 
-    def greedy_where(self, idle: jax.Array) -> "Request":
+    def greedy_where(self, idle: jax.Array) -> "Knobs":
         """The rows with idle [N] True made greedy: rows whose tokens are thrown away (finished,
         filler, a prompt's inner chunk), whose logits may be flat enough to send a sampled row
         down the slow paths of `filtering` for nothing."""
@@ -187,7 +187,7 @@ def penalize_counts(logits: jax.Array, counts: jax.Array, frequency: jax.Array, 
             - (counts > 0).astype(logits.dtype) * presence[:, None])
 
 
-def adjusted_logits(logits: jax.Array, seen: jax.Array, req: Request, counts: jax.Array | None = None) -> jax.Array:
+def adjusted_logits(logits: jax.Array, seen: jax.Array, req: Knobs, counts: jax.Array | None = None) -> jax.Array:
     """The logits [N, V] a token is chosen from: the logit bias, the repetition penalty over
     `seen` [N, V] (prompt and output), then the frequency and presence penalties over `counts`
     [N, V] (how often each token was emitted so far; None: nothing yet, the first token)."""
@@ -199,7 +199,7 @@ def adjusted_logits(logits: jax.Array, seen: jax.Array, req: Request, counts: ja
     return penalize_counts(logits, counts, req.frequency_penalty, req.presence_penalty)
 
 
-def _sampled_knobs(req: Request) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _sampled_knobs(req: Knobs) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(temperature, top_k, top_p) [N] for the sampling branch: a greedy row (temperature 0) in
     a sampled batch takes temperature 1 and top_k 1, so it costs its neighbours nothing (its
     token is the argmax's)."""
@@ -208,7 +208,7 @@ def _sampled_knobs(req: Request) -> tuple[jax.Array, jax.Array, jax.Array]:
             jnp.where(greedy, 1.0, req.top_p))
 
 
-def _choose(logits: jax.Array, req: Request, greedy, sampled) -> jax.Array:
+def _choose(logits: jax.Array, req: Knobs, greedy, sampled) -> jax.Array:
     """greedy(logits) for rows with temperature 0, sampled(logits, knobs) for the others; when
     every row is greedy the sampling branch is skipped (one cond for the batch), and a request
     marked greedy (`sampled=False`) compiles none."""
@@ -223,7 +223,7 @@ def _choose(logits: jax.Array, req: Request, greedy, sampled) -> jax.Array:
     return jax.lax.cond(jnp.all(req.temperature <= 0), lambda: g, mixed)
 
 
-def select_tokens(logits: jax.Array, seen: jax.Array, req: Request, step: jax.Array,
+def select_tokens(logits: jax.Array, seen: jax.Array, req: Knobs, step: jax.Array,
                   counts: jax.Array | None = None) -> jax.Array:
     """logits, seen [N, V] -> token ids [N] int32 (row i draws with req.keys(step)[i]; step [] or
     [N], one per row). counts [N, V]: tokens emitted so far (None: none, the first token)."""
@@ -231,7 +231,7 @@ def select_tokens(logits: jax.Array, seen: jax.Array, req: Request, step: jax.Ar
                    lambda lg, t, k, p: sample(lg, t, k, p, req.keys(step)))
 
 
-def distribution(logits: jax.Array, seen: jax.Array, req: Request, counts: jax.Array | None = None) -> jax.Array:
+def distribution(logits: jax.Array, seen: jax.Array, req: Knobs, counts: jax.Array | None = None) -> jax.Array:
     """The distribution each row's token is drawn from, [N, V]: a one-hot argmax for greedy
     rows, else the softmax of `filtered_logits` (the same steps as `select_tokens`)."""
     return _choose(adjusted_logits(logits, seen, req, counts), req,

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from ..model import transformer as tf
 from ..model.config import ModelConfig
 from ..model.params import Params
-from .sampling import Request, distribution
+from .sampling import Knobs, distribution
 
 # The stream of keys the rounds draw from: round r's drafts and acceptance use
 # fold_in(req.keys(r), DRAFT_STREAM), apart from the keys of plain decoding's token steps.
@@ -65,7 +65,7 @@ def accept(key: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Array) -> tup
 
 
 def round_paged(params: Params, cfg: ModelConfig, pool, rows, last: jax.Array, seen: jax.Array, counts: jax.Array,
-                req: Request, keys: jax.Array, loops: int, draft_loops: int, lookahead: int, window: int = 0,
+                req: Knobs, keys: jax.Array, loops: int, draft_loops: int, lookahead: int, window: int = 0,
                 exit: tf.Exit | None = None):
     """One round for N rows over a page pool (`model.paged`): rows (`paged.Rows`: start = where
     each row's last token is fed, n_new 1, or 0 for a row that only idles) and their last

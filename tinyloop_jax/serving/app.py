@@ -47,8 +47,8 @@ from contextlib import aclosing
 from . import edge, tokenizer_api
 from .engine import Engine
 from .handles import MemoryBudgetError, QueueFull, RequestTimeout
-from .protocol import (BadRequest, ChatShape, TextShape, chat_logprobs, check_adaptive, check_submit,
-                       completion_logprobs, error_body, parse, parse_chat)
+from .protocol import (BadRequest, ChatShape, TextShape, chat_logprobs, check_submit,
+                       completion_logprobs, error_body, parse, parse_chat, with_choices)
 from ..api.chat import Detokenizer
 
 
@@ -75,15 +75,15 @@ def make_app(engine: Engine, tokenizer, model_name: str = "tinyloop", eos: list[
         0: echo only). A prompt's other candidates are submitted once the first one's prompt is
         prefilled: its pages are then in the pool, and they read them there (one prefill)."""
         if req.submit["max_tokens"] == 0:
-            return [[None] * req.best_of for _ in req.prompts]
+            return [list(c) for c in req.choices]
         groups = []
         try:
-            for p in req.prompts:
-                groups.append([engine.submit(prompt=p, **req.request(0))])
+            for c in req.choices:
+                groups.append([engine.submit(c[0])])
             if req.best_of > 1:
                 await asyncio.gather(*(g[0].aprefilled() for g in groups))
-                for g, p in zip(groups, req.prompts):
-                    g += [engine.submit(prompt=p, **req.request(j)) for j in range(1, req.best_of)]
+                for g, c in zip(groups, req.choices):
+                    g += [engine.submit(r) for r in c[1:]]
         except BaseException:
             for h in (h for g in groups for h in g):
                 h.cancel()
@@ -236,8 +236,7 @@ def make_app(engine: Engine, tokenizer, model_name: str = "tinyloop", eos: list[
         return StreamingResponse(events(), media_type="text/event-stream")
 
     def checked(req, prompt_param: str):
-        req = check_submit(req, cfg.vocab_size, engine.max_loops, cfg.max_seq_len, prompt_param)
-        return check_adaptive(req, cfg, req.submit.get("loops") or cfg.default_loops)
+        return with_choices(check_submit(req, cfg.vocab_size, engine.max_loops, cfg.max_seq_len, prompt_param), cfg)
 
     async def completions(request):
         return await serve(request, lambda body: checked(parse(body, tokenizer, model_name, eos), "prompt"),

@@ -29,7 +29,7 @@ import numpy as np
 from . import step as S
 from .handles import Handle, MemoryBudgetError
 from ..api.pages import PageBook
-from ..decoding.sampling import Request, SamplingParams
+from ..decoding.sampling import Knobs, SamplingParams
 from ..model import adaptive as ad
 from ..model import paged
 from ..model import recurrence as rec
@@ -311,7 +311,7 @@ class Batcher:
             d.book.local.unpromise(1)  # the tail's credit
         seen = np.zeros((self.cfg.vocab_size,), bool)
         seen[h.prompt] = True
-        req = Request.from_params([h.params], stops=False, logit_bias=True, sampled=True)
+        req = Knobs.from_params([h.params], stops=False, logit_bias=True, sampled=True)
         pol = jax.tree.map(np.asarray, ad.EVERY_PASS if h.policy is None else h.policy)
         try:
             d.state = self._run(("admit", d.loops), self.jits(d.loops)["admit"], d.state, np.int32(slot), seen, req,
@@ -741,7 +741,7 @@ class Batcher:
                                                    n_max=self.decode_steps, exit=self.model.exit_for(loops)).compile()
             new.add(key)
         if ("admit", loops) not in self.programs:
-            req = Request.from_params([SamplingParams()], stops=False, logit_bias=True, sampled=True)
+            req = Knobs.from_params([SamplingParams()], stops=False, logit_bias=True, sampled=True)
             pol = jax.tree.map(np.asarray, ad.EVERY_PASS)
             self.jits(loops)["admit"].lower(state, np.int32(0), np.zeros((c.vocab_size,), bool), req, pol).compile()
             new.add(("admit", loops))

@@ -41,10 +41,9 @@ import time
 
 from .handles import Cancelled, Handle, MemoryBudgetError, QueueFull, RequestTimeout
 from .batcher import Batcher
+from ..api import request as R
 from ..api import validation as check
 from ..api.store import PrefixStore
-from ..decoding.sampling import SamplingParams
-from ..model import adaptive as ad
 from ..model.cache import free_bytes
 
 DEFAULT_KV_MEMORY = 256 << 20  # "auto": at most this many bytes of pages (or half the free memory): 11k tokens
@@ -128,58 +127,37 @@ class Engine:
 
     # ---- public ------------------------------------------------------------------------------
 
-    def submit(self, prompt, max_tokens: int = 32, temperature: float = 0.0, top_k: int = 50, top_p: float = 1.0,
-               repetition_penalty: float = 1.0, stop_sequences=(), seed: int = 0, loops: int | None = None,
-               timeout: float | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-               logit_bias=None, exit_criterion: str | None = None, exit_threshold: float | None = None,
-               min_steps: int = 0, check_every: int = 1, continuous_compute: bool = False,
-               cache_window: int = 0, draft_loops: int | None = None, lookahead: int = 4,
-               exit_in_prefill: bool = False, params: SamplingParams | None = None,
-               plan: check.DepthPlan | None = None) -> Handle:
-        """Queue a request (the arguments of `model.generate`, or its two values: params, a
-        `SamplingParams`, and plan, a `DepthPlan`; the keywords are sugar over them); returns
-        its `Handle` at once. The engine serves each depth's default exit pick (no
-        exit_at_step / early_exit_threshold per request).
+    def submit(self, request=None, timeout: float | None = None, **keywords) -> Handle:
+        """Queue a request — a `Request`, or a prompt with the keywords of `model.generate` (its
+        two values params, a `SamplingParams`, and plan, a `DepthPlan`, or their fields: sugar
+        over them) — and return its `Handle` at once. The engine serves each depth's default
+        exit pick (no exit_at_step / early_exit_threshold per request).
         cache_window > 0: every query attends to the last cache_window positions only, as
         `generate(cache_window=...)` (the pages outside the window are kept).
-        draft_loops=d: self-speculative decoding as `generate`'s — `lookahead` tokens drafted at
-        depth d over the request's pages, verified at `loops` in one chunk (greedy: the same
-        tokens); `handle.drafted` / `handle.accepted` count the drafts.
-        With an exit_criterion (adaptive depth, `model.adaptive`) its tokens stop looping at
-        their exits, the prompt runs every pass (exit_in_prefill=True: the whole prompt is one
-        chunk that exits as a whole, as `generate`'s; it shares no pages), and `handle.depths`
-        gives the passes run per emitted token.
+        A `Speculative` plan (draft_loops=d): self-speculative decoding as `generate`'s —
+        `lookahead` tokens drafted at depth d over the request's pages, verified at `loops` in
+        one chunk (greedy: the same tokens); `handle.drafted` / `handle.accepted` count them.
+        An `Adaptive` plan (exit_criterion, `model.adaptive`): its tokens stop looping at their
+        exits, the prompt runs every pass (exit_in_prefill=True: the whole prompt is one chunk
+        that exits as a whole, as `generate`'s; it shares no pages), and `handle.depths` gives
+        the passes run per emitted token. timeout (seconds; default the engine's): the
+        request's deadline from now, unless the Request has one.
         Bad arguments raise here (ValueError / RuntimeError) and nothing is queued; a full
         queue raises `QueueFull`; a request whose pages cannot fit the memory budget even
         alone, `MemoryBudgetError`."""
         c = self.model.weights.config
-        prompt = check.tokens(prompt, c.vocab_size)
-        params = check.sampling_params(c.vocab_size, **check.one_value(SamplingParams, params, dict(
-            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed,
-            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias)))
-        d = check.one_value(check.DepthPlan, plan, dict(
-            loops=loops, exit_criterion=exit_criterion, exit_threshold=exit_threshold, min_steps=min_steps,
-            check_every=check_every, continuous_compute=continuous_compute, draft_loops=draft_loops,
-            lookahead=lookahead, exit_in_prefill=exit_in_prefill))
-        if d.get("exit_at_step") is not None or d.get("early_exit_threshold") is not None:
+        if "prompt" in keywords:  # submit(prompt=ids, ...)
+            if request is not None and not isinstance(request, R.Request):
+                raise ValueError("give the prompt once: as the first argument or as prompt=")
+            request = keywords.pop("prompt")
+        req = R.checked(R.from_keywords(request, **keywords), c)
+        if req.exit_pick != (None, None):
             raise ValueError("the engine serves each depth's default exit pick: no exit_at_step / "
                              "early_exit_threshold per request")
-        in_prefill = d["exit_in_prefill"]
-        if not isinstance(in_prefill, bool):
-            raise ValueError(f"exit_in_prefill must be True or False, got {in_prefill!r}")
-        if in_prefill and d["exit_criterion"] is None:
-            raise ValueError("exit_in_prefill needs an exit_criterion")
-        loops = c.default_loops if d["loops"] is None else check.loops(d["loops"])
+        prompt, params, loops = req.prompt, req.params, req.loops
         if loops > self.max_loops:
             raise ValueError(f"loops={loops} is above this engine's max_loops={self.max_loops}")
-        cache_window = check.cache_window(cache_window)
-        policy = ad.make_policy(c, loops, d["exit_criterion"], d["exit_threshold"], d["min_steps"], d["check_every"],
-                                d["continuous_compute"])
-        policy = None if d["exit_criterion"] is None else policy
-        spec = check.speculation(d["draft_loops"], d["lookahead"], loops)
-        if spec is not None and policy is not None:
-            raise ValueError("draft_loops (speculative decoding) does not go with exit_criterion")
+        spec = req.speculation
         ahead = 0 if spec is None else spec.lookahead  # a verify chunk writes this far past the last token
         if len(prompt) + params.max_tokens + ahead > c.max_seq_len:
             raise RuntimeError(f"prompt + max_tokens{' + lookahead' if ahead else ''} is "
@@ -194,8 +172,9 @@ class Engine:
         timeout = self.timeout if timeout is None else timeout
         if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        h = Handle(prompt, params, loops, None if timeout is None else time.perf_counter() + timeout, self._cancelled,
-                   policy, cache_window, spec, in_prefill)
+        if req.deadline is None and timeout is not None:
+            req = R.with_deadline(req, time.perf_counter() + timeout)
+        h = Handle(req, self._cancelled)
         with self._cv:
             if self._closed:
                 raise RuntimeError("engine is closed")
@@ -208,9 +187,9 @@ class Engine:
             self._cv.notify_all()
         return h
 
-    def generate(self, prompt, **kw) -> list[int]:
+    def generate(self, request, **kw) -> list[int]:
         """submit(...).result(): blocking, like `model.generate`."""
-        return self.submit(prompt, **kw).result()
+        return self.submit(request, **kw).result()
 
     def warmup(self, loops: int | None = None, background: bool = False) -> int:
         """Compile every step program at `loops` (default depth) now, ahead of time (nothing is

@@ -1,5 +1,5 @@
 """What a caller holds: a submitted request's `Handle` (blocking, streaming and asyncio faces),
-its knobs (a `SamplingParams` and a depth), and the errors a request ends with. The engine's loop thread fills a
+the `Request` it carries unchanged, and the errors a request ends with. The engine's loop thread fills a
 handle (`emit`, `finish`); any thread reads it.
 """
 
@@ -12,9 +12,7 @@ import threading
 import time
 from typing import Callable
 
-import numpy as np
-
-from ..decoding.sampling import SamplingParams
+from ..api.request import Request
 
 
 class QueueFull(RuntimeError):
@@ -41,16 +39,10 @@ class Handle:
 
     _ids = itertools.count()
 
-    def __init__(self, prompt: np.ndarray, params: SamplingParams, loops: int, deadline: float | None,
-                 on_cancel: Callable[["Handle"], None] = lambda h: None, policy=None, cache_window: int = 0,
-                 speculation=None, in_prefill: bool = False):
+    def __init__(self, request: Request, on_cancel: Callable[["Handle"], None] = lambda h: None):
         self.id = next(Handle._ids)
-        self.prompt, self.params, self.loops, self.deadline = prompt, params, loops, deadline
-        self.cache_window = cache_window  # > 0: every query attends to the last cache_window positions only
-        self.policy = policy  # adaptive depth: the request's exit rule (`model.adaptive.Policy`), or None
+        self.request = request  # checked (`api.request.checked`); travels the engine unchanged
         self.depths: list[int] = []  # with a policy: the passes run for each emitted token
-        self.in_prefill = in_prefill  # with a policy: the prompt is one chunk that exits as a whole
-        self.speculation = speculation  # self-speculative decoding (`decoding.speculative.Speculation`), or None
         self.drafted = self.accepted = 0  # with speculation: drafts made and kept
         self.tokens: list[int] = []
         self.finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "timeout" | "error"
@@ -64,6 +56,16 @@ class Handle:
         self.cancel_requested = False
         self._cv = threading.Condition()
         self._wakers: list = []
+
+    # the request's parts, read by the batcher
+    prompt = property(lambda self: self.request.prompt)  # [T] int32
+    params = property(lambda self: self.request.params)
+    loops = property(lambda self: self.request.loops)
+    deadline = property(lambda self: self.request.deadline)
+    cache_window = property(lambda self: self.request.cache_window)  # > 0: attend to the last ones only
+    policy = property(lambda self: self.request.policy)  # adaptive depth's exit rule, or None
+    in_prefill = property(lambda self: self.request.in_prefill)  # adaptive: the prompt exits as a whole
+    speculation = property(lambda self: self.request.speculation)  # self-speculative decoding, or None
 
     @property
     def done(self) -> bool:

@@ -14,8 +14,9 @@ import numbers
 import secrets
 
 from ..api import validation as check
-from ..decoding.sampling import MAX_LOGIT_BIAS, SamplingParams
-from ..model.adaptive import make_policy
+from ..api import request as R
+from ..decoding.sampling import MAX_LOGIT_BIAS
+
 
 
 class BadRequest(ValueError):
@@ -139,14 +140,12 @@ class Parsed:
     logprobs: int | None = None  # top log-probabilities per token (None: no logprobs object)
     echo: bool = False  # the prompt's text (and logprobs) start each choice
 
-    def request(self, j: int) -> dict:
-        """Choice j's `engine.submit` arguments as the request's two values — its
-        `SamplingParams` (seeded `choice_seed(seed, j)`) and its `DepthPlan` — beside the rest
-        (cache_window)."""
-        sub = dict(self.submit, seed=choice_seed(self.seed, j))
-        pick = lambda names: {k: sub.pop(k) for k in names if k in sub}  # noqa: E731
-        params, plan = SamplingParams(**pick(check.SAMPLING_FIELDS)), check.DepthPlan(**pick(check.PLAN_FIELDS))
-        return dict(params=params, plan=plan, **sub)
+    choices: tuple = ()  # per prompt, its best_of checked `Request`s (`with_choices`); None: echo only
+
+    def request(self, prompt, j: int) -> R.Request:
+        """Choice j of `prompt` as the engine's `Request` (not yet checked): sampling seeded
+        `choice_seed(seed, j)`."""
+        return R.from_keywords(prompt, **dict(self.submit, seed=choice_seed(self.seed, j)))
 
 
 def choice_seed(seed: int, j: int) -> int:
@@ -203,7 +202,7 @@ def parse_common(body, model_name: str, eos: list[int], prompts: list[list[int]]
 def parse_adaptive(body: dict) -> dict:
     """The adaptive-depth extras (`Engine.submit`'s exit_criterion, exit_threshold, min_steps,
     check_every, continuous_compute), those the body names; their values are checked against
-    the model by `check_adaptive`."""
+    the model by `with_choices`."""
     kw = {}
     if body.get("exit_criterion") is not None:
         if not isinstance(body["exit_criterion"], str):
@@ -216,21 +215,21 @@ def parse_adaptive(body: dict) -> dict:
     return kw
 
 
-def check_adaptive(req: "Parsed", cfg, loops: int) -> "Parsed":
-    """The adaptive-depth extras against the model and the request's depth: a BadRequest naming
-    the field."""
-    kw = {k: req.submit[k] for k in ("exit_criterion", "exit_threshold", "min_steps", "check_every",
-                                     "continuous_compute", "exit_in_prefill") if k in req.submit}
-    if kw.get("exit_in_prefill") and kw.get("exit_criterion") is None:
-        raise BadRequest("exit_in_prefill needs an exit_criterion", "exit_in_prefill")
-    if kw:
-        try:
-            make_policy(cfg, loops, kw.get("exit_criterion"), kw.get("exit_threshold"), kw.get("min_steps", 0),
-                        kw.get("check_every", 1), kw.get("continuous_compute", False))
-        except ValueError as e:
-            field = next((k for k in kw if k in str(e)), "exit_criterion")
-            raise BadRequest(str(e), field) from None
-    return req
+# the request's fields, longest first: the first one an error message names is its param
+_FIELDS = sorted(R.KEYWORDS, key=len, reverse=True)
+
+
+def with_choices(req: Parsed, cfg) -> Parsed:
+    """`req` with every prompt's best_of choices built and checked against the model once
+    (`request.checked`: the plan resolved, an adaptive policy built), what the engine takes as
+    is; a failure is a BadRequest naming the field. max_tokens 0 (echo only): no choices."""
+    if req.submit["max_tokens"] == 0:
+        return dataclasses.replace(req, choices=tuple((None,) * req.best_of for _ in req.prompts))
+    try:
+        return dataclasses.replace(req, choices=tuple(tuple(R.checked(req.request(p, j), cfg)
+                                                            for j in range(req.best_of)) for p in req.prompts))
+    except ValueError as e:
+        raise BadRequest(str(e), next((k for k in _FIELDS if k in str(e)), None)) from None
 
 
 def _object(body) -> dict:

@@ -24,7 +24,7 @@ from flax import struct
 
 from ..decoding import row_state as R
 from ..decoding.row_state import RowState
-from ..decoding.sampling import Request, select_tokens
+from ..decoding.sampling import Knobs, select_tokens
 from ..decoding.speculative import DRAFT_STREAM, fold_in, round_paged
 from ..model import adaptive as ad
 from ..model import paged
@@ -42,12 +42,12 @@ class Requests:
     """M request rows (a row of the step reads and writes its request's row by `slot`)."""
 
     rows: RowState  # [M] seen, counts, the last token (a decode row's next input), warm (continuous compute)
-    req: Request  # [M] the knobs (stops are checked on the host)
+    req: Knobs  # [M] the knobs (stops are checked on the host)
     pol: ad.Policy  # [M] the exit rules (adaptive depth; kind NONE: every pass)
 
 
 def empty_rows(rows: int, vocab: int, d_model: int, dtype=jnp.float32) -> Requests:
-    req = Request.make(rows, 0.0, 0, 1.0, 1.0, max_tokens=1, carry_bias=True, sampled=True)
+    req = Knobs.make(rows, 0.0, 0, 1.0, 1.0, max_tokens=1, carry_bias=True, sampled=True)
     pol = jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (rows,)), ad.EVERY_PASS)
     return Requests(RowState.start(jnp.zeros((rows, vocab), bool), jnp.zeros((rows,), jnp.int32),
                                    jnp.zeros((rows, d_model), dtype)), jax.tree.map(jnp.asarray, req), pol)
@@ -77,9 +77,9 @@ def _take(tree, slot):
     return jax.tree.map(lambda a: jnp.take(a, slot, axis=0, mode="clip"), tree)
 
 
-def _knobs(state: "Requests", slot: jax.Array, live: jax.Array) -> Request:
+def _knobs(state: "Requests", slot: jax.Array, live: jax.Array) -> Knobs:
     """The knobs of request rows `slot` [b]; those not live (filler rows, prompts' inner chunks)
-    greedy (`Request.greedy_where`)."""
+    greedy (`Knobs.greedy_where`)."""
     return _take(state.req, slot).greedy_where(~live)
 
 
@@ -87,7 +87,7 @@ def _put(tree, slot, value):
     return jax.tree.map(lambda a, v: a.at[slot].set(v, mode="drop"), tree, value)
 
 
-def admit(state: Requests, slot: jax.Array, seen: jax.Array, req: Request, pol: ad.Policy) -> Requests:
+def admit(state: Requests, slot: jax.Array, seen: jax.Array, req: Knobs, pol: ad.Policy) -> Requests:
     """Request row `slot` <- a new request: its prompt's tokens seen [V], nothing emitted, its
     knobs req [1], its exit rule pol []."""
     rows = state.rows
