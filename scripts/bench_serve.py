@@ -179,14 +179,14 @@ def step_floor(model, kw, rows: int = 16, n: int = 48, live: int = 64) -> tuple[
         dec = S.make_decodes(tables, [live] * rows, list(range(rows)), [1] * rows, R, rows)
         _, tok, pool, state = program(model.weights.params, c, pool, state, None, dec, loops=loops,
                                       exit=model.exit_for(loops))
-        np.asarray(tok)  # compiled, warm
+        np.asarray(tok.tokens)  # compiled, warm
         t = time.perf_counter()
         for _ in range(n):
             _, tok, pool, state = program(model.weights.params, c, pool, state, None, dec, loops=loops,
                                           exit=model.exit_for(loops))
             if sync:
-                np.asarray(tok)
-        np.asarray(tok)
+                np.asarray(tok.tokens)
+        np.asarray(tok.tokens)
         out.append((time.perf_counter() - t) / n * 1e3)
     return out[0], out[1]
 

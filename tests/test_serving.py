@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 from conftest import huginn_model, tiny_model
+from tinyloop_jax.serving.step import STOPS
 
 import tinyloop_jax as tl
 from tinyloop_jax.serving import Cancelled, QueueFull, RequestTimeout
@@ -261,6 +262,26 @@ def test_engine_speculative_decoding_equals_generate(model, engine):
         engine.submit([1, 2, 3], draft_loops=1, exit_criterion="kl", exit_threshold=1e-3)
 
 
+
+def test_the_step_finds_the_stop_sequences(model, engine):
+    """The token stop rule runs in the engine's step (`sampling.stop_match` over each row's last
+    tokens): a stop on the first token, which sequence matched, none that starts in the prompt;
+    each as `generate`'s; more than a row holds is a ValueError at submit."""
+    p = np.random.default_rng(61).integers(0, 128, 21)
+    ref = model.generate(p, max_tokens=8)[len(p):]
+    cases = [([[ref[0]]], [ref[0]]),  # the first token (chosen in the prompt's last chunk)
+             ([[127, 126], ref[2:4], [ref[3]]], ref[2:4]),  # the first listed of two that end there
+             ([[int(p[-1]), ref[0]], ref[5:7]], ref[5:7])]  # one starts in the prompt: never matched
+    for stops, matched in cases:
+        h = engine.submit(p, max_tokens=8, stop_sequences=stops)
+        assert h.result() == model.generate(p, max_tokens=8, stop_sequences=stops), stops
+        assert h.finish_reason == "stop" and h.stop_matched == list(matched), (stops, h.stop_matched)
+    S, L = STOPS
+    with pytest.raises(ValueError, match=f"at most {S} sequences"):
+        engine.submit(p, stop_sequences=[[i] for i in range(S + 1)])
+    with pytest.raises(ValueError, match=f"at most {L} tokens"):
+        engine.submit(p, stop_sequences=[[1] * (L + 1)])
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_several_decode_steps_per_dispatch_equal_generate(model, overlap):
     """With nothing to admit the engine runs `decode_steps` steps in one program: stop sequences
@@ -325,7 +346,8 @@ def test_requests_arriving_together_read_the_first_ones_pages(model, engine):
     system = rng.integers(0, 128, 70)  # 4 full pages, 5 chunks of 16
     work = [np.concatenate([system, rng.integers(0, 128, 3 + i)]) for i in range(3)] + [rng.integers(0, 128, 20)]
     waits = engine.stats().get("prefix_waits", 0)
-    handles = [engine.submit(p, max_tokens=6) for p in work]
+    with engine._cv:  # queued together: the engine admits none before all are in (else it may have
+        handles = [engine.submit(p, max_tokens=6) for p in work]  # written the pages before the rest came)
     for p, h in zip(work, handles):
         assert h.result() == model.generate(p, max_tokens=6)
     assert handles[0].prefix_tokens == 0 and all(h.prefix_tokens >= 64 for h in handles[1:3])

@@ -18,6 +18,7 @@ import tinyloop_jax as tl
 from tinyloop_jax.serving import MemoryBudgetError
 from tinyloop_jax.decoding.sampling import MAX_LOGIT_BIAS
 from tinyloop_jax.serving import step as S
+from tinyloop_jax.serving.step import STOPS
 
 ENGINE = dict(max_batch=4, prefill_chunk=16)  # the shapes of test_serving: shared programs
 P = 16  # tokens per page
@@ -41,9 +42,12 @@ def page_bytes(model, loops: int) -> int:
 
 def rows_bytes(model, rows: int = 4) -> int:
     """Request rows: seen (bool) and counts (int32) per token, the last token, the knobs (the
-    logit bias's (id, value) pairs and a few scalars), the exit rule, the last loop state."""
+    logit bias's (id, value) pairs, the stop sequences at the engine's fixed S x L and a few
+    scalars), the exit rule, the last loop state, the last L tokens emitted."""
     c = model.config()
-    return rows * (5 * c["vocab_size"] + 4 + 8 * MAX_LOGIT_BIAS + 64 + 24 + 4 * c["d_model"])
+    S, L = STOPS
+    stops = 4 * (S * L + S) - 8 + 4 * L  # (the 64 bytes of scalars held a 1 x 1 stop spec before)
+    return rows * (5 * c["vocab_size"] + 4 + 8 * MAX_LOGIT_BIAS + 64 + 24 + 4 * c["d_model"] + stops)
 
 
 # ---- bad values ------------------------------------------------------------------------------

@@ -71,10 +71,15 @@ class StopSpec:
     lengths: Annotated[jax.Array, "int32[N, S]"]
 
     @classmethod
-    def make(cls, per_request: list[list[list[int]]]) -> "StopSpec":
+    def make(cls, per_request: list[list[list[int]]], shape: tuple[int, int] | None = None) -> "StopSpec":
+        """shape (S, L): a fixed one (the engine's rows, `serving.step.STOPS`); a request with
+        more or longer stop sequences is a ValueError."""
         n = max([1] + [len(x) for x in per_request])
         lmax = max([1] + [len(s) for x in per_request for s in x])
-        S, L = 1 << (n - 1).bit_length(), 1 << (lmax - 1).bit_length()
+        S, L = (1 << (n - 1).bit_length(), 1 << (lmax - 1).bit_length()) if shape is None else shape
+        if n > S or lmax > L:
+            raise ValueError(f"stop_sequences: at most {S} sequences of at most {L} tokens each here, got {n} "
+                             f"sequences, the longest of {lmax} tokens")
         toks = np.full((len(per_request), S, L), -1, np.int32)
         lens = np.zeros((len(per_request), S), np.int32)
         for r, stops in enumerate(per_request):
@@ -105,13 +110,15 @@ class Knobs:
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], stops: bool = True,
-                    logit_bias: bool | None = None, sampled: bool | None = None) -> "Knobs":
+                    logit_bias: bool | None = None, sampled: bool | None = None,
+                    stop_shape: tuple[int, int] | None = None) -> "Knobs":
         """One row per request, in order. stops=False leaves the stop sequences out (an empty
         spec, the same shape for every batch): for callers that check stops on the host.
         logit_bias: carry the bias rows (None: only if some request has a logit bias); sampled:
-        compile the sampling step (None: only if some request has a temperature above 0)."""
+        compile the sampling step (None: only if some request has a temperature above 0);
+        stop_shape: the stop spec's fixed (S, L) (`StopSpec.make`)."""
         col = lambda name, dt: np.array([getattr(p, name) for p in params], dt)  # noqa: E731
-        stop = StopSpec.make([[list(s) for s in p.stop_sequences] if stops else [] for p in params])
+        stop = StopSpec.make([[list(s) for s in p.stop_sequences] if stops else [] for p in params], stop_shape)
         bias_ids = np.full((len(params), MAX_LOGIT_BIAS), -1, np.int32)
         bias_values = np.zeros((len(params), MAX_LOGIT_BIAS), np.float32)
         for r, p in enumerate(params):
@@ -128,7 +135,8 @@ class Knobs:
     @classmethod
     def make(cls, n: int, temperature=0.0, top_k=50, top_p=1.0, repetition_penalty=1.0, seeds=None, max_tokens=32,
              stop_sequences=None, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=(),
-             carry_bias: bool | None = None, sampled: bool | None = None) -> "Knobs":
+             carry_bias: bool | None = None, sampled: bool | None = None,
+             stop_shape: tuple[int, int] | None = None) -> "Knobs":
         """N rows from keywords (unchecked; the functional API's shorthand for `from_params`):
         scalars apply to every row; `seeds` and `max_tokens` may be per row; stop_sequences
         is one list of token-id lists per row (None: no stops); logit_bias one {token: bias}
@@ -143,7 +151,7 @@ class Knobs:
                                                stop_sequences=tuple(tuple(s) for s in stops[i]),
                                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                                logit_bias=bias)
-                                for i in range(n)], logit_bias=carry_bias, sampled=sampled)
+                                for i in range(n)], logit_bias=carry_bias, sampled=sampled, stop_shape=stop_shape)
 
     @property
     def n(self) -> int:
@@ -239,12 +247,19 @@ def distribution(logits: jax.Array, seen: jax.Array, req: Knobs, counts: jax.Arr
                    lambda lg, t, k, p: jax.nn.softmax(filtered_logits(lg, t, k, p), axis=-1))
 
 
-def stop_hit(out: jax.Array, n: jax.Array, tokens: jax.Array, lengths: jax.Array) -> jax.Array:
-    """One row: do the emitted tokens out[:n] ([S] buffer) end with one of the stop sequences
-    (tokens [S', L], lengths [S'])? Only emitted tokens count: a stop never starts in the prompt."""
+def stop_match(out: jax.Array, n: jax.Array, tokens: jax.Array, lengths: jax.Array) -> jax.Array:
+    """The token stop rule, the one place it is written. One row: the index of the first stop
+    sequence (tokens [S, L], lengths [S]) that the emitted tokens out[:n] ([B] buffer) end with,
+    or -1. Only emitted tokens count: a stop never starts in the prompt. (The engine's rows keep
+    their last L tokens, right-aligned after -1s: out = that tail, n = L.)"""
     j = jnp.arange(tokens.shape[1])
     idx = n - lengths[:, None] + j[None, :]  # stop s matches if out[n - len_s + j] == tokens[s, j]
     got = out[jnp.clip(idx, 0, out.shape[0] - 1)]
     ok = (got == tokens) | (j[None, :] >= lengths[:, None])
-    valid = (lengths > 0) & (lengths <= n)
-    return jnp.any(valid & jnp.all(ok, axis=1))
+    hit = (lengths > 0) & (lengths <= n) & jnp.all(ok, axis=1)
+    return jnp.where(jnp.any(hit), jnp.argmax(hit), -1).astype(jnp.int32)
+
+
+def stop_hit(out: jax.Array, n: jax.Array, tokens: jax.Array, lengths: jax.Array) -> jax.Array:
+    """Do the emitted tokens out[:n] end with a stop sequence (`stop_match`)?"""
+    return stop_match(out, n, tokens, lengths) >= 0

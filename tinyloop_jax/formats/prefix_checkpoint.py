@@ -12,16 +12,11 @@ call it).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax.numpy as jnp
 
 from ..model import sharding
 from ..model.cache import KVCache, first_passes
 from . import checkpoint
-
-if TYPE_CHECKING:  # annotations only
-    from ..api.prefix import PrefixCache
 
 KIND = "prefix_cache"
 # 1 = one array per cache layer (before the pass axis), 2 = passes stacked, 3 = passes x loop
@@ -29,8 +24,9 @@ KIND = "prefix_cache"
 LAYOUT = 3
 
 
-def save(path: str, prefix: "PrefixCache") -> None:
-    """Write `prefix` to a new folder `path`, atomically. A view of a deeper prefix saves only
+def save(path: str, prefix) -> None:
+    """Write `prefix` (an `api.prefix.PrefixCache`, read by its fields: formats/ imports nothing
+    from the API layer) to a new folder `path`, atomically. A view of a deeper prefix saves only
     the passes of its own depth (and no loop state)."""
     cache, states, state = prefix.cache, prefix.depth_states, prefix.state
     if cache.passes > prefix.loops:

@@ -311,7 +311,7 @@ class Batcher:
             d.book.local.unpromise(1)  # the tail's credit
         seen = np.zeros((self.cfg.vocab_size,), bool)
         seen[h.prompt] = True
-        req = Knobs.from_params([h.params], stops=False, logit_bias=True, sampled=True)
+        req = Knobs.from_params([h.params], logit_bias=True, sampled=True, stop_shape=S.STOPS)
         pol = jax.tree.map(np.asarray, ad.EVERY_PASS if h.policy is None else h.policy)
         try:
             d.state = self._run(("admit", d.loops), self.jits(d.loops)["admit"], d.state, np.int32(slot), seen, req,
@@ -544,7 +544,7 @@ class Batcher:
                 k = min(many, r.handle.params.max_tokens - len(r.handle.tokens) - r.ahead)
                 r.ahead += k
                 fed += k
-                ran.append((r, i, dtok, passes) if dtok is None or dtok.ndim == 1 else (r, i, dtok, passes, k))
+                ran.append((r, i, dtok, passes) if not burst else (r, i, dtok, passes, k))
             if decoding:
                 self.stats["decode_steps"] += many
                 self.stats["batch_rows"] += fed
@@ -583,7 +583,7 @@ class Batcher:
             tokens, kept, d.pool, d.state = self._run(
                 ("speculate", d.loops, spec, bd, R), self.jits(d.loops)["step_speculative"], w.params, w.config,
                 d.pool, d.state, decodes, loops=d.loops, draft_loops=spec.draft_loops, lookahead=k, exit=d.exit)
-            tokens, kept = np.asarray(tokens), np.asarray(kept)
+            tokens, kept = jax.tree.map(np.asarray, tokens), np.asarray(kept)
             self.stats["speculative_rounds"] += 1
             self.stats["batch_rows"] += len(rows)
             counts["tokens_computed"] += len(rows) * (k + 1)
@@ -591,29 +591,30 @@ class Batcher:
             for i, r in enumerate(rows):
                 r.handle.drafted += k
                 r.handle.accepted += int(kept[i])
-                for t in tokens[i, :kept[i] + 1]:
+                for t, stop in zip(tokens.tokens[i, :kept[i] + 1], tokens.stops[i]):
                     if r.left:  # a stop or max_tokens cut the round: the rest is discarded
                         break
-                    self._emit(d, r, int(t))
+                    self._emit(d, r, int(t), int(stop))
 
     def _read(self, d: Depth, ran: list) -> None:
         """The tokens of a dispatched step (waits for it), emitted for the rows still in; with
         adaptive depth the passes each decode row ran are counted and kept."""
         host = {}
 
-        def get(a):
+        def get(a):  # an `Emitted` on the host
             if id(a) not in host:
-                host[id(a)] = np.asarray(a)
+                host[id(a)] = jax.tree.map(np.asarray, a)
             return host[id(a)]
 
         counts = self.depth_counts[d.loops]
         for r, i, tok, passes, *many in ran:
             if many:  # (`decode_steps`) its k tokens, up to a stop; its readers woken once
                 r.ahead -= many[0]
-                for t in get(tok)[i, :many[0]]:
+                got = get(tok)
+                for t, stop in zip(got.tokens[i, :many[0]], got.stops[i]):
                     if r.left:
                         break
-                    self._emit(d, r, int(t), wake=False)
+                    self._emit(d, r, int(t), int(stop), wake=False)
                 r.handle.wake()
                 continue
             r.ahead -= 1
@@ -624,18 +625,18 @@ class Batcher:
                 if not r.left and r.handle.policy is not None:
                     r.handle.depths.append(p)
             if not r.left:
-                self._emit(d, r, int(get(tok)[i]))
+                got = get(tok)
+                self._emit(d, r, int(got.tokens[i]), int(got.stops[i]))
 
-    def _emit(self, d: Depth, r: Row, t: int, wake: bool = True) -> None:
+    def _emit(self, d: Depth, r: Row, t: int, stop: int, wake: bool = True) -> None:
+        """Token t of row r, which the step found to end its stop sequence `stop` (-1: none)."""
         h, s = r.handle, r.handle.params
         h.emit(t, wake)
         self.stats["tokens_out"] += 1
         if len(h.tokens) == 1:
             self._on_first_token(h)
-        tail = tuple(h.tokens[-max((len(q) for q in s.stop_sequences), default=0):])
-        stop = next((q for q in s.stop_sequences if len(q) <= len(tail) and tail[len(tail) - len(q):] == q), None)
-        if stop is not None:
-            h.stop_matched = list(stop)
+        if stop >= 0:
+            h.stop_matched = list(s.stop_sequences[stop])
             self.release(d, r, "stop")
         elif len(h.tokens) >= s.max_tokens:
             self.release(d, r, "length")
@@ -741,7 +742,7 @@ class Batcher:
                                                    n_max=self.decode_steps, exit=self.model.exit_for(loops)).compile()
             new.add(key)
         if ("admit", loops) not in self.programs:
-            req = Knobs.from_params([SamplingParams()], stops=False, logit_bias=True, sampled=True)
+            req = Knobs.from_params([SamplingParams()], logit_bias=True, sampled=True, stop_shape=S.STOPS)
             pol = jax.tree.map(np.asarray, ad.EVERY_PASS)
             self.jits(loops)["admit"].lower(state, np.int32(0), np.zeros((c.vocab_size,), bool), req, pol).compile()
             new.add(("admit", loops))

@@ -40,10 +40,12 @@ import threading
 import time
 
 from .handles import Cancelled, Handle, MemoryBudgetError, QueueFull, RequestTimeout
+from . import step as S
 from .batcher import Batcher
 from ..api import request as R
 from ..api import validation as check
 from ..api.store import PrefixStore
+from ..decoding.sampling import StopSpec
 from ..model.cache import free_bytes
 
 DEFAULT_KV_MEMORY = 256 << 20  # "auto": at most this many bytes of pages (or half the free memory): 11k tokens
@@ -155,6 +157,7 @@ class Engine:
             raise ValueError("the engine serves each depth's default exit pick: no exit_at_step / "
                              "early_exit_threshold per request")
         prompt, params, loops = req.prompt, req.params, req.loops
+        StopSpec.make([[list(q) for q in params.stop_sequences]], S.STOPS)  # what a request row holds
         if loops > self.max_loops:
             raise ValueError(f"loops={loops} is above this engine's max_loops={self.max_loops}")
         spec = req.speculation

@@ -4,7 +4,8 @@ packs a request's row once.
 
     pool   PagedKV       every cache layer of one depth, in pages (read and written by the step)
     state  Requests      M request rows: their `RowState` (the `Model` path's decode loops carry
-                         the same, with the same feed-and-choose rule), knobs and exit rules
+                         the same, with the same feed-and-choose rule), knobs, exit rules and
+                         last tokens, by which the step finds the stop sequences a token ends
 
 A row of the step names its request row (`slot`); a decode row's input is that request's last
 token, kept on the device, so the host can dispatch step t + 1 before it reads step t's
@@ -24,7 +25,7 @@ from flax import struct
 
 from ..decoding import row_state as R
 from ..decoding.row_state import RowState
-from ..decoding.sampling import Knobs, select_tokens
+from ..decoding.sampling import Knobs, select_tokens, stop_match
 from ..decoding.speculative import DRAFT_STREAM, fold_in, round_paged
 from ..model import adaptive as ad
 from ..model import paged
@@ -35,6 +36,7 @@ from ..model.params import Params
 
 
 FILLER = 1 << 30  # the request row of a filler row: past every state, so its writes are dropped
+STOPS = (16, 32)  # a request row's stop sequences: at most 16, of at most 32 tokens (matched in the step)
 
 
 @struct.dataclass
@@ -42,15 +44,26 @@ class Requests:
     """M request rows (a row of the step reads and writes its request's row by `slot`)."""
 
     rows: RowState  # [M] seen, counts, the last token (a decode row's next input), warm (continuous compute)
-    req: Knobs  # [M] the knobs (stops are checked on the host)
+    req: Knobs  # [M] the knobs, the stop sequences at the fixed shape STOPS
     pol: ad.Policy  # [M] the exit rules (adaptive depth; kind NONE: every pass)
+    tail: Annotated[jax.Array, "int32[M, L]"]  # the last L = STOPS[1] tokens emitted, right-aligned after -1s
+
+
+@struct.dataclass
+class Emitted:
+    """Tokens a program chose, and for each the stop sequence it ended (an index into its
+    request's stop_sequences; -1: none)."""
+
+    tokens: Annotated[jax.Array, "int32[b] | int32[b, n]"]
+    stops: Annotated[jax.Array, "int32[b] | int32[b, n]"]
 
 
 def empty_rows(rows: int, vocab: int, d_model: int, dtype=jnp.float32) -> Requests:
-    req = Knobs.make(rows, 0.0, 0, 1.0, 1.0, max_tokens=1, carry_bias=True, sampled=True)
+    req = Knobs.make(rows, 0.0, 0, 1.0, 1.0, max_tokens=1, carry_bias=True, sampled=True, stop_shape=STOPS)
     pol = jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (rows,)), ad.EVERY_PASS)
     return Requests(RowState.start(jnp.zeros((rows, vocab), bool), jnp.zeros((rows,), jnp.int32),
-                                   jnp.zeros((rows, d_model), dtype)), jax.tree.map(jnp.asarray, req), pol)
+                                   jnp.zeros((rows, d_model), dtype)), jax.tree.map(jnp.asarray, req), pol,
+                    jnp.full((rows, STOPS[1]), -1, jnp.int32))
 
 
 @struct.dataclass
@@ -93,14 +106,26 @@ def admit(state: Requests, slot: jax.Array, seen: jax.Array, req: Knobs, pol: ad
     rows = state.rows
     rows = rows.replace(seen=rows.seen.at[slot].set(seen, mode="drop"), counts=rows.counts.at[slot].set(0, mode="drop"))
     return state.replace(rows=rows, req=_put(state.req, slot[None], req),
-                         pol=_put(state.pol, slot[None], jax.tree.map(lambda a: jnp.asarray(a)[None], pol)))
+                         pol=_put(state.pol, slot[None], jax.tree.map(lambda a: jnp.asarray(a)[None], pol)),
+                         tail=state.tail.at[slot].set(-1, mode="drop"))
+
+
+def _record(state: Requests, slot: jax.Array, tok: jax.Array, live: jax.Array) -> tuple[Requests, jax.Array]:
+    """Tokens tok [b] emitted by request rows slot [b] (live [b]: real ones) join their tails;
+    returns the state and the stop sequence each token ended [b] (`sampling.stop_match`; -1)."""
+    tail = jnp.concatenate([_take(state.tail, slot)[:, 1:], tok[:, None]], axis=1)
+    stop = _take(state.req.stop, slot)
+    hit = jax.vmap(stop_match, in_axes=(0, None, 0, 0))(tail, jnp.int32(tail.shape[1]), stop.tokens, stop.lengths)
+    return (state.replace(tail=state.tail.at[jnp.where(live, slot, FILLER)].set(tail, mode="drop")),
+            jnp.where(live, hit, -1))
 
 
 def step(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, chunks: Chunks | None,
          decodes: Decodes | None, loops: int, exit: tf.Exit | None = None):
     """One step: the chunks' tokens and each decode row's last token through the model at depth
     `loops`, written into the pages; then a token for every decode row and every final chunk.
-    Returns (chunk tokens [b], decode tokens [b'] (None for an absent group), pool, state)."""
+    Returns (the chunks' `Emitted` [b], the decode rows' [b'] (None for an absent group), pool,
+    state)."""
     groups, tokens, seeds = [], [], []
     if chunks is not None:
         groups.append(chunks.rows)
@@ -122,7 +147,7 @@ def step(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests,
 
 def _first_tokens(params, cfg, state: Requests, chunks: Chunks, x: jax.Array, loop_state: jax.Array):
     """The chunks' first tokens (meaningful for final chunks, which keep them as `last`, and
-    their last loop state as `warm`)."""
+    their last loop state as `warm`), as `Emitted`."""
     logits = paged.last_logits(params, cfg, x, chunks.rows)
     tok = select_tokens(logits, _take(state.rows.seen, chunks.slot), _knobs(state, chunks.slot, chunks.final),
                         jnp.int32(0))
@@ -130,21 +155,24 @@ def _first_tokens(params, cfg, state: Requests, chunks: Chunks, x: jax.Array, lo
     last = jnp.maximum(chunks.rows.n_new - 1, 0)
     warm = jnp.take_along_axis(loop_state, last[:, None, None], axis=1)[:, 0]
     rows = state.rows
-    return tok, state.replace(rows=rows.replace(last=rows.last.at[at].set(tok, mode="drop"),
-                                                warm=rows.warm.at[at].set(warm.astype(rows.warm.dtype), mode="drop")))
+    state = state.replace(rows=rows.replace(last=rows.last.at[at].set(tok, mode="drop"),
+                                            warm=rows.warm.at[at].set(warm.astype(rows.warm.dtype), mode="drop")))
+    state, stops = _record(state, chunks.slot, tok, chunks.final)
+    return Emitted(tok, stops), state
 
 
 def _next_tokens(state: Requests, decodes: Decodes, logits: jax.Array, warm: jax.Array | None = None):
     """Each decode row's next token from its logits [b, V] by the rule of every decode loop
     (`row_state.feed`, then `choose`); warm [b, D]: the rows' new loop states (adaptive depth).
-    A filler row's slot drops its writes."""
+    A filler row's slot drops its writes. Returns (`Emitted` [b], state)."""
     s = decodes.slot
     fed = R.feed(state.rows, s)
     tok = R.choose(fed, logits, _knobs(state, s, s != FILLER), decodes.steps, s)
     fed = fed.replace(last=fed.last.at[s].set(tok, mode="drop"))
     if warm is not None:
         fed = fed.replace(warm=fed.warm.at[s].set(warm.astype(fed.warm.dtype), mode="drop"))
-    return tok, state.replace(rows=fed)
+    state, stops = _record(state.replace(rows=fed), s, tok, s != FILLER)
+    return Emitted(tok, stops), state
 
 
 def decode_steps(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, decodes: Decodes,
@@ -152,28 +180,30 @@ def decode_steps(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: R
     """n (traced, 1 <= n <= n_max) decode steps in one program: the decode rows' step when no
     prompt chunk runs beside them (n = 1), or a burst when nothing waits (the host's work per
     dispatch spread over n tokens). Step i feeds each row's last token at rows.start + i and
-    chooses the next; a row past decodes.left[i] tokens idles (writes nothing, keeps its state).
-    Stop sequences are the host's: tokens after a stop are discarded there. Returns (tokens
-    [b, n_max], the first n real, pool, state)."""
+    chooses the next; a row past decodes.left[i] tokens, or past a stop sequence, idles (writes
+    nothing, keeps its state). Returns (`Emitted` [b, n_max], the first n real up to a row's
+    stop, pool, state)."""
     def body(i, c):
-        pool, state, out = c
-        live = i < decodes.left
+        pool, state, out, stopped = c
+        live = (i < decodes.left) & ~stopped
         d = decodes.replace(rows=decodes.rows.replace(start=decodes.rows.start + i, n_new=decodes.rows.n_new * live),
                             slot=jnp.where(live, decodes.slot, FILLER), steps=decodes.steps + i)
         x, pool = paged.forward(params, cfg, pool, d.rows, _take(state.rows.last, d.slot)[:, None], loops, 0, exit,
                                 _take(state.req.seed, d.slot))
-        tok, state = _next_tokens(state, d, tf.lm_head(params, cfg, x[:, 0]))
-        return pool, state, out.at[:, i].set(tok)
+        got, state = _next_tokens(state, d, tf.lm_head(params, cfg, x[:, 0]))
+        out = jax.tree.map(lambda o, v: o.at[:, i].set(v), out, got)
+        return pool, state, out, stopped | (got.stops >= 0)
 
     b = decodes.slot.shape[0]
-    pool, state, out = jax.lax.fori_loop(0, n, body, (pool, state, jnp.zeros((b, n_max), jnp.int32)))
+    out = Emitted(jnp.zeros((b, n_max), jnp.int32), jnp.full((b, n_max), -1, jnp.int32))
+    pool, state, out, _ = jax.lax.fori_loop(0, n, body, (pool, state, out, jnp.zeros((b,), bool)))
     return out, pool, state
 
 
 def step_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, decodes: Decodes,
                   loops: int):
     """The decode rows' next tokens with adaptive depth: each row's passes stop at its exit (its
-    request's `pol`; kind NONE: every pass). Returns (tokens [b], passes run [b], pool, state)."""
+    request's `pol`; kind NONE: every pass). Returns (`Emitted` [b], passes run [b], pool, state)."""
     s = decodes.slot
     out = pa.forward_decode(params, cfg, pool, decodes.rows, _take(state.rows.last, s), loops, _take(state.pol, s),
                             _take(state.req.seed, s), _take(state.rows.warm, s))
@@ -185,15 +215,16 @@ def chunk_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state:
                    loops: int):
     """Prompts that may exit (`exit_in_prefill`), each one chunk exiting as a whole at its
     request's exit rule, as `generate` prefills them: their first tokens, the passes each ran,
-    and the last state as the request's warm state. Returns (tokens [b], passes [b], pool, state)."""
+    and the last state as the request's warm state. Returns (`Emitted` [b], passes [b], pool, state)."""
     s = chunks.slot
     out = pa.forward(params, cfg, pool, chunks.rows, chunks.tokens, loops, _take(state.pol, s),
                      _take(state.req.seed, s))
     tok = select_tokens(out.logits, _take(state.rows.seen, s), _knobs(state, s, chunks.final), jnp.int32(0))
     at, rows = jnp.where(chunks.final, s, FILLER), state.rows
-    return tok, out.depth, out.pool, state.replace(rows=rows.replace(
-        last=rows.last.at[at].set(tok, mode="drop"), warm=rows.warm.at[at].set(out.state.astype(rows.warm.dtype),
-                                                                               mode="drop")))
+    state = state.replace(rows=rows.replace(last=rows.last.at[at].set(tok, mode="drop"),
+                                            warm=rows.warm.at[at].set(out.state.astype(rows.warm.dtype), mode="drop")))
+    state, stops = _record(state, s, tok, chunks.final)
+    return Emitted(tok, stops), out.depth, out.pool, state
 
 
 def step_speculative(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, decodes: Decodes,
@@ -201,8 +232,8 @@ def step_speculative(params: Params, cfg: ModelConfig, pool: paged.PagedKV, stat
     """One round of self-speculative decoding for the decode rows (`speculative.round_paged`:
     drafts at `draft_loops` over their pages, one verify chunk at `loops`; greedy: plain
     decoding's tokens). decodes.steps: tokens each row emitted (its round's keys are
-    fold_in(keys(steps), DRAFT_STREAM)). Returns (tokens [b, k + 1]: d_1 .. d_a then the next
-    token, kept a [b], pool, state)."""
+    fold_in(keys(steps), DRAFT_STREAM)). Returns (`Emitted` [b, k + 1]: d_1 .. d_a then the next
+    token, each row's tokens up to a stop; kept a [b], pool, state)."""
     s = decodes.slot
     req = _knobs(state, s, s != FILLER)
     keys = fold_in(req.keys(decodes.steps), DRAFT_STREAM)
@@ -210,7 +241,13 @@ def step_speculative(params: Params, cfg: ModelConfig, pool: paged.PagedKV, stat
     tokens, a, seen, counts, pool = round_paged(params, cfg, pool, decodes.rows, rows.last, rows.seen, rows.counts,
                                                 req, keys, loops, draft_loops, lookahead, 0, exit)
     nxt = jnp.take_along_axis(tokens, a[:, None], axis=1)[:, 0]
-    return tokens, a, pool, state.replace(rows=_put(state.rows, s, rows.replace(seen=seen, counts=counts, last=nxt)))
+    state = state.replace(rows=_put(state.rows, s, rows.replace(seen=seen, counts=counts, last=nxt)))
+    stops, stopped = [], jnp.zeros(s.shape, bool)
+    for j in range(lookahead + 1):  # the round's tokens in order, up to a stop
+        state, hit = _record(state, s, tokens[:, j], (s != FILLER) & (j <= a) & ~stopped)
+        stops.append(hit)
+        stopped |= hit >= 0
+    return Emitted(tokens, jnp.stack(stops, axis=1)), a, pool, state
 
 
 load_entry = paged.load_segment
