@@ -129,7 +129,7 @@ def paged_step_time(model, rows: int, live: int, steps: int) -> float:
     """The paged engine's step for `rows` decode rows of `live` tokens each, pages of their own."""
     from tinyloop_jax.model import paged
     from tinyloop_jax.serving import step as S
-    from tinyloop_jax.serving.batcher import MIN_TABLE, batch_buckets, pow2
+    from tinyloop_jax.serving.plan import MIN_TABLE, batch_buckets, pow2
     c, P = model.weights.config, paged.PAGE_SIZE
     loops = c.default_loops
     per_row = -(-(live + steps + 2) // P)

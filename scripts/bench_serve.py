@@ -164,7 +164,7 @@ def step_floor(model, kw, rows: int = 16, n: int = 48, live: int = 64) -> tuple[
     when each step's tokens are read before the next."""
     from tinyloop_jax.model import paged
     from tinyloop_jax.serving import step as S
-    from tinyloop_jax.serving.batcher import MIN_TABLE, pow2
+    from tinyloop_jax.serving.plan import MIN_TABLE, pow2
 
     c, P = model.weights.config, paged.PAGE_SIZE
     loops = c.default_loops

@@ -1,0 +1,55 @@
+"""A property of the two drivers: random requests of every kind — plain, sampled, windowed,
+speculative, adaptive (some exiting in prefill), n > 1 choices of one prompt — through the
+`Engine` together give the tokens `generate` gives each alone."""
+
+import numpy as np
+from conftest import prompt_of
+from test_adaptive import huginn
+
+import tinyloop_jax as tl
+from tinyloop_jax.serving.protocol import choice_seed
+
+KINDS = ("plain", "sampled", "windowed", "speculative", "adaptive", "choices")
+ADAPTIVE = (dict(exit_criterion="kl", exit_threshold=1e-2), dict(exit_criterion="latent-diff", exit_threshold=0.3),
+            dict(exit_criterion="kl", exit_threshold=1e-2, exit_in_prefill=True),
+            dict(exit_criterion="argmax-stability", exit_threshold=2, min_steps=1))
+
+
+def random_work(rng, system: np.ndarray, n: int) -> tuple[list, set]:
+    """n requests (prompt, keywords): a kind each, half of the prompts after a shared system
+    prompt; and the kinds drawn."""
+    out, kinds = [], set()
+    while len(out) < n:
+        own = prompt_of(int(rng.integers(1, 20)), seed=int(rng.integers(1 << 20)))
+        prompt = np.concatenate([system, own]) if rng.random() < 0.5 else own
+        kw = dict(max_tokens=int(rng.integers(1, 10)))
+        kind = str(rng.choice(KINDS))
+        kinds.add(kind)
+        if kind == "sampled":
+            kw.update(temperature=0.8, top_p=0.9, seed=int(rng.integers(1 << 31)))
+        elif kind == "windowed":
+            kw.update(cache_window=int(rng.integers(4, 24)))
+        elif kind == "speculative":  # greedy: the same tokens (sampled: the same distribution only)
+            kw.update(draft_loops=int(rng.integers(1, 4)), lookahead=int(rng.integers(1, 5)))
+        elif kind == "adaptive":
+            kw.update(ADAPTIVE[int(rng.integers(len(ADAPTIVE)))], loops=6)
+        if kind == "choices":  # n > 1: one prompt, each choice seeded as the server seeds it
+            seed = int(rng.integers(1 << 31))
+            out += [(prompt, dict(kw, temperature=0.9, seed=choice_seed(seed, j))) for j in range(3)]
+        else:
+            out.append((prompt, kw))
+    return out[:n], kinds
+
+
+def test_random_requests_through_the_engine_equal_generate():
+    """Three rounds of 10 random requests through one engine (its programs compiled once)."""
+    m, drawn = huginn(), set()
+    with tl.Engine(m, max_batch=4, prefill_chunk=16) as eng:
+        for seed in range(3):
+            rng = np.random.default_rng(seed)
+            work, kinds = random_work(rng, prompt_of(37, seed=100 + seed), 10)
+            drawn |= kinds
+            handles = [eng.submit(p, **kw) for p, kw in work]
+            for (p, kw), h in zip(work, handles):
+                assert h.result() == m.generate(p, **kw), (seed, kw)
+    assert drawn == set(KINDS)

@@ -1,0 +1,91 @@
+"""The engine's sizes and memory: a page's and a depth's bytes, the pages a depth's pool holds
+within the memory budget, a request's pages, the local slots beside them. A base of `Batcher`
+(its fields: model, max_batch, chunk, page_size, memory_budget, decode_steps, depths).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from . import step as S
+from ..model import paged
+
+
+class Budget:
+    """Sizes of the engine's pools and rows (`Batcher` holds the fields it reads)."""
+
+    @property
+    def cfg(self):
+        return self.model.weights.config
+
+    def page_nbytes(self, loops: int, layers: int | None = None) -> int:
+        """Bytes of a page (of `layers` of its cache layers; default every layer on the pages)."""
+        c = self.cfg
+        layers = c.n_cache_layers(loops) - len(self.local) if layers is None else layers
+        return paged.page_nbytes(c.storage, layers, c.n_kv_heads, self.page_size, c.head_dim, c.d_model)
+
+    @property
+    def local(self) -> tuple:
+        """The pre layers kept in local slots (`paged.local_layers`)."""
+        return paged.local_layers(self.cfg)
+
+    @property
+    def local_window(self) -> int:
+        return paged.local_window(self.cfg)
+
+    def credits(self, n_pages: int, lookahead: int = 0, chunk: int | None = None) -> int:
+        """Local slots a row of n_pages pages holds at most: the pages of its last window and of
+        the most positions one step writes."""
+        P, W = self.page_size, self.local_window
+        T = max(self.chunk if chunk is None else chunk, self.decode_steps, lookahead + 1)
+        return min(n_pages, -(-(W - 1) // P) + -(-T // P) + 3)  # (+1: a speculative round rolled back)
+
+    def local_slots(self, n_pages: int) -> int:
+        """Local slots beside n_pages pages: half as many, and at least every row's window."""
+        return min(n_pages, max(n_pages // 2, self.max_batch * self.credits(n_pages)))
+
+    def _empty_rows(self) -> S.Requests:
+        c = self.cfg
+        return S.empty_rows(self.max_batch, c.vocab_size, c.d_model, c.compute_dtype)
+
+    def rows_nbytes(self) -> int:
+        """Bytes of a depth's request rows (`step.Requests`)."""
+        if not hasattr(self, "_rows_nbytes"):
+            shapes = jax.eval_shape(self._empty_rows)
+            self._rows_nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+        return self._rows_nbytes
+
+    def max_pages(self) -> int:
+        """Pages that hold every request row at the whole context: more is never needed."""
+        return self.max_batch * -(-self.cfg.max_seq_len // self.page_size)
+
+    def need_pages(self, n_prompt: int, max_tokens: int) -> int:
+        return -(-(n_prompt + max_tokens) // self.page_size)
+
+    def pool_pages(self, loops: int) -> int:
+        """Pages of a depth's pool: what the budget holds beside the request rows, up to
+        `max_pages` (the same for every engine of this model and budget, so warmup's programs
+        are the ones serving runs)."""
+        if self.memory_budget is None:
+            return self.max_pages()
+        room = self.memory_budget - self.rows_nbytes()
+        if not self.local:
+            return max(0, min(self.max_pages(), room // self.page_nbytes(loops)))
+        g, l = self.page_nbytes(loops), self.page_nbytes(loops, len(self.local))  # noqa: E741
+        n = min(self.max_pages(), room // (g + l // 2))
+        while n > 0 and n * g + self.local_slots(n) * l > room:  # the rows' windows take more than half
+            n -= max(1, n // 64)
+        return max(0, n)
+
+    def depth_nbytes(self, loops: int) -> int:
+        n = self.pool_pages(loops)
+        local = self.local_slots(n) * self.page_nbytes(loops, len(self.local)) if self.local and n else 0
+        return n * self.page_nbytes(loops) + local + self.rows_nbytes()
+
+    def empty_pool(self, loops: int, n_pages: int) -> paged.PagedKV:
+        """A depth's pool (its local layers in `local_slots` slots)."""
+        return paged.empty(self.cfg, loops, n_pages, self.page_size,
+                           n_local=self.local_slots(n_pages) if self.local else None)
+
+    def memory_bytes(self) -> int:
+        return sum(d.pool.nbytes + self.rows_nbytes() for d in self.depths.values())

@@ -1,0 +1,41 @@
+"""What the batcher keeps per depth (`Depth`: its pool, `PageBook`, request rows) and per
+request (`Row`: its request row, pages and progress)."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from . import step as S
+from .handles import Handle
+from ..api.pages import PageBook
+from ..model import paged
+
+
+@dataclass
+class Row:
+    handle: Handle
+    slot: int  # its request row
+    pages: list  # its page table: shared pages first, then its own
+    fed: int  # prompt positions in the pages
+    decoding: bool = False
+    ahead: int = 0  # tokens a dispatched step chose for it that the host has not read yet
+    left: bool = False  # it left (a step still in flight chose a token for it: discarded)
+    credits: int = 0  # local slots promised to it (`LocalSlots`)
+    held: set = field(default_factory=set)  # indices of its pages whose local slot it holds
+
+
+@dataclass
+class Depth:
+    """One depth's pool, pages and rows (`pool` and `state` are the device side)."""
+
+    loops: int
+    exit: object  # tf.Exit or None
+    pool: paged.PagedKV
+    book: PageBook
+    state: S.Requests
+    rows: dict = field(default_factory=dict)  # request row -> Row
+    prefilling: collections.deque = field(default_factory=collections.deque)  # rows with prompt left, FIFO
+    used: int = 0  # tick of its last admission
+    inflight: tuple | None = None  # the dispatched step not read yet
+    adaptive: bool = False  # a request with an exit rule came in: decode rows take the adaptive-depth step

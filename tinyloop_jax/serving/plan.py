@@ -1,0 +1,96 @@
+"""The step plan: the shapes a depth's step programs take (decode rows, chunk length, page-table
+length), from which warmup compiles every program ahead of time. A base of `Batcher`.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from . import step as S
+from ..decoding.sampling import Knobs, SamplingParams
+from ..model import adaptive as ad
+from ..model import paged
+
+
+MIN_TABLE = 4  # page-table entries of the smallest program (64 tokens at P = 16)
+
+
+def pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Row counts programs are compiled for: powers of two below max_batch, and max_batch."""
+    return sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch} | {max_batch})
+
+
+class Plan:
+    """The shapes of a depth's programs and their warmup (`Batcher`'s base)."""
+
+    def table_len(self, positions: int) -> int:
+        """Page-table entries of a step whose longest row holds `positions`: the whole context's
+        when attention reads only live pages (a kernel: one program for every length),
+        else a power of two (the XLA reference reads every entry)."""
+        whole = -(-self.cfg.max_seq_len // self.page_size)
+        if paged.attention_kernel(self.cfg) != "xla":
+            return whole
+        return min(pow2(-(-positions // self.page_size), MIN_TABLE), pow2(whole, MIN_TABLE))
+
+    def step_shapes(self, loops: int) -> list[tuple[int, int, int]]:
+        """Every (decode rows, chunk length, page-table length) a depth's steps can have."""
+        whole = -(-self.cfg.max_seq_len // self.page_size)
+        tables = sorted({self.table_len(n * self.page_size) for n in range(1, whole + 1)})
+        return [(bd, T, R) for R in tables for bd in batch_buckets(self.max_batch) for T in [0] + self.chunk_sizes()]
+
+    def chunk_sizes(self) -> list[int]:
+        """A prompt chunk's padded lengths: 32 and the whole chunk (a question after a cached
+        system prompt pays for 32 tokens, a longer rest for the chunk: each length is a program
+        for every decode bucket, so few lengths keep warmup short)."""
+        return sorted({min(32, self.chunk), self.chunk})
+
+    def warmup(self, loops: int) -> int:
+        """Compile every program of a depth's steps (ahead of time: nothing is allocated or run,
+        so any thread may call it while the loop serves); returns how many were new."""
+        w, c, P = self.model.weights, self.cfg, self.page_size
+        n_pages = self.pool_pages(loops)
+        pool = jax.eval_shape(lambda: self.empty_pool(loops, n_pages))
+        state = jax.eval_shape(self._empty_rows)
+        new = set()
+        for bd, T, R in self.step_shapes(loops):
+            key = ("step", loops, bd, T, R)
+            if key in self.programs or (bd and not T):  # (decode rows alone run `decode_steps`)
+                continue
+            chunks = S.make_chunks([], [], [], [], [], T, R, 1) if T else None
+            decodes = S.make_decodes([], [], [], [], R, bd) if bd else None
+            self.jits(loops)["step"].lower(w.params, c, pool, state, chunks, decodes, loops=loops,
+                                     exit=self.model.exit_for(loops)).compile()
+            new.add(key)
+        for bd, T, R in self.step_shapes(loops):  # decode rows alone: `decode_steps`
+            key = ("steps", loops, bd, R)
+            if T or not bd or key in self.programs:
+                continue
+            decodes = S.make_decodes([], [], [], [], R, bd, left=[])
+            self.jits(loops)["decode_steps"].lower(w.params, c, pool, state, decodes, np.int32(1), loops=loops,
+                                                   n_max=self.decode_steps, exit=self.model.exit_for(loops)).compile()
+            new.add(key)
+        if ("admit", loops) not in self.programs:
+            req = Knobs.from_params([SamplingParams()], logit_bias=True, sampled=True, stop_shape=S.STOPS)
+            pol = jax.tree.map(np.asarray, ad.EVERY_PASS)
+            self.jits(loops)["admit"].lower(state, np.int32(0), np.zeros((c.vocab_size,), bool), req, pol).compile()
+            new.add(("admit", loops))
+        if ("copy", loops) not in self.programs:
+            one = np.zeros((1,), np.int32)
+            self.jits(loops)["copy_pages"].lower(pool, one, one).compile()
+            new.add(("copy", loops))
+        if self.store is not None and self.store.loops == loops:  # loads of the store's entries
+            for e in (e for e in self.store.entries() if self.local or not e.cache.rings):
+                R = pow2(-(-len(e.prompt) // P), MIN_TABLE)
+                key = ("load", loops, e.cache.capacity, R)
+                if key not in self.programs and key not in new:
+                    self.jits(loops)["load_entry"].lower(pool, e.cache, np.zeros((R,), np.int32), np.int32(0),
+                                                         np.int32(0)).compile()
+                    new.add(key)
+        self.programs |= new
+        self.warm = True
+        return len(new)
