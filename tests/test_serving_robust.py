@@ -259,6 +259,37 @@ def test_a_user_store_is_read_through_pages_and_compiles_nothing_after_warmup():
     np.testing.assert_array_equal(np.asarray(entry.cache.loop["k"]), before)  # the entry is never written
 
 
+def test_warmup_of_every_kind_leaves_nothing_to_trace():
+    """After `warmup(adaptive=True, speculation=[(1, 3)])` the first plain, sampled, windowed,
+    adaptive, exiting-in-prefill and speculative requests trace none of the engine's programs
+    (JAX's own trace events, counted by program name: a persistent compilation cache cannot hide
+    one), and each equals `generate`; a draft pair it was not asked for traces its round."""
+    model = tiny_model("fp32")
+    names = set(S.JIT_OPTIONS)
+    traced = []
+
+    def listen(event: str, secs: float, fun_name: str = "", **_) -> None:
+        if event.endswith("jaxpr_trace_duration") and fun_name in names:
+            traced.append(fun_name)
+
+    p = np.arange(40, dtype=np.int32) * 7 % 128
+    work = [dict(), dict(temperature=0.8, seed=2), dict(cache_window=8), dict(exit_criterion="kl", exit_threshold=1e-2),
+            dict(exit_criterion="kl", exit_threshold=1e-2, exit_in_prefill=True), dict(draft_loops=1, lookahead=3)]
+    want = [model.generate(p, max_tokens=6, **kw) for kw in work]
+    with tl.Engine(model, max_batch=2, prefill_chunk=16) as eng:
+        assert eng.warmup(adaptive=True, speculation=[(1, 3)]) > 0
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        try:
+            for kw, w in zip(work, want):
+                assert eng.submit(p, max_tokens=6, **kw).result() == w, kw
+            assert traced == [] and eng.stats()["compiles_after_warmup"] == 0, (traced, eng.programs)
+            eng.submit(p, max_tokens=4, draft_loops=2, lookahead=2).result()
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listen)
+    assert traced == ["step_speculative"] and eng.stats()["compiles_after_warmup"] == 1
+    with pytest.raises(ValueError, match="draft_loops=9 must not exceed"):
+        tl.Engine(model).warmup(speculation=[(9, 2)])
+
 def test_decode_steps_are_sized_to_the_rows(model):
     """Rows leave: the next steps decode the rows left in a smaller bucket, so one long request
     does not keep decoding a 4-row batch."""

@@ -208,6 +208,17 @@ def cmd_eval(args) -> None:
         print(f"{mode:<8}{window:>8}{loops:>7}{bpb:>11.4f}")
 
 
+def _pairs(text: str) -> tuple:
+    """'1:4,2:3' -> ((1, 4), (2, 3)): draft_loops:lookahead pairs."""
+    try:
+        pairs = tuple(tuple(int(x) for x in p.split(":")) for p in text.split(",") if p.strip())
+    except ValueError:
+        pairs = ((),)
+    if not all(len(p) == 2 for p in pairs):
+        raise argparse.ArgumentTypeError(f"expected draft_loops:lookahead pairs such as 1:4,2:3, got {text!r}")
+    return pairs
+
+
 def cmd_serve(args) -> None:
     try:
         import uvicorn
@@ -224,7 +235,7 @@ def cmd_serve(args) -> None:
                     max_loops=args.max_loops, memory_budget=args.memory_budget, max_lanes=args.max_lanes)
     # programs compile in the background (a real model's take minutes) while requests are served,
     # each compiling what it needs first; /health says `warming` until they are all built
-    engine.warmup(background=True)
+    engine.warmup(background=True, adaptive=args.warmup_adaptive, speculation=args.warmup_speculation)
     print(f"tinyloop serve: {name} (loops={model.config()['default_loops']}, max_batch={args.max_batch}) on "
           f"http://{args.host}:{args.port}/v1; compiling its programs in the background", file=sys.stderr)
     try:
@@ -322,6 +333,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the free memory at start, at most 256M; none: each depth's pool holds max-batch requests at "
                         "the whole context); cached pages and idle depths are evicted to make room, and a request "
                         "waits while its pages are not free")
+    s.add_argument("--warmup-adaptive", action="store_true",
+                   help="also compile the adaptive-depth programs before /health says warm (exit_criterion requests)")
+    s.add_argument("--warmup-speculation", type=_pairs, default=(), metavar="D:K[,D:K]",
+                   help="also compile the speculative rounds of these draft_loops:lookahead pairs, e.g. 1:4")
     s.add_argument("--name", default=None, help="the model name clients send (default: the folder's name)")
     s.add_argument("--log-level", default="info")
     s.add_argument("--api-key", default=os.environ.get("TINYLOOP_API_KEY"),

@@ -194,28 +194,39 @@ class Engine:
         """submit(...).result(): blocking, like `model.generate`."""
         return self.submit(request, **kw).result()
 
-    def warmup(self, loops: int | None = None, background: bool = False) -> int:
+    def warmup(self, loops: int | None = None, background: bool = False, adaptive: bool = False,
+               speculation=()) -> int:
         """Compile every step program at `loops` (default depth) now, ahead of time (nothing is
-        allocated or run), so serving compiles nothing for them later. Returns the number of
-        programs compiled. background=True returns at once (0) and compiles on a thread of its
-        own while requests are served; `warming` says whether it still runs."""
+        allocated or run), so serving compiles nothing for them later. adaptive=True: the
+        adaptive-depth programs too (exit_criterion requests, exit_in_prefill prompts of any
+        length); speculation: the speculative rounds of these (draft_loops, lookahead) pairs (a
+        `Speculative` plan's). Returns the number of programs compiled. background=True returns
+        at once (0) and compiles on a thread of its own while requests are served; `warming`
+        says whether it still runs."""
         loops = self.model.weights.config.default_loops if loops is None else check.loops(loops)
         if loops > self.max_loops:
             raise ValueError(f"loops={loops} is above this engine's max_loops={self.max_loops}")
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"adaptive must be True or False, got {adaptive!r}")
+        pairs = []
+        for pair in speculation:  # checked as a request's (draft_loops <= loops, lookahead >= 1)
+            d, k = (pair.draft_loops, pair.lookahead) if isinstance(pair, R.Speculative) else pair
+            pairs.append(tuple(check.speculation(d, k, loops)))
+        run = lambda: self.batcher.warmup(loops, adaptive, tuple(pairs))  # noqa: E731
         if not background:
-            n = self.batcher.warmup(loops)
+            n = run()
             self._publish_programs()
             return n
 
-        def run():
+        def in_background():
             try:
-                self.batcher.warmup(loops)
+                run()
             finally:
                 self.warming = False
                 self._publish_programs()
 
         self.warming = True
-        threading.Thread(target=run, name="tinyloop-warmup", daemon=True).start()
+        threading.Thread(target=in_background, name="tinyloop-warmup", daemon=True).start()
         return 0
 
     def stats(self) -> dict:

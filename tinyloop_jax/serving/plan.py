@@ -9,8 +9,10 @@ import numpy as np
 
 from . import step as S
 from ..decoding.sampling import Knobs, SamplingParams
+from ..decoding.speculative import Speculation
 from ..model import adaptive as ad
 from ..model import paged
+from ..model.cache import bucket
 
 
 MIN_TABLE = 4  # page-table entries of the smallest program (64 tokens at P = 16)
@@ -49,48 +51,62 @@ class Plan:
         for every decode bucket, so few lengths keep warmup short)."""
         return sorted({min(32, self.chunk), self.chunk})
 
-    def warmup(self, loops: int) -> int:
+    def warmup(self, loops: int, adaptive: bool = False, speculation=()) -> int:
         """Compile every program of a depth's steps (ahead of time: nothing is allocated or run,
-        so any thread may call it while the loop serves); returns how many were new."""
+        so any thread may call it while the loop serves); returns how many were new. adaptive:
+        also the adaptive-depth programs (a prompt's chunk alone, the decode rows' adaptive
+        step, a prompt exiting in prefill at every length bucket); speculation: also the
+        speculative rounds of these (draft_loops, lookahead) pairs."""
         w, c, P = self.model.weights, self.cfg, self.page_size
         n_pages = self.pool_pages(loops)
         pool = jax.eval_shape(lambda: self.empty_pool(loops, n_pages))
         state = jax.eval_shape(self._empty_rows)
+        jits, exit = self.jits(loops), self.model.exit_for(loops)
         new = set()
-        for bd, T, R in self.step_shapes(loops):
-            key = ("step", loops, bd, T, R)
-            if key in self.programs or (bd and not T):  # (decode rows alone run `decode_steps`)
+
+        def compile_(key, program, *args, **kw):
+            if key not in self.programs and key not in new:
+                program.lower(*args, **kw).compile()
+                new.add(key)
+
+        tables = sorted({R for _, _, R in self.step_shapes(loops)})
+        alone = [(0, T, R) for R in tables for T in self.chunk_sizes()] if adaptive else []  # a chunk alone
+        for bd, T, R in self.step_shapes(loops) + alone:
+            if bd and not T:  # decode rows alone: `decode_steps`
+                decodes = S.make_decodes([], [], [], [], R, bd, left=[])
+                compile_(("steps", loops, bd, R), jits["decode_steps"], w.params, c, pool, state, decodes,
+                         np.int32(1), loops=loops, n_max=self.decode_steps, exit=exit)
+                continue
+            if not T:
                 continue
             chunks = S.make_chunks([], [], [], [], [], T, R, 1) if T else None
             decodes = S.make_decodes([], [], [], [], R, bd) if bd else None
-            self.jits(loops)["step"].lower(w.params, c, pool, state, chunks, decodes, loops=loops,
-                                     exit=self.model.exit_for(loops)).compile()
-            new.add(key)
-        for bd, T, R in self.step_shapes(loops):  # decode rows alone: `decode_steps`
-            key = ("steps", loops, bd, R)
-            if T or not bd or key in self.programs:
-                continue
-            decodes = S.make_decodes([], [], [], [], R, bd, left=[])
-            self.jits(loops)["decode_steps"].lower(w.params, c, pool, state, decodes, np.int32(1), loops=loops,
-                                                   n_max=self.decode_steps, exit=self.model.exit_for(loops)).compile()
-            new.add(key)
-        if ("admit", loops) not in self.programs:
-            req = Knobs.from_params([SamplingParams()], logit_bias=True, sampled=True, stop_shape=S.STOPS)
-            pol = jax.tree.map(np.asarray, ad.EVERY_PASS)
-            self.jits(loops)["admit"].lower(state, np.int32(0), np.zeros((c.vocab_size,), bool), req, pol).compile()
-            new.add(("admit", loops))
-        if ("copy", loops) not in self.programs:
-            one = np.zeros((1,), np.int32)
-            self.jits(loops)["copy_pages"].lower(pool, one, one).compile()
-            new.add(("copy", loops))
+            compile_(("step", loops, bd, T, R), jits["step"], w.params, c, pool, state, chunks, decodes, loops=loops,
+                     exit=exit)
+        for R in tables:
+            for bd in batch_buckets(self.max_batch):
+                decodes = S.make_decodes([], [], [], [], R, bd)
+                if adaptive:
+                    compile_(("step_adaptive", loops, bd, R), jits["step_adaptive"], w.params, c, pool, state,
+                             decodes, loops=loops)
+                for d, k in speculation:
+                    spec = Speculation(d, k)
+                    compile_(("speculate", loops, spec, bd, R), jits["step_speculative"], w.params, c, pool, state,
+                             decodes, loops=loops, draft_loops=d, lookahead=k, exit=exit)
+            for T in sorted({bucket(n) for n in range(1, c.max_seq_len + 1)}) if adaptive else ():
+                chunks = S.make_chunks([], [], [], [], [], T, R, 1)
+                compile_(("chunk_adaptive", loops, T, R), jits["chunk_adaptive"], w.params, c, pool, state, chunks,
+                         loops=loops)
+        req = Knobs.from_params([SamplingParams()], logit_bias=True, sampled=True, stop_shape=S.STOPS)
+        compile_(("admit", loops), jits["admit"], state, np.int32(0), np.zeros((c.vocab_size,), bool), req,
+                 jax.tree.map(np.asarray, ad.EVERY_PASS))
+        one = np.zeros((1,), np.int32)
+        compile_(("copy", loops), jits["copy_pages"], pool, one, one)
         if self.store is not None and self.store.loops == loops:  # loads of the store's entries
             for e in (e for e in self.store.entries() if self.local or not e.cache.rings):
                 R = pow2(-(-len(e.prompt) // P), MIN_TABLE)
-                key = ("load", loops, e.cache.capacity, R)
-                if key not in self.programs and key not in new:
-                    self.jits(loops)["load_entry"].lower(pool, e.cache, np.zeros((R,), np.int32), np.int32(0),
-                                                         np.int32(0)).compile()
-                    new.add(key)
+                compile_(("load", loops, e.cache.capacity, R), jits["load_entry"], pool, e.cache,
+                         np.zeros((R,), np.int32), np.int32(0), np.int32(0))
         self.programs |= new
         self.warm = True
         return len(new)
