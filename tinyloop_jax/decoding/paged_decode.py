@@ -36,6 +36,7 @@ from ..model import transformer as tf
 from ..model.config import ModelConfig
 from ..model.params import Params
 from . import row_state as R
+from . import step as St
 from .programs import DecodeState, emit, is_done, materialize, record_depth, start
 from .sampling import Knobs
 from .speculative import DRAFT_STREAM, fold_in, round_paged
@@ -171,13 +172,23 @@ def _step(params: Params, cfg: ModelConfig, rows: paged.Rows, req: Knobs, loops:
 def decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, first: jax.Array,
            seen: jax.Array, req: Knobs, loops: int, window: int, out_len: int,
            exit: tf.Exit | None = None) -> DecodeState:
-    """Emit up to req.max_tokens (<= out_len) tokens for each of N rows as one `lax.while_loop`
-    on the device. rows: page tables [N, R], start [N] the position each row's first emitted
-    token is fed at; first [N]: those tokens (`programs.first_tokens`); seen [N, V]: each row's
-    prompt. Token i is chosen from the logits token i - 1 produced (n tokens cost n - 1 steps);
-    the loop ends when every row is done."""
-    return jax.lax.while_loop(lambda s: ~is_done(s), _step(params, cfg, rows, req, loops, window, exit),
-                              start(first, seen, pool, req, out_len))
+    """Emit up to req.max_tokens (<= out_len) tokens for each of N rows by the engine's step body
+    (`step.decode_steps`, one `lax.while_loop` on the device, over the call's rows in order). rows:
+    page tables [N, R], start [N] the position each row's first emitted token is fed at; first
+    [N]: those tokens (`programs.first_tokens`); seen [N, V]: each row's prompt. Token i is
+    chosen from the logits token i - 1 produced (n tokens cost n - 1 steps); the loop ends when
+    every row is done."""
+    N = first.shape[0]
+    state, stop = St.requests_of(seen, first, req, cfg.d_model, cfg.compute_dtype)
+    decodes = St.Decodes(rows, None, jnp.ones((N,), jnp.int32), jnp.where(stop >= 0, 0, req.max_tokens - 1))
+    n_max = max(out_len - 1, 1)
+    out, pool, state = St.decode_steps(params, cfg, pool, state, decodes, jnp.int32(n_max), loops, n_max, exit,
+                                       window)
+    tokens = jnp.concatenate([first[:, None], out.tokens[:, :out_len - 1]], axis=1)
+    n = 1 + jnp.sum(out.tokens >= 0, axis=1).astype(jnp.int32)
+    # (step: not counted, only a speculative call reads it; a max over the rows would be a collective on a mesh)
+    return DecodeState(tokens=tokens, n=n, rows=state.rows, done=jnp.ones((N,), bool), step=jnp.int32(0), own=pool,
+                       accepted=jnp.zeros((N,), jnp.int32))
 
 
 begin = jax.jit(start, static_argnames=("out_len",), donate_argnames=("own",))

@@ -1,0 +1,288 @@
+"""The one step body over request rows and a page pool (`model.paged`), on the device: a group
+of prompt chunks and a group of decode rows fed together, their next tokens chosen, the stop
+sequence each token ends found; the serving engine dispatches these from the host
+(`serving.step` holds its jitted programs and the host arrays), `Model.generate` runs
+`decode_steps` as its decode loop (`paged_decode.decode`).
+
+    pool   PagedKV       every cache layer of one depth, in pages (read and written by the step)
+    state  Requests      M request rows: their `RowState` (the `Model` path's decode loops carry
+                         the same, with the same feed-and-choose rule), knobs, exit rules and
+                         last tokens, by which the step finds the stop sequences a token ends
+
+A row of the step names its request row (`slot`); a decode row's input is that request's last
+token, kept on the device, so the host can dispatch step t + 1 before it reads step t's
+tokens. Static arguments are shapes only: one program per (decode rows, chunk length, page
+table length) bucket, whatever the requests are.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from . import row_state as R
+from .row_state import RowState
+from .sampling import Knobs, select_tokens, stop_match
+from .speculative import DRAFT_STREAM, fold_in, round_paged
+from ..model import adaptive as ad
+from ..model import paged
+from ..model import paged_adaptive as pa
+from ..model import transformer as tf
+from ..model.config import ModelConfig
+from ..model.params import Params
+
+
+FILLER = 1 << 30  # the request row of a filler row: past every state, so its writes are dropped
+STOPS = (16, 32)  # a request row's stop sequences: at most 16, of at most 32 tokens (matched in the step)
+
+
+@struct.dataclass
+class Requests:
+    """M request rows (a row of the step reads and writes its request's row by `slot`)."""
+
+    rows: RowState  # [M] seen, counts, the last token (a decode row's next input), warm (continuous compute)
+    req: Knobs  # [M] the knobs, the stop sequences at the fixed shape STOPS
+    pol: ad.Policy  # [M] the exit rules (adaptive depth; kind NONE: every pass)
+    tail: Annotated[jax.Array, "int32[M, L]"]  # the last L = STOPS[1] tokens emitted, right-aligned after -1s
+
+
+@struct.dataclass
+class Emitted:
+    """Tokens a program chose, and for each the stop sequence it ended (an index into its
+    request's stop_sequences; -1: none)."""
+
+    tokens: Annotated[jax.Array, "int32[b] | int32[b, n]"]
+    stops: Annotated[jax.Array, "int32[b] | int32[b, n]"]
+
+
+def empty_rows(rows: int, vocab: int, d_model: int, dtype=jnp.float32) -> Requests:
+    req = Knobs.make(rows, 0.0, 0, 1.0, 1.0, max_tokens=1, carry_bias=True, sampled=True, stop_shape=STOPS)
+    pol = jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (rows,)), ad.EVERY_PASS)
+    return Requests(RowState.start(jnp.zeros((rows, vocab), bool), jnp.zeros((rows,), jnp.int32),
+                                   jnp.zeros((rows, d_model), dtype)), jax.tree.map(jnp.asarray, req), pol,
+                    jnp.full((rows, STOPS[1]), -1, jnp.int32))
+
+
+@struct.dataclass
+class Chunks:
+    """The step's prompt chunks: b rows of T tokens (host numpy)."""
+
+    rows: paged.Rows  # [b, R]
+    tokens: Annotated[jax.Array, "int32[b, T]"]
+    slot: Annotated[jax.Array, "int32[b]"]  # request rows (FILLER: none)
+    final: Annotated[jax.Array, "bool[b]"]  # the prompt's last chunk: the first token is chosen
+
+
+@struct.dataclass
+class Decodes:
+    """The step's decode rows: b rows of one token each, the request's last (host numpy)."""
+
+    rows: paged.Rows  # [b, R] (n_new 1; 0 for filler)
+    slot: Annotated[jax.Array, "int32[b]"] | None  # request rows (FILLER: none); None: rows 0..b-1 of a call
+    steps: Annotated[jax.Array, "int32[b]"]  # the token's index in the output (its sampling key)
+    left: Annotated[jax.Array, "int32[b]"] | None = None  # tokens each row may still emit (`decode_steps`)
+
+
+def _take(tree, slot):
+    """Request rows `slot` [b] of each array (slot None: the rows themselves, in order)."""
+    if slot is None:
+        return tree
+    return jax.tree.map(lambda a: jnp.take(a, slot, axis=0, mode="clip"), tree)
+
+
+def _where(live: jax.Array, new, old):
+    """new where live [b] (each row's whole value), else old: a call's rows, written in place
+    without a scatter (on a mesh whose vocabulary axis is split, a scatter costs collectives)."""
+    return jax.tree.map(lambda n, o: jnp.where(live.reshape(live.shape + (1,) * (o.ndim - 1)), n, o), new, old)
+
+
+def _knobs(state: "Requests", slot: jax.Array, live: jax.Array) -> Knobs:
+    """The knobs of request rows `slot` [b]; those not live (filler rows, prompts' inner chunks)
+    greedy (`Knobs.greedy_where`)."""
+    return _take(state.req, slot).greedy_where(~live)
+
+
+def _put(tree, slot, value):
+    return jax.tree.map(lambda a, v: a.at[slot].set(v, mode="drop"), tree, value)
+
+
+def admit(state: Requests, slot: jax.Array, seen: jax.Array, req: Knobs, pol: ad.Policy) -> Requests:
+    """Request row `slot` <- a new request: its prompt's tokens seen [V], nothing emitted, its
+    knobs req [1], its exit rule pol []."""
+    rows = state.rows
+    rows = rows.replace(seen=rows.seen.at[slot].set(seen, mode="drop"), counts=rows.counts.at[slot].set(0, mode="drop"))
+    return state.replace(rows=rows, req=_put(state.req, slot[None], req),
+                         pol=_put(state.pol, slot[None], jax.tree.map(lambda a: jnp.asarray(a)[None], pol)),
+                         tail=state.tail.at[slot].set(-1, mode="drop"))
+
+
+def _record(state: Requests, slot: jax.Array, tok: jax.Array, live: jax.Array) -> tuple[Requests, jax.Array]:
+    """Tokens tok [b] emitted by request rows slot [b] (live [b]: real ones) join their tails;
+    returns the state and the stop sequence each token ended [b] (`sampling.stop_match`; -1)."""
+    tail = jnp.concatenate([_take(state.tail, slot)[:, 1:], tok[:, None]], axis=1)
+    stop = _take(state.req.stop, slot)
+    hit = jax.vmap(stop_match, in_axes=(0, None, 0, 0))(tail, jnp.int32(tail.shape[1]), stop.tokens, stop.lengths)
+    tail = (_where(live, tail, state.tail) if slot is None
+            else state.tail.at[jnp.where(live, slot, FILLER)].set(tail, mode="drop"))
+    return state.replace(tail=tail), jnp.where(live, hit, -1)
+
+
+def step(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, chunks: Chunks | None,
+         decodes: Decodes | None, loops: int, exit: tf.Exit | None = None):
+    """One step: the chunks' tokens and each decode row's last token through the model at depth
+    `loops`, written into the pages; then a token for every decode row and every final chunk.
+    Returns (the chunks' `Emitted` [b], the decode rows' [b'] (None for an absent group), pool,
+    state)."""
+    groups, tokens, seeds = [], [], []
+    if chunks is not None:
+        groups.append(chunks.rows)
+        tokens.append(chunks.tokens)
+        seeds.append(_take(state.req.seed, chunks.slot))
+    if decodes is not None:
+        groups.append(decodes.rows)
+        tokens.append(_take(state.rows.last, decodes.slot)[:, None])
+        seeds.append(_take(state.req.seed, decodes.slot))
+    xs, pool, states = paged.forward(params, cfg, pool, tuple(groups), tuple(tokens), loops, 0, exit, tuple(seeds),
+                                     keep_state=True)
+    ctok = dtok = None
+    if chunks is not None:
+        ctok, state = _first_tokens(params, cfg, state, chunks, xs[0], states[0])
+    if decodes is not None:
+        dtok, state = _next_tokens(state, decodes, tf.lm_head(params, cfg, xs[-1][:, 0]))
+    return ctok, dtok, pool, state
+
+
+def _first_tokens(params, cfg, state: Requests, chunks: Chunks, x: jax.Array, loop_state: jax.Array):
+    """The chunks' first tokens (meaningful for final chunks, which keep them as `last`, and
+    their last loop state as `warm`), as `Emitted`."""
+    logits = paged.last_logits(params, cfg, x, chunks.rows)
+    tok = select_tokens(logits, _take(state.rows.seen, chunks.slot), _knobs(state, chunks.slot, chunks.final),
+                        jnp.int32(0))
+    at = jnp.where(chunks.final, chunks.slot, FILLER)
+    last = jnp.maximum(chunks.rows.n_new - 1, 0)
+    warm = jnp.take_along_axis(loop_state, last[:, None, None], axis=1)[:, 0]
+    rows = state.rows
+    state = state.replace(rows=rows.replace(last=rows.last.at[at].set(tok, mode="drop"),
+                                            warm=rows.warm.at[at].set(warm.astype(rows.warm.dtype), mode="drop")))
+    state, stops = _record(state, chunks.slot, tok, chunks.final)
+    return Emitted(tok, stops), state
+
+
+def _next_tokens(state: Requests, decodes: Decodes, logits: jax.Array, warm: jax.Array | None = None,
+                 live: jax.Array | None = None):
+    """Each decode row's next token from its logits [b, V] by the rule of every decode loop
+    (`row_state.feed`, then `choose`); warm [b, D]: the rows' new loop states (adaptive depth).
+    A filler row's slot drops its writes; a call's rows (slot None) not live [b] keep theirs.
+    Returns (`Emitted` [b], state)."""
+    s = decodes.slot
+    live = (s != FILLER) if s is not None else live
+    if s is None:  # a call's rows in order: one-hots and selects, no scatter
+        fed = _where(live, R.feed(state.rows), state.rows)
+        tok = R.choose(fed, logits, state.req.greedy_where(~live), decodes.steps)
+        new = fed.replace(last=tok) if warm is None else fed.replace(last=tok, warm=warm.astype(fed.warm.dtype))
+        fed = _where(live, new, fed)
+    else:
+        fed = R.feed(state.rows, s)
+        tok = R.choose(fed, logits, _knobs(state, s, live), decodes.steps, s)
+        fed = fed.replace(last=fed.last.at[s].set(tok, mode="drop"))
+        if warm is not None:
+            fed = fed.replace(warm=fed.warm.at[s].set(warm.astype(fed.warm.dtype), mode="drop"))
+    state, stops = _record(state.replace(rows=fed), s, tok, live)
+    return Emitted(tok, stops), state
+
+
+def decode_steps(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, decodes: Decodes,
+                 n: jax.Array, loops: int, n_max: int, exit: tf.Exit | None = None, window: int = 0):
+    """Up to n (traced, 1 <= n <= n_max) decode steps in one `while_loop`: the engine's decode
+    rows' step when no prompt chunk runs beside them (n = 1), or a burst when nothing waits (the
+    host's work per dispatch spread over n tokens); `Model.generate`'s whole decode loop. Step
+    i feeds each row's last token at rows.start + i and chooses the next; a row past
+    decodes.left[i] tokens, or past a stop sequence, idles (writes nothing, keeps its state);
+    the loop ends when no row is left. window: a static cache_window for every row (else each
+    row's, rows.window). Returns (`Emitted` [b, n_max]: each row's tokens, -1 once it idles;
+    pool, state)."""
+    def live(i, stopped):
+        return (i < decodes.left) & ~stopped
+
+    def body(c):
+        i, pool, state, out, stopped = c
+        on = live(i, stopped)
+        slot = None if decodes.slot is None else jnp.where(on, decodes.slot, FILLER)
+        d = decodes.replace(rows=decodes.rows.replace(start=decodes.rows.start + i, n_new=decodes.rows.n_new * on),
+                            slot=slot, steps=decodes.steps + i)
+        x, pool = paged.forward(params, cfg, pool, d.rows, _take(state.rows.last, slot)[:, None], loops, window,
+                                exit, _take(state.req.seed, slot))
+        got, state = _next_tokens(state, d, tf.lm_head(params, cfg, x[:, 0]), live=on)
+        got = got.replace(tokens=jnp.where(on, got.tokens, -1))
+        out = jax.tree.map(lambda o, v: o.at[:, i].set(v), out, got)
+        return i + 1, pool, state, out, stopped | (got.stops >= 0)
+
+    b = decodes.steps.shape[0]
+    out = Emitted(jnp.full((b, n_max), -1, jnp.int32), jnp.full((b, n_max), -1, jnp.int32))
+    c = (jnp.int32(0), pool, state, out, jnp.zeros((b,), bool))
+    _, pool, state, out, _ = jax.lax.while_loop(lambda c: (c[0] < n) & jnp.any(live(c[0], c[4])), body, c)
+    return out, pool, state
+
+
+def requests_of(seen: jax.Array, first: jax.Array, req: Knobs, d_model: int, dtype) -> tuple[Requests, jax.Array]:
+    """N request rows (slots 0..N-1) of one call: prompts seen [N, V], first tokens first [N]
+    (chosen from the prompts' logits), knobs req [N], every pass; returns them and the stop
+    sequence each first token ends [N] (-1: none)."""
+    N = first.shape[0]
+    pol = jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (N,)), ad.EVERY_PASS)
+    state = Requests(RowState.start(seen, first, jnp.zeros((N, d_model), dtype)), req, pol,
+                     jnp.full((N, req.stop.tokens.shape[-1]), -1, jnp.int32))
+    return _record(state, None, first, jnp.ones((N,), bool))
+
+
+def step_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, decodes: Decodes,
+                  loops: int):
+    """The decode rows' next tokens with adaptive depth: each row's passes stop at its exit (its
+    request's `pol`; kind NONE: every pass). Returns (`Emitted` [b], passes run [b], pool, state)."""
+    s = decodes.slot
+    out = pa.forward_decode(params, cfg, pool, decodes.rows, _take(state.rows.last, s), loops, _take(state.pol, s),
+                            _take(state.req.seed, s), _take(state.rows.warm, s))
+    tok, state = _next_tokens(state, decodes, out.logits, out.state)
+    return tok, out.depth, out.pool, state
+
+
+def chunk_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, chunks: Chunks,
+                   loops: int):
+    """Prompts that may exit (`exit_in_prefill`), each one chunk exiting as a whole at its
+    request's exit rule, as `generate` prefills them: their first tokens, the passes each ran,
+    and the last state as the request's warm state. Returns (`Emitted` [b], passes [b], pool, state)."""
+    s = chunks.slot
+    out = pa.forward(params, cfg, pool, chunks.rows, chunks.tokens, loops, _take(state.pol, s),
+                     _take(state.req.seed, s))
+    tok = select_tokens(out.logits, _take(state.rows.seen, s), _knobs(state, s, chunks.final), jnp.int32(0))
+    at, rows = jnp.where(chunks.final, s, FILLER), state.rows
+    state = state.replace(rows=rows.replace(last=rows.last.at[at].set(tok, mode="drop"),
+                                            warm=rows.warm.at[at].set(out.state.astype(rows.warm.dtype), mode="drop")))
+    state, stops = _record(state, s, tok, chunks.final)
+    return Emitted(tok, stops), out.depth, out.pool, state
+
+
+def step_speculative(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, decodes: Decodes,
+                     loops: int, draft_loops: int, lookahead: int, exit: tf.Exit | None = None):
+    """One round of self-speculative decoding for the decode rows (`speculative.round_paged`:
+    drafts at `draft_loops` over their pages, one verify chunk at `loops`; greedy: plain
+    decoding's tokens). decodes.steps: tokens each row emitted (its round's keys are
+    fold_in(keys(steps), DRAFT_STREAM)). Returns (`Emitted` [b, k + 1]: d_1 .. d_a then the next
+    token, each row's tokens up to a stop; kept a [b], pool, state)."""
+    s = decodes.slot
+    req = _knobs(state, s, s != FILLER)
+    keys = fold_in(req.keys(decodes.steps), DRAFT_STREAM)
+    rows = _take(state.rows, s)
+    tokens, a, seen, counts, pool = round_paged(params, cfg, pool, decodes.rows, rows.last, rows.seen, rows.counts,
+                                                req, keys, loops, draft_loops, lookahead, 0, exit)
+    nxt = jnp.take_along_axis(tokens, a[:, None], axis=1)[:, 0]
+    state = state.replace(rows=_put(state.rows, s, rows.replace(seen=seen, counts=counts, last=nxt)))
+    stops, stopped = [], jnp.zeros(s.shape, bool)
+    for j in range(lookahead + 1):  # the round's tokens in order, up to a stop
+        state, hit = _record(state, s, tokens[:, j], (s != FILLER) & (j <= a) & ~stopped)
+        stops.append(hit)
+        stopped |= hit >= 0
+    return Emitted(tokens, jnp.stack(stops, axis=1)), a, pool, state
