@@ -38,6 +38,7 @@ from . import functional as F
 from . import request as R
 from .prefix import PrefixCache
 from ..decoding import paged_decode, programs
+from ..decoding import step as St
 from ..decoding.sampling import Knobs, SamplingParams
 from ..model import cache as kvc
 from ..model import paged
@@ -243,11 +244,10 @@ class Conversation:
             text_so_far = Detokenizer(self.tokenizer, [])
             first = None
             stopped = False
-            for t in self._decode(ids, table, live, logits, seen, req, max_new):
+            for t, stopped in self._decode(ids, table, live, logits, seen, req, max_new):
                 answer.append(t)
                 if first is None:
                     first = time.perf_counter()
-                stopped = t in self.eos
                 if stopped or len(answer) == max_new:
                     break
                 delta = text_so_far.add([t])
@@ -274,25 +274,28 @@ class Conversation:
                                seconds=time.perf_counter() - t0))
 
     def _decode(self, ids: np.ndarray, table: np.ndarray, live: list, logits, seen, req: Knobs,
-                max_new: int) -> Iterator[int]:
-        """The answer's tokens, a burst of `BURST` at a time: `paged_decode.decode_more` over the
-        pool live[0] (kept there after each burst), stopping on the device at an end-of-turn
-        token or max_new."""
+                max_new: int) -> Iterator[tuple[int, bool]]:
+        """The answer's tokens, each with whether it ends a stop sequence (an end-of-turn token),
+        a burst of `BURST` at a time: the step body's `decode_steps` over the pool live[0] (kept
+        there after each burst), stopping on the device at a stop or at max_new."""
         w, c = self.model.weights, self.model.weights.config
-        rows = paged.Rows(table, np.int32([len(ids)]), np.int32([1]))
-        state = paged_decode.begin(programs.first_tokens(logits, seen, req), seen, live[0], req,
-                                   out_len=kvc.bucket(max_new))
-        live[0] = state.own
-        shown = 0
-        while True:
-            n, done = int(state.n[0]), bool(state.done[0])
-            yield from np.asarray(state.tokens[0, shown:n]).tolist()
-            shown = n
-            if done:
-                return
-            state = paged_decode.decode_more(w.params, c, state, rows, req, jnp.int32(n + BURST), loops=self.loops,
-                                             window=0, exit=self._exit)
-            live[0] = state.own
+        first = programs.first_tokens(logits, seen, req)
+        state, stop = paged_decode.requests_of(seen, first, req, d_model=c.d_model, dtype=c.compute_dtype)
+        t, stopped, emitted = int(first[0]), int(stop[0]) >= 0, 1
+        yield t, stopped
+        while not stopped and emitted < max_new:
+            k = min(BURST, max_new - emitted)
+            rows = paged.Rows(table, np.int32([len(ids) + emitted - 1]), np.int32([1]))
+            decodes = St.Decodes(rows, None, np.int32([emitted]), np.int32([k]))
+            out, live[0], state = paged_decode.decode_burst(w.params, c, live[0], state, decodes, np.int32(k),
+                                                            loops=self.loops, n_max=BURST, exit=self._exit)
+            for t, s in zip(np.asarray(out.tokens[0]).tolist(), np.asarray(out.stops[0]).tolist()):
+                if t < 0:
+                    break
+                emitted, stopped = emitted + 1, s >= 0
+                yield t, stopped
+                if stopped:
+                    break
 
     def _dense(self, kept: Kept) -> PrefixCache:
         """`prefix`: the kept pages as a dense segment, then the last token prefilled into it."""

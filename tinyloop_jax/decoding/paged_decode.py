@@ -156,18 +156,6 @@ def _decoding(rows: paged.Rows, state: DecodeState) -> paged.Rows:
     return rows.replace(start=rows.start + state.n - 1, n_new=(~state.done).astype(jnp.int32))
 
 
-def _step(params: Params, cfg: ModelConfig, rows: paged.Rows, req: Knobs, loops: int, window: int,
-          exit: tf.Exit | None):
-    """One decode step of every row (the loop body of `decode` and `decode_more`)."""
-    def step(state: DecodeState) -> DecodeState:
-        fed = R.feed(state.rows)
-        x, pool = paged.forward(params, cfg, state.own, _decoding(rows, state), fed.last[:, None], loops, window,
-                                exit, req.seed)
-        tok = R.choose(fed, tf.lm_head(params, cfg, x[:, 0]), req.greedy_where(state.done), state.step + 1)
-        return emit(state.replace(rows=fed, own=pool, step=state.step + 1), tok, req)
-    return step
-
-
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len"), donate_argnames=("pool",))
 def decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, first: jax.Array,
            seen: jax.Array, req: Knobs, loops: int, window: int, out_len: int,
@@ -191,17 +179,11 @@ def decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Ro
                        accepted=jnp.zeros((N,), jnp.int32))
 
 
-begin = jax.jit(start, static_argnames=("out_len",), donate_argnames=("own",))
-
-
-@partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("state",))
-def decode_more(params: Params, cfg: ModelConfig, state: DecodeState, rows: paged.Rows, req: Knobs,
-                limit: jax.Array, loops: int, window: int, exit: tf.Exit | None = None) -> DecodeState:
-    """`decode`'s loop resumed from `state` (`begin`: the first tokens emitted) until every row
-    is done or holds `limit` tokens: a burst, after which the caller streams what came and
-    calls again (`Conversation`)."""
-    return jax.lax.while_loop(lambda s: jnp.any(~s.done & (s.n < limit)),
-                              _step(params, cfg, rows, req, loops, window, exit), state)
+# a call's rows as request rows, and bursts of the step body over them (`Conversation`: the
+# host streams each burst's tokens, then asks for the next)
+requests_of = jax.jit(St.requests_of, static_argnames=("d_model", "dtype"))
+decode_burst = jax.jit(St.decode_steps, static_argnames=("cfg", "loops", "n_max", "window"),
+                       donate_argnames=("pool", "state"))
 
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len", "draft_loops", "lookahead"),
