@@ -5,8 +5,8 @@ from .model.cache import KVCache
 from .model.config import ModelConfig
 from .model.kv_modes import KV_MODES
 from .model.params import Weights
-from .api.prefix import PrefixCache
-from .api.runtime import Model, ResumeHandle
+from .api.prefix import PrefixCache, ResumeHandle
+from .api.runtime import Model
 from .decoding.sampling import Knobs, SamplingParams
 from .api.request import Adaptive, DepthPlan, Fixed, Request, Speculative
 from .serving.engine import Engine

@@ -2,6 +2,7 @@
 
 Plain data and the one operation that derives a prefix from a prefix (`prefix_at_depth`);
 building one is `functional.build_prefix`, saving and loading `formats.prefix_checkpoint`.
+`ResumeHandle` (`Model.resume`) holds a prefix with its model, to look and go deeper.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 from ..decoding import programs
 from ..formats import prefix_checkpoint
 from ..model import cache as kvc
+from ..model import sharding
 from . import validation as check
 from ..model.cache import KVCache
 from ..model.params import Weights
@@ -144,3 +146,36 @@ def tree_equal(a, b) -> bool:
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     return (jax.tree.structure(a) == jax.tree.structure(b)
             and all(np.array_equal(np.asarray(x), np.asarray(y)) and x.dtype == y.dtype for x, y in zip(la, lb)))
+
+
+class ResumeHandle:
+    """One request's prompt, prefilled at some depth with its loop state kept.
+
+    >>> h = model.resume(prompt, loops=2)      # shallow: cheap first look
+    >>> h.logits.argmax()                      # next-token logits at depth 2
+    >>> h = h.deeper(6)                        # runs passes 3..6 only
+    >>> out = h.generate(max_tokens=32)        # decode at depth 6 from the deep prefix
+    """
+
+    def __init__(self, model, prefix: PrefixCache):
+        self.model, self.prefix = model, prefix
+
+    @property
+    def loops(self) -> int:
+        return self.prefix.loops
+
+    @property
+    def logits(self) -> np.ndarray:
+        return sharding.to_host(self.prefix.logits)
+
+    def deeper(self, loops: int) -> "ResumeHandle":
+        if check.loops(loops) < self.loops:
+            raise ValueError(f"deeper(loops={loops}) is shallower than the handle's loops={self.loops}; "
+                             "use handle.prefix.at_depth for shallower views")
+        return ResumeHandle(self.model, self.prefix.at_depth(loops))
+
+    def generate(self, max_tokens: int = 32, **kw) -> list[int]:
+        return self.model.generate_from_prefix_cache(self.prefix, max_tokens=max_tokens, **kw)
+
+    def __repr__(self) -> str:
+        return f"ResumeHandle(len={len(self.prefix)}, loops={self.loops})"

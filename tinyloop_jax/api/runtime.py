@@ -30,7 +30,7 @@ from ..decoding.programs import DecodeState
 from ..decoding.sampling import Knobs, SamplingParams
 from ..model.params import (Params, Weights, check_shapes, check_weight_mode, nbytes, quantize_params, random_params,
                             with_layers)
-from .prefix import PrefixCache
+from .prefix import PrefixCache, ResumeHandle
 from ..model.transformer import Exit
 
 
@@ -442,37 +442,3 @@ class Model:
         own = F.empty_cache(w, len(suffix), loops, window, start=len(prefix))
         logits, _ = F.prefill(w, suffix, own, (prefix.cache,), loops=loops, cache_window=window, exit=ex)
         return sharding.to_host(logits, np.float32)
-
-
-class ResumeHandle:
-    """One request's prompt, prefilled at some depth with its loop state kept.
-
-    >>> h = model.resume(prompt, loops=2)      # shallow: cheap first look
-    >>> h.logits.argmax()                      # next-token logits at depth 2
-    >>> h = h.deeper(6)                        # runs passes 3..6 only
-    >>> out = h.generate(max_tokens=32)        # decode at depth 6 from the deep prefix
-    """
-
-    def __init__(self, model: Model, prefix: PrefixCache):
-        self.model, self.prefix = model, prefix
-
-    @property
-    def loops(self) -> int:
-        return self.prefix.loops
-
-    @property
-    def logits(self) -> np.ndarray:
-        return sharding.to_host(self.prefix.logits)
-
-    def deeper(self, loops: int) -> "ResumeHandle":
-        if check.loops(loops) < self.loops:
-            raise ValueError(f"deeper(loops={loops}) is shallower than the handle's loops={self.loops}; "
-                             "use handle.prefix.at_depth for shallower views")
-        return ResumeHandle(self.model, self.prefix.at_depth(loops))
-
-    def generate(self, max_tokens: int = 32, **kw) -> list[int]:
-        return self.model.generate_from_prefix_cache(self.prefix, max_tokens=max_tokens, **kw)
-
-    def __repr__(self) -> str:
-        return f"ResumeHandle(len={len(self.prefix)}, loops={self.loops})"
-
