@@ -46,10 +46,10 @@ def random_work(rng, system: np.ndarray, n: int) -> tuple[list, set]:
 
 
 def test_random_requests_through_the_engine_equal_generate():
-    """Two rounds of 10 random requests through one engine (its programs compiled once)."""
+    """A round of 10 random requests, every kind among them, through one engine."""
     m, drawn = huginn(), set()
     with tl.Engine(m, max_batch=4, prefill_chunk=16) as eng:
-        for seed in range(2):
+        for seed in range(1):
             rng = np.random.default_rng(seed)
             work, kinds = random_work(rng, prompt_of(37, seed=100 + seed), 10)
             drawn |= kinds
