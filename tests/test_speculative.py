@@ -56,14 +56,13 @@ def test_pages_after_run_equal_plain_decoding_pages(models):
                 engine.first_tokens(prefix.logits[None], prefix.seen[None], tl.Knobs.make(1, max_tokens=15)),
                 prefix.seen[None], tl.Knobs.make(1, max_tokens=15))
         kw = dict(loops=3, window=0, out_len=16)
-        outs[name] = (paged_decode.decode(*args, **kw) if name == "plain"
-                      else paged_decode.decode_speculative(*args, **kw, draft_loops=1, lookahead=3))
+        outs[name] = paged_decode.decode(*args, **kw, **({} if name == "plain" else dict(draft_loops=1, lookahead=3)))
     s1, s2 = outs["plain"], outs["spec"]
     assert int(s1.n[0]) == int(s2.n[0]) == 15 and np.array_equal(np.asarray(s1.tokens), np.asarray(s2.tokens))
     assert int(s2.accepted[0]) > 0  # drafts were kept (and some rejected: the pages were written twice)
     pos = np.arange(16 + 14)  # the prefix and every emitted token but the last
     page, off = lay.tables[0][pos // 16], pos % 16
-    for a, b in zip(jax.tree.leaves(s1.own), jax.tree.leaves(s2.own)):
+    for a, b in zip(jax.tree.leaves(s1.pool), jax.tree.leaves(s2.pool)):
         np.testing.assert_allclose(np.asarray(a)[..., page, off, :], np.asarray(b)[..., page, off, :], atol=1e-4,
                                    rtol=1e-4)
 

@@ -287,9 +287,9 @@ class Conversation:
             k = min(BURST, max_new - emitted)
             rows = paged.Rows(table, np.int32([len(ids) + emitted - 1]), np.int32([1]))
             decodes = St.Decodes(rows, None, np.int32([emitted]), np.int32([k]))
-            out, live[0], state = paged_decode.decode_burst(w.params, c, live[0], state, decodes, np.int32(k),
+            got, live[0], state = paged_decode.decode_burst(w.params, c, live[0], state, decodes, np.int32(k),
                                                             loops=self.loops, n_max=BURST, exit=self._exit)
-            for t, s in zip(np.asarray(out.tokens[0]).tolist(), np.asarray(out.stops[0]).tolist()):
+            for t, s in zip(np.asarray(got.out.tokens[0]).tolist(), np.asarray(got.out.stops[0]).tolist()):
                 if t < 0:
                     break
                 emitted, stopped = emitted + 1, s >= 0

@@ -29,7 +29,7 @@ from ..model import cache as kvc
 from ..decoding import paged_decode, programs
 from ..model import paged, sharding
 from ..model.cache import KVCache
-from ..decoding.programs import DecodeState
+from ..decoding.paged_decode import Decoded
 from ..model.params import Weights
 from .prefix import PrefixCache, prefix_at_depth  # noqa: F401 - prefix_at_depth is part of this API
 from ..decoding.sampling import Knobs
@@ -189,13 +189,13 @@ def own_room(longest_suffix: int, max_new: int, cache_window: int, speculation: 
 
 def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request: Knobs, loops: int | None = None,
            cache_window: int | None = None, speculation: Speculation | None = None,
-           exit: Exit | None = None, adaptive: Adaptive | None = None) -> DecodeState:
+           exit: Exit | None = None, adaptive: Adaptive | None = None) -> Decoded:
     """N requests, each = prefix (shared, read once per step for all; or none) + its suffix
     (possibly empty when there is a prefix) + up to request.max_tokens new tokens: the call's
     pages (`decoding.paged_decode`), the suffixes prefilled as one group of chunks, then the
     on-device decode loop over the paged step.
 
-    loops / cache_window default to the prefix's. Returns the final `DecodeState` (on device):
+    loops / cache_window default to the prefix's. Returns the `paged_decode.Decoded` (on device):
     row i emitted tokens[i, :n[i]] (on a mesh, rows past len(suffixes) are filler)."""
     c = weights.config
     extra = sharding.rows(c.mesh, len(suffixes)) - len(suffixes)
@@ -236,10 +236,9 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
     # the output buffer in the own segment's buckets (16 and up): calls that differ only in a
     # max_tokens of 16 or less share one program (it was 8 and 16, one compile each)
     kw = dict(loops=loops, window=window, out_len=kvc.bucket(max_new), exit=exit)
-    if speculation is None:
-        return paged_decode.decode(*args, **kw)
-    return paged_decode.decode_speculative(*args, **kw, draft_loops=speculation.draft_loops,
-                                           lookahead=speculation.lookahead)
+    if speculation is not None:
+        kw.update(draft_loops=speculation.draft_loops, lookahead=speculation.lookahead)
+    return paged_decode.decode(*args, **kw)
 
 
 def call_layout(c, prefix_len: int, longest: int, max_new: int, n_rows: int,
@@ -254,10 +253,10 @@ def call_layout(c, prefix_len: int, longest: int, max_new: int, n_rows: int,
 
 
 def decode_adaptive(weights: Weights, prefix: PrefixCache | None, suffixes: list, request: Knobs, loops: int,
-                    window: int, prior_logits, prior_seen, lens: np.ndarray, adaptive: Adaptive) -> DecodeState:
+                    window: int, prior_logits, prior_seen, lens: np.ndarray, adaptive: Adaptive) -> Decoded:
     """`decode`'s adaptive-depth path: the call's pages (the prefix loaded as in `decode`), the
     suffixes prefilled as one group of chunks (at full depth unless `adaptive.in_prefill`, where
-    a chunk exits as a whole), then the adaptive decode loop (`paged_decode.decode_adaptive`)."""
+    a chunk exits as a whole), then the adaptive decode loop (`paged_decode.decode` with pol)."""
     c, N = weights.config, len(suffixes)
     P, max_new = 0 if prefix is None else len(prefix), int(np.max(request.max_tokens))
     lay = paged_decode.layout(P, int(lens.max()) + max_new, N)
@@ -280,13 +279,13 @@ def decode_adaptive(weights: Weights, prefix: PrefixCache | None, suffixes: list
         depth, state = jnp.full((N,), loops, jnp.int32), jnp.broadcast_to(prior_state, (N, c.d_model))
     first = programs.first_tokens(logits, seen, request)
     rows = paged.Rows(lay.tables, P + lens, np.ones((N,), np.int32), windows)
-    return paged_decode.decode_adaptive(weights.params, c, pool, rows, first, seen, depth, state, request,
-                                        adaptive.policy, loops=loops, out_len=kvc.bucket(max_new))
+    return paged_decode.decode(weights.params, c, pool, rows, first, seen, request, loops=loops, window=0,
+                               out_len=kvc.bucket(max_new), pol=adaptive.policy, first_depth=depth, warm=state)
 
 
 def generate(weights: Weights, prompts: list, request: Knobs, loops: int | None = None, cache_window: int = 0,
              speculation: Speculation | None = None, exit: Exit | None = None,
-             adaptive: Adaptive | None = None) -> DecodeState:
+             adaptive: Adaptive | None = None) -> Decoded:
     """N unrelated prompts, decoded together (`decode` without a prefix); with adaptive depth
     one prompt is built as a prefix first (unless it may exit early)."""
     loops = weights.config.default_loops if loops is None else loops

@@ -26,7 +26,7 @@ from . import functional as F
 from . import request as R
 from . import validation as check
 from ..model.config import ModelConfig, check_kv_mode
-from ..decoding.programs import DecodeState
+from ..decoding.paged_decode import Decoded
 from ..decoding.sampling import Knobs, SamplingParams
 from ..model.params import (Params, Weights, check_shapes, check_weight_mode, nbytes, quantize_params, random_params,
                             with_layers)
@@ -234,15 +234,15 @@ class Model:
 
     # ---- device -> host ----------------------------------------------------------------------
 
-    def _lists(self, state: DecodeState, heads: list, speculation: F.Speculation | None) -> list[list[int]]:
+    def _lists(self, state: Decoded, heads: list, speculation: F.Speculation | None) -> list[list[int]]:
         """Row i: heads[i] (its prompt) + the tokens it emitted."""
         tokens, n = sharding.to_host(state.tokens), sharding.to_host(state.n)
         self.last_depths = None  # adaptive depth: the passes run for each emitted token, per row
-        if state.depths is not None:
-            depths = sharding.to_host(state.depths)
+        if state.passes is not None:
+            depths = sharding.to_host(state.passes)
             self.last_depths = [depths[i, : n[i]].tolist() for i in range(len(heads))]
         if speculation is not None:
-            rounds = int(state.step)
+            rounds = int(state.rounds)
             self.last_speculation = dict(rounds=rounds, drafted=rounds * speculation.lookahead,
                                          accepted=int(sharding.to_host(state.accepted)[0]))
         return [list(h) + tokens[i, : n[i]].tolist() for i, h in enumerate(heads)]

@@ -7,9 +7,9 @@ the engine's step (`model.paged.forward`) under an on-device loop.
                 after it); the pool holds nothing else and lives for the call
     prefill     the suffixes as one group of prompt chunks [N, T] (`prefill`; with adaptive depth
                 `prefill_adaptive`, each chunk exiting as a whole or running every pass)
-    decode      `decode`: a `lax.while_loop` of decode steps [N, 1] (or of speculative rounds,
-                `decode_speculative`), stops and max_tokens on the device, the carry the
-                `programs.DecodeState` of every loop with the pool as its `own`
+    decode      `decode`: the engine's step body's `step.decode_steps` over the call's rows in
+                order, one `lax.while_loop` of decode steps [N, 1] (plain or adaptive) or of
+                speculative rounds, stops and max_tokens on the device
 
 A `PrefixCache` stays a dense segment (immutable, saved and loaded as it is); a call copies its
 stored values into the call's pages once (`model.paged.load_segment`, as the engine loads a
@@ -23,10 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from ..model import adaptive as ad
 from ..model import cache as kvc
@@ -35,11 +37,9 @@ from ..model import paged_adaptive as pa
 from ..model import transformer as tf
 from ..model.config import ModelConfig
 from ..model.params import Params
-from . import row_state as R
 from . import step as St
-from .programs import DecodeState, emit, is_done, materialize, record_depth, start
+from .programs import materialize
 from .sampling import Knobs
-from .speculative import DRAFT_STREAM, fold_in, round_paged
 
 
 @dataclass(frozen=True)
@@ -150,33 +150,44 @@ def prefill_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows
             jnp.where(has[:, None], out.state, prior_state.astype(out.state.dtype)))
 
 
-def _decoding(rows: paged.Rows, state: DecodeState) -> paged.Rows:
-    """Each row's step: its last emitted token (the n-th) fed at rows.start + n - 1; finished
-    rows feed nothing (their writes are dropped)."""
-    return rows.replace(start=rows.start + state.n - 1, n_new=(~state.done).astype(jnp.int32))
+@struct.dataclass
+class Decoded:
+    """What `decode` returns: row i emitted tokens[i, :n[i]]."""
+
+    tokens: Annotated[jax.Array, "int32[N, S]"]  # the first token, then the loop's; -1 past each row's end
+    n: Annotated[jax.Array, "int32[N]"]
+    passes: Annotated[jax.Array, "int32[N, S]"] | None  # adaptive depth: the passes each token ran
+    rounds: Annotated[jax.Array, "int32[]"]  # the loop's iterations (speculative: rounds)
+    accepted: Annotated[jax.Array, "int32[N]"]  # speculative: drafts kept
+    pool: paged.PagedKV  # the call's pages after it
 
 
-@partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len"), donate_argnames=("pool",))
+@partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len", "draft_loops", "lookahead"),
+         donate_argnames=("pool",))
 def decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, first: jax.Array,
-           seen: jax.Array, req: Knobs, loops: int, window: int, out_len: int,
-           exit: tf.Exit | None = None) -> DecodeState:
+           seen: jax.Array, req: Knobs, loops: int, window: int, out_len: int, exit: tf.Exit | None = None,
+           draft_loops: int = 0, lookahead: int = 0, pol: ad.Policy | None = None, first_depth: jax.Array | None = None,
+           warm: jax.Array | None = None) -> Decoded:
     """Emit up to req.max_tokens (<= out_len) tokens for each of N rows by the engine's step body
     (`step.decode_steps`, one `lax.while_loop` on the device, over the call's rows in order). rows:
     page tables [N, R], start [N] the position each row's first emitted token is fed at; first
     [N]: those tokens (`programs.first_tokens`); seen [N, V]: each row's prompt. Token i is
     chosen from the logits token i - 1 produced (n tokens cost n - 1 steps); the loop ends when
-    every row is done."""
+    every row is done.
+
+    lookahead > 0: in rounds of self-speculative decoding (`lookahead` drafts at `draft_loops`;
+    the rows' pages need room for lookahead + 1 positions past the last emitted token). pol [N]:
+    adaptive depth, each step's passes stopping at each row's exit (first_depth [N], warm [N, D]:
+    the prompts' passes and last states; rows.window each row's cache_window)."""
     N = first.shape[0]
-    state, stop = St.requests_of(seen, first, req, cfg.d_model, cfg.compute_dtype)
+    state, stop = St.requests_of(seen, first, req, cfg.d_model, cfg.compute_dtype, pol, warm)
     decodes = St.Decodes(rows, None, jnp.ones((N,), jnp.int32), jnp.where(stop >= 0, 0, req.max_tokens - 1))
     n_max = max(out_len - 1, 1)
-    out, pool, state = St.decode_steps(params, cfg, pool, state, decodes, jnp.int32(n_max), loops, n_max, exit,
-                                       window)
-    tokens = jnp.concatenate([first[:, None], out.tokens[:, :out_len - 1]], axis=1)
-    n = 1 + jnp.sum(out.tokens >= 0, axis=1).astype(jnp.int32)
-    # (step: not counted, only a speculative call reads it; a max over the rows would be a collective on a mesh)
-    return DecodeState(tokens=tokens, n=n, rows=state.rows, done=jnp.ones((N,), bool), step=jnp.int32(0), own=pool,
-                       accepted=jnp.zeros((N,), jnp.int32))
+    got, pool, state = St.decode_steps(params, cfg, pool, state, decodes, jnp.int32(n_max), loops, n_max, exit,
+                                       window, adaptive=pol is not None, draft_loops=draft_loops, lookahead=lookahead)
+    tokens = jnp.concatenate([first[:, None], got.out.tokens[:, :out_len - 1]], axis=1)
+    passes = None if pol is None else jnp.concatenate([first_depth[:, None], got.passes[:, :out_len - 1]], axis=1)
+    return Decoded(tokens, 1 + got.n, passes, got.rounds, got.accepted, pool)
 
 
 # a call's rows as request rows, and bursts of the step body over them (`Conversation`: the
@@ -184,52 +195,3 @@ def decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Ro
 requests_of = jax.jit(St.requests_of, static_argnames=("d_model", "dtype"))
 decode_burst = jax.jit(St.decode_steps, static_argnames=("cfg", "loops", "n_max", "window"),
                        donate_argnames=("pool", "state"))
-
-
-@partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len", "draft_loops", "lookahead"),
-         donate_argnames=("pool",))
-def decode_speculative(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, first: jax.Array,
-                       seen: jax.Array, req: Knobs, loops: int, window: int, out_len: int, draft_loops: int,
-                       lookahead: int, exit: tf.Exit | None = None) -> DecodeState:
-    """`decode` in rounds of self-speculative decoding (`speculative.round_paged`: `lookahead`
-    drafts at depth `draft_loops`, one verify chunk at `loops`); the rows' pages need room for
-    lookahead + 1 positions past the last emitted token. `state.step` counts rounds (round r
-    draws with fold_in(req.keys(r), DRAFT_STREAM)) and `state.accepted` the drafts kept."""
-    k = lookahead
-
-    def round_(state: DecodeState) -> DecodeState:
-        keys = fold_in(req.keys(state.step), DRAFT_STREAM)
-        tokens, a, seen, counts, pool = round_paged(params, cfg, state.own, _decoding(rows, state), state.last,
-                                                    state.rows.seen, state.rows.counts, req, keys, loops, draft_loops,
-                                                    k, window, exit)
-        state = state.replace(rows=state.rows.replace(seen=seen, counts=counts), own=pool, step=state.step + 1,
-                              accepted=state.accepted + jnp.where(state.done, 0, a))
-        # emit d_1 .. d_a, then the next token, one at a time so that stops and max_tokens cut exactly
-        return jax.lax.fori_loop(0, k + 1, lambda j, s: emit(s, tokens[:, j], req, hold=j > a), state)
-
-    return jax.lax.while_loop(lambda s: ~is_done(s), round_, start(first, seen, pool, req, out_len))
-
-
-@partial(jax.jit, static_argnames=("cfg", "loops", "out_len"), donate_argnames=("pool",))
-def decode_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, first: jax.Array,
-                    seen: jax.Array, first_depth: jax.Array, first_state: jax.Array, req: Knobs, pol: ad.Policy,
-                    loops: int, out_len: int) -> DecodeState:
-    """`decode` with adaptive depth (`model.paged_adaptive.forward_decode`): each step's passes
-    stop at each row's exit (pol [N]); rows.window: each row's cache_window (or None).
-    first_depth [N], first_state [N, D]: the prompts' depths and last states. The state's
-    `depths` hold the passes run for each emitted token."""
-    N = first.shape[0]
-    s0 = start(first, seen, pool, req, out_len)
-    s0 = s0.replace(depths=jnp.zeros((N, out_len), jnp.int32).at[:, 0].set(first_depth),
-                    rows=s0.rows.replace(warm=first_state))
-
-    def step(state: DecodeState) -> DecodeState:
-        fed = R.feed(state.rows)
-        out = pa.forward_decode(params, cfg, state.own, _decoding(rows, state), fed.last, loops, pol, req.seed,
-                                fed.warm)
-        tok = R.choose(fed, out.logits, req.greedy_where(state.done), state.step + 1)
-        state = state.replace(rows=fed.replace(warm=out.state.astype(fed.warm.dtype)), own=out.pool,
-                              step=state.step + 1, depths=record_depth(state, out.depth))
-        return emit(state, tok, req)
-
-    return jax.lax.while_loop(lambda s: ~is_done(s), step, s0)

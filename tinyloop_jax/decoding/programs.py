@@ -1,6 +1,5 @@
 """Jitted programs over dense segments: chunked prefill (prefixes), scoring, the prefix
-operations; and the decode loops' carry (`DecodeState`) and emit rule, which the paged loops
-(`paged_decode`) run.
+operations; and the first token of a decode loop (`first_tokens`).
 
 Programs take the segment they write (`own`) as a donated argument, so XLA updates its buffers
 in place; read-only segments (`ro`, a shared prefix) are plain arguments and never written.
@@ -17,16 +16,13 @@ from typing import Annotated, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from ..model import cache as kvc
-from ..model import paged
 from ..model import transformer as tf
 from ..model.cache import KVCache
 from ..model.config import ModelConfig
 from ..model.params import Params
-from .row_state import RowState
-from .sampling import Knobs, select_tokens, stop_hit
+from .sampling import Knobs, select_tokens
 
 
 def token_mask(rows, vocab_size: int) -> np.ndarray:
@@ -124,51 +120,7 @@ def prefill_prefix(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid:
                       state=out.x if keep_state else None)
 
 
-# ---- the decode loop -------------------------------------------------------------------------
-
-@struct.dataclass
-class DecodeState:
-    """The carry of every decode loop (plain, batched, speculative, adaptive) for N requests; S is
-    the output buffer's length."""
-
-    tokens: Annotated[jax.Array, "int32[N, S]"]  # emitted tokens, -1 past each row's end
-    n: Annotated[jax.Array, "int32[N]"]  # tokens emitted so far
-    rows: RowState  # what sampling knows of each row (seen, counts, the last token, adaptive: warm)
-    done: Annotated[jax.Array, "bool[N]"]  # the row hit a stop sequence or its max_tokens
-    step: Annotated[jax.Array, "int32[]"]  # loop iterations so far (the sampling key index)
-    own: paged.PagedKV  # the call's page pool (`paged_decode`)
-    accepted: Annotated[jax.Array, "int32[N]"]  # speculative drafts kept (0 in plain decoding)
-    depths: Annotated[jax.Array, "int32[N, S]"] | None = None  # adaptive depth: passes run for each emitted token
-
-    @property
-    def last(self) -> jax.Array:
-        return self.rows.last
-
-
-def is_done(state: DecodeState) -> jax.Array:
-    return jnp.all(state.done)
-
-
-def emit_row(tokens: jax.Array, n: jax.Array, done: jax.Array, tok: jax.Array, stop_tokens: jax.Array,
-             stop_lengths: jax.Array, max_tokens: jax.Array):
-    """One row: append `tok` unless the row is done; it is done once its tokens end with a stop
-    sequence or reach max_tokens. Returns (tokens [S], n, done)."""
-    go = ~done
-    # a select, not `.at[n].set`: vmapped over rows that is a scatter, which XLA:CPU runs as a loop
-    tokens = jnp.where(go & (jnp.arange(tokens.shape[0]) == jnp.minimum(n, tokens.shape[0] - 1)), tok, tokens)
-    n = n + go.astype(jnp.int32)
-    return tokens, n, done | (go & (stop_hit(tokens, n, stop_tokens, stop_lengths) | (n >= max_tokens)))
-
-
-def emit(state: DecodeState, tok: jax.Array, req: Knobs, hold: jax.Array | None = None) -> DecodeState:
-    """Append tok [N] to every row that is not done (nor held: hold [N] bool)."""
-    done = state.done if hold is None else state.done | hold
-    tokens, n, new_done = jax.vmap(emit_row)(state.tokens, state.n, done, tok, req.stop.tokens, req.stop.lengths,
-                                             req.max_tokens)
-    done = new_done if hold is None else state.done | (new_done & ~hold)
-    return state.replace(tokens=tokens, n=n, done=done,
-                         rows=state.rows.replace(last=jnp.where(n > state.n, tok, state.last)))
-
+# ---- the first token ------------------------------------------------------------------------
 
 @jax.jit
 def first_tokens(logits: jax.Array, seen: jax.Array, req: Knobs) -> jax.Array:
@@ -177,26 +129,6 @@ def first_tokens(logits: jax.Array, seen: jax.Array, req: Knobs) -> jax.Array:
     decode loop handed these tokens compiles one token selection (in its loop), not two —
     selection is about a fifth of a small model's decode program and of its compile time."""
     return select_tokens(logits, seen, req, jnp.int32(0))
-
-
-def start(first: jax.Array, seen: jax.Array, own, req: Knobs, out_len: int) -> DecodeState:
-    """The state after the first token: first [N] int32 (`first_tokens`), or the prompts'
-    logits [N, V] to choose it from here."""
-    N = first.shape[0]
-    tok = first if first.ndim == 1 else select_tokens(first, seen, req, jnp.int32(0))
-    state = DecodeState(tokens=jnp.full((N, out_len), -1, jnp.int32), n=jnp.zeros((N,), jnp.int32),
-                        rows=RowState.start(seen, tok), done=jnp.zeros((N,), bool), step=jnp.int32(0), own=own,
-                        accepted=jnp.zeros((N,), jnp.int32))
-    return emit(state, tok, req)
-
-
-# ---- adaptive depth --------------------------------------------------------------------------
-
-def record_depth(state: DecodeState, depth: jax.Array) -> jax.Array:
-    """`depths` with depth [N] written where each row's next token goes (rows not done)."""
-    S = state.depths.shape[1]
-    at = jnp.arange(S)[None, :] == jnp.minimum(state.n, S - 1)[:, None]
-    return jnp.where(at & ~state.done[:, None], depth[:, None], state.depths)
 
 
 # ---- prefix operations -----------------------------------------------------------------------

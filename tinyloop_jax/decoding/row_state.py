@@ -1,9 +1,9 @@
 """`RowState`: what the sampling rule knows of each row, and the one rule that advances it.
 
-Every token-emitting loop holds one: the `Model` path's decode loops (`programs.DecodeState.rows`,
-a call's N rows) and the engine's request rows (`serving.step.Requests.rows`, M rows a step
-reads and writes by slot). A step runs `feed` (the row's last token, its input now, joins what
-the penalties count), the model, then `choose` (the next token from the logits).
+Every token-emitting loop holds one, as `step.Requests.rows`: the engine's M request rows (a
+step reads and writes them by slot) and a `Model` call's N rows (`step.requests_of`, in
+order). A step runs `feed` (the row's last token, its input now, joins what the penalties
+count), the model, then `choose` (the next token from the logits).
 """
 
 from __future__ import annotations

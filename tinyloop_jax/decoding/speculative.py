@@ -14,7 +14,7 @@ depth-L cache are exactly a depth-d cache. One round, for every row:
 Greedy decoding is the same rule with one-hot distributions (argmax), so it emits exactly
 the tokens of plain greedy decoding at depth L; with sampling the output distribution is that
 of plain sampling at depth L. One round over a page pool is `round_paged`: the `Model` path's
-loop (`paged_decode.decode_speculative`) and the engine's step (`serving.step`) run it.
+step (`step.step_speculative`) runs it, in the engine and in `generate`'s loop.
 """
 
 from __future__ import annotations

@@ -194,58 +194,97 @@ def _next_tokens(state: Requests, decodes: Decodes, logits: jax.Array, warm: jax
     return Emitted(tok, stops), state
 
 
+@struct.dataclass
+class Burst:
+    """What `decode_steps` returns for its b rows."""
+
+    out: Emitted  # [b, n_max]: each row's tokens in order, -1 past its last
+    n: Annotated[jax.Array, "int32[b]"]  # tokens each row emitted
+    passes: Annotated[jax.Array, "int32[b, n_max]"] | None  # adaptive depth: the passes each token ran
+    rounds: Annotated[jax.Array, "int32[]"]  # the loop's iterations (speculative: rounds)
+    accepted: Annotated[jax.Array, "int32[b]"]  # speculative: the drafts kept
+
+
 def decode_steps(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, decodes: Decodes,
-                 n: jax.Array, loops: int, n_max: int, exit: tf.Exit | None = None, window: int = 0):
-    """Up to n (traced, 1 <= n <= n_max) decode steps in one `while_loop`: the engine's decode
-    rows' step when no prompt chunk runs beside them (n = 1), or a burst when nothing waits (the
-    host's work per dispatch spread over n tokens); `Model.generate`'s whole decode loop. Step
-    i feeds each row's last token at rows.start + i and chooses the next; a row past
-    decodes.left[i] tokens, or past a stop sequence, idles (writes nothing, keeps its state);
-    the loop ends when no row is left. window: a static cache_window for every row (else each
-    row's, rows.window). Returns (`Emitted` [b, n_max]: each row's tokens, -1 once it idles;
-    pool, state)."""
-    def live(i, stopped):
-        return (i < decodes.left) & ~stopped
+                 n: jax.Array, loops: int, n_max: int, exit: tf.Exit | None = None, window: int = 0,
+                 adaptive: bool = False, draft_loops: int = 0, lookahead: int = 0):
+    """Up to n (traced, 1 <= n <= n_max) iterations of one decode step in one `while_loop`, the
+    one device token loop: the engine's decode rows' step when no prompt chunk runs beside them
+    (n = 1), or a burst when nothing waits (the host's work per dispatch spread over n tokens);
+    `Model.generate`'s whole decode loop and `Conversation`'s bursts. The step is static: plain
+    (`step`'s decode group), adaptive (`step_adaptive`: each row's passes stop at its exit) or
+    speculative (lookahead > 0: a round of `step_speculative`, up to lookahead + 1 tokens).
+    Iteration i feeds each row's last token at rows.start + (tokens it emitted) and chooses the
+    next; a row that emitted decodes.left tokens, or ended a stop sequence, idles (writes
+    nothing, keeps its state); the loop ends when no row is left. window: a static cache_window
+    for every row (else each row's, rows.window). Returns (`Burst`, pool, state)."""
+    k, b = lookahead, decodes.steps.shape[0]
+    at = jnp.arange(n_max)[None, :]
+
+    def live(c):
+        return (c["count"] < decodes.left) & ~c["stopped"]
 
     def body(c):
-        i, pool, state, out, stopped = c
-        on = live(i, stopped)
+        on, count = live(c), c["count"]
         slot = None if decodes.slot is None else jnp.where(on, decodes.slot, FILLER)
-        d = decodes.replace(rows=decodes.rows.replace(start=decodes.rows.start + i, n_new=decodes.rows.n_new * on),
-                            slot=slot, steps=decodes.steps + i)
-        x, pool = paged.forward(params, cfg, pool, d.rows, _take(state.rows.last, slot)[:, None], loops, window,
-                                exit, _take(state.req.seed, slot))
-        got, state = _next_tokens(state, d, tf.lm_head(params, cfg, x[:, 0]), live=on)
-        got = got.replace(tokens=jnp.where(on, got.tokens, -1))
-        out = jax.tree.map(lambda o, v: o.at[:, i].set(v), out, got)
-        return i + 1, pool, state, out, stopped | (got.stops >= 0)
+        d = decodes.replace(rows=decodes.rows.replace(start=decodes.rows.start + count, n_new=decodes.rows.n_new * on),
+                            slot=slot, steps=decodes.steps + count)
+        passes, a = None, jnp.zeros((b,), jnp.int32)
+        if k:
+            got, a, pool, state = step_speculative(params, cfg, c["pool"], c["state"], d, loops, draft_loops, k, exit,
+                                                   window, live=on)
+        elif adaptive:
+            got, passes, pool, state = step_adaptive(params, cfg, c["pool"], c["state"], d, loops, live=on)
+        else:
+            x, pool = paged.forward(params, cfg, c["pool"], d.rows, _take(c["state"].rows.last, slot)[:, None], loops,
+                                    window, exit, _take(c["state"].req.seed, slot))
+            got, state = _next_tokens(c["state"], d, tf.lm_head(params, cfg, x[:, 0]), live=on)
+        tokens, stops = got.tokens.reshape(b, -1), got.stops.reshape(b, -1)
+        j = jnp.arange(k + 1)[None, :]
+        hit = stops >= 0
+        valid = on[:, None] & (j <= a[:, None]) & (count[:, None] + j < decodes.left[:, None]) & (
+            jnp.cumsum(hit, axis=1) - hit == 0)  # up to a round's kept tokens, max_tokens and the first stop
+        out = c["out"]
+        for i in range(k + 1):  # token i of the iteration at the row's count + i (selects, no scatter)
+            put = valid[:, i:i + 1] & (at == (count + i)[:, None])
+            out = Emitted(jnp.where(put, tokens[:, i:i + 1], out.tokens), jnp.where(put, stops[:, i:i + 1], out.stops))
+            if passes is not None:
+                c = dict(c, passes=jnp.where(put, passes[:, None], c["passes"]))
+        return dict(c, i=c["i"] + 1, pool=pool, state=state, out=out, count=count + jnp.sum(valid, axis=1),
+                    stopped=c["stopped"] | jnp.any(valid & hit, axis=1), accepted=c["accepted"] + jnp.where(on, a, 0))
 
-    b = decodes.steps.shape[0]
-    out = Emitted(jnp.full((b, n_max), -1, jnp.int32), jnp.full((b, n_max), -1, jnp.int32))
-    c = (jnp.int32(0), pool, state, out, jnp.zeros((b,), bool))
-    _, pool, state, out, _ = jax.lax.while_loop(lambda c: (c[0] < n) & jnp.any(live(c[0], c[4])), body, c)
-    return out, pool, state
+    c = dict(i=jnp.int32(0), pool=pool, state=state, count=jnp.zeros((b,), jnp.int32),
+             stopped=jnp.zeros((b,), bool), accepted=jnp.zeros((b,), jnp.int32),
+             out=Emitted(jnp.full((b, n_max), -1, jnp.int32), jnp.full((b, n_max), -1, jnp.int32)),
+             passes=jnp.zeros((b, n_max), jnp.int32) if adaptive else None)
+    c = jax.lax.while_loop(lambda c: (c["i"] < n) & jnp.any(live(c)), body, c)
+    return Burst(c["out"], c["count"], c["passes"], c["i"], c["accepted"]), c["pool"], c["state"]
 
 
-def requests_of(seen: jax.Array, first: jax.Array, req: Knobs, d_model: int, dtype) -> tuple[Requests, jax.Array]:
+def requests_of(seen: jax.Array, first: jax.Array, req: Knobs, d_model: int, dtype, pol: ad.Policy | None = None,
+                warm: jax.Array | None = None) -> tuple[Requests, jax.Array]:
     """N request rows (slots 0..N-1) of one call: prompts seen [N, V], first tokens first [N]
-    (chosen from the prompts' logits), knobs req [N], every pass; returns them and the stop
+    (chosen from the prompts' logits), knobs req [N], exit rules pol [N] (None: every pass) and
+    warm [N, D] the prompts' last loop states (adaptive depth); returns them and the stop
     sequence each first token ends [N] (-1: none)."""
     N = first.shape[0]
-    pol = jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (N,)), ad.EVERY_PASS)
-    state = Requests(RowState.start(seen, first, jnp.zeros((N, d_model), dtype)), req, pol,
-                     jnp.full((N, req.stop.tokens.shape[-1]), -1, jnp.int32))
+    if pol is None:
+        pol = jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (N,)), ad.EVERY_PASS)
+    warm = jnp.zeros((N, d_model), dtype) if warm is None else warm.astype(dtype)
+    tail = jnp.full((N, req.stop.tokens.shape[-1]), -1, jnp.int32)
+    state = Requests(RowState.start(seen, first, warm), req, pol, tail)
     return _record(state, None, first, jnp.ones((N,), bool))
 
 
 def step_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, decodes: Decodes,
-                  loops: int):
+                  loops: int, live: jax.Array | None = None):
     """The decode rows' next tokens with adaptive depth: each row's passes stop at its exit (its
-    request's `pol`; kind NONE: every pass). Returns (`Emitted` [b], passes run [b], pool, state)."""
+    request's `pol`; kind NONE: every pass). live [b]: a call's rows (slot None) that step.
+    Returns (`Emitted` [b], passes run [b], pool, state)."""
     s = decodes.slot
     out = pa.forward_decode(params, cfg, pool, decodes.rows, _take(state.rows.last, s), loops, _take(state.pol, s),
                             _take(state.req.seed, s), _take(state.rows.warm, s))
-    tok, state = _next_tokens(state, decodes, out.logits, out.state)
+    tok, state = _next_tokens(state, decodes, out.logits, out.state, live)
     return tok, out.depth, out.pool, state
 
 
@@ -266,23 +305,27 @@ def chunk_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state:
 
 
 def step_speculative(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, decodes: Decodes,
-                     loops: int, draft_loops: int, lookahead: int, exit: tf.Exit | None = None):
+                     loops: int, draft_loops: int, lookahead: int, exit: tf.Exit | None = None, window: int = 0,
+                     live: jax.Array | None = None):
     """One round of self-speculative decoding for the decode rows (`speculative.round_paged`:
     drafts at `draft_loops` over their pages, one verify chunk at `loops`; greedy: plain
     decoding's tokens). decodes.steps: tokens each row emitted (its round's keys are
-    fold_in(keys(steps), DRAFT_STREAM)). Returns (`Emitted` [b, k + 1]: d_1 .. d_a then the next
-    token, each row's tokens up to a stop; kept a [b], pool, state)."""
+    fold_in(keys(steps), DRAFT_STREAM)); live [b]: a call's rows (slot None) that step.
+    Returns (`Emitted` [b, k + 1]: d_1 .. d_a then the next token, each row's tokens up to a
+    stop; kept a [b], pool, state)."""
     s = decodes.slot
-    req = _knobs(state, s, s != FILLER)
+    live = (s != FILLER) if s is not None else live
+    req = _knobs(state, s, live)
     keys = fold_in(req.keys(decodes.steps), DRAFT_STREAM)
     rows = _take(state.rows, s)
     tokens, a, seen, counts, pool = round_paged(params, cfg, pool, decodes.rows, rows.last, rows.seen, rows.counts,
-                                                req, keys, loops, draft_loops, lookahead, 0, exit)
+                                                req, keys, loops, draft_loops, lookahead, window, exit)
     nxt = jnp.take_along_axis(tokens, a[:, None], axis=1)[:, 0]
-    state = state.replace(rows=_put(state.rows, s, rows.replace(seen=seen, counts=counts, last=nxt)))
-    stops, stopped = [], jnp.zeros(s.shape, bool)
+    new = rows.replace(seen=seen, counts=counts, last=nxt)
+    state = state.replace(rows=_where(live, new, state.rows) if s is None else _put(state.rows, s, new))
+    stops, stopped = [], jnp.zeros(live.shape, bool)
     for j in range(lookahead + 1):  # the round's tokens in order, up to a stop
-        state, hit = _record(state, s, tokens[:, j], (s != FILLER) & (j <= a) & ~stopped)
+        state, hit = _record(state, s, tokens[:, j], live & (j <= a) & ~stopped)
         stops.append(hit)
         stopped |= hit >= 0
     return Emitted(tokens, jnp.stack(stops, axis=1)), a, pool, state

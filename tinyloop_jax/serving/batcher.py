@@ -218,9 +218,10 @@ class Batcher(Budget, Admission, Reading, Plan):
             dtok = passes = cdepth = None
             exits = chunk is not None and chunk[0].handle.in_prefill
             if burst:
-                dtok, d.pool, d.state = self._run(("steps", d.loops, bd, R), jits["decode_steps"], w.params,
-                                                  w.config, d.pool, d.state, decodes, np.int32(many), loops=d.loops,
-                                                  n_max=self.decode_steps, exit=d.exit)
+                got, d.pool, d.state = self._run(("steps", d.loops, bd, R), jits["decode_steps"], w.params,
+                                                 w.config, d.pool, d.state, decodes, np.int32(many), loops=d.loops,
+                                                 n_max=self.decode_steps, exit=d.exit)
+                dtok = got.out
             elif d.adaptive and (decoding or exits):  # the decode rows' passes stop at their exits
                 if exits:  # the prompt exits as a whole: its passes read now (once a request)
                     ctok, cdepth, d.pool, d.state = self._run(("chunk_adaptive", d.loops, T, R), jits["chunk_adaptive"],
