@@ -33,6 +33,7 @@ def main():
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-write", action="store_true", help="print the table only (an A/B run)")
     args = ap.parse_args()
     if args.quick:
         args.new, args.prompts = 16, 1
@@ -93,7 +94,7 @@ def main():
         "first passes of the same arrays, and one LayerNorm + head).",
     ]
     print("\n".join(lines))
-    if not args.quick:
+    if not (args.quick or args.no_write):
         print("wrote", _report.write_section("bench_loops", "\n".join(lines)))
 
 

@@ -23,11 +23,16 @@ def modules() -> dict[str, tuple[pathlib.Path, ast.Module]]:
 
 
 def jit_sites(name: str, tree: ast.Module) -> list[int]:
-    """Lines that make a jitted program: a `jax.jit(...)` call, `partial(jax.jit, ...)`, `@jax.jit`."""
+    """Lines that make a jitted program: a `jax.jit(...)` call, `partial(jax.jit, ...)`, `@jax.jit`;
+    a table of programs jitted in a loop (`JIT_OPTIONS = dict(name=options, ...)`) counts each
+    entry's line."""
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr == "jit" and getattr(node.value, "id", None) == "jax":
             out.append(node.lineno)
+        if (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "JIT_OPTIONS" for t in node.targets)
+                and isinstance(node.value, ast.Call)):
+            out.extend(kw.value.lineno * 1000 + i for i, kw in enumerate(node.value.keywords))
     return sorted(set(out))
 
 

@@ -286,7 +286,7 @@ def test_warmup_of_every_kind_leaves_nothing_to_trace():
             eng.submit(p, max_tokens=4, draft_loops=2, lookahead=2).result()
         finally:
             jax.monitoring.unregister_event_duration_listener(listen)
-    assert traced == ["step_speculative"] and eng.stats()["compiles_after_warmup"] == 1
+    assert traced == ["decode_steps"] and eng.stats()["compiles_after_warmup"] == 1
     with pytest.raises(ValueError, match="draft_loops=9 must not exceed"):
         tl.Engine(model).warmup(speculation=[(9, 2)])
 

@@ -192,8 +192,8 @@ class Batcher(Budget, Admission, Reading, Plan):
             lengths = [r.fed + len(r.handle.tokens) + r.ahead for r in decoding]  # positions after the step
             if chunk is not None:
                 lengths.append(chunk[0].fed + chunk[1])
-            burst = chunk is None and not d.adaptive  # decode rows alone: `decode_steps`, 1 step or a burst
-            many = self.decode_steps if burst and not self.waiting else 1  # (nothing to admit: n in one program)
+            burst = chunk is None  # decode rows alone: 1 step or a burst (nothing to admit: n in one program)
+            many = self.decode_steps if burst and not self.waiting else 1
             R = self.table_len(max(lengths) + many - 1)
             chunks = decodes = None
             T = bd = 0
@@ -208,7 +208,7 @@ class Batcher(Budget, Admission, Reading, Plan):
                 left = [r.handle.params.max_tokens - len(r.handle.tokens) - r.ahead for r in decoding]
                 decodes = S.make_decodes([r.pages for r in decoding], starts, [r.slot for r in decoding],
                                          [len(r.handle.tokens) + r.ahead for r in decoding], R, bd,
-                                         [r.handle.cache_window for r in decoding], left if burst else None)
+                                         [r.handle.cache_window for r in decoding], left)
             if chunk is not None:
                 self._window(d, chunk[0], chunk[0].fed, chunk[1])
             for r, q in zip(decoding, starts if decodes is not None else ()):
@@ -217,27 +217,24 @@ class Batcher(Budget, Admission, Reading, Plan):
             w, jits = self.model.weights, self.jits(d.loops)
             dtok = passes = cdepth = None
             exits = chunk is not None and chunk[0].handle.in_prefill
-            if burst:
-                got, d.pool, d.state = self._run(("steps", d.loops, bd, R), jits["decode_steps"], w.params,
-                                                 w.config, d.pool, d.state, decodes, np.int32(many), loops=d.loops,
-                                                 n_max=self.decode_steps, exit=d.exit)
-                dtok = got.out
-            elif d.adaptive and (decoding or exits):  # the decode rows' passes stop at their exits
+            if chunk is not None and (d.adaptive or exits):  # the prompt's chunk alone
                 if exits:  # the prompt exits as a whole: its passes read now (once a request)
                     ctok, cdepth, d.pool, d.state = self._run(("chunk_adaptive", d.loops, T, R), jits["chunk_adaptive"],
                                                               w.params, w.config, d.pool, d.state, chunks,
                                                               loops=d.loops)
                     cdepth = int(np.asarray(cdepth)[0])
-                elif chunks is not None:
+                else:
                     ctok, _, d.pool, d.state = self._run(("step", d.loops, 0, T, R), jits["step"], w.params, w.config,
                                                          d.pool, d.state, chunks, None, loops=d.loops, exit=d.exit)
-                if decoding:
-                    dtok, passes, d.pool, d.state = self._run(("step_adaptive", d.loops, bd, R),
-                                                              jits["step_adaptive"], w.params, w.config, d.pool,
-                                                              d.state, decodes, loops=d.loops)
-            else:
+            elif chunk is not None:  # the chunk and the decode rows in one forward
                 ctok, dtok, d.pool, d.state = self._run(("step", d.loops, bd, T, R), jits["step"], w.params, w.config,
                                                         d.pool, d.state, chunks, decodes, loops=d.loops, exit=d.exit)
+            if decoding and dtok is None:  # `decode_steps`: plain, or adaptive (each row's passes stop at its exit)
+                got, d.pool, d.state = self._run(("steps", d.loops, bd, R, d.adaptive), jits["decode_steps"],
+                                                 w.params, w.config, d.pool, d.state, decodes, np.int32(many),
+                                                 loops=d.loops, n_max=self.decode_steps, exit=d.exit,
+                                                 adaptive=d.adaptive)
+                dtok, passes = got.out, got.passes
             self.stats["steps"] += 1
             counts = self.depth_counts[d.loops]
             if chunk is not None:
@@ -262,7 +259,7 @@ class Batcher(Budget, Admission, Reading, Plan):
                 k = min(many, r.handle.params.max_tokens - len(r.handle.tokens) - r.ahead)
                 r.ahead += k
                 fed += k
-                ran.append((r, i, dtok, passes) if not burst else (r, i, dtok, passes, k))
+                ran.append((r, i, dtok, passes, k))
             if decoding:
                 self.stats["decode_steps"] += many
                 self.stats["batch_rows"] += fed

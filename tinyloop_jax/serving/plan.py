@@ -55,7 +55,7 @@ class Plan:
         """Compile every program of a depth's steps (ahead of time: nothing is allocated or run,
         so any thread may call it while the loop serves); returns how many were new. adaptive:
         also the adaptive-depth programs (a prompt's chunk alone, the decode rows' adaptive
-        step, a prompt exiting in prefill at every length bucket); speculation: also the
+        steps, a prompt exiting in prefill at every length bucket); speculation: also the
         speculative rounds of these (draft_loops, lookahead) pairs."""
         w, c, P = self.model.weights, self.cfg, self.page_size
         n_pages = self.pool_pages(loops)
@@ -72,28 +72,24 @@ class Plan:
         tables = sorted({R for _, _, R in self.step_shapes(loops)})
         alone = [(0, T, R) for R in tables for T in self.chunk_sizes()] if adaptive else []  # a chunk alone
         for bd, T, R in self.step_shapes(loops) + alone:
-            if bd and not T:  # decode rows alone: `decode_steps`
+            if bd and not T:  # decode rows alone: `decode_steps` (plain; adaptive: each row's passes stop at its exit)
                 decodes = S.make_decodes([], [], [], [], R, bd, left=[])
-                compile_(("steps", loops, bd, R), jits["decode_steps"], w.params, c, pool, state, decodes,
-                         np.int32(1), loops=loops, n_max=self.decode_steps, exit=exit)
+                for kind in (False, True) if adaptive else (False,):
+                    compile_(("steps", loops, bd, R, kind), jits["decode_steps"], w.params, c, pool, state, decodes,
+                             np.int32(1), loops=loops, n_max=self.decode_steps, exit=exit, adaptive=kind)
+                for d, k in speculation:  # a speculative round
+                    compile_(("speculate", loops, Speculation(d, k), bd, R), jits["decode_steps"], w.params, c, pool,
+                             state, decodes, np.int32(1), loops=loops, n_max=k + 1, exit=exit, draft_loops=d,
+                             lookahead=k)
                 continue
             if not T:
                 continue
             chunks = S.make_chunks([], [], [], [], [], T, R, 1) if T else None
-            decodes = S.make_decodes([], [], [], [], R, bd) if bd else None
+            decodes = S.make_decodes([], [], [], [], R, bd, left=[]) if bd else None
             compile_(("step", loops, bd, T, R), jits["step"], w.params, c, pool, state, chunks, decodes, loops=loops,
                      exit=exit)
-        for R in tables:
-            for bd in batch_buckets(self.max_batch):
-                decodes = S.make_decodes([], [], [], [], R, bd)
-                if adaptive:
-                    compile_(("step_adaptive", loops, bd, R), jits["step_adaptive"], w.params, c, pool, state,
-                             decodes, loops=loops)
-                for d, k in speculation:
-                    spec = Speculation(d, k)
-                    compile_(("speculate", loops, spec, bd, R), jits["step_speculative"], w.params, c, pool, state,
-                             decodes, loops=loops, draft_loops=d, lookahead=k, exit=exit)
-            for T in sorted({bucket(n) for n in range(1, c.max_seq_len + 1)}) if adaptive else ():
+        for R in tables if adaptive else ():
+            for T in sorted({bucket(n) for n in range(1, c.max_seq_len + 1)}):
                 chunks = S.make_chunks([], [], [], [], [], T, R, 1)
                 compile_(("chunk_adaptive", loops, T, R), jits["chunk_adaptive"], w.params, c, pool, state, chunks,
                          loops=loops)

@@ -32,26 +32,27 @@ class Reading:
             starts = [r.fed + len(r.handle.tokens) - 1 for r in rows]  # where the last token is fed
             R = self.table_len(max(starts) + k + 1)
             bd = next(b for b in batch_buckets(self.max_batch) if b >= len(rows))
+            left = [r.handle.params.max_tokens - len(r.handle.tokens) for r in rows]
             decodes = S.make_decodes([r.pages for r in rows], starts, [r.slot for r in rows],
-                                     [len(r.handle.tokens) for r in rows], R, bd, [r.handle.cache_window for r in rows])
+                                     [len(r.handle.tokens) for r in rows], R, bd, [r.handle.cache_window for r in rows],
+                                     left)
             for r, q in zip(rows, starts):
                 self._window(d, r, q, k + 1)
             self._sync(d)
             w = self.model.weights
-            tokens, kept, d.pool, d.state = self._run(
-                ("speculate", d.loops, spec, bd, R), self.jits(d.loops)["step_speculative"], w.params, w.config,
-                d.pool, d.state, decodes, loops=d.loops, draft_loops=spec.draft_loops, lookahead=k, exit=d.exit)
-            tokens, kept = jax.tree.map(np.asarray, tokens), np.asarray(kept)
+            got, d.pool, d.state = self._run(
+                ("speculate", d.loops, spec, bd, R), self.jits(d.loops)["decode_steps"], w.params, w.config, d.pool,
+                d.state, decodes, np.int32(1), loops=d.loops, n_max=k + 1, exit=d.exit, draft_loops=spec.draft_loops,
+                lookahead=k)
+            got = jax.tree.map(np.asarray, got)
             self.stats["speculative_rounds"] += 1
             self.stats["batch_rows"] += len(rows)
             counts["tokens_computed"] += len(rows) * (k + 1)
             counts["passes"] += len(rows) * (k * spec.draft_loops + (k + 1) * d.loops)
-            for i, r in enumerate(rows):
+            for i, r in enumerate(rows):  # d_1 .. d_a and the next token, cut at a stop and at max_tokens
                 r.handle.drafted += k
-                r.handle.accepted += int(kept[i])
-                for t, stop in zip(tokens.tokens[i, :kept[i] + 1], tokens.stops[i]):
-                    if r.left:  # a stop or max_tokens cut the round: the rest is discarded
-                        break
+                r.handle.accepted += int(got.accepted[i])
+                for t, stop in zip(got.out.tokens[i, :got.n[i]], got.out.stops[i]):
                     self._emit(d, r, int(t), int(stop))
 
     def _read(self, d: Depth, ran: list) -> None:
@@ -66,25 +67,30 @@ class Reading:
 
         counts = self.depth_counts[d.loops]
         for r, i, tok, passes, *many in ran:
-            if many:  # (`decode_steps`) its k tokens, up to a stop; its readers woken once
-                r.ahead -= many[0]
-                got = get(tok)
-                for t, stop in zip(got.tokens[i, :many[0]], got.stops[i]):
-                    if r.left:
-                        break
-                    self._emit(d, r, int(t), int(stop), wake=False)
-                r.handle.wake()
+            if not many:  # a prompt's first token
+                r.ahead -= 1
+                if not r.left:
+                    got = get(tok)
+                    self._emit(d, r, int(got.tokens[i]), int(got.stops[i]))
                 continue
-            r.ahead -= 1
-            if passes is not None:
-                p = int(get(passes)[i])
-                counts["passes"] += p
-                counts["passes_skipped"] += d.loops - p
-                if not r.left and r.handle.policy is not None:
-                    r.handle.depths.append(p)
-            if not r.left:
-                got = get(tok)
-                self._emit(d, r, int(got.tokens[i]), int(got.stops[i]))
+            # (`decode_steps`) its k tokens, up to a stop; its readers woken once; with adaptive
+            # depth the passes each ran
+            r.ahead -= many[0]
+            got, ps = get(tok), None if passes is None else get(passes)
+            tokens, stops = (a.reshape(len(a), -1) for a in (got.tokens, got.stops))  # (`step`: [b])
+            for j in range(many[0]):
+                t = int(tokens[i, j])
+                if t < 0:
+                    break
+                if ps is not None:
+                    p = int(ps[i, j])
+                    counts["passes"] += p
+                    counts["passes_skipped"] += d.loops - p
+                    if not r.left and r.handle.policy is not None:
+                        r.handle.depths.append(p)
+                if not r.left:
+                    self._emit(d, r, t, int(stops[i, j]), wake=False)
+            r.handle.wake()
 
     def _emit(self, d: Depth, r: Row, t: int, stop: int, wake: bool = True) -> None:
         """Token t of row r, which the step found to end its stop sequence `stop` (-1: none)."""

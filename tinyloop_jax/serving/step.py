@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from ..decoding.step import (FILLER, STOPS, Chunks, Decodes, Emitted, Requests, admit, chunk_adaptive,  # noqa: F401
-                             decode_steps, empty_rows, step, step_adaptive, step_speculative)
+                             decode_steps, empty_rows, step)
 from ..model import paged
 
 
@@ -19,12 +19,10 @@ load_entry = paged.load_segment
 copy_pages = paged.copy_pages
 
 JIT_OPTIONS = dict(load_entry=dict(donate_argnames=("pool",)), copy_pages=dict(donate_argnames=("pool",)),
-                   step_adaptive=dict(static_argnames=("cfg", "loops"), donate_argnames=("pool", "state")),
                    chunk_adaptive=dict(static_argnames=("cfg", "loops"), donate_argnames=("pool", "state")),
-                   decode_steps=dict(static_argnames=("cfg", "loops", "n_max"), donate_argnames=("pool", "state")),
+                   decode_steps=dict(static_argnames=("cfg", "loops", "n_max", "window", "adaptive", "draft_loops",
+                                                      "lookahead"), donate_argnames=("pool", "state")),
                    step=dict(static_argnames=("cfg", "loops"), donate_argnames=("pool", "state")),
-                   step_speculative=dict(static_argnames=("cfg", "loops", "draft_loops", "lookahead"),
-                                         donate_argnames=("pool", "state")),
                    admit=dict(donate_argnames=("state",)))
 
 
