@@ -21,6 +21,7 @@ import tinyloop_jax as tl
 from tinyloop_jax import native
 from tinyloop_jax.model import paged
 from tinyloop_jax.serving import step as S
+from tinyloop_jax.decoding import compiled, step as St
 
 ROWS, GROUPS, SHARED, OWN = 16, 4, 20, 5  # pages: 20 shared by each group's 4 rows, 5 a row's own
 
@@ -60,8 +61,8 @@ def step_ms(model) -> float:
     c, P = model.weights.config, paged.PAGE_SIZE
     loops = c.default_loops
     pool = jax.jit(lambda: paged.empty(c, loops, GROUPS * SHARED + ROWS * (OWN + 1), P))()
-    state = jax.jit(S.empty_rows, static_argnums=(0, 1, 2))(ROWS, c.vocab_size, c.d_model)
-    program, R = S.programs()["step"], -(-c.max_seq_len // P)
+    state = St.empty_rows(ROWS, c.vocab_size, c.d_model, c.compute_dtype, compiled.SHARED.requests_of)
+    program, R = compiled.programs().step, -(-c.max_seq_len // P)
     rows = [t + [GROUPS * SHARED + ROWS * OWN + r] for r, t in enumerate(tables())]
     box = [pool, state]
 

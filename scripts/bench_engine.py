@@ -129,13 +129,14 @@ def paged_step_time(model, rows: int, live: int, steps: int) -> float:
     """The paged engine's step for `rows` decode rows of `live` tokens each, pages of their own."""
     from tinyloop_jax.model import paged
     from tinyloop_jax.serving import step as S
+    from tinyloop_jax.decoding import compiled, step as St
     from tinyloop_jax.serving.plan import MIN_TABLE, batch_buckets, pow2
     c, P = model.weights.config, paged.PAGE_SIZE
     loops = c.default_loops
     per_row = -(-(live + steps + 2) // P)
     pool = jax.jit(lambda: paged.empty(c, loops, rows * per_row, P))()
-    state = jax.jit(S.empty_rows, static_argnums=(0, 1, 2))(16, c.vocab_size, c.d_model)
-    program = S.programs()["step"]
+    state = St.empty_rows(16, c.vocab_size, c.d_model, c.compute_dtype, compiled.SHARED.requests_of)
+    program = compiled.programs().step
     bd = next(b for b in batch_buckets(16) if b >= rows)
     tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]
     times = []

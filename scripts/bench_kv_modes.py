@@ -29,10 +29,10 @@ import _report  # noqa: E402
 
 import tinyloop_jax as tl  # noqa: E402
 from tinyloop_jax.decoding import paged_decode  # noqa: E402
+from tinyloop_jax.decoding.compiled import SHARED  # noqa: E402
 from tinyloop_jax.model import paged  # noqa: E402
 from tinyloop_jax.model import cache as kvc  # noqa: E402
 from tinyloop_jax.decoding import programs as engine  # noqa: E402
-from tinyloop_jax.api import functional as F  # noqa: E402
 from tinyloop_jax.model import transformer as tf  # noqa: E402
 from tinyloop_jax.cli import BUNDLED  # noqa: E402
 from tinyloop_jax.data import pydoc_split  # noqa: E402
@@ -84,18 +84,16 @@ def h_rebuild(model, prompt, suffix, repeats):
     def program(mode):
         pool = paged_decode.load_prefix(w.params, cfg, paged.empty(cfg, loops, lay.n_pages, kv_mode=mode), pre.cache,
                                         len(prompt), lay)
-        rows = paged.Rows(lay.tables, np.int32([len(prompt)]), np.int32([len(suffix)]))
-        logits, pool = paged_decode.prefill(w.params, cfg, pool, rows, jnp.asarray(F.pad(suffix))[None], pre.logits,
-                                            loops=loops, window=0)
         seen = jnp.asarray(engine.token_mask([suffix], cfg.vocab_size)) | pre.seen
-        args = (w.params, cfg, pool, paged.Rows(lay.tables, np.int32([len(prompt) + len(suffix)]), np.int32([1])),
-                engine.first_tokens(logits, seen, req), seen, req)
-        return args, dict(loops=loops, window=0, out_len=kvc.bucket(new, minimum=8))
+        state = SHARED.requests_of(seen, req, d_model=cfg.d_model, dtype=cfg.compute_dtype)
+        fill = paged_decode.prefill(w.params, cfg, pool, state, lay.tables, len(prompt), [suffix], pre.logits, loops, 0)
+        rows = paged.Rows(lay.tables, np.int32([len(prompt) + len(suffix)]), np.int32([1]))
+        return pool, rows, fill
 
     def run(mode):
-        args, kw = program(mode)
-        state = paged_decode.decode(*args, **kw)
-        return np.asarray(state.tokens)[0, : int(state.n[0])].tolist()
+        _, rows, fill = program(mode)
+        out = paged_decode.decode(w.params, cfg, rows, fill, req, loops, 0, kvc.bucket(new, minimum=8))
+        return np.asarray(out.tokens)[0, : int(out.n[0])].tolist()
 
     in_loop, per_call = partial(run, cfg.storage), partial(run, cfg.storage.working)
     assert in_loop() == per_call(), "the two h-mode paths emitted different tokens"
@@ -103,8 +101,9 @@ def h_rebuild(model, prompt, suffix, repeats):
     mat = engine.materialize(w.params, cfg, pre.cache, passes=loops)
     temp = {}
     for name, mode in (("loop", cfg.storage), ("call", cfg.storage.working)):
-        args, kw = program(mode)
-        temp[name] = paged_decode.decode.lower(*args, **kw).compile().memory_analysis().temp_size_in_bytes
+        pool, rows, _ = program(mode)
+        lowered = paged_decode.lower_decode(w.params, cfg, pool, rows, req, loops, kvc.bucket(new, minimum=8))
+        temp[name] = lowered.compile().memory_analysis().temp_size_in_bytes
     return t_loop, t_call, pre.nbytes, mat.nbytes, temp
 
 

@@ -5,7 +5,8 @@
 
 Runs with 8 fake CPU devices (set before JAX starts). Nothing is allocated at full size: the
 weights and a call's page pool (a shared prefix's pages, the requests' own) are abstract arrays with the
-shardings `tinyloop_jax.model.sharding` gives them, the decode loop (`paged_decode.decode`) is compiled for them, and
+shardings `tinyloop_jax.model.sharding` gives them, the decode loop (`paged_decode.lower_decode`) is
+compiled for them, and
 per-device bytes come from the shard shapes and the compiled program's `memory_analysis()`.
 Collectives are counted in the compiled HLO. Fake devices share 2 cores, so no speed is claimed.
 """
@@ -21,7 +22,6 @@ from collections import Counter
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
@@ -89,11 +89,9 @@ def measure(name, shape, d, m, args):
     w = weights(cfg, mesh)
     lay = paged_decode.layout(args.prefix, args.own, n)
     pages = pool(cfg, mesh, args.kv_mode, lay.n_pages, loops)
-    rep = lambda shape, dt: abstract(shape, dt, jax.sharding.PartitionSpec(), mesh)  # noqa: E731
     req = Knobs.make(n, max_tokens=args.own // 2)
     rows = paged.Rows(lay.tables, np.full((n,), args.prefix, np.int32), np.ones((n,), np.int32))
-    lowered = paged_decode.decode.lower(w, cfg, pages, rows, rep((n,), jnp.int32), rep((n, cfg.vocab_size), jnp.bool_),
-                                        req, loops=loops, window=0, out_len=args.own // 2)
+    lowered = paged_decode.lower_decode(w, cfg, pages, rows, req, loops, args.own // 2)
     compiled = lowered.compile()
     text = compiled.as_text()
     ops = Counter(re.findall(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", text))

@@ -164,6 +164,7 @@ def step_floor(model, kw, rows: int = 16, n: int = 48, live: int = 64) -> tuple[
     when each step's tokens are read before the next."""
     from tinyloop_jax.model import paged
     from tinyloop_jax.serving import step as S
+    from tinyloop_jax.decoding import compiled, step as St
     from tinyloop_jax.serving.plan import MIN_TABLE, pow2
 
     c, P = model.weights.config, paged.PAGE_SIZE
@@ -172,8 +173,8 @@ def step_floor(model, kw, rows: int = 16, n: int = 48, live: int = 64) -> tuple[
     out = []
     for sync in (False, True):
         pool = jax.jit(lambda: paged.empty(c, loops, rows * per_row, P))()
-        state = jax.jit(S.empty_rows, static_argnums=(0, 1, 2))(rows, c.vocab_size, c.d_model)
-        program = S.programs()["step"]
+        state = St.empty_rows(rows, c.vocab_size, c.d_model, c.compute_dtype, compiled.SHARED.requests_of)
+        program = compiled.programs().step
         tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]
         R = pow2(per_row, MIN_TABLE)
         dec = S.make_decodes(tables, [live] * rows, list(range(rows)), [1] * rows, R, rows)

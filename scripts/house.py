@@ -24,11 +24,13 @@ def modules() -> dict[str, tuple[pathlib.Path, ast.Module]]:
 
 def jit_sites(name: str, tree: ast.Module) -> list[int]:
     """Lines that make a jitted program: a `jax.jit(...)` call, `partial(jax.jit, ...)`, `@jax.jit`;
-    a table of programs jitted in a loop (`JIT_OPTIONS = dict(name=options, ...)`) counts each
-    entry's line."""
-    out = []
+    a table of programs jitted in a loop (`JIT_OPTIONS = dict(name=options, ...)`, made by a
+    function `programs`) counts each entry."""
+    out, table = [], [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "programs"]
+    inside = {id(n) for f in table for n in ast.walk(f)}  # (the table's loop: its entries are counted)
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr == "jit" and getattr(node.value, "id", None) == "jax":
+        if (isinstance(node, ast.Attribute) and node.attr == "jit" and getattr(node.value, "id", None) == "jax"
+                and id(node) not in inside):
             out.append(node.lineno)
         if (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "JIT_OPTIONS" for t in node.targets)
                 and isinstance(node.value, ast.Call)):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import sys
 
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -29,11 +28,9 @@ def decode_memory(model, prefix, own_capacity, loops, out_len=32):
     cfg = model.weights.config
     lay = paged_decode.layout(len(prefix), own_capacity, 1)
     pool = paged_decode.empty_pool(cfg, loops, lay.n_pages)
-    c = paged_decode.decode.lower(model.weights.params, cfg, pool,
+    c = paged_decode.lower_decode(model.weights.params, cfg, pool,
                                   paged.Rows(lay.tables, np.int32([len(prefix)]), np.int32([1])),
-                                  jnp.zeros((1,), jnp.int32), jnp.zeros((1, cfg.vocab_size), bool),
-                                  tl.Knobs.make(1, max_tokens=out_len), loops=loops, window=0,
-                                  out_len=out_len).compile()
+                                  tl.Knobs.make(1, max_tokens=out_len), loops, out_len).compile()
     return c.memory_analysis(), pool.nbytes
 
 

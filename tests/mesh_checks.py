@@ -19,7 +19,7 @@ import jax.monitoring  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tinyloop_jax as tl  # noqa: E402
-from tinyloop_jax.decoding import paged_decode  # noqa: E402
+from tinyloop_jax.decoding.compiled import SHARED  # noqa: E402
 from tinyloop_jax.model import sharding  # noqa: E402
 
 warnings.filterwarnings("error", message=".*[Dd]onated.*")
@@ -124,16 +124,16 @@ def collectives(tag: str, m: tl.Model) -> None:
     pred[] all-reduce, evaluated before the loop and in it), and no all-gather of a weight
     (activations — the logits, the rows of a batch — may be gathered)."""
     seen = {}
-    real = paged_decode.decode
+    real = SHARED["decode_steps"]
 
     def spy(*a, **k):
         seen["call"] = (a, k)
         return real(*a, **k)
-    paged_decode.decode = spy
+    SHARED["decode_steps"] = spy
     try:
         m.generate(PROMPT[:8], max_tokens=3)
     finally:
-        paged_decode.decode = real
+        SHARED["decode_steps"] = real
     a, k = seen["call"]
     text = real.lower(*a, **k).compile().as_text()
     ops = Counter(re.findall(r"= \S+ (all-reduce|all-gather)(?:-start)?\(", text))

@@ -2,8 +2,10 @@
 axis, so programs do not grow with `loops`, very deep calls work and equal an independent
 reference, and a depth whose cache cannot fit is refused before anything is built."""
 
+import functools
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +15,8 @@ from tinyloop_jax.model import cache as kvc
 from tinyloop_jax.decoding import programs as engine
 from tinyloop_jax.api import functional as F
 from tinyloop_jax.decoding import paged_decode
+from tinyloop_jax.decoding import step as St
+from tinyloop_jax.decoding.compiled import SHARED
 from tinyloop_jax.model import paged
 from conftest import prompt_of, tiny_config, tiny_model
 from reference import forward as ref_forward
@@ -31,20 +35,22 @@ def programs(model, loops: int) -> dict:
     pool = paged.empty(c, loops, 4)
     rows = paged.Rows.make([[0, 1], [2, 3]], [5, 5], [5, 5])
     tokens, n = jnp.zeros((16,), jnp.int32), jnp.int32(5)
-    logits, seen = jnp.zeros((2, c.vocab_size)), jnp.zeros((2, c.vocab_size), bool)
+    seen = jnp.zeros((2, c.vocab_size), bool)
     req = tl.Knobs.make(2, max_tokens=8)
     kw = dict(loops=loops, window=0)
+    one = rows.replace(n_new=np.ones((2,), np.int32))
+    state = jax.eval_shape(functools.partial(St.requests_of, d_model=c.d_model, dtype=c.compute_dtype), seen, req)
+    chunks = St.Chunks(rows, np.zeros((2, 16), np.int32), None, np.ones((2,), bool))
     return {
         "prefill": engine.prefill.lower(p, c, tokens, n, jnp.int32(0), (), own, **kw),
-        "prefill_prefix": engine.prefill_prefix.lower(p, c, tokens, n, jnp.int32(0), seen[0], own, **kw,
-                                                      keep_state=True),
-        "prefill_rows": paged_decode.prefill.lower(p, c, pool, rows, jnp.zeros((2, 16), jnp.int32), logits[0], **kw),
-        "decode": paged_decode.decode.lower(p, c, pool, rows, jnp.zeros((2,), jnp.int32), seen, req, **kw, out_len=8),
-        "speculative": paged_decode.decode.lower(p, c, pool, rows, jnp.zeros((2,), jnp.int32), seen, req, **kw,
-                                                 out_len=8, draft_loops=1, lookahead=2),
-        "continue_depth": engine.continue_depth.lower(p, c, jnp.zeros((16, c.d_model)), n,
-                                                      kvc.empty(c.kv_mode, 0, loops, c.n_heads, 16, c.head_dim),
-                                                      **kw),
+        "prefill_prefix": engine.prefill.lower(p, c, tokens, n, jnp.int32(0), (), own, **kw, keep_states=True,
+                                               keep_x=True),
+        "prefill_rows": SHARED.step.lower(p, c, pool, state, chunks, None, loops=loops),
+        "decode": paged_decode.lower_decode(p, c, pool, one, req, loops, 8),
+        "speculative": paged_decode.lower_decode(p, c, pool, one, req, loops, 8, draft_loops=1, lookahead=2),
+        "continue_depth": engine.prefill.lower(p, c, jnp.zeros((16, c.d_model)), n, jnp.int32(0), (),
+                                               kvc.empty(c.kv_mode, 0, loops, c.n_heads, 16, c.head_dim), **kw,
+                                               keep_states=True, keep_x=True),
     }
 
 
@@ -71,13 +77,13 @@ def test_loops_256_generates_and_equals_numpy():
 
 def test_a_depth_that_cannot_fit_is_refused_before_anything_is_built():
     model = tiny_model("fp32")
-    before = engine.prefill_prefix._cache_size() + paged_decode.decode._cache_size()
+    before = engine.prefill._cache_size() + SHARED.decode_steps._cache_size()
     for call in (lambda: model.generate(prompt_of(8), max_tokens=4, loops=10**9),
                  lambda: model.build_prefix_cache(prompt_of(8), loops=10**9),
                  lambda: model.generate_batch([prompt_of(8)] * 3, max_tokens=4, loops=10**9)):
         with pytest.raises(RuntimeError, match="out of memory.*loops=1000000000"):
             call()
-    assert engine.prefill_prefix._cache_size() + paged_decode.decode._cache_size() == before  # nothing compiled
+    assert engine.prefill._cache_size() + SHARED.decode_steps._cache_size() == before  # nothing compiled
 
 
 @pytest.mark.slow

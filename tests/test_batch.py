@@ -49,7 +49,8 @@ def test_batched_logits_match_separate_prefills(mode_models, mode):
     pool = paged_decode.load_prefix(w.params, cfg, paged_decode.empty_pool(cfg, 2, lay.n_pages), prefix.cache,
                                     20, lay)
     rows = paged.Rows(lay.tables, np.full(len(lens), 20, np.int32), lens)
-    logits, _ = paged_decode.prefill(w.params, cfg, pool, rows, jnp.asarray(tokens), prefix.logits, loops=2, window=0)
+    forward = jax.jit(lambda p, pool, t: paged.last_logits(p, cfg, paged.forward(p, cfg, pool, rows, t, 2, 0)[0], rows))
+    logits = forward(w.params, pool, jnp.asarray(tokens))  # the step's chunk group, as `paged_decode.prefill` runs it
     for i, s in enumerate(suffixes):
         np.testing.assert_allclose(np.asarray(logits[i]), model.next_token_logits_from_prefix(prefix, s), **CLOSE)
 
@@ -98,10 +99,9 @@ def test_prefix_is_not_copied_per_request(mode_models):
     lay = paged_decode.layout(120, 24, N)
     assert lay.shared == 7 and (lay.tables[:, :7] == np.arange(7)).all() and lay.n_pages < N * 7
     pool = paged_decode.empty_pool(cfg, 3, lay.n_pages)
-    compiled = paged_decode.decode.lower(
-        w.params, cfg, pool, paged.Rows(lay.tables, np.full(N, 120, np.int32), np.ones(N, np.int32)),
-        jnp.zeros((N,), jnp.int32), jnp.zeros((N, cfg.vocab_size), bool),
-        tl.Knobs.make(N, top_k=0, seeds=list(range(N)), max_tokens=16), loops=3, window=0, out_len=16).compile()
+    rows = paged.Rows(lay.tables, np.full(N, 120, np.int32), np.ones(N, np.int32))
+    compiled = paged_decode.lower_decode(w.params, cfg, pool, rows, tl.Knobs.make(N, top_k=0, seeds=list(range(N)),
+                                                                                max_tokens=16), 3, 16).compile()
     mem = compiled.memory_analysis()
     assert mem.temp_size_in_bytes < prefix.nbytes, (mem.temp_size_in_bytes, prefix.nbytes)
     assert mem.argument_size_in_bytes < pool.nbytes + sum(x.nbytes for x in jax.tree.leaves(w.params)) + 2**20

@@ -50,8 +50,7 @@ def test_prefill_updates_its_segment_in_place(models, mode):
     w = models[mode].weights
     own = F.empty_cache(w, 20, 3)
     layers = {f"[{','.join(map(str, a.shape))}]" for seg in (*own.pre, own.loop) for a in seg.values()}
-    text = engine.prefill_prefix.lower(w.params, w.config, jnp.asarray(F.pad(prompt_of(20))), jnp.int32(20),
-                                       jnp.int32(0), jnp.zeros((w.config.vocab_size,), bool), own, loops=3,
-                                       window=0, keep_state=False).compile().as_text()
+    text = engine.prefill.lower(w.params, w.config, jnp.asarray(F.pad(prompt_of(20))), jnp.int32(20), jnp.int32(0),
+                                (), own, loops=3, window=0, keep_states=True).compile().as_text()
     copies = [line.strip() for line in text.splitlines() if " copy(" in line and any(s in line for s in layers)]
     assert not copies, copies[:4]

@@ -9,6 +9,7 @@ import pytest
 
 import tinyloop_jax as tl
 from tinyloop_jax.decoding import paged_decode
+from tinyloop_jax.decoding.compiled import SHARED
 from tinyloop_jax.model import paged
 from tinyloop_jax.api import functional as F
 from conftest import cache_layers, prompt_of, tiny_config
@@ -128,7 +129,7 @@ def test_output_length_contract(models):
 @pytest.mark.slow
 def test_compiles_a_handful_of_programs_for_20_prompt_lengths():
     model = tl.Model.random(tiny_config(kv_mode="fp32", max_seq_len=128, d_model=16), seed=3)
-    programs = (paged_decode.prefill, paged_decode.decode)
+    programs = (SHARED.step, SHARED.decode_steps)
     before = sum(p._cache_size() for p in programs)
     lengths = np.random.default_rng(0).choice(np.arange(1, 100), 20, replace=False)
     for n in lengths:
@@ -145,11 +146,8 @@ def test_decode_updates_cache_in_place():
     cfg = tiny_config(kv_mode="fp32", max_seq_len=1024)
     model = tl.Model.random(cfg, seed=0)
     pool = paged.empty(cfg, 3, 64)
-    import jax.numpy as jnp
-    compiled = paged_decode.decode.lower(
-        model.weights.params, cfg, pool, paged.Rows.make([list(range(64))], [16], [1]), jnp.zeros((1,), jnp.int32),
-        jnp.zeros((1, cfg.vocab_size), bool), tl.Knobs.make(1, max_tokens=8), loops=3, window=0,
-        out_len=16).compile()
+    compiled = paged_decode.lower_decode(model.weights.params, cfg, pool, paged.Rows.make([list(range(64))], [16], [1]),
+                                         tl.Knobs.make(1, max_tokens=8), 3, 16).compile()
     mem = compiled.memory_analysis()
     assert mem.alias_size_in_bytes >= pool.nbytes - 8
     assert mem.temp_size_in_bytes < pool.nbytes / 4, (mem.temp_size_in_bytes, pool.nbytes)

@@ -64,10 +64,12 @@ def test_chunked_and_token_by_token_caches_are_identical(mode_models, mode, monk
     p = prompt_of(21, seed=3)
     one = F.prefill(w, p, F.empty_cache(w, 21))[1]
     many = F.empty_cache(w, 21)
-    with monkeypatch.context() as m:  # token by token means the decode program, not a padded prefill
-        m.setattr(programs, "prefill", None)
+    shapes, real = [], programs.prefill
+    with monkeypatch.context() as m:  # token by token means chunks of one, not a padded prefill
+        m.setattr(programs, "prefill", lambda *a, **kw: shapes.append(a[2].shape) or real(*a, **kw))
         for t in p:
             many = F.decode_step(w, int(t), many)[1]
+    assert set(shapes) == {(1,)}
     for a, b in ((one.layer(i), many.layer(i)) for i in range(one.n_layers)):
         for name in a:
             x, y = np.asarray(a[name]), np.asarray(b[name])

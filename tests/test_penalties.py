@@ -206,15 +206,15 @@ def test_one_program_for_every_value(model):
     """Different penalties and biases reuse the compiled decode program: a batch with a logit
     bias compiles its variant once (a batch without one leaves the bias step out), then every
     bias value and penalty runs one of the two."""
-    from tinyloop_jax.decoding import paged_decode as programs
+    from tinyloop_jax.decoding.compiled import SHARED
 
     prompt = prompt_of(8, seed=6)
     model.generate(prompt, max_tokens=5, presence_penalty=0.5)
-    first = programs.decode._cache_size()
+    first = SHARED.decode_steps._cache_size()
     model.generate(prompt, max_tokens=5, logit_bias={5: 1.0})
-    before = programs.decode._cache_size()
+    before = SHARED.decode_steps._cache_size()
     assert before <= first + 1
     for kw in (dict(frequency_penalty=1.0), dict(logit_bias={1: 2.0, 2: -3.0, 3: 4.0}), dict(),
                dict(repetition_penalty=1.2, logit_bias={7: -1.0})):
         model.generate(prompt, max_tokens=5, **kw)
-    assert programs.decode._cache_size() == before
+    assert SHARED.decode_steps._cache_size() == before

@@ -17,7 +17,7 @@ from conftest import tiny_config, tiny_model
 import tinyloop_jax as tl
 from tinyloop_jax.serving import MemoryBudgetError
 from tinyloop_jax.decoding.sampling import MAX_LOGIT_BIAS
-from tinyloop_jax.serving import step as S
+from tinyloop_jax.decoding import compiled
 from tinyloop_jax.serving.step import STOPS
 
 ENGINE = dict(max_batch=4, prefill_chunk=16)  # the shapes of test_serving: shared programs
@@ -190,11 +190,11 @@ def test_stats_is_safe_while_new_depths_arrive(model):
 
 # ---- a failed step -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("program", ["step", "admit", "load_entry"])
+@pytest.mark.parametrize("program", ["step", "admit", "load_segment"])
 def test_a_step_failing_after_dispatch_fails_its_rows_only(model, monkeypatch, program):
     """The program runs (its donated buffers are gone), then raises: the rows it served fail, the
     depth's pool and rows are made anew, and the next requests equal `generate`."""
-    real_programs, fired = S.programs, []
+    real_programs, fired = compiled.programs, []
 
     def programs():
         made = real_programs()
@@ -206,14 +206,14 @@ def test_a_step_failing_after_dispatch_fails_its_rows_only(model, monkeypatch, p
                 fired.append(True)
                 raise RuntimeError("injected failure")
             return out
-        return dict(made, **{program: once})
+        return compiled.Programs(made, **{program: once})
 
     rng = np.random.default_rng(7)
     system = rng.integers(0, 128, 40)
     store = tl.PrefixStore(model)
-    store.prefix_for(system)  # a store entry: loaded into pages (load_entry) by the first prompt on it
+    store.prefix_for(system)  # a store entry: loaded into pages (load_segment) by the first prompt on it
     prompts = [np.concatenate([system, [1, 2]]), rng.integers(0, 128, 12), rng.integers(0, 128, 40)]
-    monkeypatch.setattr(S, "programs", programs)
+    monkeypatch.setattr(compiled, "programs", programs)
     with tl.Engine(model, **ENGINE, store=store) as eng:
         first = [eng.submit(p, max_tokens=4) for p in prompts]
         outcomes = []
@@ -265,7 +265,7 @@ def test_warmup_of_every_kind_leaves_nothing_to_trace():
     (JAX's own trace events, counted by program name: a persistent compilation cache cannot hide
     one), and each equals `generate`; a draft pair it was not asked for traces its round."""
     model = tiny_model("fp32")
-    names = set(S.JIT_OPTIONS)
+    names = {fn.__name__ for fn, _ in compiled.JIT_OPTIONS.values()}  # (trace events name the function)
     traced = []
 
     def listen(event: str, secs: float, fun_name: str = "", **_) -> None:

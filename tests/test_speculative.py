@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import tinyloop_jax as tl
-from tinyloop_jax.decoding import programs as engine
+from tinyloop_jax.decoding.compiled import SHARED
 from tinyloop_jax.decoding import paged_decode, speculative
 from tinyloop_jax.model import paged
 from conftest import prompt_of
@@ -52,11 +52,13 @@ def test_pages_after_run_equal_plain_decoding_pages(models):
     for name in ("plain", "spec"):
         pool = paged_decode.load_prefix(w.params, cfg, paged_decode.empty_pool(cfg, 3, lay.n_pages), prefix.cache,
                                         16, lay)
-        args = (w.params, cfg, pool, paged.Rows(lay.tables, np.int32([16]), np.int32([1])),
-                engine.first_tokens(prefix.logits[None], prefix.seen[None], tl.Knobs.make(1, max_tokens=15)),
-                prefix.seen[None], tl.Knobs.make(1, max_tokens=15))
-        kw = dict(loops=3, window=0, out_len=16)
-        outs[name] = paged_decode.decode(*args, **kw, **({} if name == "plain" else dict(draft_loops=1, lookahead=3)))
+        req = tl.Knobs.make(1, max_tokens=15)
+        state = SHARED.requests_of(prefix.seen[None], req, d_model=cfg.d_model, dtype=cfg.compute_dtype)
+        fill = paged_decode.prefill(w.params, cfg, pool, state, lay.tables, 16, [np.zeros((0,), np.int32)],
+                                    prefix.logits, 3, 0)
+        kw = dict(draft_loops=1, lookahead=3) if name == "spec" else {}
+        outs[name] = paged_decode.decode(w.params, cfg, paged.Rows(lay.tables, np.int32([16]), np.int32([1])), fill,
+                                         req, 3, 0, 16, **kw)
     s1, s2 = outs["plain"], outs["spec"]
     assert int(s1.n[0]) == int(s2.n[0]) == 15 and np.array_equal(np.asarray(s1.tokens), np.asarray(s2.tokens))
     assert int(s2.accepted[0]) > 0  # drafts were kept (and some rejected: the pages were written twice)

@@ -39,6 +39,7 @@ from . import request as R
 from .prefix import PrefixCache
 from ..decoding import paged_decode, programs
 from ..decoding import step as St
+from ..decoding.compiled import SHARED
 from ..decoding.sampling import Knobs, SamplingParams
 from ..model import cache as kvc
 from ..model import paged
@@ -223,7 +224,7 @@ class Conversation:
         if not reuse:
             pool = paged_decode.empty_pool(c, self.loops, n_pages)
         elif kept.pool.n_pages < n_pages:  # a copy: the kept pool stays whole if the turn is abandoned
-            pool = _grow(kept.pool, n_pages)
+            pool = SHARED.grow(kept.pool, n_pages)
         else:
             pool = kept.pool  # donated: the turn writes only positions >= k, so an abandoned turn keeps it
         table = np.arange(pool.n_pages, dtype=np.int32)[None]
@@ -233,18 +234,18 @@ class Conversation:
         finished = False
         try:
             new = ids[k:]
-            tokens = jnp.asarray(F.pad(new, max(MIN_CHUNK, kvc.bucket(len(new)))))[None]
-            logits, live[0] = paged_decode.prefill(w.params, c, pool, paged.Rows(table, np.int32([k]),
-                                                                                 np.int32([len(new)])), tokens,
-                                                   jnp.zeros((c.vocab_size,), jnp.float32), loops=self.loops,
-                                                   window=0, exit=self._exit, seeds=req.seed)
+            state = SHARED.requests_of(seen, req, d_model=c.d_model, dtype=c.compute_dtype)
+            chunks = St.Chunks(paged.Rows(table, np.int32([k]), np.int32([len(new)])),
+                               F.pad(new, max(MIN_CHUNK, kvc.bucket(len(new))))[None], None, np.ones((1,), bool))
+            got, _, live[0], state = SHARED.step(w.params, c, pool, state, chunks, None, loops=self.loops,
+                                                 exit=self._exit)
 
             # the answer: the paged step under the on-device loop, in bursts (streamed between them)
             answer: list[int] = []
             text_so_far = Detokenizer(self.tokenizer, [])
             first = None
             stopped = False
-            for t, stopped in self._decode(ids, table, live, logits, seen, req, max_new):
+            for t, stopped in self._decode(ids, table, live, got, state, max_new):
                 answer.append(t)
                 if first is None:
                     first = time.perf_counter()
@@ -273,22 +274,21 @@ class Conversation:
                                finish_reason="stop" if stopped else "length", first_token_s=first - t0,
                                seconds=time.perf_counter() - t0))
 
-    def _decode(self, ids: np.ndarray, table: np.ndarray, live: list, logits, seen, req: Knobs,
+    def _decode(self, ids: np.ndarray, table: np.ndarray, live: list, first: St.Emitted, state: St.Requests,
                 max_new: int) -> Iterator[tuple[int, bool]]:
         """The answer's tokens, each with whether it ends a stop sequence (an end-of-turn token),
         a burst of `BURST` at a time: the step body's `decode_steps` over the pool live[0] (kept
-        there after each burst), stopping on the device at a stop or at max_new."""
+        there after each burst), stopping on the device at a stop or at max_new. first: the
+        prompt's step's token, state its request row."""
         w, c = self.model.weights, self.model.weights.config
-        first = programs.first_tokens(logits, seen, req)
-        state, stop = paged_decode.requests_of(seen, first, req, d_model=c.d_model, dtype=c.compute_dtype)
-        t, stopped, emitted = int(first[0]), int(stop[0]) >= 0, 1
+        t, stopped, emitted = int(first.tokens[0]), int(first.stops[0]) >= 0, 1
         yield t, stopped
         while not stopped and emitted < max_new:
             k = min(BURST, max_new - emitted)
             rows = paged.Rows(table, np.int32([len(ids) + emitted - 1]), np.int32([1]))
             decodes = St.Decodes(rows, None, np.int32([emitted]), np.int32([k]))
-            got, live[0], state = paged_decode.decode_burst(w.params, c, live[0], state, decodes, np.int32(k),
-                                                            loops=self.loops, n_max=BURST, exit=self._exit)
+            got, live[0], state = SHARED.decode_steps(w.params, c, live[0], state, decodes, np.int32(k),
+                                                      loops=self.loops, n_max=BURST, exit=self._exit)
             for t, s in zip(np.asarray(got.out.tokens[0]).tolist(), np.asarray(got.out.stops[0]).tolist()):
                 if t < 0:
                     break
@@ -304,15 +304,12 @@ class Conversation:
         seed = int(self.params.seed)
         if kept.pool.kv_mode != c.storage:
             return F.build_prefix(w, tokens, self.loops, exit=self._exit, seed=seed)
-        seg = _to_segment(kept.pool, jnp.arange(kept.pool.n_pages, dtype=jnp.int32), jnp.int32(kept.fed),
-                          capacity=kvc.bucket(n))
+        seg = SHARED.to_segment(kept.pool, jnp.arange(kept.pool.n_pages, dtype=jnp.int32), jnp.int32(kept.fed),
+                                capacity=kvc.bucket(n))
         seen = jnp.asarray(programs.token_mask([tokens], c.vocab_size)[0])
-        fill = programs.prefill_prefix(w.params, c, jnp.asarray(F.pad(tokens[kept.fed:])), jnp.int32(1),
-                                       jnp.int32(kept.fed), seen, seg, loops=self.loops, window=0, keep_state=False,
-                                       exit=self._exit, seed=jnp.uint32(seed))
+        fill = programs.prefill(w.params, c, jnp.asarray(F.pad(tokens[kept.fed:])), jnp.int32(1), jnp.int32(kept.fed),
+                                (), seg, loops=self.loops, window=0, exit=self._exit, seed=jnp.uint32(seed),
+                                keep_states=True)
         return PrefixCache(cache=fill.own, prompt=tokens, loops=self.loops, cache_window=0, logits=fill.logits,
                            seen=seen, depth_states=fill.depth_states, weights=w, seed=seed)
 
-
-_grow = jax.jit(paged.grow, static_argnames=("n_pages",))
-_to_segment = jax.jit(paged.to_segment, static_argnames=("capacity",))

@@ -27,6 +27,7 @@ import numpy as np
 from ..model import adaptive as ad
 from ..model import cache as kvc
 from ..decoding import paged_decode, programs
+from ..decoding.compiled import SHARED
 from ..model import paged, sharding
 from ..model.cache import KVCache
 from ..decoding.paged_decode import Decoded
@@ -84,21 +85,23 @@ def prefill(weights: Weights, tokens, cache: KVCache, ro: tuple = (), start_pos:
     start = cache.length if start_pos is None else jnp.int32(start_pos)
     if c.block == "gpt2":  # learned positions: the host needs the start (one read of cache.length)
         c.check_positions(int(start) + len(tokens), "the chunk")
-    return programs.prefill(weights.params, c, jnp.asarray(pad(tokens)), jnp.int32(len(tokens)), start, tuple(ro),
-                            cache, loops=c.default_loops if loops is None else loops, window=cache_window, exit=exit,
-                            seed=jnp.uint32(seed))
+    out = programs.prefill(weights.params, c, jnp.asarray(pad(tokens)), jnp.int32(len(tokens)), start, tuple(ro),
+                           cache, loops=c.default_loops if loops is None else loops, window=cache_window, exit=exit,
+                           seed=jnp.uint32(seed))
+    return out.logits, out.own
 
 
 def decode_step(weights: Weights, token: int, cache: KVCache, ro: tuple = (), loops: int | None = None,
                 cache_window: int = 0, exit: Exit | None = None, seed: int = 0) -> tuple[jax.Array, KVCache]:
-    """One token at position cache.length, by the decode path of the generate loops (see
-    `programs.decode_token`). Returns (next-token logits [V], new cache); `cache` is donated."""
+    """One token at position cache.length (a chunk of one, `programs.prefill`). Returns
+    (next-token logits [V], new cache); `cache` is donated."""
     c = weights.config
     if c.block == "gpt2":
         c.check_positions(int(cache.length) + 1, "the token")
-    return programs.decode_token(weights.params, c, jnp.int32(token), tuple(ro), cache,
-                                 loops=c.default_loops if loops is None else loops, window=cache_window, exit=exit,
-                                 seed=jnp.uint32(seed))
+    out = programs.prefill(weights.params, c, jnp.int32([token]), jnp.int32(1), cache.length, tuple(ro), cache,
+                           loops=c.default_loops if loops is None else loops, window=cache_window, exit=exit,
+                           seed=jnp.uint32(seed))
+    return out.logits, out.own
 
 
 # ---- prefixes --------------------------------------------------------------------------------
@@ -131,10 +134,9 @@ def build_prefix(weights: Weights, prompt, loops: int | None = None, cache_windo
     own, at = (own, 0) if keep_state else _prefill_head(weights, prompt, 0, own, loops, cache_window, seed)
     tokens, n = jnp.asarray(pad(prompt[at:])), jnp.int32(len(prompt) - at)
     seen = jnp.asarray(programs.token_mask([prompt], weights.config.vocab_size)[0])
-    out = programs.prefill_prefix(weights.params, weights.config, tokens, n, jnp.int32(at), seen, own, loops=loops,
-                                  window=cache_window, keep_state=keep_state, exit=exit, seed=jnp.uint32(seed))
-    return _wrap(weights, out.own, prompt, loops, cache_window, out.logits, out.seen, out.depth_states, out.state,
-                 seed)
+    out = programs.prefill(weights.params, weights.config, tokens, n, jnp.int32(at), (), own, loops=loops,
+                           window=cache_window, exit=exit, seed=jnp.uint32(seed), keep_states=True, keep_x=keep_state)
+    return _wrap(weights, out.own, prompt, loops, cache_window, out.logits, seen, out.depth_states, out.x, seed)
 
 
 # A long prompt's dense prefill runs in chunks of this many tokens: attention's [T, T] scores of one
@@ -149,9 +151,8 @@ def _prefill_head(weights: Weights, prompt: np.ndarray, start: int, own: KVCache
     positions, a chunk at a time. Returns (own, where the rest begins)."""
     c, end = weights.config, start + (len(prompt) - start - 1) // PREFILL_CHUNK * PREFILL_CHUNK
     for at in range(start, end, PREFILL_CHUNK):
-        _, own = programs.prefill(weights.params, c, jnp.asarray(prompt[at:at + PREFILL_CHUNK]),
-                                  jnp.int32(PREFILL_CHUNK), jnp.int32(at), (), own, loops=loops, window=window,
-                                  seed=jnp.uint32(seed))
+        own = programs.prefill(weights.params, c, jnp.asarray(prompt[at:at + PREFILL_CHUNK]), jnp.int32(PREFILL_CHUNK),
+                               jnp.int32(at), (), own, loops=loops, window=window, seed=jnp.uint32(seed)).own
     return own, end
 
 
@@ -168,11 +169,11 @@ def extend_prefix(source: PrefixCache, k: int, prompt, exit: Exit | None = None)
     own = programs.copy_prefix(source.cache, jnp.int32(k), capacity=kvc.segment_capacity(len(prompt), window),
                                passes=loops, rings=rings, ring_capacity=ring)
     own, k = _prefill_head(w, prompt, k, own, loops, window, source.seed)
-    out = programs.prefill_prefix(w.params, w.config, jnp.asarray(pad(prompt[k:])), jnp.int32(len(prompt) - k),
-                                  jnp.int32(k), jnp.asarray(programs.token_mask([prompt], w.config.vocab_size)[0]),
-                                  own, loops=loops, window=window, keep_state=False, exit=exit,
-                                  seed=jnp.uint32(source.seed))
-    return _wrap(w, out.own, prompt, loops, window, out.logits, out.seen, out.depth_states, seed=source.seed)
+    out = programs.prefill(w.params, w.config, jnp.asarray(pad(prompt[k:])), jnp.int32(len(prompt) - k), jnp.int32(k),
+                           (), own, loops=loops, window=window, exit=exit, seed=jnp.uint32(source.seed),
+                           keep_states=True)
+    seen = jnp.asarray(programs.token_mask([prompt], w.config.vocab_size)[0])
+    return _wrap(w, out.own, prompt, loops, window, out.logits, seen, out.depth_states, seed=source.seed)
 
 
 # ---- decoding --------------------------------------------------------------------------------
@@ -214,31 +215,29 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
     if prefix is not None and c.early_exit_gate:  # the prefix's logits with this call's exit
         prior_logits = programs.prefix_logits(weights.params, c, prefix.depth_states, loops=loops, exit=exit)
     prior_seen = prefix.seen if prefix is not None else jnp.zeros((c.vocab_size,), bool)
-    if adaptive is not None:
-        return decode_adaptive(weights, prefix, suffixes, request, loops, window, prior_logits, prior_seen, lens,
-                               adaptive)
-    lay = call_layout(c, P, int(lens.max()), max_new, N, speculation)
+    if adaptive is None:
+        lay = call_layout(c, P, int(lens.max()), max_new, N, speculation)
+        pol = warm = windows = None
+    else:
+        lay = paged_decode.layout(P, int(lens.max()) + max_new, N)
+        pol, windows = adaptive.policy, np.full((N,), window, np.int32) if window else None
+        warm = (prefix.depth_states[c.n_pre_blocks + loops - 1] if prefix is not None
+                else jnp.zeros((c.d_model,), c.compute_dtype))  # the loop state a prompt starts from
     pool = paged_decode.empty_pool(c, loops, lay.n_pages, lay)
     if prefix is not None:
         pool = paged_decode.load_prefix(weights.params, c, pool, prefix.cache, P, lay)
     seen = jnp.asarray(programs.token_mask(suffixes, c.vocab_size)) | prior_seen
-    logits = jnp.broadcast_to(prior_logits, (N, c.vocab_size))
-    step = PREFILL_CHUNK if lay.slot_of is not None else max(int(lens.max()), 1)  # (a ring: chunks it holds)
-    for at in range(0, int(lens.max()), step):
-        n_new = np.clip(lens - at, 0, step).astype(np.int32)
-        tokens = np.stack([pad(s[at:at + step], kvc.bucket(int(n_new.max()))) for s in suffixes])
-        rows = paged.Rows(lay.tables, np.full((N,), P + at, np.int32), n_new)
-        logits, pool = paged_decode.prefill(weights.params, c, pool, rows, jnp.asarray(tokens),
-                                            prior_logits if at == 0 else logits, loops=loops, window=window,
-                                            exit=exit, seeds=request.seed)
-    rows = paged.Rows(lay.tables, P + lens, np.ones((N,), np.int32))  # where each first emitted token is fed
-    args = (weights.params, c, pool, rows, programs.first_tokens(logits, seen, request), seen, request)
+    state = SHARED.requests_of(seen, request, d_model=c.d_model, dtype=c.compute_dtype, pol=pol, warm=warm)
+    chunk = PREFILL_CHUNK if lay.slot_of is not None else 0  # (a ring: chunks it holds)
+    fill = paged_decode.prefill(weights.params, c, pool, state, lay.tables, P, suffixes, prior_logits, loops,
+                                0 if windows is not None else window, exit, chunk, adaptive=adaptive is not None,
+                                exits=adaptive is not None and adaptive.in_prefill, windows=windows)
+    rows = paged.Rows(lay.tables, P + lens, np.ones((N,), np.int32), windows)  # where each first token is fed
     # the output buffer in the own segment's buckets (16 and up): calls that differ only in a
     # max_tokens of 16 or less share one program (it was 8 and 16, one compile each)
-    kw = dict(loops=loops, window=window, out_len=kvc.bucket(max_new), exit=exit)
-    if speculation is not None:
-        kw.update(draft_loops=speculation.draft_loops, lookahead=speculation.lookahead)
-    return paged_decode.decode(*args, **kw)
+    spec = dict(draft_loops=speculation.draft_loops, lookahead=speculation.lookahead) if speculation else {}
+    return paged_decode.decode(weights.params, c, rows, fill, request, loops, 0 if windows is not None else window,
+                               kvc.bucket(max_new), exit, **spec)
 
 
 def call_layout(c, prefix_len: int, longest: int, max_new: int, n_rows: int,
@@ -250,37 +249,6 @@ def call_layout(c, prefix_len: int, longest: int, max_new: int, n_rows: int,
     window = paged.local_window(c)
     step = max(min(longest, PREFILL_CHUNK), speculation.lookahead + 1 if speculation is not None else 1)
     return paged_decode.layout(prefix_len, room, n_rows, window=window, step=step)
-
-
-def decode_adaptive(weights: Weights, prefix: PrefixCache | None, suffixes: list, request: Knobs, loops: int,
-                    window: int, prior_logits, prior_seen, lens: np.ndarray, adaptive: Adaptive) -> Decoded:
-    """`decode`'s adaptive-depth path: the call's pages (the prefix loaded as in `decode`), the
-    suffixes prefilled as one group of chunks (at full depth unless `adaptive.in_prefill`, where
-    a chunk exits as a whole), then the adaptive decode loop (`paged_decode.decode` with pol)."""
-    c, N = weights.config, len(suffixes)
-    P, max_new = 0 if prefix is None else len(prefix), int(np.max(request.max_tokens))
-    lay = paged_decode.layout(P, int(lens.max()) + max_new, N)
-    pool = paged_decode.empty_pool(c, loops, lay.n_pages)
-    if prefix is not None:
-        pool = paged_decode.load_prefix(weights.params, c, pool, prefix.cache, P, lay)
-    windows = np.full((N,), window, np.int32) if window else None
-    seen = jnp.asarray(programs.token_mask(suffixes, c.vocab_size)) | prior_seen
-    prior_depth = jnp.int32(loops)
-    prior_state = (prefix.depth_states[c.n_pre_blocks + loops - 1] if prefix is not None
-                   else jnp.zeros((c.d_model,), c.compute_dtype))
-    if lens.max() > 0:
-        pol = adaptive.policy if adaptive.in_prefill else ad.Policy.stack([ad.make_policy(c, loops, None)] * N)
-        tokens = np.stack([pad(s, kvc.bucket(int(lens.max()))) for s in suffixes])
-        logits, pool, depth, state = paged_decode.prefill_adaptive(
-            weights.params, c, pool, paged.Rows(lay.tables, np.full((N,), P, np.int32), lens, windows),
-            jnp.asarray(tokens), prior_logits, prior_depth, prior_state, pol, request.seed, loops=loops)
-    else:
-        logits = jnp.broadcast_to(prior_logits, (N, c.vocab_size))
-        depth, state = jnp.full((N,), loops, jnp.int32), jnp.broadcast_to(prior_state, (N, c.d_model))
-    first = programs.first_tokens(logits, seen, request)
-    rows = paged.Rows(lay.tables, P + lens, np.ones((N,), np.int32), windows)
-    return paged_decode.decode(weights.params, c, pool, rows, first, seen, request, loops=loops, window=0,
-                               out_len=kvc.bucket(max_new), pol=adaptive.policy, first_depth=depth, warm=state)
 
 
 def generate(weights: Weights, prompts: list, request: Knobs, loops: int | None = None, cache_window: int = 0,

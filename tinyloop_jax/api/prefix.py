@@ -132,8 +132,11 @@ def prefix_at_depth(prefix: PrefixCache, loops: int, exit: Exit | None = None) -
     extra = loops - prefix.cache.passes
     own = kvc.empty(c.kv_mode, 0, extra, c.n_kv_heads, prefix.cache.capacity, c.head_dim,
                     loop_blocks=c.loop_blocks, d_model=c.d_model, n_post=c.n_post_blocks, mesh=c.mesh)
-    logits, own, state, states = programs.continue_depth(w.params, c, prefix.state, jnp.int32(len(prefix)), own,
-                                                         loops=extra, window=prefix.cache_window)
+    # the extra passes from the stream after the last one, nothing before them re-run (the coda,
+    # if any, runs again at the new depth into own's coda layers)
+    out = programs.prefill(w.params, c, prefix.state, jnp.int32(len(prefix)), jnp.int32(0), (), own, loops=extra,
+                           window=prefix.cache_window, keep_states=True, keep_x=True)
+    logits, own, state, states = out.logits, out.own, out.x, out.depth_states
     states = jnp.concatenate([prefix.depth_states, states])
     if c.early_exit_gate:
         logits = programs.prefix_logits(w.params, c, states, loops=loops, exit=exit)

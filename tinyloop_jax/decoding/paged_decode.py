@@ -1,12 +1,14 @@
-"""The `Model` path on pages: one call's prefix, prompts and outputs in a page pool, decoded by
-the engine's step (`model.paged.forward`) under an on-device loop.
+"""The `Model` path on pages: one call's prefix, prompts and outputs in a page pool, run by the
+engine's programs (`compiled.SHARED`: the step body of `step.py`) over the call's rows in order.
 
     a call      N rows; row i = the prefix (shared, or none) + suffix i + up to max_tokens tokens
     its pages   the prefix's full pages once, shared by every row's table; then each row's own
                 pages (the prefix's partial last page copied into each row's first: rows write
                 after it); the pool holds nothing else and lives for the call
-    prefill     the suffixes as one group of prompt chunks [N, T] (`prefill`; with adaptive depth
-                `prefill_adaptive`, each chunk exiting as a whole or running every pass)
+    rows        the call's request rows (`step.requests_of`: knobs, seen tokens, exit rules)
+    prefill     the suffixes as the step's chunk group [N, T] (`prefill`: `step.step`, or with
+                exit_in_prefill `step.chunk_adaptive`, each prompt exiting as a whole); each
+                row's first token chosen in the step that ends its prompt
     decode      `decode`: the engine's step body's `step.decode_steps` over the call's rows in
                 order, one `lax.while_loop` of decode steps [N, 1] (plain or adaptive) or of
                 speculative rounds, stops and max_tokens on the device
@@ -23,21 +25,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Annotated
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
-from ..model import adaptive as ad
 from ..model import cache as kvc
 from ..model import paged
-from ..model import paged_adaptive as pa
 from ..model import transformer as tf
 from ..model.config import ModelConfig
 from ..model.params import Params
 from . import step as St
+from .compiled import SHARED
 from .programs import materialize
 from .sampling import Knobs
 
@@ -94,19 +94,14 @@ def pool_nbytes(cfg: ModelConfig, loops: int, lay: Layout) -> int:
     return size(lay.n_pages, cfg.n_cache_layers(loops) - local) + size(lay.n_local, local)
 
 
-_empty = jax.jit(paged.empty, static_argnums=(0, 1, 2, 3, 4, 5))
-
-
 def empty_pool(cfg: ModelConfig, loops: int, n_pages: int, lay: Layout | None = None) -> paged.PagedKV:
     """A call's pool, in the model's working mode: an h mode's call holds float32 K/V (rebuilt
     from h once, when the prefix is loaded, not at every step; as the model stores them); with
     a layout's local slots, its local layers in them."""
     if lay is None or lay.slot_of is None:
-        return _empty(cfg, loops, n_pages, paged.PAGE_SIZE, cfg.storage.working)
-    pool = _empty(cfg, loops, n_pages, paged.PAGE_SIZE, cfg.storage.working, lay.n_local)
+        return SHARED.empty_pool(cfg, loops, n_pages, paged.PAGE_SIZE, cfg.storage.working, None)
+    pool = SHARED.empty_pool(cfg, loops, n_pages, paged.PAGE_SIZE, cfg.storage.working, lay.n_local)
     return pool.replace(slot_of=jnp.asarray(lay.slot_of))
-load_segment = jax.jit(paged.load_segment, donate_argnames=("pool",))
-copy_pages = jax.jit(paged.copy_pages, donate_argnames=("pool",))
 
 
 def load_prefix(params: Params, cfg: ModelConfig, pool: paged.PagedKV, seg, prefix_len: int,
@@ -116,82 +111,124 @@ def load_prefix(params: Params, cfg: ModelConfig, pool: paged.PagedKV, seg, pref
     mode than the pool's (h) is rebuilt into it first (`programs.materialize`)."""
     if seg.kv_mode != pool.kv_mode:
         seg = materialize(params, cfg, seg, passes=pool.passes)
-    pool = load_segment(pool, seg, jnp.asarray(lay.tables[0]), jnp.int32(0), jnp.int32(prefix_len))
+    pool = SHARED.load_segment(pool, seg, jnp.asarray(lay.tables[0]), jnp.int32(0), jnp.int32(prefix_len))
     rows = lay.tables.shape[0]
     if prefix_len % pool.page_size and rows > 1:
         src = np.full((rows - 1,), lay.tables[0, lay.shared], np.int32)
-        pool = copy_pages(pool, jnp.asarray(src), jnp.asarray(lay.tables[1:, lay.shared]))
+        pool = SHARED.copy_pages(pool, jnp.asarray(src), jnp.asarray(lay.tables[1:, lay.shared]))
     return pool
 
 
-@partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("pool",))
-def prefill(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, tokens: jax.Array,
-            prior_logits: jax.Array, loops: int, window: int, exit: tf.Exit | None = None,
-            seeds: jax.Array | None = None):
-    """N rows' suffixes tokens [N, T] (row i's first rows.n_new[i] real, possibly none) at
-    rows.start into their pages. Returns (next-token logits [N, V]; prior_logits [V], what the
-    prefix ends with, for empty rows; the pool)."""
-    x, pool = paged.forward(params, cfg, pool, rows, tokens, loops, window, exit, seeds)
-    logits = paged.last_logits(params, cfg, x, rows)
-    return jnp.where((rows.n_new > 0)[:, None], logits, prior_logits), pool
+class Prefilled(NamedTuple):
+    """What `prefill` returns: each row's first token and the stop sequence it ends (-1: none),
+    the passes its prompt ran (None: every pass), the pool and the request rows."""
+    first: jax.Array
+    stop: jax.Array
+    depth: jax.Array | None
+    pool: paged.PagedKV
+    state: St.Requests
 
 
-@partial(jax.jit, static_argnames=("cfg", "loops"), donate_argnames=("pool",))
-def prefill_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, tokens: jax.Array,
-                     prior_logits: jax.Array, prior_depth: jax.Array, prior_state: jax.Array, pol: ad.Policy,
-                     seeds: jax.Array, loops: int):
-    """`prefill` with adaptive depth (`model.paged_adaptive.forward`; pol [N], kind NONE: every
-    pass; a chunk exits as a whole). Returns (logits [N, V], the pool, each row's depth [N] and
-    last state [N, D]); empty rows take what the prefix ends with (prior_logits [V], prior_depth
-    [], prior_state [D])."""
-    out = pa.forward(params, cfg, pool, rows, tokens, loops, pol, seeds)
-    has = rows.n_new > 0
-    return (jnp.where(has[:, None], out.logits, prior_logits), out.pool, jnp.where(has, out.depth, prior_depth),
-            jnp.where(has[:, None], out.state, prior_state.astype(out.state.dtype)))
+def prefill(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: St.Requests, tables: np.ndarray,
+            prefix_len: int, suffixes: list, prior_logits: jax.Array, loops: int, window: int,
+            exit: tf.Exit | None = None, chunk: int = 0, adaptive: bool = False, exits: bool = False,
+            windows: np.ndarray | None = None) -> Prefilled:
+    """N rows' suffixes (row i's prompt after the shared prefix_len positions; possibly empty)
+    into their pages (tables [N, R]) by the step's chunk group over the call's rows in order,
+    `chunk` tokens of each a step (0: each whole); their first tokens chosen in the step that
+    ends them (a row with no suffix: from the prefix's prior_logits [V]). adaptive: the passes
+    each prompt ran are kept (every pass, or with `exits` each prompt one chunk exiting as a
+    whole at its row's exit rule, `step.chunk_adaptive`); windows [N]: each row's cache_window."""
+    N = len(suffixes)
+    lens = np.array([len(x) for x in suffixes], np.int32)
+    first = stop = None
+    depth = jnp.full((N,), loops, jnp.int32) if adaptive else None
+    if (lens == 0).any():  # the prefix alone: its logits choose
+        got, state = SHARED.start_rows(state, None, jnp.broadcast_to(prior_logits, (N, cfg.vocab_size)),
+                                       jnp.asarray(lens == 0))
+        first, stop = got.tokens, got.stops
+    step = max(int(lens.max()), 1) if exits or not chunk else chunk
+    for at in range(0, int(lens.max()), step):
+        n_new = np.clip(lens - at, 0, step).astype(np.int32)
+        final = (lens > at) & (lens <= at + step)
+        tokens = np.zeros((N, kvc.bucket(int(n_new.max()))), np.int32)
+        for i, x in enumerate(suffixes):
+            tokens[i, :n_new[i]] = x[at:at + n_new[i]]
+        chunks = St.Chunks(paged.Rows(tables, np.full((N,), prefix_len + at, np.int32), n_new, windows), tokens, None,
+                           final)
+        if exits:
+            got, d, pool, state = SHARED.chunk_adaptive(params, cfg, pool, state, chunks, loops=loops)
+            depth = jnp.where(jnp.asarray(final), d, depth)
+        else:
+            got, _, pool, state = SHARED.step(params, cfg, pool, state, chunks, None, loops=loops, exit=exit,
+                                              window=window)
+        live = jnp.asarray(final)
+        first = got.tokens if first is None else jnp.where(live, got.tokens, first)
+        stop = got.stops if stop is None else jnp.where(live, got.stops, stop)
+    return Prefilled(first, stop, depth, pool, state)
 
 
-@struct.dataclass
+@dataclass(frozen=True)
 class Decoded:
-    """What `decode` returns: row i emitted tokens[i, :n[i]]."""
+    """What `decode` returns: row i emitted tokens[i, :n[i]] (on the device)."""
 
-    tokens: Annotated[jax.Array, "int32[N, S]"]  # the first token, then the loop's; -1 past each row's end
-    n: Annotated[jax.Array, "int32[N]"]
-    passes: Annotated[jax.Array, "int32[N, S]"] | None  # adaptive depth: the passes each token ran
-    rounds: Annotated[jax.Array, "int32[]"]  # the loop's iterations (speculative: rounds)
-    accepted: Annotated[jax.Array, "int32[N]"]  # speculative: drafts kept
+    first: jax.Array  # [N] the prompts' tokens
+    burst: St.Burst  # the loop's
+    first_depth: jax.Array | None  # [N] adaptive depth: the passes the prompts ran
     pool: paged.PagedKV  # the call's pages after it
 
+    @property
+    def tokens(self) -> jax.Array:  # [N, S], -1 past each row's end
+        return jnp.concatenate([self.first[:, None], self.burst.out.tokens], axis=1)
 
-@partial(jax.jit, static_argnames=("cfg", "loops", "window", "out_len", "draft_loops", "lookahead"),
-         donate_argnames=("pool",))
-def decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, first: jax.Array,
-           seen: jax.Array, req: Knobs, loops: int, window: int, out_len: int, exit: tf.Exit | None = None,
-           draft_loops: int = 0, lookahead: int = 0, pol: ad.Policy | None = None, first_depth: jax.Array | None = None,
-           warm: jax.Array | None = None) -> Decoded:
+    @property
+    def n(self) -> jax.Array:
+        return 1 + self.burst.n
+
+    @property
+    def passes(self) -> jax.Array | None:  # [N, S] adaptive depth: the passes each token ran
+        if self.burst.passes is None:
+            return None
+        return jnp.concatenate([self.first_depth[:, None], self.burst.passes], axis=1)
+
+    @property
+    def rounds(self) -> jax.Array:  # the loop's iterations (speculative: rounds)
+        return self.burst.rounds
+
+    @property
+    def accepted(self) -> jax.Array:  # speculative: drafts kept [N]
+        return self.burst.accepted
+
+
+def decode(params: Params, cfg: ModelConfig, rows: paged.Rows, fill: Prefilled, req: Knobs, loops: int, window: int,
+           out_len: int, exit: tf.Exit | None = None, draft_loops: int = 0, lookahead: int = 0) -> Decoded:
     """Emit up to req.max_tokens (<= out_len) tokens for each of N rows by the engine's step body
-    (`step.decode_steps`, one `lax.while_loop` on the device, over the call's rows in order). rows:
-    page tables [N, R], start [N] the position each row's first emitted token is fed at; first
-    [N]: those tokens (`programs.first_tokens`); seen [N, V]: each row's prompt. Token i is
-    chosen from the logits token i - 1 produced (n tokens cost n - 1 steps); the loop ends when
-    every row is done.
-
-    lookahead > 0: in rounds of self-speculative decoding (`lookahead` drafts at `draft_loops`;
-    the rows' pages need room for lookahead + 1 positions past the last emitted token). pol [N]:
-    adaptive depth, each step's passes stopping at each row's exit (first_depth [N], warm [N, D]:
-    the prompts' passes and last states; rows.window each row's cache_window)."""
-    N = first.shape[0]
-    state, stop = St.requests_of(seen, first, req, cfg.d_model, cfg.compute_dtype, pol, warm)
-    decodes = St.Decodes(rows, None, jnp.ones((N,), jnp.int32), jnp.where(stop >= 0, 0, req.max_tokens - 1))
+    (`step.decode_steps`, one `lax.while_loop` on the device, over the call's rows in order).
+    rows: page tables [N, R], start [N] the position each row's first token (fill.first) is fed
+    at. Token i is chosen from the logits token i - 1 produced (n tokens cost n - 1 steps); the
+    loop ends when every row is done. lookahead > 0: rounds of self-speculative decoding
+    (`lookahead` drafts at `draft_loops`; the pages need room for lookahead + 1 positions past
+    the last emitted token). fill.depth not None (the prompts' passes): adaptive depth, each
+    step's passes stopping at each row's exit rule (`state.pol`)."""
+    N = rows.start.shape[0]
+    left = jnp.where(fill.stop >= 0, 0, jnp.asarray(req.max_tokens) - 1)
+    decodes = St.Decodes(rows, None, np.ones((N,), np.int32), left)
     n_max = max(out_len - 1, 1)
-    got, pool, state = St.decode_steps(params, cfg, pool, state, decodes, jnp.int32(n_max), loops, n_max, exit,
-                                       window, adaptive=pol is not None, draft_loops=draft_loops, lookahead=lookahead)
-    tokens = jnp.concatenate([first[:, None], got.out.tokens[:, :out_len - 1]], axis=1)
-    passes = None if pol is None else jnp.concatenate([first_depth[:, None], got.passes[:, :out_len - 1]], axis=1)
-    return Decoded(tokens, 1 + got.n, passes, got.rounds, got.accepted, pool)
+    got, pool, _ = SHARED.decode_steps(params, cfg, fill.pool, fill.state, decodes, np.int32(n_max), loops=loops,
+                                       n_max=n_max, exit=exit, window=window, adaptive=fill.depth is not None,
+                                       draft_loops=draft_loops, lookahead=lookahead)
+    return Decoded(fill.first, got, fill.depth, pool)
 
 
-# a call's rows as request rows, and bursts of the step body over them (`Conversation`: the
-# host streams each burst's tokens, then asks for the next)
-requests_of = jax.jit(St.requests_of, static_argnames=("d_model", "dtype"))
-decode_burst = jax.jit(St.decode_steps, static_argnames=("cfg", "loops", "n_max", "window"),
-                       donate_argnames=("pool", "state"))
+def lower_decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, req: Knobs, loops: int,
+                 out_len: int, window: int = 0, exit: tf.Exit | None = None, **kind) -> jax.stages.Lowered:
+    """The program `decode` runs for N rows of these shapes (kind: `adaptive`, or `draft_loops`
+    and `lookahead`), lowered, not run: for XLA's memory analysis and its collectives. Arrays
+    may be abstract (`jax.ShapeDtypeStruct`, with shardings)."""
+    N = rows.start.shape[0]
+    seen = jax.ShapeDtypeStruct((N, cfg.vocab_size), jnp.bool_)
+    state = jax.eval_shape(partial(St.requests_of, d_model=cfg.d_model, dtype=cfg.compute_dtype), seen, req)
+    decodes = St.Decodes(rows, None, np.ones((N,), np.int32), np.asarray(req.max_tokens) - 1)
+    n_max = max(out_len - 1, 1)
+    return SHARED.decode_steps.lower(params, cfg, pool, state, decodes, np.int32(n_max), loops=loops, n_max=n_max,
+                                     exit=exit, window=window, **kind)

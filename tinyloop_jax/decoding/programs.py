@@ -1,5 +1,5 @@
 """Jitted programs over dense segments: chunked prefill (prefixes), scoring, the prefix
-operations; and the first token of a decode loop (`first_tokens`).
+operations.
 
 Programs take the segment they write (`own`) as a donated argument, so XLA updates its buffers
 in place; read-only segments (`ro`, a shared prefix) are plain arguments and never written.
@@ -22,7 +22,6 @@ from ..model import transformer as tf
 from ..model.cache import KVCache
 from ..model.config import ModelConfig
 from ..model.params import Params
-from .sampling import Knobs, select_tokens
 
 
 def token_mask(rows, vocab_size: int) -> np.ndarray:
@@ -37,24 +36,30 @@ def token_mask(rows, vocab_size: int) -> np.ndarray:
 
 # ---- prefill ---------------------------------------------------------------------------------
 
-@partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("own",))
+class Fill(NamedTuple):
+    """What `prefill` returns."""
+    logits: Annotated[jax.Array, "float32[V]"]  # next-token logits after the last real token (the exit's pick)
+    own: KVCache  # the segment with the chunk written
+    depth_states: Annotated[jax.Array, "[n_pre + loops, D]"] | None  # the last token's stream after each pre block
+    # and pass (keep_states)
+    x: Annotated[jax.Array, "[T, D]"] | None  # every position's stream after the last pass (keep_x)
+
+
+@partial(jax.jit, static_argnames=("cfg", "loops", "window", "keep_states", "keep_x"), donate_argnames=("own",))
 def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
             ro: tuple, own: KVCache, loops: int, window: int, exit: tf.Exit | None = None,
-            seed: jax.Array | None = None):
-    """Append tokens[:n_valid] (tokens [T] int32, bucket-padded) to one segment `own` at absolute
-    positions start_pos + i. Returns (next-token logits [V] after the last real token, new own)."""
-    x, own = tf.forward(params, cfg, tokens, n_valid, start_pos, ro, own, loops, window, exit, seed)
-    return tf.last_logits(params, cfg, x, n_valid), own
-
-
-@partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("own",))
-def decode_token(params: Params, cfg: ModelConfig, token: jax.Array, ro: tuple, own: KVCache, loops: int, window: int,
-                 exit: tf.Exit | None = None, seed: jax.Array | None = None):
-    """One token (token [] int32) at position own.length of one segment, by the decode path that
-    every step of `decode` takes (a chunk of T = 1: written into the cache, then attended to).
-    Returns (next-token logits [V], new own)."""
-    x, own = tf.forward(params, cfg, token[None], jnp.int32(1), own.length, ro, own, loops, window, exit, seed)
-    return tf.lm_head(params, cfg, x[0]), own
+            seed: jax.Array | None = None, keep_states: bool = False, keep_x: bool = False) -> Fill:
+    """Append a chunk (its first n_valid real, the rest bucket padding) to one segment `own` at
+    absolute positions start_pos + i, attending also to the read-only segments `ro` (a prefix):
+    tokens [T] int32, embedded here; or a stream [T, D] entering the first pass (own holding no
+    pre layers: more passes of a prompt whose stream after its last pass that is, `Fill.x`).
+    keep_states: the last token's stream after each pre block and pass; keep_x: every
+    position's after the last pass. One token is a chunk of T = 1 (`functional.decode_step`)."""
+    x0 = tf.embed(params, tokens, start_pos, cfg) if jnp.issubdtype(tokens.dtype, jnp.integer) else tokens
+    out = tf.run_layers(params, cfg, x0, n_valid, start_pos, ro, own, loops, window, keep_states=keep_states,
+                        exit=exit, seed=seed)
+    return Fill(tf.last_logits(params, cfg, out.exit_x, n_valid), out.own, out.states if keep_states else None,
+                out.x if keep_x else None)
 
 
 class Scores(NamedTuple):
@@ -96,54 +101,7 @@ def score(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Arra
     return Scores(shift(chosen), shift(top_ids), shift(top_lp))
 
 
-class PrefixFill(NamedTuple):
-    """What `prefill_prefix` returns."""
-    logits: Annotated[jax.Array, "float32[V]"]  # next-token logits after the prompt's last token
-    seen: Annotated[jax.Array, "bool[V]"]  # the prompt's tokens (the repetition penalty's start)
-    own: KVCache  # the segment with the chunk written
-    depth_states: Annotated[jax.Array, "[n_pre + loops, D]"]  # the last token's stream after each pre block, pass
-    state: Annotated[jax.Array, "[T, D]"] | None  # every position's stream after the last pass (keep_state)
-
-
-@partial(jax.jit, static_argnames=("cfg", "loops", "window", "keep_state"), donate_argnames=("own",))
-def prefill_prefix(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
-                   seen: jax.Array, own: KVCache, loops: int, window: int, keep_state: bool,
-                   exit: tf.Exit | None = None, seed: jax.Array | None = None) -> PrefixFill:
-    """Prefill a prompt's segment (no read-only segments): tokens [T] at start_pos (own already
-    holds the positions before it), seen [V] the whole prompt's `token_mask`. keep_state=False:
-    `state` is None."""
-    x0 = tf.embed(params, tokens, start_pos, cfg)
-    out = tf.run_layers(params, cfg, x0, n_valid, start_pos, (), own, loops, window, keep_states=True, exit=exit,
-                        seed=seed)
-    return PrefixFill(logits=tf.last_logits(params, cfg, out.exit_x, n_valid),
-                      seen=seen, own=out.own, depth_states=out.states,
-                      state=out.x if keep_state else None)
-
-
-# ---- the first token ------------------------------------------------------------------------
-
-@jax.jit
-def first_tokens(logits: jax.Array, seen: jax.Array, req: Knobs) -> jax.Array:
-    """Each row's first token [N] int32, chosen from its prompt's logits [N, V] (loop step 0).
-    A program of its own, shared by every model, depth and capacity with the same N and V: a
-    decode loop handed these tokens compiles one token selection (in its loop), not two —
-    selection is about a fifth of a small model's decode program and of its compile time."""
-    return select_tokens(logits, seen, req, jnp.int32(0))
-
-
 # ---- prefix operations -----------------------------------------------------------------------
-
-@partial(jax.jit, static_argnames=("cfg", "loops", "window"), donate_argnames=("own",))
-def continue_depth(params: Params, cfg: ModelConfig, state: jax.Array, n_valid: jax.Array, own: KVCache,
-                   loops: int, window: int):
-    """`loops` more passes over a prompt whose stream after its last pass is state [T, D]
-    (positions from 0), written into `own` (no pre layers, `loops` passes): the extra passes
-    of a deeper prefix, nothing before them re-run (the coda, if any, runs again at the new
-    depth into own's coda layers). Returns (logits [V] at the last pass, own, state after the
-    passes, depth_states [loops, D])."""
-    out = tf.run_layers(params, cfg, state, n_valid, jnp.int32(0), (), own, loops, window, keep_states=True)
-    return tf.last_logits(params, cfg, out.exit_x, n_valid), out.own, out.x, out.states
-
 
 @partial(jax.jit, static_argnames=("cfg", "loops"))
 def prefix_logits(params: Params, cfg: ModelConfig, depth_states: jax.Array, loops: int,

@@ -21,6 +21,7 @@ from typing import Annotated
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from . import row_state as R
@@ -58,12 +59,12 @@ class Emitted:
     stops: Annotated[jax.Array, "int32[b] | int32[b, n]"]
 
 
-def empty_rows(rows: int, vocab: int, d_model: int, dtype=jnp.float32) -> Requests:
+def empty_rows(rows: int, vocab: int, d_model: int, dtype=jnp.float32, make=None) -> Requests:
+    """A depth's `rows` request rows, none in use (knobs at their defaults, stop sequences at the
+    fixed shape STOPS), by `make` (`requests_of` or a program of it; None: the function)."""
     req = Knobs.make(rows, 0.0, 0, 1.0, 1.0, max_tokens=1, carry_bias=True, sampled=True, stop_shape=STOPS)
-    pol = jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (rows,)), ad.EVERY_PASS)
-    return Requests(RowState.start(jnp.zeros((rows, vocab), bool), jnp.zeros((rows,), jnp.int32),
-                                   jnp.zeros((rows, d_model), dtype)), jax.tree.map(jnp.asarray, req), pol,
-                    jnp.full((rows, STOPS[1]), -1, jnp.int32))
+    return (make or requests_of)(np.zeros((rows, vocab), bool), jax.tree.map(np.asarray, req), d_model=d_model,
+                                 dtype=dtype)
 
 
 @struct.dataclass
@@ -72,7 +73,7 @@ class Chunks:
 
     rows: paged.Rows  # [b, R]
     tokens: Annotated[jax.Array, "int32[b, T]"]
-    slot: Annotated[jax.Array, "int32[b]"]  # request rows (FILLER: none)
+    slot: Annotated[jax.Array, "int32[b]"] | None  # request rows (FILLER: none); None: rows 0..b-1 of a call
     final: Annotated[jax.Array, "bool[b]"]  # the prompt's last chunk: the first token is chosen
 
 
@@ -131,11 +132,11 @@ def _record(state: Requests, slot: jax.Array, tok: jax.Array, live: jax.Array) -
 
 
 def step(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, chunks: Chunks | None,
-         decodes: Decodes | None, loops: int, exit: tf.Exit | None = None):
+         decodes: Decodes | None, loops: int, exit: tf.Exit | None = None, window: int = 0):
     """One step: the chunks' tokens and each decode row's last token through the model at depth
     `loops`, written into the pages; then a token for every decode row and every final chunk.
-    Returns (the chunks' `Emitted` [b], the decode rows' [b'] (None for an absent group), pool,
-    state)."""
+    window: a static cache_window for every row (else each row's, rows.window). Returns (the
+    chunks' `Emitted` [b], the decode rows' [b'] (None for an absent group), pool, state)."""
     groups, tokens, seeds = [], [], []
     if chunks is not None:
         groups.append(chunks.rows)
@@ -145,8 +146,8 @@ def step(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests,
         groups.append(decodes.rows)
         tokens.append(_take(state.rows.last, decodes.slot)[:, None])
         seeds.append(_take(state.req.seed, decodes.slot))
-    xs, pool, states = paged.forward(params, cfg, pool, tuple(groups), tuple(tokens), loops, 0, exit, tuple(seeds),
-                                     keep_state=True)
+    xs, pool, states = paged.forward(params, cfg, pool, tuple(groups), tuple(tokens), loops, window, exit,
+                                     tuple(seeds), keep_state=True)
     ctok = dtok = None
     if chunks is not None:
         ctok, state = _first_tokens(params, cfg, state, chunks, xs[0], states[0])
@@ -158,16 +159,27 @@ def step(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests,
 def _first_tokens(params, cfg, state: Requests, chunks: Chunks, x: jax.Array, loop_state: jax.Array):
     """The chunks' first tokens (meaningful for final chunks, which keep them as `last`, and
     their last loop state as `warm`), as `Emitted`."""
-    logits = paged.last_logits(params, cfg, x, chunks.rows)
-    tok = select_tokens(logits, _take(state.rows.seen, chunks.slot), _knobs(state, chunks.slot, chunks.final),
-                        jnp.int32(0))
-    at = jnp.where(chunks.final, chunks.slot, FILLER)
     last = jnp.maximum(chunks.rows.n_new - 1, 0)
     warm = jnp.take_along_axis(loop_state, last[:, None, None], axis=1)[:, 0]
+    return start_rows(state, chunks.slot, paged.last_logits(params, cfg, x, chunks.rows), chunks.final, warm)
+
+
+def start_rows(state: Requests, slot: jax.Array | None, logits: jax.Array, live: jax.Array,
+               warm: jax.Array | None = None) -> tuple[Emitted, Requests]:
+    """Request rows `slot` [b] (None: a call's rows in order) whose prompts ended, live [b]:
+    their first tokens chosen from logits [b, V] (sampling step 0), kept as `last` (and warm [b,
+    D] their last loop state) and recorded. Returns (`Emitted` [b], state)."""
+    tok = select_tokens(logits, _take(state.rows.seen, slot), _knobs(state, slot, live), jnp.int32(0))
     rows = state.rows
-    state = state.replace(rows=rows.replace(last=rows.last.at[at].set(tok, mode="drop"),
-                                            warm=rows.warm.at[at].set(warm.astype(rows.warm.dtype), mode="drop")))
-    state, stops = _record(state, chunks.slot, tok, chunks.final)
+    new = rows.replace(last=tok) if warm is None else rows.replace(last=tok, warm=warm.astype(rows.warm.dtype))
+    if slot is None:
+        rows = _where(live, new, rows)
+    else:
+        at = jnp.where(live, slot, FILLER)
+        rows = rows.replace(last=rows.last.at[at].set(tok, mode="drop"))
+        if warm is not None:
+            rows = rows.replace(warm=rows.warm.at[at].set(new.warm, mode="drop"))
+    state, stops = _record(state.replace(rows=rows), slot, tok, live)
     return Emitted(tok, stops), state
 
 
@@ -261,19 +273,17 @@ def decode_steps(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: R
     return Burst(c["out"], c["count"], c["passes"], c["i"], c["accepted"]), c["pool"], c["state"]
 
 
-def requests_of(seen: jax.Array, first: jax.Array, req: Knobs, d_model: int, dtype, pol: ad.Policy | None = None,
-                warm: jax.Array | None = None) -> tuple[Requests, jax.Array]:
-    """N request rows (slots 0..N-1) of one call: prompts seen [N, V], first tokens first [N]
-    (chosen from the prompts' logits), knobs req [N], exit rules pol [N] (None: every pass) and
-    warm [N, D] the prompts' last loop states (adaptive depth); returns them and the stop
-    sequence each first token ends [N] (-1: none)."""
-    N = first.shape[0]
+def requests_of(seen: jax.Array, req: Knobs, d_model: int, dtype, pol: ad.Policy | None = None,
+                warm: jax.Array | None = None) -> Requests:
+    """N request rows (slots 0..N-1) of one call, before their first tokens (`start_rows`, or a
+    step's final chunks): prompts seen [N, V], knobs req [N], exit rules pol [N] (None: every
+    pass) and warm [N, D] the loop states they start from (adaptive depth; a prefix's)."""
+    N = seen.shape[0]
     if pol is None:
         pol = jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (N,)), ad.EVERY_PASS)
-    warm = jnp.zeros((N, d_model), dtype) if warm is None else warm.astype(dtype)
+    warm = jnp.zeros((N, d_model), dtype) if warm is None else jnp.broadcast_to(warm, (N, d_model)).astype(dtype)
     tail = jnp.full((N, req.stop.tokens.shape[-1]), -1, jnp.int32)
-    state = Requests(RowState.start(seen, first, warm), req, pol, tail)
-    return _record(state, None, first, jnp.ones((N,), bool))
+    return Requests(RowState.start(seen, jnp.zeros((N,), jnp.int32), warm), req, pol, tail)
 
 
 def step_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, decodes: Decodes,
@@ -291,17 +301,13 @@ def step_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: 
 def chunk_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, chunks: Chunks,
                    loops: int):
     """Prompts that may exit (`exit_in_prefill`), each one chunk exiting as a whole at its
-    request's exit rule, as `generate` prefills them: their first tokens, the passes each ran,
-    and the last state as the request's warm state. Returns (`Emitted` [b], passes [b], pool, state)."""
+    request's exit rule: their first tokens, the passes each ran, and the last state as the
+    request's warm state. Returns (`Emitted` [b], passes [b], pool, state)."""
     s = chunks.slot
     out = pa.forward(params, cfg, pool, chunks.rows, chunks.tokens, loops, _take(state.pol, s),
                      _take(state.req.seed, s))
-    tok = select_tokens(out.logits, _take(state.rows.seen, s), _knobs(state, s, chunks.final), jnp.int32(0))
-    at, rows = jnp.where(chunks.final, s, FILLER), state.rows
-    state = state.replace(rows=rows.replace(last=rows.last.at[at].set(tok, mode="drop"),
-                                            warm=rows.warm.at[at].set(out.state.astype(rows.warm.dtype), mode="drop")))
-    state, stops = _record(state, s, tok, chunks.final)
-    return Emitted(tok, stops), out.depth, out.pool, state
+    got, state = start_rows(state, s, out.logits, chunks.final, out.state)
+    return got, out.depth, out.pool, state
 
 
 def step_speculative(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, decodes: Decodes,

@@ -178,7 +178,7 @@ class Admission:
         table = np.zeros((R,), np.int32)
         table[:len(pages)] = pages
         self._sync(d)
-        d.pool = self._run(("load", d.loops, entry.cache.capacity, R), self.jits(d.loops)["load_entry"], d.pool,
+        d.pool = self._run(("load", d.loops, entry.cache.capacity, R), self.jits(d.loops)["load_segment"], d.pool,
                            entry.cache, table, np.int32(len(shared) * P), np.int32(full * P))
         for p in window:  # idle now, their K/V kept: the request holds them again at once
             d.book.local.drop(p)

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from . import step as S
+from ..decoding import compiled
 from .admission import Admission
 from .budget import Budget
 from .depth import Depth, Row
@@ -62,7 +63,7 @@ class Batcher(Budget, Admission, Reading, Plan):
         self.stats, self._on_first_token = stats, on_first_token
         self.memory_budget, self.overlap, self.max_lanes, self.page_size = memory_budget, overlap, max_lanes, page_size
         self.depths: dict[int, Depth] = {}
-        self._jits: dict[int, dict] = {}  # loops -> its programs (`step.programs`), dropped with the depth
+        self._jits: dict[int, compiled.Programs] = {}  # loops -> its programs (`compiled.programs`), dropped with it
         self.programs: set = set()  # shape keys of the programs run
         self.warm = False
         self.compiles_after_warmup = 0
@@ -92,10 +93,10 @@ class Batcher(Budget, Admission, Reading, Plan):
             self.stats["lanes_evicted"] += 1
         return True
 
-    def jits(self, loops: int) -> dict:
+    def jits(self, loops: int) -> compiled.Programs:
         """The depth's programs (made on first use)."""
         if loops not in self._jits:
-            self._jits[loops] = S.programs()
+            self._jits[loops] = compiled.programs()
         return self._jits[loops]
 
     def forget(self, loops: int) -> None:
@@ -119,9 +120,10 @@ class Batcher(Budget, Admission, Reading, Plan):
             self.stats["memory_waits"] += 1
             return None
         n_pages = self.pool_pages(loops)
-        pool = jax.jit(lambda: self.empty_pool(loops, n_pages))()
+        jits = self.jits(loops)
+        pool = self.empty_pool(loops, n_pages, jits.empty_pool)
         book = PageBook(n_pages, self.page_size, self.local_slots(n_pages) if self.local else None, self.local_window)
-        d = Depth(loops, self.model.exit_for(loops), pool, book, jax.jit(self._empty_rows)())
+        d = Depth(loops, self.model.exit_for(loops), pool, book, self._empty_rows(jits.requests_of))
         self.depths[loops] = d
         return d
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 
 from . import step as S
+from ..decoding import step as St
 from ..model import paged
 
 
@@ -44,9 +45,11 @@ class Budget:
         """Local slots beside n_pages pages: half as many, and at least every row's window."""
         return min(n_pages, max(n_pages // 2, self.max_batch * self.credits(n_pages)))
 
-    def _empty_rows(self) -> S.Requests:
+    def _empty_rows(self, make=None) -> S.Requests:
+        """A depth's request rows, by `make` (a depth's `requests_of` program; None: the function,
+        for shapes)."""
         c = self.cfg
-        return S.empty_rows(self.max_batch, c.vocab_size, c.d_model, c.compute_dtype)
+        return St.empty_rows(self.max_batch, c.vocab_size, c.d_model, c.compute_dtype, make)
 
     def rows_nbytes(self) -> int:
         """Bytes of a depth's request rows (`step.Requests`)."""
@@ -82,10 +85,10 @@ class Budget:
         local = self.local_slots(n) * self.page_nbytes(loops, len(self.local)) if self.local and n else 0
         return n * self.page_nbytes(loops) + local + self.rows_nbytes()
 
-    def empty_pool(self, loops: int, n_pages: int) -> paged.PagedKV:
-        """A depth's pool (its local layers in `local_slots` slots)."""
-        return paged.empty(self.cfg, loops, n_pages, self.page_size,
-                           n_local=self.local_slots(n_pages) if self.local else None)
+    def empty_pool(self, loops: int, n_pages: int, make=paged.empty) -> paged.PagedKV:
+        """A depth's pool (its local layers in `local_slots` slots), by `make` (a depth's program,
+        or the function for shapes)."""
+        return make(self.cfg, loops, n_pages, self.page_size, None, self.local_slots(n_pages) if self.local else None)
 
     def memory_bytes(self) -> int:
         return sum(d.pool.nbytes + self.rows_nbytes() for d in self.depths.values())

@@ -1,44 +1,13 @@
-"""The engine's device programs (`decoding.step`'s step body, jitted per depth: `programs`) and
-the host arrays they take (`make_chunks`, `make_decodes`); a store entry's load into pages and a
-page copy.
+"""The host arrays the engine's step programs take (`make_chunks`, `make_decodes`), and the
+step body's names (`decoding.step`; its programs are `decoding.compiled`'s, a set per depth).
 """
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import numpy as np
 
-from ..decoding.step import (FILLER, STOPS, Chunks, Decodes, Emitted, Requests, admit, chunk_adaptive,  # noqa: F401
-                             decode_steps, empty_rows, step)
+from ..decoding.step import FILLER, STOPS, Chunks, Decodes, Emitted, Requests  # noqa: F401
 from ..model import paged
-
-
-load_entry = paged.load_segment
-copy_pages = paged.copy_pages
-
-JIT_OPTIONS = dict(load_entry=dict(donate_argnames=("pool",)), copy_pages=dict(donate_argnames=("pool",)),
-                   chunk_adaptive=dict(static_argnames=("cfg", "loops"), donate_argnames=("pool", "state")),
-                   decode_steps=dict(static_argnames=("cfg", "loops", "n_max", "window", "adaptive", "draft_loops",
-                                                      "lookahead"), donate_argnames=("pool", "state")),
-                   step=dict(static_argnames=("cfg", "loops"), donate_argnames=("pool", "state")),
-                   admit=dict(donate_argnames=("state",)))
-
-
-def programs() -> dict:
-    """A new set of the engine's jitted programs (name -> program) over new function objects:
-    JAX keeps a program's trace, lowering and executable in caches keyed (weakly) by the
-    function, so what one set compiled is freed with it (a depth's programs hold megabytes)."""
-    out = {}
-    for name, opts in JIT_OPTIONS.items():
-        fn = globals()[name]  # looked up now: a test may stand another in
-
-        @functools.wraps(fn)
-        def fresh(*args, fn=fn, **kwargs):
-            return fn(*args, **kwargs)
-        out[name] = jax.jit(fresh, **opts)
-    return out
 
 
 def make_chunks(tables: list, tokens: list, starts: list, slots: list, finals: list, T: int, R: int,

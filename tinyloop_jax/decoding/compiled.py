@@ -1,0 +1,62 @@
+"""Every device program of the paged paths, declared once: name -> (function, jit options).
+
+The engine makes a fresh set per depth (`programs()`; what a set compiled is freed with it), the
+`Model` path (`generate`, the batch calls, `Conversation`) runs the module's one set, `SHARED`:
+both drivers run the same step body (`step.py`) by the same programs. Static arguments are
+shapes, depths and a loop's kind only, so warmup can enumerate them (`serving.plan`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from ..model import paged
+from . import step as St
+
+POOL, STATE = ("pool",), ("pool", "state")
+
+JIT_OPTIONS = dict(
+    # a pool and its pages
+    empty_pool=(paged.empty, dict(static_argnums=(0, 1, 2, 3, 4, 5))),
+    load_segment=(paged.load_segment, dict(donate_argnames=POOL)),
+    copy_pages=(paged.copy_pages, dict(donate_argnames=POOL)),
+    grow=(paged.grow, dict(static_argnames=("n_pages",))),
+    to_segment=(paged.to_segment, dict(static_argnames=("capacity",))),
+    # request rows
+    requests_of=(St.requests_of, dict(static_argnames=("d_model", "dtype"))),
+    admit=(St.admit, dict(donate_argnames=("state",))),
+    start_rows=(St.start_rows, dict(donate_argnames=("state",))),
+    # the step body and its loop
+    step=(St.step, dict(static_argnames=("cfg", "loops", "window"), donate_argnames=STATE)),
+    chunk_adaptive=(St.chunk_adaptive, dict(static_argnames=("cfg", "loops"), donate_argnames=STATE)),
+    decode_steps=(St.decode_steps, dict(static_argnames=("cfg", "loops", "n_max", "window", "adaptive", "draft_loops",
+                                                         "lookahead"), donate_argnames=STATE)),
+)
+
+
+class Programs(dict):
+    """name -> jitted program, also as attributes (`SHARED.step`)."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def programs() -> Programs:
+    """A new set of the jitted programs over new function objects: JAX keeps a program's trace,
+    lowering and executable in caches keyed (weakly) by the function, so what one set compiled
+    is freed with it (a depth's programs hold megabytes)."""
+    out = Programs()
+    for name, (fn, opts) in JIT_OPTIONS.items():
+        @functools.wraps(fn)
+        def fresh(*args, fn=fn, **kwargs):
+            return fn(*args, **kwargs)
+        out[name] = jax.jit(fresh, **opts)
+    return out
+
+
+SHARED = programs()  # the `Model` path's
