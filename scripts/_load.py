@@ -1,8 +1,10 @@
 """A load of streaming OpenAI clients against any OpenAI-compatible server (ours, llama.cpp's) and
-its report: shared by `bench_serve_load.py` and `bench_vs_llamaserver.py`, and run in the suite
-against the bundled model on a tiny load (tests/test_bench_load.py).
+its report: the one load client of the serving benchmarks (`bench_serve_load.py`,
+`bench_vs_llamaserver.py`, `bench_serve.py`), run in the suite against the bundled model on a
+tiny load (tests/test_bench_load.py).
 
     load(url, Workload(...), clients=16)  -> Load: one Result per request, the wall time
+    drain(url, Workload(...), prompts, clients=16) -> Load: the clients share a queue of given prompts
     summary(load, rss) -> Row: tokens/s, TTFT / inter-token / latency percentiles, peak RSS
     table(rows) -> markdown lines
 
@@ -11,7 +13,8 @@ prompts (Zipf: prompt i with weight 1 / (i + 1)) plus a question of its own, `ma
 out (`ignore_eos`, which both servers take), greedy (temperature 0) unless the workload's
 `sampling` says otherwise, streamed. Tokens are counted from the
 usage the server reports with the last chunk (`stream_options.include_usage`), else as content
-chunks.
+chunks. A completion's chunk counts when it carries text or token ids (our server's `token_ids`,
+kept in Result.ids).
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class Result:
     latency: float  # seconds for the whole request
     tokens: int  # completion tokens
     chunks: int  # content chunks
+    ids: list = field(default_factory=list)  # the emitted token ids, where the server sends them
 
 
 @dataclass
@@ -121,28 +125,36 @@ def client(url: str):
 
 
 def request(cl, work: Workload, system: str, q: str, max_tokens: int | None = None, seed: int = 0) -> Result:
-    """One streamed request; its times and tokens."""
+    """One streamed request of a system prompt and a question; its times and tokens."""
+    if work.chat:
+        return send(cl, work, dict(messages=[dict(role="system", content=system), dict(role="user", content=q)]),
+                    max_tokens, seed)
+    return send(cl, work, dict(prompt=f"{system}\n{q}\n"), max_tokens, seed)
+
+
+def send(cl, work: Workload, body: dict, max_tokens: int | None = None, seed: int = 0) -> Result:
+    """One streamed request of `body`: `messages` (a chat completion) or `prompt` (a completion:
+    text or token ids); its times and tokens."""
     n = work.max_tokens if max_tokens is None else max_tokens
     knobs = dict(work.sampling)
     common = dict(model=work.model, max_tokens=n, stream=True, stream_options={"include_usage": True},
                   seed=seed, **{k: knobs.pop(k) for k in ("temperature", "top_p") if k in knobs},
                   extra_body={"ignore_eos": True, **knobs})
+    chat = "messages" in body
     t0 = time.perf_counter()
-    times, usage = [], None
-    if work.chat:
-        stream = cl.chat.completions.create(messages=[dict(role="system", content=system),
-                                                      dict(role="user", content=q)], **common)
-    else:
-        stream = cl.completions.create(prompt=f"{system}\n{q}\n", **common)
+    times, usage, ids = [], None, []
+    stream = (cl.chat.completions if chat else cl.completions).create(**body, **common)
     for chunk in stream:
         usage = getattr(chunk, "usage", None) or usage
         if chunk.choices:
             c = chunk.choices[0]
-            if (c.delta.content if work.chat else c.text):
+            new = getattr(c, "token_ids", None) or []
+            ids += new
+            if c.delta.content if chat else (c.text or new):
                 times.append(time.perf_counter())
     tokens = usage.completion_tokens if usage is not None else len(times)
     return Result(ttft=times[0] - t0 if times else float("nan"), itl=list(np.diff(times)),
-                  latency=time.perf_counter() - t0, tokens=tokens, chunks=len(times))
+                  latency=time.perf_counter() - t0, tokens=tokens, chunks=len(times), ids=ids)
 
 
 def warm(url: str, work: Workload) -> None:
@@ -152,21 +164,14 @@ def warm(url: str, work: Workload) -> None:
         request(cl, work, s, "Hello?", max_tokens=4)
 
 
-def load(url: str, work: Workload, clients: int, seed: int = 0) -> Load:
-    """`clients` threads, each sending work.per_client requests back to back."""
-    rng = np.random.default_rng(seed)
-    w = 1 / np.arange(1, len(work.systems) + 1)
-    picks = rng.choice(len(work.systems), size=(clients, work.per_client), p=w / w.sum())
-    out, lock = Load(clients), threading.Lock()
+def run_clients(url: str, clients: int, body) -> float:
+    """`clients` threads, each calling body(its index, an OpenAI client of its own); the wall
+    seconds. The first error of any thread is raised here."""
     errors = []
 
     def run(c):
         try:
-            cl = client(url)
-            for j in range(work.per_client):
-                r = request(cl, work, work.systems[int(picks[c, j])], work.question(c, j), seed=c * 1000 + j)
-                with lock:
-                    out.results.append(r)
+            body(c, client(url))
         except Exception as e:  # noqa: BLE001 - re-raised below, in the caller's thread
             errors.append(e)
 
@@ -176,9 +181,44 @@ def load(url: str, work: Workload, clients: int, seed: int = 0) -> Load:
         t.start()
     for t in threads:
         t.join()
-    out.wall = time.perf_counter() - t0
+    wall = time.perf_counter() - t0
     if errors:
         raise errors[0]
+    return wall
+
+
+def load(url: str, work: Workload, clients: int, seed: int = 0) -> Load:
+    """`clients` threads, each sending work.per_client requests back to back."""
+    rng = np.random.default_rng(seed)
+    w = 1 / np.arange(1, len(work.systems) + 1)
+    picks = rng.choice(len(work.systems), size=(clients, work.per_client), p=w / w.sum())
+    out, lock = Load(clients), threading.Lock()
+
+    def body(c, cl):
+        for j in range(work.per_client):
+            r = request(cl, work, work.systems[int(picks[c, j])], work.question(c, j), seed=c * 1000 + j)
+            with lock:
+                out.results.append(r)
+
+    out.wall = run_clients(url, clients, body)
+    return out
+
+
+def drain(url: str, work: Workload, prompts: list, clients: int) -> Load:
+    """`clients` threads, each taking the next of `prompts` (completions: text or token ids; the
+    workload's max_tokens and sampling) until none is left; the results in the prompts' order."""
+    out, nxt, lock = Load(clients, [None] * len(prompts)), [0], threading.Lock()
+
+    def body(c, cl):
+        while True:
+            with lock:
+                i = nxt[0]
+                nxt[0] += 1
+            if i >= len(prompts):
+                return
+            out.results[i] = send(cl, work, dict(prompt=prompts[i]), seed=i)
+
+    out.wall = run_clients(url, clients, body)
     return out
 
 

@@ -9,7 +9,7 @@ SmolLM2's prompt processing (512 tokens) with each.
 "int8" rounds each row's inputs to 8 bits per 32 (`qarray.round_activations`) and, where the CPU
 has AVX-512 VNNI, multiplies them by Q8_0 / Q4_0 / Q4_1 blocks as integers (qmatmul.cc,
 `stream_vnni`). Each product feeds the next (its first K columns), as a decode step's do. Random
-weights (`qarray.random`); medians of `--repeats` calls after a warm-up call.
+weights (`qpack.random`); medians of `--repeats` calls after a warm-up call.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def main() -> None:
     import _report
     from tinyloop_jax import native
     from tinyloop_jax.model import qarray
+    from tinyloop_jax.model import qpack
 
     if not native.available():
         sys.exit("the native kernel is not available here (XLA:CPU on one device and a C++ compiler)")
@@ -80,12 +81,12 @@ def main() -> None:
     print(prefill_line[0], flush=True)
     for fmt in ("q4_1", "q4_0", "q8_0", "head q8_0"):
         if fmt == "head q8_0":
-            head = qarray.tile(qarray.random("q8_0", 576, 49152, seed=1, transposed=True))
+            head = qarray.tile(qpack.random("q8_0", 576, 49152, seed=1, transposed=True))
             arms = {a: qarray.with_activations({"w": head}, a)["w"] for a in qarray.ACTIVATIONS}
             f = jax.jit(qarray.head)
             width = 576
         else:
-            ws = [qarray.tile(qarray.random(fmt, k, n, seed=i)) for i, (k, n) in enumerate(SHAPES)]
+            ws = [qarray.tile(qpack.random(fmt, k, n, seed=i)) for i, (k, n) in enumerate(SHAPES)]
             arms = {a: qarray.with_activations(ws, a) for a in qarray.ACTIVATIONS}
             f = jax.jit(chain)
             width = WIDTH

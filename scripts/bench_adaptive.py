@@ -39,7 +39,7 @@ def main() -> None:
             t0 = time.perf_counter()
             call()
             times.append(time.perf_counter() - t0)
-        out.append(f"{name}: {statistics.median(times) * 1000:.1f} ms, {sum(m.last_depths)} passes")
+        out.append(f"{name}: {statistics.median(times) * 1000:.1f} ms, {sum(m.last_passes)} passes")
     print(args.label, "|", " | ".join(out))
 
 

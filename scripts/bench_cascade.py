@@ -19,7 +19,7 @@ import numpy as np
 
 import tinyloop_jax as tl
 from tinyloop_jax import native
-from tinyloop_jax.model import paged
+from tinyloop_jax.model import page_pool
 from tinyloop_jax.serving import step as S
 from tinyloop_jax.decoding import compiled, step as St
 
@@ -40,7 +40,7 @@ def median_time(f, n: int) -> float:
     return statistics.median(times)
 
 
-def kernel_ms(P: int = paged.PAGE_SIZE) -> float:
+def kernel_ms(P: int = page_pool.PAGE_SIZE) -> float:
     """One layer of SmolLM2's shape (9 query heads over 3 KV heads of 64, fp16 pages)."""
     rng, KV, H, hd = np.random.default_rng(0), 3, 9, 64
     n_pages = GROUPS * SHARED + ROWS * OWN
@@ -58,9 +58,9 @@ def kernel_ms(P: int = paged.PAGE_SIZE) -> float:
 
 
 def step_ms(model) -> float:
-    c, P = model.weights.config, paged.PAGE_SIZE
+    c, P = model.weights.config, page_pool.PAGE_SIZE
     loops = c.default_loops
-    pool = jax.jit(lambda: paged.empty(c, loops, GROUPS * SHARED + ROWS * (OWN + 1), P))()
+    pool = jax.jit(lambda: page_pool.empty(c, loops, GROUPS * SHARED + ROWS * (OWN + 1), P))()
     state = St.empty_rows(ROWS, c.vocab_size, c.d_model, c.compute_dtype, compiled.SHARED.requests_of)
     program, R = compiled.programs().step, -(-c.max_seq_len // P)
     rows = [t + [GROUPS * SHARED + ROWS * OWN + r] for r, t in enumerate(tables())]

@@ -13,7 +13,7 @@ engine before pages and the engine on pages.
 2. A decode step's time (median of --steps) for B rows (1, 4, 16) of L live tokens each (64, 512,
    2048): the paged step with the native attention kernel and with the XLA reference. The engine
    before pages (its lanes' `decode_step`) was measured beside it by this script at commit
-   5f03f68, the last that had it; docs/benchmarks.md keeps that table.
+   5f03f68, the last that had it; docs/benchmarks-history.md keeps that table.
 """
 
 from __future__ import annotations
@@ -127,14 +127,14 @@ def http_decode_rate(model, tok, messages, n: int, repeats: int) -> tuple[float,
 
 def paged_step_time(model, rows: int, live: int, steps: int) -> float:
     """The paged engine's step for `rows` decode rows of `live` tokens each, pages of their own."""
-    from tinyloop_jax.model import paged
+    from tinyloop_jax.model import page_pool
     from tinyloop_jax.serving import step as S
     from tinyloop_jax.decoding import compiled, step as St
     from tinyloop_jax.serving.plan import MIN_TABLE, batch_buckets, pow2
-    c, P = model.weights.config, paged.PAGE_SIZE
+    c, P = model.weights.config, page_pool.PAGE_SIZE
     loops = c.default_loops
     per_row = -(-(live + steps + 2) // P)
-    pool = jax.jit(lambda: paged.empty(c, loops, rows * per_row, P))()
+    pool = jax.jit(lambda: page_pool.empty(c, loops, rows * per_row, P))()
     state = St.empty_rows(16, c.vocab_size, c.d_model, c.compute_dtype, compiled.SHARED.requests_of)
     program = compiled.programs().step
     bd = next(b for b in batch_buckets(16) if b >= rows)

@@ -31,6 +31,7 @@ import tinyloop_jax as tl  # noqa: E402
 from tinyloop_jax.decoding import paged_decode  # noqa: E402
 from tinyloop_jax.decoding.compiled import SHARED  # noqa: E402
 from tinyloop_jax.model import paged  # noqa: E402
+from tinyloop_jax.model import page_pool
 from tinyloop_jax.model import cache as kvc  # noqa: E402
 from tinyloop_jax.decoding import programs as engine  # noqa: E402
 from tinyloop_jax.model import transformer as tf  # noqa: E402
@@ -82,8 +83,8 @@ def h_rebuild(model, prompt, suffix, repeats):
     lay = paged_decode.layout(len(prompt), len(suffix) + new, 1)
 
     def program(mode):
-        pool = paged_decode.load_prefix(w.params, cfg, paged.empty(cfg, loops, lay.n_pages, kv_mode=mode), pre.cache,
-                                        len(prompt), lay)
+        empty = page_pool.empty(cfg, loops, lay.n_pages, kv_mode=mode)
+        pool = paged_decode.load_prefix(w.params, cfg, empty, pre.cache, len(prompt), lay)
         seen = jnp.asarray(engine.token_mask([suffix], cfg.vocab_size)) | pre.seen
         state = SHARED.requests_of(seen, req, d_model=cfg.d_model, dtype=cfg.compute_dtype)
         fill = paged_decode.prefill(w.params, cfg, pool, state, lay.tables, len(prompt), [suffix], pre.logits, loops, 0)

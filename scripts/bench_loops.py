@@ -94,6 +94,11 @@ def main():
         "first passes of the same arrays, and one LayerNorm + head).",
     ]
     print("\n".join(lines))
+    # metric lines (`scripts/bench.py ab` compares them)
+    print(f"plain L={L}: {n_tok / t_plain:.1f} tok/s")
+    for d, k, acc, t in rows:
+        print(f"speculative d={d} k={k}: {n_tok / t:.1f} tok/s")
+    print(f"at_depth({L}) from depth 4: {t_deeper * 1e3:.2f} ms")
     if not (args.quick or args.no_write):
         print("wrote", _report.write_section("bench_loops", "\n".join(lines)))
 

@@ -31,6 +31,7 @@ import _report  # noqa: E402
 import tinyloop_jax as tl  # noqa: E402
 from tinyloop_jax.decoding import paged_decode  # noqa: E402
 from tinyloop_jax.model import paged, sharding  # noqa: E402
+from tinyloop_jax.model import page_pool
 from tinyloop_jax.model.kv_modes import kv_mode as parse_kv_mode  # noqa: E402
 from tinyloop_jax.model.params import Shape, param_shapes  # noqa: E402
 from tinyloop_jax.decoding.sampling import Knobs  # noqa: E402
@@ -68,16 +69,16 @@ def weights(cfg, mesh):
 
 
 def pool(cfg, mesh, kv_mode, n_pages, passes):
-    """An abstract page pool placed as `paged.placed` places it: pages split by KV heads over
+    """An abstract page pool placed as `page_pool.placed` places it: pages split by KV heads over
     'model' (h modes: replicated), whole on every 'data' group."""
     mode = parse_kv_mode(kv_mode)
-    shapes = paged.page_shapes(mode, cfg.n_kv_heads, n_pages, paged.PAGE_SIZE, cfg.head_dim, cfg.d_model)
+    shapes = page_pool.page_shapes(mode, cfg.n_kv_heads, n_pages, page_pool.PAGE_SIZE, cfg.head_dim, cfg.d_model)
 
     def arr(shape, dtype, head_axis):
         return abstract(shape, dtype, sharding.cache_spec(shape, False, head_axis if mode.splits_heads else None,
                                                            mesh), mesh)
     layer = lambda: {n: arr(s, d, 0) for n, (s, d) in shapes.items()}  # noqa: E731
-    return paged.PagedKV(pre=tuple(layer() for _ in range(cfg.n_pre_blocks)),
+    return page_pool.PagedKV(pre=tuple(layer() for _ in range(cfg.n_pre_blocks)),
                          loop={n: arr((passes, cfg.loop_blocks) + s, d, 2) for n, (s, d) in shapes.items()},
                          kv_mode=mode, post=tuple(layer() for _ in range(cfg.n_post_blocks)))
 

@@ -19,7 +19,7 @@ Gemma 3 270M's 18 layers of block matrices (q [640, 1024], k, v [640, 256], o [1
 gate, up [640, 2048], down [2048, 640]): float32; as its Q4_K_M file stores them (q, k, v,
 gate, up Q5_0 (640 is no multiple of a K-quant's 256), o Q4_K, down Q4_K and every third
 layer Q6_K, as llama.cpp's Q4_K_M picks); all q8_0; and each packed format alone on the
-matrices its block fits (o and down: K = 1024, 2048). Random weights (`qarray.random`).
+matrices its block fits (o and down: K = 1024, 2048). Random weights (`qpack.random`).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def main() -> None:
     import _report
     from tinyloop_jax import native
     from tinyloop_jax.model import qarray
+    from tinyloop_jax.model import qpack
 
     if not native.available():
         sys.exit("the native kernel is not available here (see tinyloop_jax/native)")
@@ -79,15 +80,15 @@ def main() -> None:
         def fmt_of(i, k):  # llama.cpp's Q4_K_M for Gemma 3 270M: K-quants where 256 divides K
             layer, kind = divmod(i, 7)
             return "q5_0" if k == 640 else "q4_k" if kind == 3 or layer % 3 else "q6_k"
-        mix = [qarray.tile(qarray.random(fmt_of(i, k), k, n, seed=i)) for i, (k, n) in enumerate(shapes)]
+        mix = [qarray.tile(qpack.random(fmt_of(i, k), k, n, seed=i)) for i, (k, n) in enumerate(shapes)]
         arms += [("as Gemma 3 270M Q4_K_M stores them", mix, None),
-                 ("q8_0", [qarray.tile(qarray.random("q8_0", k, n, seed=i)) for i, (k, n) in enumerate(shapes)], None)]
+                 ("q8_0", [qarray.tile(qpack.random("q8_0", k, n, seed=i)) for i, (k, n) in enumerate(shapes)], None)]
         shapes_k = [s for s in shapes if s[0] % 256 == 0]  # o and down
         lines2 = [f"Each format alone on the {len(shapes_k)} o and down matrices (K = 1024, 2048), native kernel:", "",
                   "| weights | MiB | T = 1: ms / step | vs float32 | T = 128: ms / step | vs float32 | first call s |",
                   "|---|---|---|---|---|---|---|"]
         sub = [("float32", [jnp.asarray(rng.standard_normal(s).astype(np.float32) / 24) for s in shapes_k], None)]
-        sub += [(fmt, [qarray.tile(qarray.random(fmt, k, n, seed=i)) for i, (k, n) in enumerate(shapes_k)], None)
+        sub += [(fmt, [qarray.tile(qpack.random(fmt, k, n, seed=i)) for i, (k, n) in enumerate(shapes_k)], None)
                 for fmt in qarray.FORMATS]
         run_arms(program, sub, lines2, args.repeats, width)
         run_arms(program, arms, lines, args.repeats, width)
@@ -98,7 +99,7 @@ def main() -> None:
                                                  "block matrices on XLA:CPU (issue 47)\n\n" + body))
         return
     for fmt in ("q4_1", "q8_0"):
-        packed = [qarray.quantize(w, fmt) for w in floats]
+        packed = [qpack.quantize(w, fmt) for w in floats]
         arms += [(f"{fmt}, native kernel", [qarray.tile(w) for w in packed], None),  # as a Model holds them
                  (f"{fmt}, XLA: whole matrix dequantized", packed, "xla")]
         if fmt == "q4_1":

@@ -14,6 +14,8 @@ tokens (inter-token latency) p50/p99, request latency p50/p99, and
 whether every greedy output equals the engine arm's, and wall ms per decode step against the
 decode program's own time (`step_floor`). Each arm first serves one request per
 system prompt (untimed: compiles, and the pool holds the hot prompts' pages, as in steady state).
+The clients are `_load.py`'s (`drain`: the openai client streaming completions of token ids,
+greedy, `ignore_eos`), in this process beside the server.
 
     python scripts/bench_serve.py                       # bundled model and a GPT-2-small shape
     python scripts/bench_serve.py --models bundled --requests 48
@@ -22,8 +24,6 @@ system prompt (untimed: compiles, and the pool holds the hot prompts' pages, as 
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
 import os
 import sys
 import threading
@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _load  # noqa: E402
 from _report import command, machine, write_section  # noqa: E402
 
 import tinyloop_jax as tl  # noqa: E402
@@ -101,53 +102,12 @@ class Server:
         self.engine.close()
 
 
-def request(port: int, prompt: list[int], max_tokens: int) -> dict:
-    """One streamed greedy completion: ids, time to first token, latency."""
-    t = time.perf_counter()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    conn.request("POST", "/v1/completions", json.dumps(dict(model="bench", prompt=prompt, max_tokens=max_tokens,
-                                                           temperature=0, ignore_eos=True, stream=True)),
-                 {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]}")
-    ids, ttft, stamps = [], None, []
-    for line in resp:
-        line = line.strip()
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        chunk = json.loads(line[6:])
-        if "error" in chunk:
-            raise RuntimeError(chunk["error"]["message"])
-        new = chunk["choices"][0]["token_ids"]
-        if new:
-            stamps.append(time.perf_counter())
-            ttft = stamps[0] - t if ttft is None else ttft
-        ids += new
-    conn.close()
-    return dict(ids=ids, ttft=ttft, latency=time.perf_counter() - t, prompt=len(prompt), itl=np.diff(stamps).tolist())
-
-
 def load(port: int, prompts: list, max_tokens: int, clients: int) -> tuple[list, float]:
-    """`clients` threads take the next prompt until none is left. Returns (results, wall s)."""
-    results, nxt, lock = [None] * len(prompts), [0], threading.Lock()
-
-    def client():
-        while True:
-            with lock:
-                i = nxt[0]
-                nxt[0] += 1
-            if i >= len(prompts):
-                return
-            results[i] = request(port, prompts[i], max_tokens)
-
-    t = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    return results, time.perf_counter() - t
+    """`clients` streaming clients (`_load.drain`) take the next prompt (token ids, a greedy
+    completion, `ignore_eos`) until none is left. Returns (results in the prompts' order, wall s)."""
+    ld = _load.drain(f"http://127.0.0.1:{port}", _load.Workload(model="bench", max_tokens=max_tokens, chat=False),
+                     prompts, clients)
+    return ld.results, ld.wall
 
 
 def pct(xs, q) -> float:
@@ -162,17 +122,17 @@ def step_floor(model, kw, rows: int = 16, n: int = 48, live: int = 64) -> tuple[
     """The engine's step program alone on `rows` decode rows of `live` tokens each: ms per step
     dispatched back to back (the device's time: no host work between steps), and ms per step
     when each step's tokens are read before the next."""
-    from tinyloop_jax.model import paged
+    from tinyloop_jax.model import page_pool
     from tinyloop_jax.serving import step as S
     from tinyloop_jax.decoding import compiled, step as St
     from tinyloop_jax.serving.plan import MIN_TABLE, pow2
 
-    c, P = model.weights.config, paged.PAGE_SIZE
+    c, P = model.weights.config, page_pool.PAGE_SIZE
     loops = c.default_loops
     per_row = -(-(live + 2 * n + 4) // P)
     out = []
     for sync in (False, True):
-        pool = jax.jit(lambda: paged.empty(c, loops, rows * per_row, P))()
+        pool = jax.jit(lambda: page_pool.empty(c, loops, rows * per_row, P))()
         state = St.empty_rows(rows, c.vocab_size, c.d_model, c.compute_dtype, compiled.SHARED.requests_of)
         program = compiled.programs().step
         tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]
@@ -220,19 +180,19 @@ def run_model(name: str, args) -> str:
                                                                       "compiles_after_warmup")}
         finally:
             srv.close()
-        tokens = sum(len(r["ids"]) for r in results)
+        tokens = sum(len(r.ids) for r in results)
         short = [r for i, r in enumerate(results) if i % 8 != 7]
         long_ = [r for i, r in enumerate(results) if i % 8 == 7]
-        ids = [r["ids"] for r in results]
+        ids = [r.ids for r in results]
         same = "reference" if ref is None else ("yes" if ids == ref else
                                                 f"NO ({sum(a != b for a, b in zip(ids, ref))} differ)")
         ref = ids if ref is None else ref
         rows.append(dict(arm=arm, tps=tokens / wall, wall=wall, tokens=tokens,
-                         ttft50=pct([r["ttft"] for r in short], 50), ttft99=pct([r["ttft"] for r in short], 99),
-                         lttft50=pct([r["ttft"] for r in long_], 50), lttft99=pct([r["ttft"] for r in long_], 99),
-                         lat50=pct([r["latency"] for r in results], 50), lat99=pct([r["latency"] for r in results], 99),
-                         itl50=pct(sum((r["itl"] for r in results), []), 50),
-                         itl99=pct(sum((r["itl"] for r in results), []), 99),
+                         ttft50=pct([r.ttft for r in short], 50), ttft99=pct([r.ttft for r in short], 99),
+                         lttft50=pct([r.ttft for r in long_], 50), lttft99=pct([r.ttft for r in long_], 99),
+                         lat50=pct([r.latency for r in results], 50), lat99=pct([r.latency for r in results], 99),
+                         itl50=pct(sum((r.itl for r in results), []), 50),
+                         itl99=pct(sum((r.itl for r in results), []), 99),
                          batch=stats["batch_rows"] / max(stats["decode_steps"], 1),
                          hit=stats["requests_prefix_hit"] / max(stats["requests"], 1), same=same,
                          compiles=after.get("compiles_after_warmup", 0), warmup=srv.warmup_s,

@@ -6,9 +6,9 @@ ready.
     python scripts/bench_smollm2.py                 # ~10 min on 2 CPUs; writes docs/benchmarks.md
     python scripts/bench_smollm2.py --no-hf         # without the transformers arm (no side venv)
 
-transformers runs in a side venv (`--hf-venv`, made by scripts/make_smollm2_golden.py's recipe:
-torch==2.13.0 CPU, transformers, accelerate, gguf) on the same GGUF in float32 with the same
-thread count, right after ours in the same run.
+transformers runs in a side venv (`--hf-venv`, made by `_side_venv.python` with
+scripts/make_smollm2_golden.py's PACKAGES: torch==2.13.0 CPU, transformers, accelerate, gguf) on
+the same GGUF in float32 with the same thread count, right after ours in the same run.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+
+import _side_venv  # noqa: E402
+from make_smollm2_golden import PACKAGES, VENV  # noqa: E402
 
 PARAGRAPH = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
              "combined movable metal type, oil-based ink and a wooden press adapted from wine making. ")
@@ -127,7 +130,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--answer-tokens", type=int, default=24)
-    ap.add_argument("--hf-venv", default="/tmp/tinyloop-golden-venv")
+    ap.add_argument("--hf-venv", default=VENV, type=os.path.abspath)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-serve", action="store_true")
     ap.add_argument("--no-write", action="store_true")
@@ -179,10 +182,7 @@ def main() -> None:
 
     hf = None
     if not args.no_hf:
-        python = os.path.join(args.hf_venv, "bin", "python")
-        if not os.path.isfile(python):
-            subprocess.run([sys.executable, os.path.join(HERE, "make_smollm2_golden.py"), "--venv", args.hf_venv,
-                            "--out", os.devnull], check=False)
+        python = _side_venv.python(args.hf_venv, PACKAGES)
         spec = dict(folder=os.path.dirname(path), name=os.path.basename(path), prompt=ids.tolist(), new=args.new,
                     repeats=args.repeats, threads=os.cpu_count())
         r = subprocess.run([python, "-c", HF_SCRIPT, json.dumps(spec)], capture_output=True, text=True, check=True)

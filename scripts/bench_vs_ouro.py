@@ -131,7 +131,7 @@ def main() -> None:
                     "the same work)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--venv", default=os.path.expanduser("~/.cache/tinyloop-ouro-ref"))
+    ap.add_argument("--venv", default=os.path.expanduser("~/.cache/tinyloop-ouro-ref"), type=os.path.abspath)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     args = ap.parse_args()

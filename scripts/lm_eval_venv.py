@@ -1,6 +1,6 @@
 """The side venv lm-evaluation-harness runs in (never a project dependency: it pulls torch,
-transformers, datasets): $TINYLOOP_HOME/venvs/lm-eval with `lm-eval[api]` pinned and a CPU torch.
-tests/test_lm_eval.py drives our server with it when the venv exists.
+transformers, datasets): $TINYLOOP_HOME/venvs/lm-eval with `lm-eval[api]` pinned and a CPU torch,
+made by `_side_venv.python`. tests/test_lm_eval.py drives our server with it when the venv exists.
 
     python scripts/lm_eval_venv.py        # ~2 min here; prints the lm_eval executable's path
 """
@@ -8,19 +8,18 @@ tests/test_lm_eval.py drives our server with it when the venv exists.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from tinyloop_jax.formats.hub import home  # noqa: E402
+import _side_venv  # noqa: E402
 
+NAME = "lm-eval"
 PINS = ["lm-eval[api]==0.4.13", "torch==2.13.0"]
 
 
 def venv_dir() -> str:
-    return os.path.join(home(), "venvs", "lm-eval")
+    return _side_venv.where(NAME)
 
 
 def executable() -> str:
@@ -28,12 +27,7 @@ def executable() -> str:
 
 
 def make() -> str:
-    if os.path.isfile(executable()):
-        return executable()
-    t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "venv", venv_dir()], check=True)
-    subprocess.run([os.path.join(venv_dir(), "bin", "pip"), "install", "-q", *PINS], check=True)
-    print(f"made {venv_dir()} ({', '.join(PINS)}) in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+    _side_venv.python(NAME, PINS, complete=lambda py: os.path.isfile(executable()))
     return executable()
 
 

@@ -136,7 +136,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="only the tiny random model")
     ap.add_argument("--gguf", help="the Gemma 3 270M file (default: fetched by the project, outside this venv)")
-    ap.add_argument("--venv", default=os.path.expanduser("~/.cache/tinyloop-gemma-ref"))
+    ap.add_argument("--venv", default=os.path.expanduser("~/.cache/tinyloop-gemma-ref"), type=os.path.abspath)
     args = ap.parse_args()
     if not args.tiny and args.gguf is None:  # fetched by the project's own code, before leaving its env
         args.gguf = subprocess.check_output([sys.executable, "-c", "import tinyloop_jax as tl; "

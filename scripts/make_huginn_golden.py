@@ -92,7 +92,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recpre", help="the recpre folder of seal-rg/recurrent-pretraining")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "data"))
-    ap.add_argument("--venv", default=os.path.expanduser("~/.cache/tinyloop-huginn-ref"))
+    ap.add_argument("--venv", default=os.path.expanduser("~/.cache/tinyloop-huginn-ref"), type=os.path.abspath)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--adaptive", action="store_true", help="write adaptive.npz for the 2/4/2 folder")
     args = ap.parse_args()

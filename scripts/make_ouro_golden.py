@@ -103,7 +103,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("reference", help="path to Ouro's modeling_ouro.py")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "data", "ouro-tiny"))
-    ap.add_argument("--venv", default=os.path.expanduser("~/.cache/tinyloop-ouro-ref"))
+    ap.add_argument("--venv", default=os.path.expanduser("~/.cache/tinyloop-ouro-ref"), type=os.path.abspath)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if not os.path.isfile(args.reference):

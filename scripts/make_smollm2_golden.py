@@ -29,6 +29,11 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _side_venv  # noqa: E402
+
+VENV = "/tmp/tinyloop-golden-venv"  # bench_smollm2.py's transformers arm runs in it too
+PACKAGES = ["torch==2.13.0", "transformers", "accelerate", "gguf", "numpy", "jinja2"]
 OUT = os.path.join(HERE, "..", "tests", "data", "smollm2-golden.npz")
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n",
            "Once upon a time, in a small village by the sea, there lived"]
@@ -107,17 +112,13 @@ def write(path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--venv", default="/tmp/tinyloop-golden-venv", help="side venv with torch + transformers")
+    ap.add_argument("--venv", default=VENV, type=os.path.abspath, help="side venv with torch + transformers")
     ap.add_argument("--out", default=OUT)
     ap.add_argument("--in-venv", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.in_venv:
         return write(os.path.abspath(args.out))
-    python = os.path.join(args.venv, "bin", "python")
-    if not os.path.isfile(python):
-        subprocess.run([sys.executable, "-m", "venv", args.venv], check=True)
-        subprocess.run([python, "-m", "pip", "install", "-q", "torch==2.13.0", "transformers", "accelerate", "gguf",
-                        "numpy", "jinja2"], check=True)
+    python = _side_venv.python(args.venv, PACKAGES)
     subprocess.run([python, os.path.abspath(__file__), "--in-venv", "--out", args.out], check=True)
 
 

@@ -27,7 +27,7 @@ import tinyloop_jax as tl  # noqa: E402
 from tinyloop_jax.model import transformer as tf  # noqa: E402
 from tinyloop_jax.data import pydoc_split  # noqa: E402
 from tinyloop_jax.api.evaluate import bits_per_byte  # noqa: E402
-from tinyloop_jax.model.params import gpt2_init  # noqa: E402
+from tinyloop_jax.model.init import gpt2_init  # noqa: E402
 
 
 def make_step(cfg, optimizer):

@@ -78,7 +78,7 @@ def huginn_model(seed: int = 0, **kw) -> tl.Model:
     logit within tens of positions, 0.9x of the equivalence bound on an EPYC, 1.006x on a Xeon
     (tests/test_paged.py); calmed, 0.06-0.43x over model seeds 0-3."""
     import dataclasses
-    from tinyloop_jax.model.params import random_params
+    from tinyloop_jax.model.init import random_params
     cfg = tl.ModelConfig(**{**HUGINN, **kw})
     p = random_params(cfg, seed)
     calm = tuple(dataclasses.replace(b, attn_out_norm=b.attn_out_norm / 4, mlp_out_norm=b.mlp_out_norm / 4)

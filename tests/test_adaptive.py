@@ -12,6 +12,7 @@ import pytest
 
 import tinyloop_jax as tl
 from tinyloop_jax.model import transformer as tf
+from tinyloop_jax.model import exits
 from conftest import prompt_of
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -51,7 +52,7 @@ def test_tokens_and_passes_match_the_reference_adaptive_generator(criterion):
                          exit_threshold=c["threshold"], min_steps=c["min_steps"], check_every=c["check_every"],
                          exit_in_prefill=c["exit_in_prefill"], continuous_compute=c["continuous_compute"])
         assert out[len(prompt):] == g[c["key"] + "_tokens"].tolist(), c
-        assert m.last_depths == g[c["key"] + "_passes"].tolist(), c
+        assert m.last_passes == g[c["key"] + "_passes"].tolist(), c
         checked += 1
     assert checked == 20
     # the goldens exercise real exits, not only full depth
@@ -67,9 +68,9 @@ def test_min_steps_equal_to_loops_is_full_depth(family):
     full = m.generate(p, max_tokens=8, loops=loops)
     for crit in ("kl", "latent-diff") + (("gate",) if family == "ouro" else ()):
         assert m.generate(p, max_tokens=8, loops=loops, exit_criterion=crit, min_steps=loops) == full
-        assert m.last_depths == [loops] * 8
+        assert m.last_passes == [loops] * 8
     m.generate(p, max_tokens=3, loops=loops)
-    assert m.last_depths is None  # a call without a criterion reports none
+    assert m.last_passes is None  # a call without a criterion reports none
 
 
 @pytest.mark.parametrize("family,mode", [("huginn", "fp32"), ("huginn", "int8"), ("ouro", "fp32"), ("ouro", "int8-h")])
@@ -81,10 +82,10 @@ def test_prefix_reuse_equals_recompute_under_exits(family, mode):
     prompt, suffix, loops = prompt_of(11, seed=5), prompt_of(4, seed=6), 6
     kw = dict(max_tokens=10, loops=loops, exit_criterion=crit, exit_threshold=thr)
     whole = m.generate(np.concatenate([prompt, suffix]), **kw)
-    whole_depths = m.last_depths
+    whole_depths = m.last_passes
     prefix = m.build_prefix_cache(prompt, loops=loops)
     assert m.generate_from_prefix_cache(prefix, suffix=suffix, **kw) == whole
-    assert m.last_depths == whole_depths and min(whole_depths) < loops
+    assert m.last_passes == whole_depths and min(whole_depths) < loops
     # no suffix: the first token comes from the prefix's own logits
     assert m.generate_from_prefix_cache(prefix, **kw) == m.generate(prompt, **kw)
 
@@ -96,17 +97,17 @@ def test_batched_rows_equal_single_requests():
                dict(exit_criterion="kl", exit_threshold=1e-2, continuous_compute=True, exit_in_prefill=True),
                dict(exit_criterion="argmax-stability", exit_threshold=2, min_steps=1, check_every=2)):
         rows = m.generate_batch(prompts, max_tokens=9, loops=loops, **kw)
-        depths = m.last_depths
+        depths = m.last_passes
         for p, row, d in zip(prompts, rows, depths):
             assert m.generate(p, max_tokens=9, loops=loops, **kw) == row, kw
-            assert m.last_depths == d, kw
+            assert m.last_passes == d, kw
     prefix = m.build_prefix_cache(prompts[1], loops=loops)
     suffixes = [prompt_of(n, seed=40 + n) for n in (0, 2, 5)]
     kw = dict(max_tokens=7, exit_criterion="cosine", exit_threshold=5e-2)
-    rows, depths = m.generate_batch_from_prefix_cache(prefix, suffixes, **kw), m.last_depths
+    rows, depths = m.generate_batch_from_prefix_cache(prefix, suffixes, **kw), m.last_passes
     for s, row, d in zip(suffixes, rows, depths):
         assert m.generate_from_prefix_cache(prefix, suffix=s, **kw) == row
-        assert m.last_depths == d
+        assert m.last_passes == d
 
 
 def test_gate_exit_follows_the_exit_distribution():
@@ -116,13 +117,13 @@ def test_gate_exit_follows_the_exit_distribution():
     m, loops, thr = ouro(), 4, 0.3
     p = prompt_of(9, seed=8)
     out = m.generate(p, max_tokens=2, loops=loops, exit_criterion="gate", exit_threshold=thr)
-    depth = m.last_depths[1]
+    depth = m.last_passes[1]
     seq = np.asarray(out[:len(p) + 1], np.int32)
     w = m.weights
     states = m.build_prefix_cache(seq, loops=loops).depth_states[w.config.n_pre_blocks:]  # [loops, D]
-    cdf = np.cumsum(np.asarray(tf.exit_distribution(w.params, states[:, None]))[:, 0])
+    cdf = np.cumsum(np.asarray(exits.exit_distribution(w.params, states[:, None]))[:, 0])
     expected = int(np.argmax(cdf >= thr)) + 1
-    assert depth == expected and m.last_depths[0] == loops
+    assert depth == expected and m.last_passes[0] == loops
     logits = tf.lm_head(w.params, w.config, states[expected - 1])
     assert out[-1] == int(jnp.argmax(logits))
 
@@ -162,12 +163,12 @@ def test_engine_requests_with_mixed_criteria_equal_generate():
             (prompt_of(9, seed=60), dict(exit_criterion="argmax-stability", exit_threshold=2, min_steps=1))]
     with tl.Engine(m, max_batch=4, prefill_chunk=16) as eng:
         handles = [eng.submit(p, max_tokens=8, loops=loops, **kw) for p, kw in work]
-        got = [(h.result(), h.depths) for h in handles]
+        got = [(h.result(), h.passes) for h in handles]
         stats = eng.stats()
     skipped = 0
     for (p, kw), (tokens, depths) in zip(work, got):
         assert tokens == m.generate(p, max_tokens=8, loops=loops, **kw), kw
-        assert depths == (m.last_depths or []), kw
+        assert depths == (m.last_passes or []), kw
         skipped += sum(loops - d for d in depths)
     assert skipped > 0 and stats["depths"][loops]["passes_skipped"] == skipped
     with tl.Engine(m) as eng, pytest.raises(ValueError, match="check_every"):
@@ -188,10 +189,10 @@ def test_engine_prompts_that_exit_in_prefill_equal_generate():
             (prompt_of(12, seed=72), dict())]
     with tl.Engine(m, max_batch=4, prefill_chunk=16) as eng:
         handles = [eng.submit(q, max_tokens=8, loops=loops, **kw) for q, kw in work]
-        got = [(h.result(), h.depths) for h in handles]
+        got = [(h.result(), h.passes) for h in handles]
         with pytest.raises(ValueError, match="exit_in_prefill needs an exit_criterion"):
             eng.submit(p, exit_in_prefill=True)
     for (q, kw), (tokens, depths) in zip(work, got):
         assert tokens == m.generate(q, max_tokens=8, loops=loops, **kw), kw
-        assert depths == (m.last_depths or []), kw
+        assert depths == (m.last_passes or []), kw
     assert min(got[0][1][0], got[2][1][0]) < loops

@@ -18,6 +18,7 @@ from tinyloop_jax.decoding import paged_decode
 from tinyloop_jax.decoding import step as St
 from tinyloop_jax.decoding.compiled import SHARED
 from tinyloop_jax.model import paged
+from tinyloop_jax.model import page_pool
 from conftest import prompt_of, tiny_config, tiny_model
 from reference import forward as ref_forward
 
@@ -32,7 +33,7 @@ def programs(model, loops: int) -> dict:
     w = model.weights
     p, c = w.params, w.config
     own = kvc.empty(c.kv_mode, c.n_pre_blocks, loops, c.n_heads, 16, c.head_dim)
-    pool = paged.empty(c, loops, 4)
+    pool = page_pool.empty(c, loops, 4)
     rows = paged.Rows.make([[0, 1], [2, 3]], [5, 5], [5, 5])
     tokens, n = jnp.zeros((16,), jnp.int32), jnp.int32(5)
     seen = jnp.zeros((2, c.vocab_size), bool)

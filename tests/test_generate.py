@@ -11,6 +11,7 @@ import tinyloop_jax as tl
 from tinyloop_jax.decoding import paged_decode
 from tinyloop_jax.decoding.compiled import SHARED
 from tinyloop_jax.model import paged
+from tinyloop_jax.model import page_pool
 from tinyloop_jax.api import functional as F
 from conftest import cache_layers, prompt_of, tiny_config
 
@@ -145,7 +146,7 @@ def test_decode_updates_cache_in_place():
     is far below one copy of the pool (no per-step copy of the pages)."""
     cfg = tiny_config(kv_mode="fp32", max_seq_len=1024)
     model = tl.Model.random(cfg, seed=0)
-    pool = paged.empty(cfg, 3, 64)
+    pool = page_pool.empty(cfg, 3, 64)
     compiled = paged_decode.lower_decode(model.weights.params, cfg, pool, paged.Rows.make([list(range(64))], [16], [1]),
                                          tl.Knobs.make(1, max_tokens=8), 3, 16).compile()
     mem = compiled.memory_analysis()

@@ -27,6 +27,7 @@ import tinyloop_jax as tl
 from tinyloop_jax.formats import gguf as gguf_format
 from tinyloop_jax.formats import gguf_reader, hub
 from tinyloop_jax.model import qarray
+from tinyloop_jax.model import qpack
 from quant_blocks import K_QUANTS, encode
 
 T = gguf.GGMLQuantizationType
@@ -122,9 +123,9 @@ def test_every_tensor_type_dequantizes_as_ggml_reference(tmp_path, kind):
     assert got.shape == (3, 512) and got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     if kind.lower() in qarray.FORMATS:  # kept packed (`qarray`): the same values from the same bytes
-        packed = qarray.from_blocks(raw_bytes(q), kind.lower(), 512, transposed=True)
+        packed = qpack.from_blocks(raw_bytes(q), kind.lower(), 512, transposed=True)
         np.testing.assert_allclose(np.asarray(packed.dequantize()), want, rtol=1e-6, atol=1e-6)
-        np.testing.assert_array_equal(qarray.to_blocks(packed), raw_bytes(q))
+        np.testing.assert_array_equal(qpack.to_blocks(packed), raw_bytes(q))
         assert packed.nbytes == q.nbytes
     if kind not in K_QUANTS:  # and it is an approximation of what was quantized
         assert np.abs(got - w).max() <= {"F32": 0, "F16": 2e-3, "BF16": 2e-2, "Q8_0": 3e-2}.get(kind, 0.5)

@@ -9,7 +9,7 @@ import pytest
 
 import tinyloop_jax as tl
 from tinyloop_jax.model import transformer as tf
-from tinyloop_jax.model.params import random_params
+from tinyloop_jax.model.init import random_params
 from conftest import prompt_of
 
 EXACT = dict(atol=1e-5, rtol=1e-5)

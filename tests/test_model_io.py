@@ -95,18 +95,18 @@ def test_flat_fused_columns_are_the_head_shaped_projection():
     contiguous, as Hugging Face's q|k|v_proj) project to the q, k, v that the head-shaped
     weights give, and its gate | up columns to the gate and up halves."""
     import jax.numpy as jnp
-    from tinyloop_jax.model import transformer
+    from tinyloop_jax.model import layers
     from tinyloop_jax.model.params import to_flat_layout
 
     c, H, KV, hd = LLAMA, LLAMA.n_heads, LLAMA.n_kv_heads, LLAMA.head_dim
     blk = tl.Model.random(c, seed=3).weights.params.loop[0]
     x, pos = np.random.default_rng(0).normal(size=(5, c.d_model)).astype(np.float32), jnp.arange(5)
-    h, q, k, v = transformer.qkv_heads(jnp.asarray(x), blk, c, pos)
+    h, q, k, v = layers.qkv_heads(jnp.asarray(x), blk, c, pos)
     wf, bf = (to_flat_layout(n, np.asarray(getattr(blk, n)), c) for n in ("w_qkv", "b_qkv"))
     y = np.asarray(h) @ wf + bf
     heads = lambda a, n: a.reshape(5, n, hd).transpose(1, 0, 2)  # noqa: E731
     qf, kf, vf = heads(y[:, :H * hd], H), heads(y[:, H * hd:(H + KV) * hd], KV), heads(y[:, (H + KV) * hd:], KV)
-    for got, want in ((q, transformer.rope(qf, pos, c.rope_theta)), (k, transformer.rope(kf, pos, c.rope_theta)),
+    for got, want in ((q, layers.rope(qf, pos, c.rope_theta)), (k, layers.rope(kf, pos, c.rope_theta)),
                       (v, vf)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     gu = to_flat_layout("w_gate_up", np.asarray(blk.w_gate_up), c)

@@ -14,6 +14,8 @@ import pytest
 import tinyloop_jax as tl
 from tinyloop_jax.api import functional as F
 from tinyloop_jax.model import transformer as tf
+from tinyloop_jax.model import exits
+from tinyloop_jax.model import layers
 from tinyloop_jax.api.prefix import tree_equal
 from conftest import check_position_reset_fails, ouro_model, prompt_of
 
@@ -72,9 +74,9 @@ def test_pass_states_gates_and_exit_distribution_match_the_reference(ouro, golde
                                                jnp.int32(len(p)), jnp.int32(0), (), own, loops, 0).x))
     states = np.stack(states)
     np.testing.assert_allclose(states, golden[f"states_{i}"], atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(np.asarray(tf.gate(w.params, jnp.asarray(states))), golden[f"gates_{i}"],
+    np.testing.assert_allclose(np.asarray(exits.gate(w.params, jnp.asarray(states))), golden[f"gates_{i}"],
                                atol=1e-5, rtol=1e-4)
-    pdf = np.asarray(tf.exit_distribution(w.params, jnp.asarray(states)))
+    pdf = np.asarray(exits.exit_distribution(w.params, jnp.asarray(states)))
     np.testing.assert_allclose(pdf, golden[f"exit_pdf_{i}"], atol=1e-5, rtol=1e-4)
     np.testing.assert_allclose(pdf.sum(0), 1.0, atol=1e-6)
 
@@ -96,7 +98,7 @@ def test_early_exit_through_the_cache_at_every_position(ouro, golden):
     for s, key in ((0, "logits_step0"), (1, "logits_step1")):
         cache = F.empty_cache(w, len(p))
         for t, tok in enumerate(p):
-            logits, cache = F.decode_step(w, int(tok), cache, exit=tf.Exit.make(step=s))
+            logits, cache = F.decode_step(w, int(tok), cache, exit=exits.Exit.make(step=s))
             np.testing.assert_allclose(np.asarray(logits), golden[f"{key}_{i}"][t], **PARITY)
     prefix = ouro.build_prefix_cache(p)  # the prefix's logits under another exit come from its kept states
     np.testing.assert_allclose(ouro.next_token_logits_from_prefix(prefix, [], early_exit_threshold=0.5),
@@ -168,14 +170,14 @@ def test_rotation_alone_is_load_bearing():
     p, s = prompt_of(16, seed=3), prompt_of(4, seed=4)
     prefix = model.build_prefix_cache(p)
     full = model.next_token_logits(np.concatenate([p, s]))
-    rope = tf.rope
+    rope = layers.rope
     try:
-        tf.rope = lambda x, pos, theta: rope(x, pos + 8, theta)  # traced below, outside any jit cache
+        layers.rope = lambda x, pos, theta: rope(x, pos + 8, theta)  # traced below, outside any jit cache
         own = F.empty_cache(w, len(s), start=len(p))
         x, _ = tf.forward(w.params, w.config, jnp.asarray(s), jnp.int32(len(s)), jnp.int32(len(p)), (prefix.cache,),
                           own, w.config.default_loops, 0)
     finally:
-        tf.rope = rope
+        layers.rope = rope
     shifted = np.asarray(tf.lm_head(w.params, w.config, x[-1]))
     assert not np.allclose(shifted, full, **CLOSE)
 

@@ -16,6 +16,7 @@ from hypothesis import given, settings, strategies as st
 import tinyloop_jax as tl
 from tinyloop_jax.api.pages import PageBook
 from tinyloop_jax.model import paged
+from tinyloop_jax.model import page_pool
 from tinyloop_jax.model import transformer as tf
 from tinyloop_jax.model.kv_modes import KV_MODES
 
@@ -54,7 +55,7 @@ class Driver:
         self.params, self.cfg = model.weights.params, model.weights.config
         self.grouped = grouped  # steps as two groups: rows feeding several tokens [b, T], and one [b', 1]
         self.loops, self.window, self.seeds = loops, window, seeds
-        self.pool = paged.empty(self.cfg, loops, n_pages, P)
+        self.pool = page_pool.empty(self.cfg, loops, n_pages, P)
         self.tables = [[] for _ in range(rows)]
         self.fed = [[] for _ in range(rows)]
         self.logits = [[] for _ in range(rows)]
@@ -68,7 +69,7 @@ class Driver:
         for b, toks in feeds.items():
             tokens[b, :len(toks)] = toks
             n_new[b] = len(toks)
-            assert paged.PAGE_SIZE and len(self.tables[b]) * P >= start[b] + len(toks), "row needs pages"
+            assert page_pool.PAGE_SIZE and len(self.tables[b]) * P >= start[b] + len(toks), "row needs pages"
         table = np.zeros((B, R), np.int32)
         for b, t in enumerate(self.tables):
             table[b, :len(t)] = t
@@ -122,7 +123,7 @@ def _ragged_session(model: tl.Model, loops: int, window: int = 0, seeds=None, gr
     d.step({0: A[32:40], 2: C[23:24]})
     shared = d.page_bytes([5, 0])
     d.tables[1] = [5, 0, 4]  # B = A[:35] + its own: pages 5, 0 shared, A's page 9 copied into 4
-    d.pool = paged._copy_pages(d.pool, jnp.asarray([9]), jnp.asarray([4]))
+    d.pool = page_pool._copy_pages(d.pool, jnp.asarray([9]), jnp.asarray([4]))
     d.fed[1], d.logits[1] = [int(t) for t in A[:35]], list(d.logits[0][:35])
     d.tables[0].append(1)
     d.step({0: A[40:41], 1: Bown[:10], 2: C[24:25]})
@@ -194,12 +195,12 @@ def test_paged_step_reads_only_its_rows_pages():
 def test_pool_size_and_bytes():
     m = tiny_model("int8")
     cfg = m.weights.config
-    pool = paged.empty(cfg, 3, 8, 32)
+    pool = page_pool.empty(cfg, 3, 8, 32)
     assert (pool.n_pages, pool.page_size, pool.passes) == (8, 32, 3)
-    per_page = paged.page_nbytes("int8", cfg.n_cache_layers(3), cfg.n_kv_heads, 32, cfg.head_dim, cfg.d_model)
+    per_page = page_pool.page_nbytes("int8", cfg.n_cache_layers(3), cfg.n_kv_heads, 32, cfg.head_dim, cfg.d_model)
     assert pool.nbytes == 8 * per_page
     with pytest.raises(ValueError, match="page_size=24"):
-        paged.empty(cfg, 3, 8, 24)
+        page_pool.empty(cfg, 3, 8, 24)
     with pytest.raises(ValueError, match="loops=4"):
         paged.forward(m.weights.params, cfg, pool, paged.Rows.make([[0]], [0], [1]), np.zeros((1, 1), np.int32), 4, 0)
 
@@ -540,7 +541,7 @@ def test_reuse_equals_recompute_and_the_position_reset_control_fails(mode):
     d.step({0: prefix[:16]})
     d.step({0: prefix[16:]})
     full_page = d.page_bytes([2])
-    d.pool = paged._copy_pages(d.pool, jnp.asarray([2, 5]), jnp.asarray([6, 7]))  # copies for the control
+    d.pool = page_pool._copy_pages(d.pool, jnp.asarray([2, 5]), jnp.asarray([6, 7]))  # copies for the control
     # the suffix continues in page 5, the prefix's partial page (the engine would copy a shared one)
     reuse = last_logits(len(prefix), [2, 5], d)
     np.testing.assert_allclose(reuse, full, **CLOSE)

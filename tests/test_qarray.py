@@ -19,6 +19,7 @@ from test_gguf import LAYERS, VOCAB, write_tiny, write_tiny_gpt2
 import tinyloop_jax as tl
 from tinyloop_jax import native
 from tinyloop_jax.model import qarray
+from tinyloop_jax.model import qpack
 
 PROMPT = np.random.default_rng(1).integers(0, VOCAB, 13).astype(np.int32)
 # every matrix in a kept-packed format, q|k|v and gate|up alike within a layer (they are fused)
@@ -37,7 +38,7 @@ def packed_file(tmp_path_factory):
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
 def test_quantize_writes_a_quantization(fmt):
     w = np.random.default_rng(0).standard_normal((96, 120)).astype(np.float32)
-    dense = np.asarray(qarray.quantize(w, fmt).dequantize())
+    dense = np.asarray(qpack.quantize(w, fmt).dequantize())
     assert np.abs(dense - w).max() < {"q8_0": 0.05, "q4_0": 0.6, "q4_1": 0.4, "q5_0": 0.3, "q5_1": 0.2}[fmt]
 
 

@@ -179,7 +179,7 @@ def test_adaptive_depth_extras_equal_generate(model, server):
     ids = TOK.encode("The \"for\" statement\n")
     want = model.generate(ids, max_tokens=7, **kw)
     assert r.choices[0].token_ids == want[len(ids):]
-    skipped = sum(model.weights.config.default_loops - d for d in model.last_depths)
+    skipped = sum(model.weights.config.default_loops - d for d in model.last_passes)
     after = server.engine.stats()["depths"][model.weights.config.default_loops]["passes_skipped"]
     assert after - before == skipped
     metrics = urllib.request.urlopen(server.url + "/metrics").read().decode()
@@ -310,16 +310,16 @@ def rss_bytes(pid: int) -> int:
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the server's RSS from /proc")
 def test_a_loops_sweep_over_http_stays_within_the_memory_budget(model, tmp_path):
-    """A client sweeping `loops` from 1 to 64 against `tinyloop serve --max-lanes 3 --memory-budget
-    16M`: every depth is a lane (a page pool, request rows, and its compiled programs); every
-    request is answered, the lanes' bytes stay within the budget, idle lanes are
-    evicted with their programs, so the server's RSS stops growing once 3 lanes are held (it
+    """A client sweeping `loops` from 1 to 64 against `tinyloop serve --max-depths 3 --memory-budget
+    16M`: every depth holds a page pool, request rows and its compiled programs; every
+    request is answered, the depths' bytes stay within the budget, idle depths are
+    evicted with their programs, so the server's RSS stops growing once 3 depths are held (it
     grew by every depth's programs before), and it keeps serving. 8 depths spread over 1..64,
     the deepest included (each depth compiles its programs: a few seconds)."""
     model.save(str(tmp_path / "tiny"))
     budget = 16 << 20
     proc, port, get = start_serve(tmp_path / "tiny", "--max-batch", "1", "--memory-budget", "16M", "--max-loops", "64",
-                                  "--max-lanes", "3")
+                                  "--max-depths", "3")
 
     def metric(name: str) -> float:
         return float(next(line.split()[-1] for line in get("/metrics").splitlines() if line.startswith(name)))
@@ -339,13 +339,13 @@ def test_a_loops_sweep_over_http_stays_within_the_memory_budget(model, tmp_path)
             assert len(r.choices[0].token_ids) == 3
             rss.append(rss_bytes(proc.pid))
             held.append(metric("tinyloop_memory_bytes"))
-            assert metric("tinyloop_lanes ") <= 3
-        evicted = metric("tinyloop_lanes_evicted")
+            assert metric("tinyloop_depths_held ") <= 3
+        evicted = metric("tinyloop_depths_evicted")
         mib = [x >> 20 for x in rss]
-        print(f"RSS (MiB) after each depth: {mib}; lanes held <= {max(held) / 2**20:.1f} MiB of the "
-              f"{budget >> 20} MiB budget; {evicted:.0f} lanes evicted")
+        print(f"RSS (MiB) after each depth: {mib}; depths held <= {max(held) / 2**20:.1f} MiB of the "
+              f"{budget >> 20} MiB budget; {evicted:.0f} depths evicted")
         assert max(held) <= budget and evicted >= len(depths) - 3
-        assert max(rss[4:]) - rss[3] <= 64 << 20, mib  # flat once 3 lanes are held (4 more depths)
+        assert max(rss[4:]) - rss[3] <= 64 << 20, mib  # flat once 3 depths are held (4 more depths)
         r = client.completions.create(model="tiny", prompt="abc", max_tokens=4, temperature=0,
                                       extra_body={"ignore_eos": True})
         assert r.choices[0].token_ids == model.generate(TOK.encode("abc"), max_tokens=4)[3:]

@@ -127,7 +127,7 @@ def test_a_depth_sweep_stays_within_the_memory_budget(model):
         for got, want in results.values():
             assert got == want
         s = eng.stats()
-        assert s["lanes_evicted"] >= 1 and s["lanes"] < 4
+        assert s["depths_evicted"] >= 1 and s["depths_held"] < 4
         assert max(peak) <= budget and s["memory_budget"] == budget
         assert live_bytes() - base <= budget  # the arrays really were freed
 
@@ -163,7 +163,7 @@ def test_stats_is_safe_while_new_depths_arrive(model):
                 while not done.is_set():
                     try:
                         s = eng.stats()
-                        assert s["running"] >= 0 and s["lanes"] >= 0
+                        assert s["running"] >= 0 and s["depths_held"] >= 0
                         len(eng.programs)
                     except Exception as e:  # noqa: BLE001 - reported by the test
                         errors.append(e)

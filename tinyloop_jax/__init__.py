@@ -14,7 +14,7 @@ from .api.store import PrefixStore
 from .api.chat import Conversation
 from .formats.hub import model_path
 from .formats.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
-from .model.transformer import Exit
+from .model.exits import Exit
 
 __all__ = ["Adaptive", "ByteTokenizer", "Conversation", "DepthPlan", "Engine", "Exit", "Fixed", "HFTokenizer",
            "KV_MODES", "KVCache", "Knobs", "Model", "ModelConfig", "PrefixCache", "PrefixStore", "Request",

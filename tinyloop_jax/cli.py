@@ -10,6 +10,7 @@ import time
 
 
 from .model.kv_modes import KV_MODES
+from . import settings
 
 BUNDLED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "tinyloop-pydoc")
 
@@ -232,7 +233,7 @@ def cmd_serve(args) -> None:
     model, tok = _model_and_tokenizer(args)
     name = args.name or os.path.basename(os.path.normpath(args.model or BUNDLED))
     engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue, timeout=args.timeout,
-                    max_loops=args.max_loops, memory_budget=args.memory_budget, max_lanes=args.max_lanes)
+                    max_loops=args.max_loops, memory_budget=args.memory_budget, max_depths=args.max_depths)
     # programs compile in the background (a real model's take minutes) while requests are served,
     # each compiling what it needs first; /health says `warming` until they are all built
     engine.warmup(background=True, adaptive=args.warmup_adaptive, speculation=args.warmup_speculation)
@@ -325,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=None, help="per-request deadline in seconds")
     s.add_argument("--max-loops", type=int, default=None,
                    help="the deepest `loops` a request may ask (default 64, or 16 x the model's depth)")
-    s.add_argument("--max-lanes", type=int, default=8,
+    s.add_argument("--max-depths", "--max-lanes", dest="max_depths", type=int, default=8,
                    help="depths served at once (each holds its compiled programs); a new depth evicts the least "
                         "recently used idle one (default 8)")
     s.add_argument("--memory-budget", "--kv-memory", dest="memory_budget", type=_bytes, default="auto",
@@ -339,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also compile the speculative rounds of these draft_loops:lookahead pairs, e.g. 1:4")
     s.add_argument("--name", default=None, help="the model name clients send (default: the folder's name)")
     s.add_argument("--log-level", default="info")
-    s.add_argument("--api-key", default=os.environ.get("TINYLOOP_API_KEY"),
+    s.add_argument("--api-key", default=settings.get("TINYLOOP_API_KEY") or None,
                    help="require Authorization: Bearer KEY on /v1/* and the tokenizer routes (default: "
                         "$TINYLOOP_API_KEY; none: open)")
     s.add_argument("--cors-origins", default="", help="comma-separated browser origins allowed (default: none)")

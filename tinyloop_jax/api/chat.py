@@ -43,6 +43,7 @@ from ..decoding.compiled import SHARED
 from ..decoding.sampling import Knobs, SamplingParams
 from ..model import cache as kvc
 from ..model import paged
+from ..model import page_pool
 
 
 class Detokenizer:
@@ -126,7 +127,7 @@ class Kept:
     first len(tokens) - 1 are in `pool` (position p in page p // P); the last, an answer's last
     token, is fed with the next turn's chunk."""
 
-    pool: paged.PagedKV
+    pool: page_pool.PagedKV
     tokens: np.ndarray
 
     @property
@@ -220,7 +221,7 @@ class Conversation:
         reuse = kept is not None and len(kept.tokens) < len(ids) and np.array_equal(ids[:len(kept.tokens)],
                                                                                       kept.tokens)
         k = kept.fed if reuse else 0
-        n_pages = capacity(len(ids) + max_new, c.max_seq_len) // paged.PAGE_SIZE
+        n_pages = capacity(len(ids) + max_new, c.max_seq_len) // page_pool.PAGE_SIZE
         if not reuse:
             pool = paged_decode.empty_pool(c, self.loops, n_pages)
         elif kept.pool.n_pages < n_pages:  # a copy: the kept pool stays whole if the turn is abandoned

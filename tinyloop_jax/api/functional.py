@@ -29,13 +29,14 @@ from ..model import cache as kvc
 from ..decoding import paged_decode, programs
 from ..decoding.compiled import SHARED
 from ..model import paged, sharding
+from ..model import page_pool
 from ..model.cache import KVCache
 from ..decoding.paged_decode import Decoded
 from ..model.params import Weights
 from .prefix import PrefixCache, prefix_at_depth  # noqa: F401 - prefix_at_depth is part of this API
 from ..decoding.sampling import Knobs
 from ..decoding.speculative import Speculation
-from ..model.transformer import Exit
+from ..model.exits import Exit
 
 
 class Adaptive(NamedTuple):
@@ -69,8 +70,8 @@ def empty_cache(weights: Weights, n_tokens: int, loops: int | None = None, cache
 
 def ring_plan(c, n_tokens: int, cache_window: int = 0) -> tuple[tuple, int]:
     """The pre layers of `c` held as rings of their window (`cache.ring_plan` over its local
-    layers, `paged.local_layers`), and the ring's slots."""
-    local = paged.local_layers(c)
+    layers, `page_pool.local_layers`), and the ring's slots."""
+    local = page_pool.local_layers(c)
     return kvc.ring_plan([c.block_window(j) if j in local else 0 for j in range(c.n_pre_blocks)], n_tokens,
                          cache_window)
 
@@ -162,7 +163,7 @@ def extend_prefix(source: PrefixCache, k: int, prompt, exit: Exit | None = None)
     w, loops, window = source.weights, source.loops, source.cache_window
     prompt = np.asarray(prompt, np.int32)
     w.config.check_positions(len(prompt), "the prompt")
-    if not 0 < k < len(prompt) or not kvc.holds(source.cache, k, window, paged.local_window(w.config, window)):
+    if not 0 < k < len(prompt) or not kvc.holds(source.cache, k, window, page_pool.local_window(w.config, window)):
         raise ValueError(f"k={k}: the source does not hold what its first {k} positions need "
                          f"(a prompt of {len(prompt)} tokens, the source's ring or window is shorter)")
     rings, ring = ring_plan(w.config, len(prompt), window)
@@ -246,7 +247,7 @@ def call_layout(c, prefix_len: int, longest: int, max_new: int, n_rows: int,
     their slots in rings as long as the window and one step: a prompt chunk (`PREFILL_CHUNK`) or
     a verify chunk."""
     room = own_room(longest, max_new, 0, speculation)[0]
-    window = paged.local_window(c)
+    window = page_pool.local_window(c)
     step = max(min(longest, PREFILL_CHUNK), speculation.lookahead + 1 if speculation is not None else 1)
     return paged_decode.layout(prefix_len, room, n_rows, window=window, step=step)
 

@@ -20,7 +20,7 @@ from ..model import sharding
 from . import validation as check
 from ..model.cache import KVCache
 from ..model.params import Weights
-from ..model.transformer import Exit
+from ..model.exits import Exit
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -28,10 +28,10 @@ from . import validation as check
 from ..model.config import ModelConfig, check_kv_mode
 from ..decoding.paged_decode import Decoded
 from ..decoding.sampling import Knobs, SamplingParams
-from ..model.params import (Params, Weights, check_shapes, check_weight_mode, nbytes, quantize_params, random_params,
-                            with_layers)
+from ..model.params import (Params, Weights, check_shapes, check_weight_mode, nbytes, quantize_params, with_layers)
+from ..model.init import random_params
 from .prefix import PrefixCache, ResumeHandle
-from ..model.transformer import Exit
+from ..model.exits import Exit
 
 
 class Model:
@@ -70,7 +70,7 @@ class Model:
         self.last_speculation: dict | None = None  # rounds / drafted / accepted of the last speculative call
         # passes run for each emitted token by the last call with an exit_criterion (a list; the
         # batched calls: one list per row); None after a call without one
-        self.last_depths: list | None = None
+        self.last_passes: list | None = None
 
     # ---- construction, persistence, lifetime -------------------------------------------------
 
@@ -237,10 +237,10 @@ class Model:
     def _lists(self, state: Decoded, heads: list, speculation: F.Speculation | None) -> list[list[int]]:
         """Row i: heads[i] (its prompt) + the tokens it emitted."""
         tokens, n = sharding.to_host(state.tokens), sharding.to_host(state.n)
-        self.last_depths = None  # adaptive depth: the passes run for each emitted token, per row
+        self.last_passes = None  # adaptive depth: the passes run for each emitted token, per row
         if state.passes is not None:
             depths = sharding.to_host(state.passes)
-            self.last_depths = [depths[i, : n[i]].tolist() for i in range(len(heads))]
+            self.last_passes = [depths[i, : n[i]].tolist() for i in range(len(heads))]
         if speculation is not None:
             rounds = int(state.rounds)
             self.last_speculation = dict(rounds=rounds, drafted=rounds * speculation.lookahead,
@@ -318,7 +318,7 @@ class Model:
         state = F.generate(self.weights, [prompt], Knobs.from_params([params]), req.loops, req.cache_window, spec,
                            self._exit(req), self._adaptive(req))
         out = self._lists(state, [prompt.tolist()], spec)[0]
-        self.last_depths = self.last_depths and self.last_depths[0]
+        self.last_passes = self.last_passes and self.last_passes[0]
         return out
 
     def build_prefix_cache(self, prompt, loops: int | None = None, cache_window: int = 0,
@@ -367,7 +367,7 @@ class Model:
         F.check_fits(w, [len(suffix)], req, loops, window, spec, prefix_len=len(prefix))
         state = F.decode(w, prefix, [suffix], req, loops, window, spec, self._exit(r), self._adaptive(r))
         out = self._lists(state, [prefix.prompt.tolist() + suffix.tolist()], spec)[0]
-        self.last_depths = self.last_depths and self.last_depths[0]
+        self.last_passes = self.last_passes and self.last_passes[0]
         return out
 
     def generate_batch_from_prefix_cache(self, prefix: PrefixCache, suffixes, max_tokens: int = 32,

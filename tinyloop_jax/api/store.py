@@ -26,7 +26,7 @@ import numpy as np
 
 from . import functional as F
 from ..model import cache as kvc
-from ..model import paged
+from ..model import page_pool
 from . import request as R
 from . import validation as check
 from .prefix import PrefixCache
@@ -193,7 +193,7 @@ class PrefixStore:
             k -= 1
         c = self.model.weights.config
         if k > 0 and (self.cache_window > 0 or entry.cache.rings) and not kvc.holds(
-                entry.cache, k, self.cache_window, paged.local_window(c, self.cache_window)):
+                entry.cache, k, self.cache_window, page_pool.local_window(c, self.cache_window)):
             return 0
         return k
 

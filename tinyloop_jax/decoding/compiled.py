@@ -12,18 +12,18 @@ import functools
 
 import jax
 
-from ..model import paged
+from ..model import page_pool
 from . import step as St
 
 POOL, STATE = ("pool",), ("pool", "state")
 
 JIT_OPTIONS = dict(
     # a pool and its pages
-    empty_pool=(paged.empty, dict(static_argnums=(0, 1, 2, 3, 4, 5))),
-    load_segment=(paged.load_segment, dict(donate_argnames=POOL)),
-    copy_pages=(paged.copy_pages, dict(donate_argnames=POOL)),
-    grow=(paged.grow, dict(static_argnames=("n_pages",))),
-    to_segment=(paged.to_segment, dict(static_argnames=("capacity",))),
+    empty_pool=(page_pool.empty, dict(static_argnums=(0, 1, 2, 3, 4, 5))),
+    load_segment=(page_pool.load_segment, dict(donate_argnames=POOL)),
+    copy_pages=(page_pool.copy_pages, dict(donate_argnames=POOL)),
+    grow=(page_pool.grow, dict(static_argnames=("n_pages",))),
+    to_segment=(page_pool.to_segment, dict(static_argnames=("capacity",))),
     # request rows
     requests_of=(St.requests_of, dict(static_argnames=("d_model", "dtype"))),
     admit=(St.admit, dict(donate_argnames=("state",))),

@@ -14,7 +14,7 @@ engine's programs (`compiled.SHARED`: the step body of `step.py`) over the call'
                 speculative rounds, stops and max_tokens on the device
 
 A `PrefixCache` stays a dense segment (immutable, saved and loaded as it is); a call copies its
-stored values into the call's pages once (`model.paged.load_segment`, as the engine loads a
+stored values into the call's pages once (`model.page_pool.load_segment`, as the engine loads a
 store entry) and reads them there. The pool is in the model's working mode: float32 K/V for an
 h mode (the prefix rebuilt once per call; 2x faster than rebuilding K/V from h every step,
 docs/benchmarks.md), the stored mode otherwise. Attention reads each row's live pages only where a kernel
@@ -33,7 +33,8 @@ import numpy as np
 
 from ..model import cache as kvc
 from ..model import paged
-from ..model import transformer as tf
+from ..model import page_pool
+from ..model import exits
 from ..model.config import ModelConfig
 from ..model.params import Params
 from . import step as St
@@ -56,14 +57,14 @@ class Layout:
     n_local: int = 0
 
 
-def layout(prefix_len: int, room: int, n_rows: int, page_size: int = paged.PAGE_SIZE, window: int = 0,
+def layout(prefix_len: int, room: int, n_rows: int, page_size: int = page_pool.PAGE_SIZE, window: int = 0,
            step: int = 1) -> Layout:
     """Page tables for n_rows rows of prefix_len shared positions + `room` own positions each
     (the longest suffix, max_tokens, a verify chunk). The table's length and the pool's come
     in buckets (`cache.bucket`), so that calls of nearby lengths share programs; a row is given
     only the pages it can write.
 
-    window > 0: the model's local layers (`paged.local_layers`, their windows at most `window`)
+    window > 0: the model's local layers (`page_pool.local_layers`, their windows at most `window`)
     get local slots when that saves some: the prefix's pages a first query's window reads, and
     for each row a ring of slots over its own pages (page i in slot i mod ring) as long as its
     window and the most positions one step writes (`step`; or all its pages), so a page is
@@ -88,24 +89,24 @@ def layout(prefix_len: int, room: int, n_rows: int, page_size: int = paged.PAGE_
 
 
 def pool_nbytes(cfg: ModelConfig, loops: int, lay: Layout) -> int:
-    size = lambda n, layers: n * paged.page_nbytes(cfg.storage.working, layers, cfg.n_kv_heads,  # noqa: E731
-                                                   paged.PAGE_SIZE, cfg.head_dim, cfg.d_model)
-    local = len(paged.local_layers(cfg)) if lay.slot_of is not None else 0
+    size = lambda n, layers: n * page_pool.page_nbytes(cfg.storage.working, layers, cfg.n_kv_heads,  # noqa: E731
+                                                   page_pool.PAGE_SIZE, cfg.head_dim, cfg.d_model)
+    local = len(page_pool.local_layers(cfg)) if lay.slot_of is not None else 0
     return size(lay.n_pages, cfg.n_cache_layers(loops) - local) + size(lay.n_local, local)
 
 
-def empty_pool(cfg: ModelConfig, loops: int, n_pages: int, lay: Layout | None = None) -> paged.PagedKV:
+def empty_pool(cfg: ModelConfig, loops: int, n_pages: int, lay: Layout | None = None) -> page_pool.PagedKV:
     """A call's pool, in the model's working mode: an h mode's call holds float32 K/V (rebuilt
     from h once, when the prefix is loaded, not at every step; as the model stores them); with
     a layout's local slots, its local layers in them."""
     if lay is None or lay.slot_of is None:
-        return SHARED.empty_pool(cfg, loops, n_pages, paged.PAGE_SIZE, cfg.storage.working, None)
-    pool = SHARED.empty_pool(cfg, loops, n_pages, paged.PAGE_SIZE, cfg.storage.working, lay.n_local)
+        return SHARED.empty_pool(cfg, loops, n_pages, page_pool.PAGE_SIZE, cfg.storage.working, None)
+    pool = SHARED.empty_pool(cfg, loops, n_pages, page_pool.PAGE_SIZE, cfg.storage.working, lay.n_local)
     return pool.replace(slot_of=jnp.asarray(lay.slot_of))
 
 
-def load_prefix(params: Params, cfg: ModelConfig, pool: paged.PagedKV, seg, prefix_len: int,
-                lay: Layout) -> paged.PagedKV:
+def load_prefix(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, seg, prefix_len: int,
+                lay: Layout) -> page_pool.PagedKV:
     """The prefix's positions into the call's pages: its full pages once, its partial last page
     into every row's first own page (row 0's written, then copied). A prefix stored in another
     mode than the pool's (h) is rebuilt into it first (`programs.materialize`)."""
@@ -125,13 +126,13 @@ class Prefilled(NamedTuple):
     first: jax.Array
     stop: jax.Array
     depth: jax.Array | None
-    pool: paged.PagedKV
+    pool: page_pool.PagedKV
     state: St.Requests
 
 
-def prefill(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: St.Requests, tables: np.ndarray,
+def prefill(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: St.Requests, tables: np.ndarray,
             prefix_len: int, suffixes: list, prior_logits: jax.Array, loops: int, window: int,
-            exit: tf.Exit | None = None, chunk: int = 0, adaptive: bool = False, exits: bool = False,
+            exit: exits.Exit | None = None, chunk: int = 0, adaptive: bool = False, exits: bool = False,
             windows: np.ndarray | None = None) -> Prefilled:
     """N rows' suffixes (row i's prompt after the shared prefix_len positions; possibly empty)
     into their pages (tables [N, R]) by the step's chunk group over the call's rows in order,
@@ -175,7 +176,7 @@ class Decoded:
     first: jax.Array  # [N] the prompts' tokens
     burst: St.Burst  # the loop's
     first_depth: jax.Array | None  # [N] adaptive depth: the passes the prompts ran
-    pool: paged.PagedKV  # the call's pages after it
+    pool: page_pool.PagedKV  # the call's pages after it
 
     @property
     def tokens(self) -> jax.Array:  # [N, S], -1 past each row's end
@@ -201,7 +202,7 @@ class Decoded:
 
 
 def decode(params: Params, cfg: ModelConfig, rows: paged.Rows, fill: Prefilled, req: Knobs, loops: int, window: int,
-           out_len: int, exit: tf.Exit | None = None, draft_loops: int = 0, lookahead: int = 0) -> Decoded:
+           out_len: int, exit: exits.Exit | None = None, draft_loops: int = 0, lookahead: int = 0) -> Decoded:
     """Emit up to req.max_tokens (<= out_len) tokens for each of N rows by the engine's step body
     (`step.decode_steps`, one `lax.while_loop` on the device, over the call's rows in order).
     rows: page tables [N, R], start [N] the position each row's first token (fill.first) is fed
@@ -220,8 +221,8 @@ def decode(params: Params, cfg: ModelConfig, rows: paged.Rows, fill: Prefilled, 
     return Decoded(fill.first, got, fill.depth, pool)
 
 
-def lower_decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, req: Knobs, loops: int,
-                 out_len: int, window: int = 0, exit: tf.Exit | None = None, **kind) -> jax.stages.Lowered:
+def lower_decode(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, rows: paged.Rows, req: Knobs, loops: int,
+                 out_len: int, window: int = 0, exit: exits.Exit | None = None, **kind) -> jax.stages.Lowered:
     """The program `decode` runs for N rows of these shapes (kind: `adaptive`, or `draft_loops`
     and `lookahead`), lowered, not run: for XLA's memory analysis and its collectives. Arrays
     may be abstract (`jax.ShapeDtypeStruct`, with shardings)."""

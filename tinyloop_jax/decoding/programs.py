@@ -19,6 +19,7 @@ import numpy as np
 
 from ..model import cache as kvc
 from ..model import transformer as tf
+from ..model import exits
 from ..model.cache import KVCache
 from ..model.config import ModelConfig
 from ..model.params import Params
@@ -47,7 +48,7 @@ class Fill(NamedTuple):
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "window", "keep_states", "keep_x"), donate_argnames=("own",))
 def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, start_pos: jax.Array,
-            ro: tuple, own: KVCache, loops: int, window: int, exit: tf.Exit | None = None,
+            ro: tuple, own: KVCache, loops: int, window: int, exit: exits.Exit | None = None,
             seed: jax.Array | None = None, keep_states: bool = False, keep_x: bool = False) -> Fill:
     """Append a chunk (its first n_valid real, the rest bucket padding) to one segment `own` at
     absolute positions start_pos + i, attending also to the read-only segments `ro` (a prefix):
@@ -77,7 +78,7 @@ SCORE_BLOCK = 128
 
 @partial(jax.jit, static_argnames=("cfg", "loops", "top"))
 def score(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, own: KVCache, loops: int, top: int,
-          exit: tf.Exit | None = None, seed: jax.Array | None = None) -> Scores:
+          exit: exits.Exit | None = None, seed: jax.Array | None = None) -> Scores:
     """Each real token's log-probability under the model (the log-softmax of the raw logits, no
     sampling knobs) and the `top` likeliest tokens at its position, by one forward of tokens[:n_valid]
     (tokens [T] bucket-padded) into the empty segment `own`."""
@@ -105,11 +106,11 @@ def score(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Arra
 
 @partial(jax.jit, static_argnames=("cfg", "loops"))
 def prefix_logits(params: Params, cfg: ModelConfig, depth_states: jax.Array, loops: int,
-                  exit: tf.Exit | None = None) -> jax.Array:
+                  exit: exits.Exit | None = None) -> jax.Array:
     """A prompt's next-token logits [V] at depth `loops` from its last token's states
     [n_pre + passes, D] (`prefill_prefix`), with the early exit's pick among the passes."""
     n_pre = cfg.n_pre_blocks
-    return tf.lm_head(params, cfg, tf.exit_stream(params, cfg, depth_states[n_pre:n_pre + loops], exit))
+    return tf.lm_head(params, cfg, exits.exit_stream(params, cfg, depth_states[n_pre:n_pre + loops], exit))
 
 
 @partial(jax.jit, static_argnames=("cfg", "passes"))

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from ..model import transformer as tf
+from ..model import exits
 from ..model.config import ModelConfig
 from ..model.params import Params
 from .sampling import Knobs, distribution
@@ -66,7 +67,7 @@ def accept(key: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Array) -> tup
 
 def round_paged(params: Params, cfg: ModelConfig, pool, rows, last: jax.Array, seen: jax.Array, counts: jax.Array,
                 req: Knobs, keys: jax.Array, loops: int, draft_loops: int, lookahead: int, window: int = 0,
-                exit: tf.Exit | None = None):
+                exit: exits.Exit | None = None):
     """One round for N rows over a page pool (`model.paged`): rows (`paged.Rows`: start = where
     each row's last token is fed, n_new 1, or 0 for a row that only idles) and their last
     tokens [N], seen / counts [N, V] before it, keys [N] the round's. k = lookahead drafts at

@@ -30,8 +30,10 @@ from .sampling import Knobs, select_tokens, stop_match
 from .speculative import DRAFT_STREAM, fold_in, round_paged
 from ..model import adaptive as ad
 from ..model import paged
+from ..model import page_pool
 from ..model import paged_adaptive as pa
 from ..model import transformer as tf
+from ..model import exits
 from ..model.config import ModelConfig
 from ..model.params import Params
 
@@ -131,8 +133,8 @@ def _record(state: Requests, slot: jax.Array, tok: jax.Array, live: jax.Array) -
     return state.replace(tail=tail), jnp.where(live, hit, -1)
 
 
-def step(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, chunks: Chunks | None,
-         decodes: Decodes | None, loops: int, exit: tf.Exit | None = None, window: int = 0):
+def step(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Requests, chunks: Chunks | None,
+         decodes: Decodes | None, loops: int, exit: exits.Exit | None = None, window: int = 0):
     """One step: the chunks' tokens and each decode row's last token through the model at depth
     `loops`, written into the pages; then a token for every decode row and every final chunk.
     window: a static cache_window for every row (else each row's, rows.window). Returns (the
@@ -217,8 +219,8 @@ class Burst:
     accepted: Annotated[jax.Array, "int32[b]"]  # speculative: the drafts kept
 
 
-def decode_steps(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, decodes: Decodes,
-                 n: jax.Array, loops: int, n_max: int, exit: tf.Exit | None = None, window: int = 0,
+def decode_steps(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Requests, decodes: Decodes,
+                 n: jax.Array, loops: int, n_max: int, exit: exits.Exit | None = None, window: int = 0,
                  adaptive: bool = False, draft_loops: int = 0, lookahead: int = 0):
     """Up to n (traced, 1 <= n <= n_max) iterations of one decode step in one `while_loop`, the
     one device token loop: the engine's decode rows' step when no prompt chunk runs beside them
@@ -286,7 +288,7 @@ def requests_of(seen: jax.Array, req: Knobs, d_model: int, dtype, pol: ad.Policy
     return Requests(RowState.start(seen, jnp.zeros((N,), jnp.int32), warm), req, pol, tail)
 
 
-def step_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, decodes: Decodes,
+def step_adaptive(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Requests, decodes: Decodes,
                   loops: int, live: jax.Array | None = None):
     """The decode rows' next tokens with adaptive depth: each row's passes stop at its exit (its
     request's `pol`; kind NONE: every pass). live [b]: a call's rows (slot None) that step.
@@ -298,7 +300,7 @@ def step_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: 
     return tok, out.depth, out.pool, state
 
 
-def chunk_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, chunks: Chunks,
+def chunk_adaptive(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Requests, chunks: Chunks,
                    loops: int):
     """Prompts that may exit (`exit_in_prefill`), each one chunk exiting as a whole at its
     request's exit rule: their first tokens, the passes each ran, and the last state as the
@@ -310,8 +312,8 @@ def chunk_adaptive(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state:
     return got, out.depth, out.pool, state
 
 
-def step_speculative(params: Params, cfg: ModelConfig, pool: paged.PagedKV, state: Requests, decodes: Decodes,
-                     loops: int, draft_loops: int, lookahead: int, exit: tf.Exit | None = None, window: int = 0,
+def step_speculative(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Requests, decodes: Decodes,
+                     loops: int, draft_loops: int, lookahead: int, exit: exits.Exit | None = None, window: int = 0,
                      live: jax.Array | None = None):
     """One round of self-speculative decoding for the decode rows (`speculative.round_paged`:
     drafts at `draft_loops` over their pages, one verify chunk at `loops`; greedy: plain

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..model import qarray
+from ..model import qpack
 
 from .gguf_reader import MAGIC, GGUFFile
 
@@ -248,7 +249,7 @@ class GGUFTensors:
         if self.keep_packed and fmt in qarray.FORMATS and len(info.shape) == 2 and name != "wpe.weight":
             raw = self.reader.data(info)  # [rows, bytes]: GGUF's rows are HF's rows (llama's Linear)
             raw = unpermute(raw, self._heads[proj]) if proj in self._heads else raw
-            w = qarray.from_blocks(raw, fmt, info.shape[1], transposed=True)  # logical [out, in]
+            w = qpack.from_blocks(raw, fmt, info.shape[1], transposed=True)  # logical [out, in]
             return w.T if self._transposed(name) else w  # GPT-2's Conv1D: [in, out]
         a = dequantize(self.reader, self.where[name])
         if proj in self._heads:

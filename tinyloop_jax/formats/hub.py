@@ -54,6 +54,7 @@ MODELS = {
 
 def home() -> str:
     """The cache folder: $TINYLOOP_HOME, default ~/.cache/tinyloop."""
+    # (listed in `settings.VARIABLES`; read here directly: scripts load this file on its own, without jax)
     return os.environ.get("TINYLOOP_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "tinyloop")
 
 

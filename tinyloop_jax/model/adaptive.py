@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import recurrence as rec
-from . import transformer as tf
+from . import exits
 from .config import ModelConfig
 
 CRITERIA = ("kl", "entropy-diff", "latent-diff", "cosine", "argmax-stability", "gate")
@@ -151,7 +151,7 @@ def judge_pass(pol: Policy, judge: Judge, i, last, s: jax.Array, valid: jax.Arra
     """Fold pass i's state s [T, D] (and, when computed, the logits [V] of this check) into the
     evaluator. Returns (exit now, new judge). The gate accumulates at every pass; the rest
     move only on a check."""
-    p, remaining = tf.exit_prob(gate_prob, judge.remaining, last)
+    p, remaining = exits.exit_prob(gate_prob, judge.remaining, last)
     cumulative = judge.cumulative + p
     lat = latent_value(pol, judge, s, valid)
     if logits is None:
@@ -174,7 +174,7 @@ def quick_exit(pol: Policy, judge: Judge, last, s: jax.Array, valid: jax.Array, 
     """Does a criterion that needs no logits (latent-diff, cosine, gate) exit after this pass?
     (It decides whether the coda runs: those criteria read the logits only when they exit.)"""
     lat = latent_value(pol, judge, s, valid)
-    cumulative = judge.cumulative + tf.exit_prob(gate_prob, judge.remaining, last)[0]
+    cumulative = judge.cumulative + exits.exit_prob(gate_prob, judge.remaining, last)[0]
     k = pol.kind
     return check & ((((k == LATENT) | (k == COSINE)) & (lat < pol.threshold))
                     | ((k == GATE) & (cumulative >= pol.threshold)))

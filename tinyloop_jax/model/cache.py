@@ -33,7 +33,6 @@ layer reads `ring_pos` instead of `pos` (`pre_pos`).
 
 from __future__ import annotations
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +41,7 @@ from flax import struct
 
 from . import sharding
 from .kv_modes import KVMode, kv_mode as parse_mode
+from .. import settings
 
 
 @struct.dataclass
@@ -156,24 +156,8 @@ def holds(seg: KVCache, k: int, cache_window: int, ring_window: int) -> bool:
 
 
 def free_bytes() -> int | None:
-    """Memory the backend can still hand out, if it says; else host memory available."""
-    try:
-        stats = jax.devices()[0].memory_stats()
-    except Exception:  # noqa: BLE001 - backends without stats
-        stats = None
-    if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return None
+    """Memory the backend can still hand out (`settings.free_bytes`)."""
+    return settings.free_bytes()
 
 
 def check_fits(need: int, what: str) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 from .kv_modes import KVMode, check_kv_mode, kv_mode as parse_kv_mode
+from .. import settings
 
 # How int4 decode attention runs: the Pallas kernel, the kernel interpreted (CPU tests), or jnp.
 INT4_ATTENTION = ("pallas", "interpret", "jnp")
@@ -26,8 +26,8 @@ DTYPES = ("float32", "bfloat16")
 def kv_mode_from_env(default: str = "fp16") -> str:
     """The seed's switches, used only when no mode is named: TINYLOOP_KV_H_MODE=1 -> an h
     mode, TINYLOOP_KV_INT4=1 -> int4, both -> int4-h."""
-    h = os.environ.get("TINYLOOP_KV_H_MODE") == "1"
-    int4 = os.environ.get("TINYLOOP_KV_INT4") == "1"
+    h = settings.get("TINYLOOP_KV_H_MODE") == "1"
+    int4 = settings.get("TINYLOOP_KV_INT4") == "1"
     if int4:
         return "int4-h" if h else "int4"
     return "fp16-h" if h else default
@@ -38,7 +38,7 @@ def int4_attention_from_env() -> str:
     interpret | jnp. Read once, when a config is made, never while tracing."""
     import jax
 
-    choice = os.environ.get("TINYLOOP_INT4_ATTENTION", "auto")
+    choice = settings.get("TINYLOOP_INT4_ATTENTION")
     if choice == "auto":
         return "pallas" if jax.default_backend() == "gpu" else "jnp"
     if choice not in INT4_ATTENTION:

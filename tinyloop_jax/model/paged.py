@@ -1,25 +1,10 @@
-"""The paged KV cache and the one forward step over a ragged batch of rows.
-
-A pool holds pages of P tokens; a page holds those tokens' stored K/V (or h) in *every* cache
-layer of one depth — pre blocks, the L x k loop passes, the coda — so a row's context is one
-list of page ids (its page table), the same for every layer:
-
-    pre[j]  = {"k": [KV, NP, P, hd], "v": ...}              one per pre block   (layout: kv_modes)
-    loop    = {"k": [L, k, KV, NP, P, hd], "v": ...}        L passes of the k loop blocks
-    post[j] = like pre[j]                                    one per coda block
-    page table of a row: [R] int32; its position p lives in page table[p // P], offset p % P
-
-A model whose pre blocks have windows of their own (Gemma's local layers) may keep those layers
-in *local slots* instead (`empty(n_local=)`): their arrays have NL < NP slots, and `slot_of [NP]`
-says which slot holds a page's K/V for them (-1: none, for pages outside every query's window);
-`local_map` turns a row's table and write targets into slots, so the tables stay the pages'.
-The host moves slots with the windows (the engine's `LocalSlots`; `generate`'s pools a static
-ring per row).
+"""The one forward step over a ragged batch of rows, on a page pool (`model.page_pool`: every
+cache layer of one depth in pages of P tokens; a row's context is its page table).
 
 Positions are implicit: the i-th entry of a row's table holds positions [i P, (i + 1) P), so a
 prefix shared by many rows is one run of pages at the head of each of their tables, read by all
 and written by none (a row writes only at positions >= its `start`, in pages of its own; the host
-copies a shared partial last page before a row writes into it: `copy_pages`).
+copies a shared partial last page before a row writes into it: `page_pool.copy_pages`).
 
 One step (`forward`) feeds groups of rows, each group b rows of T tokens (`Rows`: page
 tables, where each row starts, how many of its T tokens are real — a prompt chunk, one decode
@@ -33,7 +18,6 @@ the Pallas GPU one in `paged_pallas`), else the XLA reference, a gather of the r
 from __future__ import annotations
 
 import functools
-import os
 from typing import Annotated
 
 import jax
@@ -41,66 +25,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from . import cache as kvc
 from .. import native
 from . import paged_pallas, qarray
 from . import recurrence as rec
 from . import transformer as tf
+from . import exits
+from . import layers
+from .precision import exact
 from .attention import attention
 from .config import ModelConfig
-from .kv_modes import KVMode, kv_mode as parse_mode
+from .kv_modes import KVMode
+from .page_pool import PagedKV, gather, layer_slots, local_map, placed, read, write
 from .params import Params
-
-PAGE_SIZE = 16  # tokens per page: vLLM's and SGLang's default; see docs/engine-plan.md
-
-
-@struct.dataclass
-class PagedKV:
-    """A pool of pages (see the module doc): every cache layer of one depth, page-major inside
-    each head, in `kv_mode`'s stored arrays."""
-
-    pre: tuple  # tuple[dict[str, Array [lead, NP, P, w]], ...] (local layers: [lead, NL, P, w])
-    loop: dict  # dict[str, Array [L, k, lead, NP, P, w]]
-    kv_mode: KVMode = struct.field(pytree_node=False)
-    post: tuple = ()
-    # The pre blocks with a window of their own kept in local slots (see `local_map`), and each
-    # page's slot (-1: none); () and None: every layer on the pages themselves.
-    slot_of: jax.Array | None = None  # int32 [NP]
-    local: tuple = struct.field(pytree_node=False, default=())
-
-    def __post_init__(self):
-        object.__setattr__(self, "kv_mode", parse_mode(self.kv_mode))
-        object.__setattr__(self, "local", tuple(int(j) for j in self.local))
-
-    @property
-    def _any(self) -> jax.Array:
-        return next(iter(self.loop.values()))
-
-    @property
-    def n_pages(self) -> int:
-        return int(self._any.shape[-3])
-
-    @property
-    def page_size(self) -> int:
-        return int(self._any.shape[-2])
-
-    @property
-    def passes(self) -> int:
-        return int(self._any.shape[0])
-
-    @property
-    def n_local(self) -> int:
-        """Local slots (the pages when there are no local layers)."""
-        return int(next(iter(self.pre[self.local[0]].values())).shape[-3]) if self.local else self.n_pages
-
-    def map_of(self, j: int) -> jax.Array | None:
-        """Pre layer j's page -> slot map (None: it is stored on the pages)."""
-        return self.slot_of if j in self.local else None
-
-    @property
-    def nbytes(self) -> int:
-        return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self)))
-
+from .. import settings
 
 @struct.dataclass
 class Rows:
@@ -123,91 +60,6 @@ class Rows:
                    None if window is None else np.asarray(window, np.int32))
 
 
-# ---- the pool ----------------------------------------------------------------------------------
-
-def page_nbytes(kv_mode: str | KVMode, n_layers: int, n_kv_heads: int, page_size: int, head_dim: int,
-                d_model: int) -> int:
-    """Bytes of one page of n_layers cache layers."""
-    return n_layers * parse_mode(kv_mode).layer_nbytes(n_kv_heads, page_size, head_dim, d_model)
-
-
-def page_shapes(mode: KVMode, n_kv_heads: int, n_pages: int, page_size: int, head_dim: int, d_model: int) -> dict:
-    """One layer's stored arrays as pages: name -> ([lead, NP, P, w], dtype)."""
-    out = {}
-    for n, ((lead, _, w), d) in mode.layer_shapes(n_kv_heads, n_pages * page_size, head_dim, d_model).items():
-        out[n] = ((lead, n_pages, page_size, w), d)
-    return out
-
-
-def local_layers(cfg: ModelConfig) -> tuple:
-    """The pre blocks with a window of their own (Gemma's local layers), which caches may keep to
-    their window (dense rings, local slots). `TINYLOOP_LAYER_RINGS=0`: none (every layer keeps
-    the whole context: a benchmark's other arm)."""
-    if os.environ.get("TINYLOOP_LAYER_RINGS", "1") == "0":
-        return ()
-    return tuple(j for j in range(cfg.n_pre_blocks) if cfg.block_window(j) > 0)
-
-
-def local_window(cfg: ModelConfig, cache_window: int = 0) -> int:
-    """The most positions a local layer looks back over (a call's cache_window, if smaller;
-    0: no local layers)."""
-    need = [cfg.block_window(j) for j in local_layers(cfg)]
-    return max((w if cache_window <= 0 else min(w, cache_window) for w in need), default=0)
-
-
-def empty(cfg: ModelConfig, passes: int, n_pages: int, page_size: int = PAGE_SIZE, kv_mode=None,
-          n_local: int | None = None) -> PagedKV:
-    """A pool of n_pages zeroed pages for `cfg`'s layers at depth `passes`, in cfg's kv_mode (or
-    `kv_mode`: a call's working pool, see `block`); with n_local, the pre blocks with a window of
-    their own in n_local local slots instead (`local_map`; no page has a slot yet). Out of memory
-    is a RuntimeError (checked before anything is allocated)."""
-    if page_size < 1 or page_size & (page_size - 1):
-        raise ValueError(f"page_size={page_size} must be a power of two")
-    mode = cfg.storage if kv_mode is None else parse_mode(kv_mode)
-    layers, local = cfg.n_cache_layers(passes), (local_layers(cfg) if n_local is not None else ())
-    size = lambda n, k: n * page_nbytes(mode, k, cfg.n_kv_heads, page_size, cfg.head_dim, cfg.d_model)  # noqa: E731
-    need = size(n_pages, layers - len(local)) + (size(n_local, len(local)) if local else 0)
-    kvc.check_fits(need, f"a page pool of {n_pages} pages x {page_size} tokens x {layers} layers ({mode})")
-    shapes = page_shapes(mode, cfg.n_kv_heads, n_pages, page_size, cfg.head_dim, cfg.d_model)
-    slots = page_shapes(mode, cfg.n_kv_heads, n_local, page_size, cfg.head_dim, cfg.d_model) if local else shapes
-    layer = lambda lead=(), sh=shapes: {n: jnp.zeros(lead + s, d) for n, (s, d) in sh.items()}  # noqa: E731
-    pre = tuple(layer(sh=slots if j in local else shapes) for j in range(cfg.n_pre_blocks))
-    return placed(PagedKV(pre=pre, loop=layer((passes, cfg.loop_blocks)), kv_mode=mode,
-                          post=tuple(layer() for _ in range(cfg.n_post_blocks)),
-                          slot_of=jnp.full((n_pages,), -1, jnp.int32) if local else None, local=local), cfg.mesh)
-
-
-def local_map(slot_of: jax.Array | None, pages: jax.Array, n_slots: int, write: bool = False) -> jax.Array:
-    """Page ids -> the local slots holding a local layer's K/V for them (`PagedKV.slot_of`; None:
-    the pages themselves). A page without a slot reads slot 0 (only pages outside every query's
-    window lose theirs: masked) and its writes, like those past the pool, are dropped."""
-    if slot_of is None:
-        return pages
-    n = slot_of.shape[0]
-    slot = jnp.where(pages < n, slot_of[jnp.clip(pages, 0, n - 1)], -1)
-    return jnp.where(slot >= 0, slot, n_slots) if write else jnp.maximum(slot, 0)
-
-
-def placed(pool: PagedKV, mesh) -> PagedKV:
-    """The pool laid out on a ('data', 'model') mesh (inside a program: a sharding constraint):
-    every page split by KV heads over 'model' (h modes store h, no head axis: replicated),
-    whole on every 'data' row group (any row may read any page). None: as it is."""
-    if mesh is None:
-        return pool
-    from jax.sharding import NamedSharding
-
-    from . import sharding
-
-    heads = pool.kv_mode.splits_heads
-
-    def put(a, head_axis):
-        spec = sharding.cache_spec(a.shape, False, head_axis if heads else None, mesh)
-        return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
-    layer = lambda e: {n: put(a, 0) for n, a in e.items()}  # noqa: E731
-    return pool.replace(pre=tuple(map(layer, pool.pre)), post=tuple(map(layer, pool.post)),
-                        loop={n: put(a, 2) for n, a in pool.loop.items()})
-
-
 def over_data(x: jax.Array, mesh) -> jax.Array:
     """The step's token streams [N, D] split over 'data' (rows of a batch on their devices;
     GSPMD carries the split through the blocks), when 'data' divides N."""
@@ -216,20 +68,6 @@ def over_data(x: jax.Array, mesh) -> jax.Array:
     from jax.sharding import NamedSharding, PartitionSpec
 
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec("data", None)))
-
-
-def copy_pages(pool: PagedKV, src: jax.Array, dst: jax.Array) -> PagedKV:
-    """Pages dst [n] <- pages src [n], every layer (copy-on-write of a shared partial page; a
-    local layer copies their slots)."""
-    def cp(layer, m=None):  # [.., lead, NP, P, w]
-        s, d = local_map(m, src, 0), local_map(m, dst, _slots(layer), write=True)
-        return {n: a.at[..., d, :, :].set(a[..., s, :, :], mode="drop") for n, a in layer.items()}
-    return pool.replace(pre=tuple(cp(e, pool.map_of(j)) for j, e in enumerate(pool.pre)), loop=cp(pool.loop),
-                        post=tuple(map(cp, pool.post)))
-
-
-def _slots(layer: dict) -> int:
-    return int(next(iter(layer.values())).shape[-3])
 
 
 # ---- reading and writing one layer ------------------------------------------------------------
@@ -246,30 +84,6 @@ def targets(rows: Rows, T: int, page_size: int, n_pages: int) -> tuple[jax.Array
     return jnp.where(real, page, n_pages).reshape(-1), (pos % page_size).reshape(-1)
 
 
-def write(store: dict, fresh: dict, page: jax.Array, off: jax.Array, index=None) -> dict:
-    """The step's stored arrays fresh {name: [lead, N, w]} written at (page [N], off [N]) of one
-    layer (page >= NP: dropped). One scatter per array, in place."""
-    if index is None:
-        return {n: a.at[:, page, off].set(fresh[n].astype(a.dtype), mode="drop") for n, a in store.items()}
-    t, j = index  # advanced indices split by the head slice: the update is [N, lead, w]
-    return {n: a.at[t, j, :, page, off].set(fresh[n].astype(a.dtype).transpose(1, 0, 2), mode="drop")
-            for n, a in store.items()}
-
-
-def read(store: dict, index=None) -> dict:
-    """One layer's page arrays [lead, NP, P, w]."""
-    return kvc.read(store, index)
-
-
-def gather(layer: dict, pages: jax.Array) -> dict:
-    """A row's context: layer {name: [lead, NP, P, w]}, its page table pages [R] ->
-    {name: [lead, R P, w]}, position i at slot i."""
-    def take(a):
-        g = jnp.take(a, pages, axis=1)  # [lead, R, P, w]
-        return g.reshape(g.shape[0], -1, g.shape[-1])
-    return {n: take(a) for n, a in layer.items()}
-
-
 def row_attention(cfg: ModelConfig, blk, layer: dict, q: jax.Array, q_pos: jax.Array, pages: jax.Array,
                   length: jax.Array, window, mode: KVMode | None = None) -> jax.Array:
     """The XLA reference of paged attention for one row: q [H, T, hd] at q_pos [T] over its
@@ -277,7 +91,7 @@ def row_attention(cfg: ModelConfig, blk, layer: dict, q: jax.Array, q_pos: jax.A
     the pool's, default the model's) -> [H, T, hd]. Any backend."""
     stored = gather(layer, pages)
     key_pos = jnp.arange(pages.shape[0] * next(iter(layer.values())).shape[2], dtype=jnp.int32)
-    k, v = tf.read_kv(cfg, stored, blk, mode or cfg.storage, key_pos)  # h modes: K/V rebuilt, K rotated at key_pos
+    k, v = layers.read_kv(cfg, stored, blk, mode or cfg.storage, key_pos)  # h modes: K/V rebuilt, K rotated at key_pos
     return attention(q, q_pos, [(k, v, jnp.where(key_pos < length, key_pos, -1))], window)
 
 
@@ -319,7 +133,7 @@ def attention_kernel(cfg: ModelConfig, mode: KVMode | None = None) -> str:
     (`0`: xla, a benchmark's other arm); read when a step is traced. mode: the pool's (default
     the model's)."""
     mode = cfg.storage if mode is None else mode
-    want = os.environ.get("TINYLOOP_PAGED_KERNEL", "auto")
+    want = settings.get("TINYLOOP_PAGED_KERNEL")
     want = {"0": "xla", "1": "auto"}.get(want, want)
     if want not in PAGED_KERNELS:
         raise ValueError(f"TINYLOOP_PAGED_KERNEL={want!r}; valid: {', '.join(PAGED_KERNELS)}")
@@ -342,14 +156,14 @@ def block(x: jax.Array, blk, cfg: ModelConfig, groups: tuple, store: dict, index
     float32 K/V, written as the model's mode would give them when read back). slot_of: a local
     layer's page -> slot map (`local_map`). Returns (x', store)."""
     pos = jnp.concatenate([g.pos.reshape(-1) for g in groups])
-    window = tf.layer_window(window, blk)
-    h, q, k, v = tf.qkv_heads(x, blk, cfg, pos)
-    page = local_map(slot_of, jnp.concatenate([g.page for g in groups]), _slots(store), write=True)
+    window = layers.layer_window(window, blk)
+    h, q, k, v = layers.qkv_heads(x, blk, cfg, pos)
+    page = local_map(slot_of, jnp.concatenate([g.page for g in groups]), layer_slots(store), write=True)
     off = jnp.concatenate([g.off for g in groups])
     mode = cfg.storage if mode is None else mode
     fresh = cfg.storage.pack(h, k, v)
     if mode != cfg.storage:  # results must not depend on where a token is kept
-        fresh = mode.pack(h, *tf.read_kv(cfg, fresh, blk, cfg.storage, pos))
+        fresh = mode.pack(h, *layers.read_kv(cfg, fresh, blk, cfg.storage, pos))
     store = write(store, fresh, page, off, index)
     H, _, hd = q.shape
     q = q.astype(jnp.float32)
@@ -360,7 +174,7 @@ def block(x: jax.Array, blk, cfg: ModelConfig, groups: tuple, store: dict, index
         b, T = g.pos.shape
         table = local_map(slot_of, g.rows.pages, 0)
         qg = q[:, at:at + b * T].reshape(H, b, T, hd).transpose(1, 0, 2, 3)  # [b, H, T, hd]
-        rows_window = None if g.rows.window is None else tf.layer_window(g.rows.window, blk)
+        rows_window = None if g.rows.window is None else layers.layer_window(g.rows.window, blk)
         win = jnp.full((b,), window, jnp.int32) if rows_window is None else rows_window  # [b]
         if kernel != "xla":  # the stack itself and the layer's index: no copy of the layer
             i = 0 if index is None else index[0] * len(cfg_loop(store)) + index[1]
@@ -376,7 +190,7 @@ def block(x: jax.Array, blk, cfg: ModelConfig, groups: tuple, store: dict, index
                     qg, g.pos, table, g.length, w)
         outs.append(a.transpose(1, 0, 2, 3).reshape(H, b * T, hd))
         at += b * T
-    return tf.block_out(x, jnp.concatenate(outs, axis=1), blk, cfg), store
+    return layers.block_out(x, jnp.concatenate(outs, axis=1), blk, cfg), store
 
 
 def cfg_loop(store: dict) -> range:
@@ -402,9 +216,9 @@ def as_groups(rows, tokens) -> tuple[tuple, tuple]:
     return tuple(rows), tuple(tokens)
 
 
-@tf.exact
+@exact
 def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops: int, window: int,
-            exit: tf.Exit | None = None, seeds=None, keep_state: bool = False):
+            exit: exits.Exit | None = None, seeds=None, keep_state: bool = False):
     """One step: groups of rows, each `Rows` [b, R] with its tokens [b, T] (row i's first
     n_new[i] real, at positions start[i] + t), through every layer at depth `loops`, their K/V
     written into the rows' pages. `rows`, `tokens` (and `seeds`: [b] uint32 each, the injection
@@ -443,14 +257,14 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
         for j, blk in enumerate(params.loop):
             x, stack = block(x, blk, cfg, groups, stack, (i, j), window, pool.kv_mode)
         if cfg.pass_norm:
-            x = tf.final_norm(params, cfg, x)
+            x = layers.final_norm(params, cfg, x)
         if gated:
-            sel = tf.exit_update(params, exit, i, i == loops - 1, x, sel)
+            sel = exits.exit_update(params, exit, i, i == loops - 1, x, sel)
         return x, stack, sel
 
-    sel = tf.ExitCarry.start(x) if gated else None
+    sel = exits.ExitCarry.start(x) if gated else None
     x, loop, sel = jax.lax.fori_loop(0, loops, one_pass, (x, pool.loop, sel))
-    y = tf.final_norm(params, cfg, x) if cfg.norm_before_coda else x
+    y = layers.final_norm(params, cfg, x) if cfg.norm_before_coda else x
     post = []
     for blk, store in zip(params.post, pool.post):
         y, store = block(y, blk, cfg, groups, store, None, window, pool.kv_mode)
@@ -475,55 +289,3 @@ def last_logits(params: Params, cfg: ModelConfig, x: jax.Array, rows: Rows) -> j
     return tf.lm_head(params, cfg, jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0])
 
 
-def load_segment(pool: PagedKV, seg, pages: jax.Array, start: jax.Array, n: jax.Array) -> PagedKV:
-    """Positions [start, n) of a dense segment (a `PrefixCache`'s `model.cache.KVCache`: slot s
-    holds position seg.pos[s], a window's ring included; a ring layer's slots seg.ring_pos[s])
-    written into the pages pages [R] (position p: page pages[p // P]), every layer, stored values
-    as they are. A ring layer writes only the positions it holds (the last of its window)."""
-    P = pool.page_size
-
-    def where(p):  # the page and offset of each slot's position (outside [start, n): dropped)
-        page = jnp.where((p >= start) & (p < n), pages[jnp.clip(p // P, 0, pages.shape[0] - 1)], pool.n_pages)
-        return page, jnp.maximum(p, 0) % P
-    page, off = where(seg.pos)
-    ring = where(seg.ring_pos) if seg.rings else None
-
-    def put(store, layer, at=(page, off), m=None):
-        return write(store, layer, local_map(m, at[0], _slots(store), write=True), at[1])
-    loop = {k: a.at[:, :, :, page, off].set(seg.loop[k][:a.shape[0]].astype(a.dtype), mode="drop")
-            for k, a in pool.loop.items()}
-    return pool.replace(pre=tuple(put(a, b, ring if j in seg.rings else (page, off), pool.map_of(j))
-                                  for j, (a, b) in enumerate(zip(pool.pre, seg.pre))), loop=loop,
-                        post=tuple(put(a, b) for a, b in zip(pool.post, seg.post)))
-
-
-@jax.jit
-def _copy_pages(pool: PagedKV, src: jax.Array, dst: jax.Array) -> PagedKV:
-    return copy_pages(pool, src, dst)
-
-
-def to_segment(pool: PagedKV, pages: jax.Array, n: jax.Array, capacity: int) -> kvc.KVCache:
-    """`load_segment`'s inverse: positions [0, n) of the pages pages [R] (position p: page
-    pages[p // P]) as a dense segment of `capacity` slots (slot p holds position p; slots >= n
-    are empty), every layer, stored values as they are."""
-    P = pool.page_size
-    slot = jnp.arange(capacity, dtype=jnp.int32)
-    page, off = pages[jnp.clip(slot // P, 0, pages.shape[0] - 1)], slot % P
-
-    def take(layer, m=None):  # [.., lead, C, w]
-        at = local_map(m, page, 0)
-        return {k: a[..., at, off, :] for k, a in layer.items()}
-    return kvc.KVCache(pre=tuple(take(s, pool.map_of(j)) for j, s in enumerate(pool.pre)), loop=take(pool.loop),
-                       pos=jnp.where(slot < n, slot, -1), length=jnp.asarray(n, jnp.int32), kv_mode=pool.kv_mode,
-                       post=tuple(take(s) for s in pool.post))
-
-
-def grow(pool: PagedKV, n_pages: int) -> PagedKV:
-    """The pool with zeroed pages added up to n_pages (the old pages keep their ids)."""
-    extra = n_pages - pool.n_pages
-    if extra < 0:
-        raise ValueError(f"cannot shrink a pool of {pool.n_pages} pages to {n_pages}")
-    if pool.local:
-        raise ValueError("a pool with local slots does not grow")
-    pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 3) + [(0, extra), (0, 0), (0, 0)])  # noqa: E731
-    return jax.tree.map(pad, pool)

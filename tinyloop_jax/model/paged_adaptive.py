@@ -19,15 +19,19 @@ import jax.numpy as jnp
 
 from . import adaptive as ad
 from . import paged
+from . import page_pool
 from . import recurrence as rec
 from . import transformer as tf
+from . import exits
+from . import layers
+from .precision import exact
 from .config import ModelConfig
 from .params import Params
 
 
 class Out(NamedTuple):
     logits: jax.Array  # [b, V] next-token logits
-    pool: paged.PagedKV
+    pool: page_pool.PagedKV
     depth: jax.Array  # [b] int32 passes run
     state: jax.Array  # [b, D] the state where each row stopped (continuous compute)
 
@@ -43,8 +47,8 @@ def fill_skipped(stack: dict, page: jax.Array, off: jax.Array, depth: jax.Array,
     return {n: one(a) for n, a in stack.items()}
 
 
-@tf.exact
-def forward(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, tokens: jax.Array,
+@exact
+def forward(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, rows: paged.Rows, tokens: jax.Array,
             loops: int, pol: ad.Policy, seeds: jax.Array, warm: jax.Array | None = None) -> Out:
     """Rows' chunks tokens [b, T] (row i's first rows.n_new[i] real, at rows.start[i]; 0: a
     filler row) with adaptive depth: pol [b] each row's exit rule (kind NONE: every pass), seeds
@@ -78,24 +82,24 @@ def forward(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.R
     def coda_logits(x, post, need):
         """The coda (its K/V kept only where `need`) and the logits [b, V]."""
         old = [{n: a[:, g.page, g.off] for n, a in store.items()} for store in post]
-        y, new = (tf.final_norm(params, cfg, x) if cfg.norm_before_coda else x), []
+        y, new = (layers.final_norm(params, cfg, x) if cfg.norm_before_coda else x), []
         for blk, store in zip(params.post, post):
             y, store = paged.block(y, blk, cfg, groups, store, None, 0, pool.kv_mode)
             new.append(store)
         keep = lambda n, o: jnp.where(by_token(need)[None, :, None], n, o)  # noqa: E731
-        new = [paged.write(store, {n: keep(store[n][:, g.page, g.off], o[n]) for n in store}, g.page, g.off)
+        new = [page_pool.write(store, {n: keep(store[n][:, g.page, g.off], o[n]) for n in store}, g.page, g.off)
                for store, o in zip(new, old)]
         return tf.lm_head(params, cfg, at_last(y)), tuple(new)
 
     def gate_prob(x):
-        return tf.gate(params, at_last(x)) if cfg.early_exit_gate else jnp.zeros((b,), jnp.float32)
+        return exits.gate(params, at_last(x)) if cfg.early_exit_gate else jnp.zeros((b,), jnp.float32)
 
     def body(c: ad.Carry) -> ad.Carry:
         x = rec.pass_input(params, c.s, e) if inject else c.s
         stack = c.stack
         for j, blk in enumerate(params.loop):
             x, stack = paged.block(x, blk, cfg, groups, stack, (c.i, j), 0, pool.kv_mode)
-        s_new = tf.final_norm(params, cfg, x) if cfg.pass_norm else x
+        s_new = layers.final_norm(params, cfg, x) if cfg.pass_norm else x
         last_pass = c.i == loops - 1
         check = c.active & vm(lambda p: ad.is_check(p, c.i))(pol)
         gp = gate_prob(s_new)
@@ -123,7 +127,7 @@ def forward(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.R
     return Out(logits, pool.replace(pre=tuple(pre), loop=stack, post=post), c.depth, at_last(c.s))
 
 
-def forward_decode(params: Params, cfg: ModelConfig, pool: paged.PagedKV, rows: paged.Rows, tokens: jax.Array,
+def forward_decode(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, rows: paged.Rows, tokens: jax.Array,
                    loops: int, pol: ad.Policy, seeds: jax.Array, warm: jax.Array | None = None) -> Out:
     """`forward` for decode rows: tokens [b], one each (n_new 1; 0: a filler row)."""
     return forward(params, cfg, pool, rows, tokens[:, None], loops, pol, seeds, warm)

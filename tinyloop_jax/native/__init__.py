@@ -31,6 +31,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+from .. import settings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(HERE, "qmatmul.cc"), os.path.join(HERE, "paged_attention.cc")]
@@ -94,7 +95,7 @@ def build() -> str:
 
 def available() -> bool:
     """Whether packed matmuls run through the kernel in this process (see the module doc)."""
-    if os.environ.get("TINYLOOP_NATIVE", "1") == "0" or jax.default_backend() != "cpu" or jax.device_count() != 1:
+    if settings.get("TINYLOOP_NATIVE") == "0" or jax.default_backend() != "cpu" or jax.device_count() != 1:
         return False
     with _lock:
         if "ok" not in _state:

@@ -39,7 +39,7 @@ from .handles import Handle, MemoryBudgetError
 from .plan import Plan, batch_buckets
 from .reading import Reading
 from ..api.pages import PageBook
-from ..model import paged
+from ..model import page_pool
 from ..model.cache import bucket
 
 
@@ -53,7 +53,7 @@ class Batcher(Budget, Admission, Reading, Plan):
 
     def __init__(self, model, max_batch: int, chunk: int, stats: collections.Counter,
                  on_first_token: Callable[[Handle], None], memory_budget: int | None = None, overlap: bool = True,
-                 max_lanes: int = 8, page_size: int = paged.PAGE_SIZE, prefix_cache: bool = True, store=None,
+                 max_depths: int = 8, page_size: int = page_pool.PAGE_SIZE, prefix_cache: bool = True, store=None,
                  decode_steps: int = 1):
         self.model, self.max_batch, self.chunk = model, max_batch, bucket(chunk)
         self.decode_steps = decode_steps  # decode steps per dispatch when no prompt waits
@@ -61,7 +61,8 @@ class Batcher(Budget, Admission, Reading, Plan):
         self.prefix_cache = prefix_cache  # False: no prompt reads another's pages
         self.store = store  # a PrefixStore whose entries are loaded into pages when they serve a prompt
         self.stats, self._on_first_token = stats, on_first_token
-        self.memory_budget, self.overlap, self.max_lanes, self.page_size = memory_budget, overlap, max_lanes, page_size
+        self.memory_budget, self.overlap, self.page_size = memory_budget, overlap, page_size
+        self.max_depths = max_depths
         self.depths: dict[int, Depth] = {}
         self._jits: dict[int, compiled.Programs] = {}  # loops -> its programs (`compiled.programs`), dropped with it
         self.programs: set = set()  # shape keys of the programs run
@@ -79,18 +80,18 @@ class Batcher(Budget, Admission, Reading, Plan):
     def busy(self) -> bool:
         return any(d.rows for d in self.depths.values())
 
-    def _evict_idle(self, extra: int, keep: int | None, lanes: int) -> bool:
-        """Drop idle depths (least recently used first) until `extra` bytes and `lanes` more
+    def _evict_idle(self, extra: int, keep: int | None, depths: int) -> bool:
+        """Drop idle depths (least recently used first) until `extra` bytes and `depths` more
         depths fit. False: they do not, with every idle depth gone."""
         def full():
-            over = len(self.depths) + lanes > self.max_lanes
+            over = len(self.depths) + depths > self.max_depths
             return over or (self.memory_budget is not None and self.memory_bytes() + extra > self.memory_budget)
         while full():
             idle = [d for d in self.depths.values() if not d.rows and d.loops != keep]
             if not idle:
                 return False
             self.forget(min(idle, key=lambda d: d.used).loops)
-            self.stats["lanes_evicted"] += 1
+            self.stats["depths_evicted"] += 1
         return True
 
     def jits(self, loops: int) -> compiled.Programs:
@@ -254,7 +255,7 @@ class Batcher(Budget, Admission, Reading, Plan):
                     r.decoding = True
                     r.ahead += 1
                     if r.handle.policy is not None:  # the prompt ran every pass, or exited as a whole
-                        r.handle.depths.append(d.loops if cdepth is None else cdepth)
+                        r.handle.passes.append(d.loops if cdepth is None else cdepth)
                     ran.append((r, 0, ctok, None))
             fed = 0
             for i, r in enumerate(decoding):
@@ -330,7 +331,7 @@ class Batcher(Budget, Admission, Reading, Plan):
         self._jits.clear()
 
     def snapshot(self) -> dict:
-        return dict(self.stats, running=self.running(), lanes=len(self.depths), memory_bytes=self.memory_bytes(),
+        return dict(self.stats, running=self.running(), depths_held=len(self.depths), memory_bytes=self.memory_bytes(),
                     programs=len(self.programs), compiles_after_warmup=self.compiles_after_warmup,
                     depths={loops: dict(c) for loops, c in self.depth_counts.items()},
                     pages={loops: dict(total=d.book.n_pages, free=d.book.free, cached=d.book.cached(),

@@ -9,7 +9,7 @@ import jax
 
 from . import step as S
 from ..decoding import step as St
-from ..model import paged
+from ..model import page_pool
 
 
 class Budget:
@@ -23,16 +23,16 @@ class Budget:
         """Bytes of a page (of `layers` of its cache layers; default every layer on the pages)."""
         c = self.cfg
         layers = c.n_cache_layers(loops) - len(self.local) if layers is None else layers
-        return paged.page_nbytes(c.storage, layers, c.n_kv_heads, self.page_size, c.head_dim, c.d_model)
+        return page_pool.page_nbytes(c.storage, layers, c.n_kv_heads, self.page_size, c.head_dim, c.d_model)
 
     @property
     def local(self) -> tuple:
-        """The pre layers kept in local slots (`paged.local_layers`)."""
-        return paged.local_layers(self.cfg)
+        """The pre layers kept in local slots (`page_pool.local_layers`)."""
+        return page_pool.local_layers(self.cfg)
 
     @property
     def local_window(self) -> int:
-        return paged.local_window(self.cfg)
+        return page_pool.local_window(self.cfg)
 
     def credits(self, n_pages: int, lookahead: int = 0, chunk: int | None = None) -> int:
         """Local slots a row of n_pages pages holds at most: the pages of its last window and of
@@ -85,7 +85,7 @@ class Budget:
         local = self.local_slots(n) * self.page_nbytes(loops, len(self.local)) if self.local and n else 0
         return n * self.page_nbytes(loops) + local + self.rows_nbytes()
 
-    def empty_pool(self, loops: int, n_pages: int, make=paged.empty) -> paged.PagedKV:
+    def empty_pool(self, loops: int, n_pages: int, make=page_pool.empty) -> page_pool.PagedKV:
         """A depth's pool (its local layers in `local_slots` slots), by `make` (a depth's program,
         or the function for shapes)."""
         return make(self.cfg, loops, n_pages, self.page_size, None, self.local_slots(n_pages) if self.local else None)

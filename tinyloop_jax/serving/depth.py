@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from . import step as S
 from .handles import Handle
 from ..api.pages import PageBook
-from ..model import paged
+from ..model import page_pool
 
 
 @dataclass
@@ -30,8 +30,8 @@ class Depth:
     """One depth's pool, pages and rows (`pool` and `state` are the device side)."""
 
     loops: int
-    exit: object  # tf.Exit or None
-    pool: paged.PagedKV
+    exit: object  # exits.Exit or None
+    pool: page_pool.PagedKV
     book: PageBook
     state: S.Requests
     rows: dict = field(default_factory=dict)  # request row -> Row

@@ -67,7 +67,7 @@ class Engine:
     another's pages (every prompt prefilled whole; the baseline of scripts/bench_serve.py).
 
     Bounds: max_loops, the deepest `loops` a request may ask (default 64, or 16 x the model's
-    default depth if more): each depth has its own pool and programs. max_lanes: depths held at
+    default depth if more): each depth has its own pool and programs. max_depths: depths held at
     once (default 8): a new depth evicts the least recently used idle one. memory_budget: bytes
     for every depth's pages and request rows ("auto": half of what the device has free, at most
     256 MiB; None: each pool holds max_batch requests at the whole context); a request waits
@@ -85,13 +85,13 @@ class Engine:
     def __init__(self, model, max_batch: int = 16, store: PrefixStore | None = None, *, max_queue: int = 256,
                  timeout: float | None = None, prefill_chunk: int = 64, page_size: int = 16,
                  prefix_cache: bool = True, max_loops: int | None = None,
-                 memory_budget: int | str | None = "auto", max_lanes: int = 8, overlap: bool = True,
+                 memory_budget: int | str | None = "auto", max_depths: int = 8, overlap: bool = True,
                  decode_steps: int = DECODE_STEPS):
         self.model = model
         c = model.weights.config
         max_loops = max(64, 16 * c.default_loops) if max_loops is None else max_loops
         for name, v in dict(max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk,
-                            max_loops=max_loops, max_lanes=max_lanes, decode_steps=decode_steps).items():
+                            max_loops=max_loops, max_depths=max_depths, decode_steps=decode_steps).items():
             if check.integer(v, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
         if check.integer(page_size, "page_size") < 16 or page_size > 256 or page_size & (page_size - 1):
@@ -119,7 +119,7 @@ class Engine:
         self._ttft: collections.deque = collections.deque(maxlen=2048)
         # the batch side, on the loop thread only (other threads read its published `_view`)
         self.batcher = Batcher(model, max_batch, prefill_chunk, collections.Counter(), self._first_token,
-                               memory_budget, overlap, max_lanes, page_size, prefix_cache, store, decode_steps)
+                               memory_budget, overlap, max_depths, page_size, prefix_cache, store, decode_steps)
         self._view: dict = {}
         self._programs: frozenset = frozenset()
         self._publish()
@@ -141,7 +141,7 @@ class Engine:
         one chunk (greedy: the same tokens); `handle.drafted` / `handle.accepted` count them.
         An `Adaptive` plan (exit_criterion, `model.adaptive`): its tokens stop looping at their
         exits, the prompt runs every pass (exit_in_prefill=True: the whole prompt is one chunk
-        that exits as a whole, as `generate`'s; it shares no pages), and `handle.depths` gives
+        that exits as a whole, as `generate`'s; it shares no pages), and `handle.passes` gives
         the passes run per emitted token. timeout (seconds; default the engine's): the
         request's deadline from now, unless the Request has one.
         Bad arguments raise here (ValueError / RuntimeError) and nothing is queued; a full
@@ -233,7 +233,7 @@ class Engine:
         """Counters: requests (submitted, finished by reason, rejected, failed), tokens in/out,
         prefix hits and tokens reused, queue depth, running rows, batch size per step, time to
         first token (p50/p99 of recent requests), tokens per second, compiles after warmup,
-        depths held (`lanes`, evicted) and the bytes they hold against the memory budget, pages
+        depths held (`depths_held`, `depths_evicted`) and the bytes they hold against the memory budget, pages
         per depth (total, free, cached); per depth (`depths`: loops -> counters, in tokens, as
         vLLM counts them) prefix-cache queries and hits, positions computed and the loop passes
         they took, and their sums over depths (with `passes_per_token`). Any thread may call it:

@@ -20,8 +20,8 @@ class QueueFull(RuntimeError):
 
 
 class MemoryBudgetError(RuntimeError):
-    """A request whose depth's lane cannot fit the engine's `memory_budget`, even with every
-    other lane evicted (the server's HTTP 400: the request itself is too large)."""
+    """A request whose depth cannot fit the engine's `memory_budget`, even with every other
+    depth evicted (the server's HTTP 400: the request itself is too large)."""
 
 
 class RequestTimeout(RuntimeError):
@@ -42,7 +42,7 @@ class Handle:
     def __init__(self, request: Request, on_cancel: Callable[["Handle"], None] = lambda h: None):
         self.id = next(Handle._ids)
         self.request = request  # checked (`api.request.checked`); travels the engine unchanged
-        self.depths: list[int] = []  # with a policy: the passes run for each emitted token
+        self.passes: list[int] = []  # with a policy: the passes run for each emitted token
         self.drafted = self.accepted = 0  # with speculation: drafts made and kept
         self.tokens: list[int] = []
         self.finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "timeout" | "error"

@@ -87,7 +87,7 @@ class Reading:
                     counts["passes"] += p
                     counts["passes_skipped"] += d.loops - p
                     if not r.left and r.handle.policy is not None:
-                        r.handle.depths.append(p)
+                        r.handle.passes.append(p)
                 if not r.left:
                     self._emit(d, r, t, int(stops[i, j]), wake=False)
             r.handle.wake()

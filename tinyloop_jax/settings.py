@@ -1,0 +1,52 @@
+"""What the package reads from its surroundings, read here only: the environment variables (each
+with its default and meaning) and the memory the host or device can still hand out. The model's
+code (`model/`) asks this module; it never reads the environment or `/proc` itself.
+"""
+
+from __future__ import annotations
+
+import os
+
+# name -> (default, what it does)
+VARIABLES = {
+    "TINYLOOP_HOME": ("~/.cache/tinyloop", "where models, side venvs and llama.cpp builds are kept"),
+    "TINYLOOP_API_KEY": ("", "`tinyloop serve --api-key`'s default"),
+    "TINYLOOP_NATIVE": ("1", "0: no native CPU kernels (the XLA reference for packed weights and paged attention)"),
+    "TINYLOOP_PAGED_KERNEL": ("auto", "paged attention: auto (the backend's kernel) | native | pallas | interpret | "
+                                      "xla (0: xla, a benchmark's other arm); read when a step is traced"),
+    "TINYLOOP_LAYER_RINGS": ("1", "0: a model's local layers keep the whole context (a benchmark's other arm)"),
+    "TINYLOOP_INT4_ATTENTION": ("auto", "int4 dense attention: auto (the kernel on GPU, jnp elsewhere) | pallas | "
+                                        "interpret | jnp; read when a config is made"),
+    "TINYLOOP_KV_H_MODE": ("0", "1: an h KV mode when a model names none (the seed's switch)"),
+    "TINYLOOP_KV_INT4": ("0", "1: int4 K/V when a model names no mode (the seed's switch)"),
+}
+
+
+def get(name: str) -> str:
+    """The variable's value, or its default (`VARIABLES`)."""
+    if name not in VARIABLES:
+        raise KeyError(f"{name} is not one of the package's variables: {', '.join(VARIABLES)}")
+    return os.environ.get(name, VARIABLES[name][0])
+
+
+def free_bytes() -> int | None:
+    """Memory the backend can still hand out, if it says; else host memory available."""
+    import jax
+
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - backends without stats
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
