@@ -70,18 +70,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_ready(model: str | None) -> tuple[float, float, float]:
+def serve_ready(model: str | None, extra: list[str] = ()) -> tuple[float, float, float]:
     """Seconds from `tinyloop serve --model <model>` starting, on a cold compilation cache, to
     /health answering, to its first completion (greedy, 8 tokens) answered, and to the background
-    warmup's end (/health's `warming` false)."""
+    warmup's end (/health's `warming` false). extra: more `tinyloop serve` flags."""
     import tempfile
 
     port = free_port()
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=tempfile.mkdtemp(prefix="tinyloop-xla-"))
     t0 = time.perf_counter()
     model_args = [] if model is None else ["--model", model]  # None: the bundled model
-    proc = subprocess.Popen([sys.executable, "-m", "tinyloop_jax.cli", "serve", *model_args, "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    cmd = [sys.executable, "-m", "tinyloop_jax.cli", "serve", *model_args, *extra, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
     def health() -> dict | None:
         try:

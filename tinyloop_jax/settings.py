@@ -12,14 +12,19 @@ VARIABLES = {
     "TINYLOOP_HOME": ("~/.cache/tinyloop", "where models, side venvs and llama.cpp builds are kept"),
     "TINYLOOP_API_KEY": ("", "`tinyloop serve --api-key`'s default"),
     "TINYLOOP_NATIVE": ("1", "0: no native CPU kernels (the XLA reference for packed weights and paged attention)"),
-    "TINYLOOP_PAGED_KERNEL": ("auto", "paged attention: auto (the backend's kernel) | native | pallas | interpret | "
-                                      "xla (0: xla, a benchmark's other arm); read when a step is traced"),
+    "TINYLOOP_PAGED_KERNEL": ("auto", "paged attention: auto (the backend's kernel), native, pallas, interpret or xla "
+                                      "(0: xla, a benchmark's other arm); read when a step is traced"),
     "TINYLOOP_LAYER_RINGS": ("1", "0: a model's local layers keep the whole context (a benchmark's other arm)"),
-    "TINYLOOP_INT4_ATTENTION": ("auto", "int4 dense attention: auto (the kernel on GPU, jnp elsewhere) | pallas | "
-                                        "interpret | jnp; read when a config is made"),
+    "TINYLOOP_INT4_ATTENTION": ("auto", "int4 dense attention: auto (the kernel on GPU, jnp elsewhere), pallas, "
+                                        "interpret or jnp; read when a config is made"),
     "TINYLOOP_KV_H_MODE": ("0", "1: an h KV mode when a model names none (the seed's switch)"),
     "TINYLOOP_KV_INT4": ("0", "1: int4 K/V when a model names no mode (the seed's switch)"),
 }
+
+
+def cell(default: str) -> str:
+    """A default as docs/reference.md's table shows it."""
+    return f"`{default}`" if default else "(none)"
 
 
 def get(name: str) -> str:

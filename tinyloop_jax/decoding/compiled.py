@@ -3,7 +3,8 @@
 The engine makes a fresh set per depth (`programs()`; what a set compiled is freed with it), the
 `Model` path (`generate`, the batch calls, `Conversation`) runs the module's one set, `SHARED`:
 both drivers run the same step body (`step.py`) by the same programs. Static arguments are
-shapes, depths and a loop's kind only, so warmup can enumerate them (`serving.plan`).
+shapes, depths and a loop's kind only (a speculative round's lookahead; its draft depth is
+traced), so warmup can enumerate them (`serving.plan`).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ JIT_OPTIONS = dict(
     # the step body and its loop
     step=(St.step, dict(static_argnames=("cfg", "loops", "window"), donate_argnames=STATE)),
     chunk_adaptive=(St.chunk_adaptive, dict(static_argnames=("cfg", "loops"), donate_argnames=STATE)),
-    decode_steps=(St.decode_steps, dict(static_argnames=("cfg", "loops", "n_max", "window", "adaptive", "draft_loops",
-                                                         "lookahead"), donate_argnames=STATE)),
+    decode_steps=(St.decode_steps, dict(static_argnames=("cfg", "loops", "n_max", "window", "adaptive", "lookahead"),
+                                        donate_argnames=STATE)),
 )
 
 

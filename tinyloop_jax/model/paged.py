@@ -220,14 +220,15 @@ def as_groups(rows, tokens) -> tuple[tuple, tuple]:
 def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops: int, window: int,
             exit: exits.Exit | None = None, seeds=None, keep_state: bool = False):
     """One step: groups of rows, each `Rows` [b, R] with its tokens [b, T] (row i's first
-    n_new[i] real, at positions start[i] + t), through every layer at depth `loops`, their K/V
-    written into the rows' pages. `rows`, `tokens` (and `seeds`: [b] uint32 each, the injection
-    models' initial states; None: 0) are one group or tuples of groups. Returns (the streams the
+    n_new[i] real, at positions start[i] + t), through every layer at depth `loops` (static, or
+    traced: a speculative draft's), their K/V written into the rows' pages. `rows`, `tokens` (and
+    `seeds`: [b] uint32 each, the injection models' initial states; None: 0) are one group or
+    tuples of groups. Returns (the streams the
     logits come from, [b, T, D] per group (a tuple for tuples), the pool); keep_state: also the
     streams after the last pass (before the coda; injection models: the loop state), the same way."""
     single = isinstance(rows, Rows)
     rows, tokens = as_groups(rows, tokens)
-    if pool.passes < loops:
+    if isinstance(loops, int) and pool.passes < loops:  # (traced: a draft depth, checked by its caller)
         raise ValueError(f"a pool of {pool.passes} passes cannot run loops={loops}")
     groups = tuple(Group.of(r, t.shape[1], pool) for r, t in zip(rows, tokens))
     pos = jnp.concatenate([g.pos.reshape(-1) for g in groups])
@@ -250,27 +251,16 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
         e, x = x, over_data(jnp.concatenate(states), cfg.mesh)
     gated = exit is not None and cfg.early_exit_gate
 
-    def one_pass(i, carry):
-        x, stack, sel = carry
-        if e is not None:
-            x = rec.pass_input(params, x, e)
-        for j, blk in enumerate(params.loop):
-            x, stack = block(x, blk, cfg, groups, stack, (i, j), window, pool.kv_mode)
-        if cfg.pass_norm:
-            x = layers.final_norm(params, cfg, x)
-        if gated:
-            sel = exits.exit_update(params, exit, i, i == loops - 1, x, sel)
-        return x, stack, sel
+    def loop_block(x, blk, stack, index):
+        return block(x, blk, cfg, groups, stack, index, window, pool.kv_mode)
 
-    sel = exits.ExitCarry.start(x) if gated else None
-    x, loop, sel = jax.lax.fori_loop(0, loops, one_pass, (x, pool.loop, sel))
-    y = layers.final_norm(params, cfg, x) if cfg.norm_before_coda else x
-    post = []
-    for blk, store in zip(params.post, pool.post):
-        y, store = block(y, blk, cfg, groups, store, None, window, pool.kv_mode)
-        post.append(store)
+    def post_block(y, blk, store, j):
+        return block(y, blk, cfg, groups, store, None, window, pool.kv_mode)
+
+    x, loop, _, pick = tf.run_passes(params, cfg, x, e, loops, pool.loop, loop_block, exit if gated else None)
+    y, post = tf.coda(params, cfg, x, pool.post, post_block)
     pool = placed(pool.replace(pre=tuple(pre), loop=loop, post=tuple(post)), cfg.mesh)
-    out = split(sel.pick(x) if gated else y, groups, single)
+    out = split(pick if gated else y, groups, single)
     return (out, pool, split(x, groups, single)) if keep_state else (out, pool)
 
 

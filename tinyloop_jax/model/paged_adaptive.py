@@ -23,7 +23,6 @@ from . import page_pool
 from . import recurrence as rec
 from . import transformer as tf
 from . import exits
-from . import layers
 from .precision import exact
 from .config import ModelConfig
 from .params import Params
@@ -82,10 +81,8 @@ def forward(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, rows: pag
     def coda_logits(x, post, need):
         """The coda (its K/V kept only where `need`) and the logits [b, V]."""
         old = [{n: a[:, g.page, g.off] for n, a in store.items()} for store in post]
-        y, new = (layers.final_norm(params, cfg, x) if cfg.norm_before_coda else x), []
-        for blk, store in zip(params.post, post):
-            y, store = paged.block(y, blk, cfg, groups, store, None, 0, pool.kv_mode)
-            new.append(store)
+        y, new = tf.coda(params, cfg, x, post, lambda y, blk, store, j: paged.block(y, blk, cfg, groups, store, None,
+                                                                                     0, pool.kv_mode))
         keep = lambda n, o: jnp.where(by_token(need)[None, :, None], n, o)  # noqa: E731
         new = [page_pool.write(store, {n: keep(store[n][:, g.page, g.off], o[n]) for n in store}, g.page, g.off)
                for store, o in zip(new, old)]
@@ -94,12 +91,11 @@ def forward(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, rows: pag
     def gate_prob(x):
         return exits.gate(params, at_last(x)) if cfg.early_exit_gate else jnp.zeros((b,), jnp.float32)
 
+    def loop_block(x, blk, stack, index):
+        return paged.block(x, blk, cfg, groups, stack, index, 0, pool.kv_mode)
+
     def body(c: ad.Carry) -> ad.Carry:
-        x = rec.pass_input(params, c.s, e) if inject else c.s
-        stack = c.stack
-        for j, blk in enumerate(params.loop):
-            x, stack = paged.block(x, blk, cfg, groups, stack, (c.i, j), 0, pool.kv_mode)
-        s_new = layers.final_norm(params, cfg, x) if cfg.pass_norm else x
+        s_new, stack = tf.one_pass(params, cfg, c.i, c.s, e, c.stack, loop_block)
         last_pass = c.i == loops - 1
         check = c.active & vm(lambda p: ad.is_check(p, c.i))(pol)
         gp = gate_prob(s_new)

@@ -181,19 +181,16 @@ def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Arra
 
     x, e, pre, states = run_pre(params, cfg, x, chunk, ro, own, window, seed, continuing, ring)
 
-    def one_pass(i, carry):
-        x, stack, passes, sel = carry
-        x, stack = loop_pass(params, cfg, i, x, e, stack, chunk, ro, own, window)
-        if keep_states:
-            passes = passes.at[i].set(at_last(x))
-        if gated:
-            sel = exit_update(params, exit, i, i == loops - 1, x, sel)
-        return x, stack, passes, sel
+    def loop_block(x, blk, stack, index):
+        layers = [Layer(kvc.read(s.loop, index), s.pos, s.kv_mode) for s in ro]
+        return block(x, blk, cfg, chunk, layers, own, stack, index, window)
 
-    passes = jnp.zeros((loops, x.shape[1]), x.dtype) if keep_states else None
-    sel = ExitCarry.start(x) if gated else None
-    x, loop, passes, sel = jax.lax.fori_loop(0, loops, one_pass, (x, own.loop, passes, sel))
-    y, post = run_coda(params, cfg, x, chunk, ro, own, own.post, window)
+    def post_block(y, blk, store, j):
+        return block(y, blk, cfg, chunk, [Layer(s.post[j], s.pos, s.kv_mode) for s in ro], own, store, None, window)
+
+    x, loop, passes, pick = run_passes(params, cfg, x, e, loops, own.loop, loop_block, exit if gated else None,
+                                       at_last if keep_states else None)
+    y, post = coda(params, cfg, x, own.post, post_block)
     new_own = own.replace(pre=tuple(pre), loop=loop, post=post,
                           pos=kvc.write_positions(own.pos, chunk.q_pos, chunk.slots, chunk.src),
                           ring_pos=None if ring is None else kvc.write_positions(own.ring_pos, ring.q_pos, ring.slots,
@@ -201,7 +198,7 @@ def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, n_valid: jax.Arra
                           length=(start_pos + n_valid).astype(jnp.int32))
     if keep_states:
         states = jnp.concatenate([jnp.stack(states), passes]) if states else passes
-    exit_x = sel.pick(x) if gated else y
+    exit_x = pick if gated else y
     return Run(rec.carry(x, e) if inject else x, new_own, states if keep_states else None, exit_x)
 
 
@@ -239,29 +236,48 @@ def run_pre(params: Params, cfg: ModelConfig, x: jax.Array, chunk: Chunk, ro: tu
     return x, e, pre, states
 
 
-def loop_pass(params: Params, cfg: ModelConfig, i, x: jax.Array, e: jax.Array | None, stack: dict, chunk: Chunk,
-              ro: tuple, own: KVCache, window: int):
-    """Pass i (traced) of the loop stack over the chunk's streams x [T, D] (injection: the
-    state, with the pre blocks' output e), writing pass i's layers of `stack`. Returns (x after
-    the pass (its final norm with `pass_norm`), stack)."""
+def one_pass(params: Params, cfg: ModelConfig, i, x: jax.Array, e: jax.Array | None, stack, loop_block):
+    """Pass i (traced) of the loop stack over streams x [N, D] (injection: the state, with the pre
+    blocks' output e): the pass's input, the k loop blocks in order (loop_block(x, blk, stack,
+    (i, j)) -> (x, stack): a storage's block, writing pass i's layers of `stack`), then the final
+    norm with `pass_norm`. Every forward's pass: dense segments, pages, adaptive depth."""
     if e is not None:
         x = rec.pass_input(params, x, e)
     for j, blk in enumerate(params.loop):
-        layers = [Layer(kvc.read(s.loop, (i, j)), s.pos, s.kv_mode) for s in ro]
-        x, stack = block(x, blk, cfg, chunk, layers, own, stack, (i, j), window)
+        x, stack = loop_block(x, blk, stack, (i, j))
     if cfg.pass_norm:
         x = final_norm(params, cfg, x)
     return x, stack
 
 
-def run_coda(params: Params, cfg: ModelConfig, x: jax.Array, chunk: Chunk, ro: tuple, own: KVCache, post: tuple,
-             window: int):
-    """After the last pass: the final norm (`norm_before_coda`), then the coda blocks writing
-    the chunk into `post` (own's coda layers). Returns (streams for the head [T, D], post)."""
+def run_passes(params: Params, cfg: ModelConfig, x: jax.Array, e: jax.Array | None, loops, stack, loop_block,
+               exit: Exit | None = None, keep=None):
+    """Passes 0..loops-1 (`one_pass`; loops static, or traced) under `fori_loop`, with the early
+    exit's pick among the passes' outputs (`exit`: a gate model's) and keep(x) -> [D], one
+    position's stream after each pass. Returns (x after the last pass, stack, kept [loops, D] |
+    None, the exit's pick [N, D] | None)."""
+    def body(i, carry):
+        x, stack, kept, sel = carry
+        x, stack = one_pass(params, cfg, i, x, e, stack, loop_block)
+        if keep is not None:
+            kept = kept.at[i].set(keep(x))
+        if exit is not None:
+            sel = exit_update(params, exit, i, i == loops - 1, x, sel)
+        return x, stack, kept, sel
+
+    kept = jnp.zeros((loops, x.shape[1]), x.dtype) if keep is not None else None
+    sel = ExitCarry.start(x) if exit is not None else None
+    x, stack, kept, sel = jax.lax.fori_loop(0, loops, body, (x, stack, kept, sel))
+    return x, stack, kept, None if sel is None else sel.pick(x)
+
+
+def coda(params: Params, cfg: ModelConfig, x: jax.Array, stores: tuple, post_block):
+    """After the last pass: the final norm (`norm_before_coda`), then the coda blocks
+    (post_block(y, blk, store, j) -> (y, store): a storage's block). Returns (streams for the
+    head, the coda's stores)."""
     y, out = (final_norm(params, cfg, x) if cfg.norm_before_coda else x), []
-    for j, store in enumerate(post):
-        layers = [Layer(s.post[j], s.pos, s.kv_mode) for s in ro]
-        y, store = block(y, params.post[j], cfg, chunk, layers, own, store, None, window)
+    for j, (blk, store) in enumerate(zip(params.post, stores)):
+        y, store = post_block(y, blk, store, j)
         out.append(store)
     return y, tuple(out)
 
@@ -313,24 +329,15 @@ def forward_seq(params: Params, cfg: ModelConfig, tokens: jax.Array, loops: int,
         return block_out(x, attention(q.astype(jnp.float32), pos, [(k, v, pos)], layer_window(window, blk)), blk, cfg)
 
     inject = rec.injected(cfg)
-
-    def one_pass(x, _):
-        if inject:
-            x = rec.pass_input(params, x, e)
-        for blk in params.loop:
-            x = layer(x, blk)
-        return (final_norm(params, cfg, x) if cfg.pass_norm else x), None
-
+    no_store = lambda x, blk, store, _: (layer(x, blk), store)  # noqa: E731 - no cache: nothing stored
     x = embed(params, tokens, jnp.int32(0), cfg)
     if inject and cfg.embed_scale != 1.0:
         x = x * cfg.embed_scale
     for blk in params.pre:
         x = layer(x, blk)
+    e = None
     if inject:
         e, x = x, rec.initial_state(cfg, seed, pos)
-    x, _ = jax.lax.scan(one_pass, x, None, length=loops)
-    if cfg.norm_before_coda:
-        x = final_norm(params, cfg, x)
-    for blk in params.post:
-        x = layer(x, blk)
-    return lm_head(params, cfg, x)
+    x, _ = jax.lax.scan(lambda x, i: (one_pass(params, cfg, i, x, e, (), no_store)[0], None), x, jnp.arange(loops))
+    y, _ = coda(params, cfg, x, ((),) * len(params.post), no_store)
+    return lm_head(params, cfg, y)

@@ -35,6 +35,7 @@ from .. import settings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(HERE, "qmatmul.cc"), os.path.join(HERE, "paged_attention.cc")]
+HEADERS = [os.path.join(HERE, n) for n in ("qsimd.h", "qformats.h", "spinners.h")]  # qmatmul.cc's
 SOURCE = SOURCES[0]
 TARGET = "tinyloop_qmatmul"
 PAGED_TARGET = "tinyloop_paged_attention"
@@ -60,7 +61,7 @@ def library_path() -> str:
     from ..formats.hub import home
 
     import jaxlib
-    text = b"".join(open(src, "rb").read() for src in SOURCES)
+    text = b"".join(open(src, "rb").read() for src in SOURCES + HEADERS)
     key = hashlib.sha256(text + " ".join(FLAGS).encode() + jaxlib.__version__.encode()
                          + _cpu().encode()).hexdigest()[:16]
     return os.path.join(home(), "native", f"qmatmul-{key}.so")

@@ -22,289 +22,24 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
-#include <condition_variable>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <mutex>
-#include <sched.h>
 #include <thread>
 #include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
-#define TL_SIMD 1
-#include <immintrin.h>
-#endif
+#include "qsimd.h"     // V: the vector operations (TL_SIMD)
+#include "qformats.h"   // the formats, a block unpacked, Problem
+#include "spinners.h"   // the helper threads of decode calls
 
 namespace ffi = xla::ffi;
 
 namespace {
-
-constexpr int64_t kW = 64;         // columns per tile
-constexpr int64_t kPanelRows = 16; // more rows: dequantized panels and a register-blocked product
-constexpr int64_t kAhead = 3;      // blocks of q prefetched ahead of the one being read
-
-enum Fmt : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ5_K = 6, kQ6_K = 7 };
-
-// bytes of q per block and column (GGUF's block less its float16 d and m; qarray.SPECS)
-template <int32_t FMT>
-constexpr int64_t kRows = FMT == kQ8_0 ? 32 : FMT <= kQ4_1 ? 16 : FMT <= kQ5_1 ? 20 : FMT == kQ4_K ? 140
-                          : FMT == kQ5_K ? 172 : 208;
-// values per block (a K-quant's super-block: 256) and per sub-block (one scale each)
-template <int32_t FMT>
-constexpr int64_t kValues = FMT >= kQ4_K ? 256 : 32;
-template <int32_t FMT>
-constexpr int64_t kSub = FMT == kQ6_K ? 16 : 32;
-template <int32_t FMT>
-constexpr bool kHasMin = FMT == kQ4_1 || FMT == kQ5_1 || FMT == kQ4_K || FMT == kQ5_K;
-// Q5_x and the K-quants are unpacked a block at a time (`unpack`) before the product: their
-// bits are spread over several bytes, and one plain loop over the 64 columns a row of bytes
-// (which the compiler vectorizes) is simpler than a vector path per format
-template <int32_t FMT>
-constexpr bool kUnpacked = FMT >= kQ5_0;
-
-int64_t rows_of(int32_t fmt) {
-  constexpr int64_t r[] = {kRows<kQ8_0>, kRows<kQ4_0>, kRows<kQ4_1>, kRows<kQ5_0>,
-                           kRows<kQ5_1>, kRows<kQ4_K>, kRows<kQ5_K>, kRows<kQ6_K>};
-  return r[fmt];
-}
-int64_t values_of(int32_t fmt) { return fmt >= kQ4_K ? 256 : 32; }
-int64_t sub_of(int32_t fmt) { return fmt == kQ6_K ? 16 : 32; }
-
-// fn(std::integral_constant<int32_t, FMT>) for the format `fmt` names
-template <class Fn>
-void by_format(int32_t fmt, Fn&& fn) {
-  switch (fmt) {
-    case kQ8_0: return fn(std::integral_constant<int32_t, kQ8_0>{});
-    case kQ4_0: return fn(std::integral_constant<int32_t, kQ4_0>{});
-    case kQ4_1: return fn(std::integral_constant<int32_t, kQ4_1>{});
-    case kQ5_0: return fn(std::integral_constant<int32_t, kQ5_0>{});
-    case kQ5_1: return fn(std::integral_constant<int32_t, kQ5_1>{});
-    case kQ4_K: return fn(std::integral_constant<int32_t, kQ4_K>{});
-    case kQ5_K: return fn(std::integral_constant<int32_t, kQ5_K>{});
-    default: return fn(std::integral_constant<int32_t, kQ6_K>{});
-  }
-}
-
-inline float half(uint16_t h) {
-  _Float16 f;
-  std::memcpy(&f, &h, sizeof f);
-  return static_cast<float>(f);
-}
-
-#if defined(TL_SIMD)
-// The vector operations the kernels use, for AVX-512 (16 lanes, 32 registers) or AVX2 + FMA +
-// F16C (8 lanes, 16 registers): a 64-column tile row is G = 64 / L vectors.
-#if defined(__AVX512F__)
-struct V {
-  using F = __m512;
-  using I = __m512i;
-  static constexpr int L = 16;
-  static constexpr int kMT = 6;  // stream rows per pass: MT x 4 block sums in registers (the outputs,
-                                 // updated once a block, may live on the stack): 6 against 3 halves the
-                                 // passes that re-widen each tile at 16 rows (4-15% faster at 4 and 16)
-  static constexpr int kPR = 6;  // panel rows x vectors per register block: 6 x 4 sums + 4 weights
-  static constexpr int kNG = 4;
-  static F zero() { return _mm512_setzero_ps(); }
-  static F set1(float f) { return _mm512_set1_ps(f); }
-  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
-  static F add(F a, F b) { return _mm512_add_ps(a, b); }
-  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static F load(const float* p) { return _mm512_load_ps(p); }
-  static void store(float* p, F v) { _mm512_store_ps(p, v); }
-  static F halves(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-  static I bytes(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-  static F signed_bytes(const uint8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  }
-  static I low(I u) { return _mm512_and_si512(u, _mm512_set1_epi32(15)); }
-  static I high(I u) { return _mm512_srli_epi32(u, 4); }
-  static I minus8(I u) { return _mm512_sub_epi32(u, _mm512_set1_epi32(8)); }
-  static F to_float(I u) { return _mm512_cvtepi32_ps(u); }
-  static void store_first(float* p, F v, int64_t lanes) {  // the first `lanes` (clamped to [0, L])
-    lanes = std::clamp<int64_t>(lanes, 0, 16);
-    _mm512_mask_storeu_ps(p, static_cast<__mmask16>(lanes == 16 ? 0xFFFF : (1u << lanes) - 1), v);
-  }
-};
-#else
-struct V {
-  using F = __m256;
-  using I = __m256i;
-  static constexpr int L = 8;
-  static constexpr int kMT = 1;  // 8 sums + 8 outputs already fill the 16 registers
-  // 6 x 2 sums + 2 weights (a panel's 64 columns in four passes): 10-25% faster at 128 rows
-  // than 3 x 4, which reads the panel from L2 twice as often per product
-  static constexpr int kPR = 6;
-  static constexpr int kNG = 2;
-  static F zero() { return _mm256_setzero_ps(); }
-  static F set1(float f) { return _mm256_set1_ps(f); }
-  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
-  static F add(F a, F b) { return _mm256_add_ps(a, b); }
-  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static F load(const float* p) { return _mm256_load_ps(p); }
-  static void store(float* p, F v) { _mm256_store_ps(p, v); }
-  static F halves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-  static I bytes(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
-  static F signed_bytes(const uint8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  }
-  static I low(I u) { return _mm256_and_si256(u, _mm256_set1_epi32(15)); }
-  static I high(I u) { return _mm256_srli_epi32(u, 4); }
-  static I minus8(I u) { return _mm256_sub_epi32(u, _mm256_set1_epi32(8)); }
-  static F to_float(I u) { return _mm256_cvtepi32_ps(u); }
-  static void store_first(float* p, F v, int64_t lanes) {
-    if (lanes >= 8) return _mm256_storeu_ps(p, v);
-    alignas(32) float tmp[8];
-    _mm256_store_ps(tmp, v);
-    std::memcpy(p, tmp, std::max<int64_t>(lanes, 0) * sizeof(float));
-  }
-};
-#endif
-constexpr int kG = kW / V::L;  // vectors per 64-column tile row
-#endif
-
-// 64-byte aligned float buffers (aligned vector loads and stores), kept per thread and grown.
-struct Free {
-  void operator()(float* f) const { std::free(f); }
-};
-using Floats = std::unique_ptr<float[], Free>;
-
-float* scratch(Floats& buf, int64_t& size, int64_t want) {
-  if (size < want) {
-    buf.reset(static_cast<float*>(std::aligned_alloc(64, (want * sizeof(float) + 63) / 64 * 64)));
-    size = want;
-  }
-  return buf.get();
-}
-
-struct Problem {
-  const float* x;
-  const uint8_t* q;
-  const uint16_t* d;
-  const uint16_t* m;
-  const float* sx;  // [M, ns]: the sum of each sub-block's inputs (ns = K / sub-block size)
-  float* y;
-  int64_t M, K, N, nb, ns;
-  int32_t fmt;
-  // 8-bit activations (act = 1; x then holds them rounded, as floats): per row and 32 inputs
-  // xq [M, K], their scale dx and their sum sq [M, K / 32]; null otherwise
-  const int8_t* xq;
-  const float* dx;
-  const int32_t* sq;
-  // tile c's block b: its R x 64 bytes of q and its 64 scales (and mins)
-  template <int32_t FMT>
-  const uint8_t* qt(int64_t c, int64_t b) const { return q + (c * nb + b) * kRows<FMT> * kW; }
-  int64_t at(int64_t c, int64_t b) const { return (c * nb + b) * kW; }
-};
-
-// A Q5_x or K-quant block of a tile unpacked: its values as small integers and, per sub-block,
-// the float scale and offset of value = v * sc + mn (the same products as qarray's dequantize).
-template <int32_t FMT>
-struct Unpacked {
-  static constexpr int64_t kS = kValues<FMT> / kSub<FMT>;  // sub-blocks
-  alignas(64) int8_t v[kValues<FMT>][kW];
-  alignas(64) float sc[kS][kW];
-  alignas(64) float mn[kS][kW];
-};
-
-// out[n] = sign * d[n] * k[n] over the 64 columns: float16 scales times small integers held as
-// bytes (signed for Q6_K), in vectors where there are any (scalar, these conversions cost more
-// than unpacking the block's bits).
-template <bool SIGNED>
-inline void scaled(const uint16_t* d, const uint8_t* k, float* out, float sign) {
-#if defined(TL_SIMD)
-  for (int g = 0; g < kG; ++g) {
-    const V::F kv = SIGNED ? V::signed_bytes(k + V::L * g) : V::to_float(V::bytes(k + V::L * g));
-    V::store(out + V::L * g, V::mul(V::mul(V::halves(d + V::L * g), kv), V::set1(sign)));
-  }
-#else
-  for (int64_t n = 0; n < kW; ++n)
-    out[n] = sign * half(d[n]) * (SIGNED ? static_cast<float>(static_cast<int8_t>(k[n])) : static_cast<float>(k[n]));
-#endif
-}
-
-// Block b of tile c into u: row r of q is byte r of the block for each of the 64 columns.
-template <int32_t FMT>
-void unpack(const Problem& p, int64_t c, int64_t b, Unpacked<FMT>& u) {
-  // restrict: the bytes written never alias the block read (without it every byte loop is
-  // versioned behind a run-time overlap check)
-  const uint8_t* __restrict q = p.qt<FMT>(c, b);
-  const uint16_t* d = p.d + p.at(c, b);
-  const uint16_t* m = p.m + p.at(c, b);
-  int8_t(*__restrict v)[kW] = u.v;
-  if constexpr (FMT == kQ5_0 || FMT == kQ5_1) {  // qh[4] (bit j: value j's 5th bit), qs[16]
-    for (int64_t j = 0; j < 16; ++j)
-      for (int64_t n = 0; n < kW; ++n) {
-        const uint8_t b0 = q[(4 + j) * kW + n];
-        const int hb0 = (q[(j / 8) * kW + n] >> (j % 8)) & 1, hb1 = (q[(2 + j / 8) * kW + n] >> (j % 8)) & 1;
-        const int off = FMT == kQ5_0 ? 16 : 0;
-        v[j][n] = static_cast<int8_t>(((b0 & 15) | (hb0 << 4)) - off);
-        v[j + 16][n] = static_cast<int8_t>(((b0 >> 4) | (hb1 << 4)) - off);
-      }
-    alignas(64) static constexpr uint8_t ones[kW] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
-                                                     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
-                                                     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
-    scaled<false>(d, ones, u.sc[0], 1.f);
-    if constexpr (FMT == kQ5_1) {
-      scaled<false>(m, ones, u.mn[0], 1.f);
-    } else {
-      std::fill(u.mn[0], u.mn[0] + kW, 0.f);
-    }
-  } else if constexpr (FMT == kQ4_K || FMT == kQ5_K) {  // scales[12] (, qh[32]), qs[128]
-    alignas(64) uint8_t sc[8][kW], mn[8][kW];  // ggml's get_scale_min_k4, 64 columns at a time
-    for (int64_t j = 0; j < 4; ++j)
-      for (int64_t n = 0; n < kW; ++n) {
-        sc[j][n] = q[(j) * kW + n] & 63, mn[j][n] = q[(j + 4) * kW + n] & 63;
-        sc[j + 4][n] = (q[(j + 8) * kW + n] & 15) | ((q[(j) * kW + n] >> 6) << 4);
-        mn[j + 4][n] = (q[(j + 8) * kW + n] >> 4) | ((q[(j + 4) * kW + n] >> 6) << 4);
-      }
-    for (int64_t j = 0; j < 8; ++j) scaled<false>(d, sc[j], u.sc[j], 1.f), scaled<false>(m, mn[j], u.mn[j], -1.f);
-    const int64_t qs = FMT == kQ5_K ? 44 : 12;
-    for (int64_t i = 0; i < 4; ++i)  // bytes 32 i + l: value 64 i + l (low nibble), 64 i + 32 + l (high)
-      for (int64_t l = 0; l < 32; ++l)
-        for (int64_t n = 0; n < kW; ++n) {
-          const uint8_t byte = q[(qs + 32 * i + l) * kW + n];
-          int lo = byte & 15, hi = byte >> 4;
-          if constexpr (FMT == kQ5_K) {
-            const uint8_t h = q[(12 + l) * kW + n];
-            lo |= ((h >> (2 * i)) & 1) << 4, hi |= ((h >> (2 * i + 1)) & 1) << 4;
-          }
-          v[64 * i + l][n] = static_cast<int8_t>(lo), v[64 * i + 32 + l][n] = static_cast<int8_t>(hi);
-        }
-  } else {  // Q6_K: ql[128], qh[64], int8 scales[16]; half h: value 128 h + 32 k + l
-    for (int64_t h = 0; h < 2; ++h)
-      for (int64_t l = 0; l < 32; ++l)
-        for (int64_t n = 0; n < kW; ++n) {
-          const uint8_t a = q[(64 * h + l) * kW + n], b2 = q[(64 * h + 32 + l) * kW + n], hh = q[(128 + 32 * h + l) * kW + n];
-          v[128 * h + l][n] = static_cast<int8_t>(((a & 15) | ((hh & 3) << 4)) - 32);
-          v[128 * h + 32 + l][n] = static_cast<int8_t>(((b2 & 15) | (((hh >> 2) & 3) << 4)) - 32);
-          v[128 * h + 64 + l][n] = static_cast<int8_t>(((a >> 4) | (((hh >> 4) & 3) << 4)) - 32);
-          v[128 * h + 96 + l][n] = static_cast<int8_t>(((b2 >> 4) | (((hh >> 6) & 3) << 4)) - 32);
-        }
-    for (int64_t j = 0; j < 16; ++j) scaled<true>(d, q + (192 + j) * kW, u.sc[j], 1.f), std::fill(u.mn[j], u.mn[j] + kW, 0.f);
-  }
-}
-
-template <int32_t FMT>
-Unpacked<FMT>& unpacked_buffer() {
-  thread_local Unpacked<FMT> u;
-  return u;
-}
-
-// The block's scale applied to the block's sums: out += d * acc (+ m * s), per format.
-inline float combine(int32_t fmt, float out, float acc, float d, float m, float s) {
-  if (fmt == kQ4_0) return out + d * (acc - 8.f * s);
-  if (fmt == kQ4_1) return out + d * acc + m * s;
-  return out + d * acc;
-}
 
 // Portable: rows t0.. of tile c over blocks [b0, b1), w of its 64 columns, into dst [M, N].
 template <int32_t FMT>
@@ -806,50 +541,6 @@ struct Shared {
   }
 };
 
-// Helper threads of our own that spin (yielding the core to anything runnable) for a while
-// after each call before they sleep: a decode step makes ~120 calls of tens of microseconds
-// each, about as long as waking a sleeping pool thread takes, so pool helpers came too late to
-// share the work. A helper that starts on a finished call's job finds no unit left and returns.
-class Spinners {
- public:
-  explicit Spinners(int64_t n) {
-    for (int64_t i = 0; i < n; ++i) std::thread([this] { loop(); }).detach();
-  }
-  void submit(const std::shared_ptr<Shared>& job) {
-    std::atomic_store(&job_, job);
-    gen_.fetch_add(1);
-    if (sleeping_.load()) {
-      std::lock_guard<std::mutex> lock(mu_);
-      cv_.notify_all();
-    }
-  }
-
- private:
-  static constexpr auto kSpin = std::chrono::microseconds(200);
-  void loop() {
-    uint64_t seen = 0;
-    for (;;) {
-      auto start = std::chrono::steady_clock::now();
-      while (gen_.load() == seen) {
-        sched_yield();
-        if (std::chrono::steady_clock::now() - start > kSpin) {
-          std::unique_lock<std::mutex> lock(mu_);
-          sleeping_.fetch_add(1);
-          cv_.wait(lock, [&] { return gen_.load() != seen; });
-          sleeping_.fetch_sub(1);
-        }
-      }
-      seen = gen_.load();
-      if (auto job = std::atomic_load(&job_)) job->work();
-    }
-  }
-  std::shared_ptr<Shared> job_;
-  std::atomic<uint64_t> gen_{0};
-  std::atomic<int> sleeping_{0};
-  std::mutex mu_;
-  std::condition_variable cv_;
-};
-
 // 8-bit activations: each row's inputs in blocks of 32 scaled by amax / 127 and rounded to the
 // nearest integer (ties to even), as llama.cpp's q8_0 of x with a float32 scale; f holds them
 // back as floats (q * d) for the products that stay in float, s each block's integer sum.
@@ -954,7 +645,7 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
     partial.reset(new float[sh->parts * M * N]);
     sh->partial = partial.get();
   }
-  static Spinners* spinners = new Spinners(threads - 1);  // one per other core, for the process
+  static auto* spinners = new Spinners<Shared>(threads - 1);  // one per other core, for the process
   // Panels (a prompt's chunk: milliseconds a call) go to XLA's pool, whose threads the prompt's
   // other ops use too: spinning helpers competed with them (512 tokens: 771-849 ms against
   // 605-664 through the pool). Streams (decode: tens of microseconds a call) go to the spinners.

@@ -200,9 +200,9 @@ class Engine:
         allocated or run), so serving compiles nothing for them later. adaptive=True: the
         adaptive-depth programs too (exit_criterion requests, exit_in_prefill prompts of any
         length); speculation: the speculative rounds of these (draft_loops, lookahead) pairs (a
-        `Speculative` plan's). Returns the number of programs compiled. background=True returns
-        at once (0) and compiles on a thread of its own while requests are served; `warming`
-        says whether it still runs."""
+        `Speculative` plan's; one program per lookahead serves every draft depth). Returns the
+        number of programs compiled. background=True returns at once (0) and compiles on a
+        thread of its own while requests are served; `warming` says whether it still runs."""
         loops = self.model.weights.config.default_loops if loops is None else check.loops(loops)
         if loops > self.max_loops:
             raise ValueError(f"loops={loops} is above this engine's max_loops={self.max_loops}")

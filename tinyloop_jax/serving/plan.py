@@ -9,7 +9,6 @@ import numpy as np
 
 from . import step as S
 from ..decoding.sampling import Knobs, SamplingParams
-from ..decoding.speculative import Speculation
 from ..model import adaptive as ad
 from ..model import paged
 from ..model.cache import bucket
@@ -77,10 +76,9 @@ class Plan:
                 for kind in (False, True) if adaptive else (False,):
                     compile_(("steps", loops, bd, R, kind), jits["decode_steps"], w.params, c, pool, state, decodes,
                              np.int32(1), loops=loops, n_max=self.decode_steps, exit=exit, adaptive=kind)
-                for d, k in speculation:  # a speculative round
-                    compile_(("speculate", loops, Speculation(d, k), bd, R), jits["decode_steps"], w.params, c, pool,
-                             state, decodes, np.int32(1), loops=loops, n_max=k + 1, exit=exit, draft_loops=d,
-                             lookahead=k)
+                for d, k in speculation:  # a speculative round (one program per lookahead: the draft depth is traced)
+                    compile_(("speculate", loops, k, bd, R), jits["decode_steps"], w.params, c, pool, state, decodes,
+                             np.int32(1), loops=loops, n_max=k + 1, exit=exit, draft_loops=np.int32(d), lookahead=k)
                 continue
             if not T:
                 continue

@@ -41,9 +41,9 @@ class Reading:
             self._sync(d)
             w = self.model.weights
             got, d.pool, d.state = self._run(
-                ("speculate", d.loops, spec, bd, R), self.jits(d.loops)["decode_steps"], w.params, w.config, d.pool,
-                d.state, decodes, np.int32(1), loops=d.loops, n_max=k + 1, exit=d.exit, draft_loops=spec.draft_loops,
-                lookahead=k)
+                ("speculate", d.loops, k, bd, R), self.jits(d.loops)["decode_steps"], w.params, w.config, d.pool,
+                d.state, decodes, np.int32(1), loops=d.loops, n_max=k + 1, exit=d.exit,
+                draft_loops=np.int32(spec.draft_loops), lookahead=k)
             got = jax.tree.map(np.asarray, got)
             self.stats["speculative_rounds"] += 1
             self.stats["batch_rows"] += len(rows)
