@@ -1,5 +1,5 @@
 """Many devices and many processes. JAX fixes its device count when it starts, so the mesh checks
-run in a subprocess with 8 fake CPU devices (tests/mesh_checks.py: meshes 1x4, 2x4, 8x1,
+run in a subprocess with 8 fake CPU devices (tests/mesh_checks.py: meshes 2x4, 8x1,
 both families, every call against one device, shard shapes, collectives, warm calls tracing
 nothing), and the multi-process check as two processes over gloo on localhost
 (tests/multiprocess_worker.py)."""

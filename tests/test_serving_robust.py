@@ -106,8 +106,8 @@ def sweep(eng, model, depths, results, errors):
 
 
 def test_a_depth_sweep_stays_within_the_memory_budget(model):
-    """Lanes are made per depth and evicted (least recently used, idle) to stay within one budget
-    shared by every lane's pool, rows and store; the engine's count agrees with the live arrays."""
+    """Depths are made and evicted (least recently used, idle) to stay within one budget shared
+    by every depth's pool, rows and store; the engine's count agrees with the live arrays."""
     budget = rows_bytes(model) + 8 * page_bytes(model, 6)  # a pool of 8 deep pages, or more shallow ones
     base = live_bytes()
     with tl.Engine(model, **ENGINE, memory_budget=budget) as eng:
@@ -149,9 +149,9 @@ class SlowDict(dict):
 
 
 def test_stats_is_safe_while_new_depths_arrive(model):
-    """/metrics calls stats() from other threads while the loop thread adds lanes, rows and
-    programs: hammered from 8 threads, it never raises (a reader iterating the lanes would be
-    paused mid-way by SlowDict, and fail)."""
+    """/metrics calls stats() from other threads while the loop thread adds depths, rows and
+    programs (4 depths from 2 clients): hammered from 8 threads, it never raises (a reader
+    iterating the depths would be paused mid-way by SlowDict, and fail)."""
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-4)
     try:
@@ -172,8 +172,8 @@ def test_stats_is_safe_while_new_depths_arrive(model):
             threads = [threading.Thread(target=hammer) for _ in range(8)]
             for t in threads:
                 t.start()
-            clients = [threading.Thread(target=sweep, args=(eng, model, range(k, 7, 3), results, errors))
-                       for k in (1, 2, 3)]
+            clients = [threading.Thread(target=sweep, args=(eng, model, range(k, 5, 2), results, errors))
+                       for k in (1, 2)]
             for t in clients:
                 t.start()
             for t in clients:
