@@ -99,9 +99,7 @@ class Plan:
         if loops not in self.depths:  # the depth's pool and rows, made on its first request
             compile_(("pool", loops, n_pages), jits["empty_pool"], c, loops, n_pages, P, None,
                      self.local_slots(n_pages) if self.local else None)
-            compile_(("rows", loops), jits["requests_of"], np.zeros((self.max_batch, c.vocab_size), bool),
-                     jax.tree.map(np.asarray, Knobs.make(self.max_batch, max_tokens=1, carry_bias=True, sampled=True,
-                                                         stop_shape=S.STOPS)), d_model=c.d_model, dtype=c.compute_dtype)
+            self._empty_rows(lambda *a, **kw: compile_(("rows", loops), jits["requests_of"], *a, **kw))
         if self.store is not None and self.store.loops == loops:  # loads of the store's entries
             for e in (e for e in self.store.entries() if self.local or not e.cache.rings):
                 R = pow2(-(-len(e.prompt) // P), MIN_TABLE)
