@@ -66,6 +66,7 @@ SUITES = {
     "quality": Suite("quality_weights.py", "bits per byte of each weight form"),
     "profile-decode": Suite("profile_decode.py", "where a batch-1 decode step goes"),
     "profile-serving": Suite("profile_serving.py", "where a served step's time and the server's memory go"),
+    "profile-warmup": Suite("profile_warmup.py", "the engine's warmup by program kind, and the cost of fewer programs"),
     "suite-time": Suite("suite_profile.py", "where the test suite's time goes"),
     "suite-flags": Suite("bench_suite_flags.py", "an XLA flag's effect on the suite's compiles"),
     "house": Suite("house.py", "issue 59's structural counts (jit sites, long files, import circles)", ()),

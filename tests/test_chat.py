@@ -266,3 +266,26 @@ def test_demo_on_smollm2_shares_the_document_and_answers_alike(smollm2):
     assert all(len(a) > 3 for a in res.answers["NO_CACHE"])
     out = demo.report(res, tok, 1)
     assert "SHARED yes, SERVED yes" in out and "Eiffel" in out
+
+
+def test_chat_answers_in_json_schema_and_refuses_a_bad_schema(smollm2, server):
+    """response_format json_schema (strict) over HTTP with the openai client: the answer parses,
+    with the schema's keys, and equals generate under the same grammar; an unsupported keyword
+    is a 400 naming response_format."""
+    import json
+
+    model, tok = smollm2
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 24}},
+              "required": ["capital"], "additionalProperties": False}
+    rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    r = chat(server, [user(FRANCE)], response_format=rf)
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and set(json.loads(c.message.content)) == {"capital"}
+    ids = tok.apply_chat_template([user(FRANCE)], tokenize=True)
+    want = model.generate(ids, max_tokens=MAX, stop_sequences=[[e] for e in tok.eos_token_ids],
+                          response_format=tl.Grammar.of(rf, tok, model.config()["vocab_size"]))[len(ids):]
+    assert c.token_ids == want
+    bad = dict(rf, json_schema=dict(rf["json_schema"], schema={"type": "array", "uniqueItems": True}))
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server, [user(FRANCE)], response_format=bad)
+    assert "uniqueItems" in str(e.value) and e.value.body["param"] == "response_format"

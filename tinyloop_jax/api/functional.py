@@ -191,11 +191,13 @@ def own_room(longest_suffix: int, max_new: int, cache_window: int, speculation: 
 
 def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request: Knobs, loops: int | None = None,
            cache_window: int | None = None, speculation: Speculation | None = None,
-           exit: Exit | None = None, adaptive: Adaptive | None = None) -> Decoded:
+           exit: Exit | None = None, adaptive: Adaptive | None = None, grammars: list | None = None) -> Decoded:
     """N requests, each = prefix (shared, read once per step for all; or none) + its suffix
     (possibly empty when there is a prefix) + up to request.max_tokens new tokens: the call's
     pages (`decoding.paged_decode`), the suffixes prefilled as one group of chunks, then the
-    on-device decode loop over the paged step.
+    on-device decode loop over the paged step. grammars [N]: each row's `Grammar` (structured
+    output) or None; with any, the decode loop is driven from the host, a mask a token
+    (`paged_decode.decode_constrained`).
 
     loops / cache_window default to the prefix's. Returns the `paged_decode.Decoded` (on device):
     row i emitted tokens[i, :n[i]] (on a mesh, rows past len(suffixes) are filler)."""
@@ -230,10 +232,22 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
     seen = jnp.asarray(programs.token_mask(suffixes, c.vocab_size)) | prior_seen
     state = SHARED.requests_of(seen, request, d_model=c.d_model, dtype=c.compute_dtype, pol=pol, warm=warm)
     chunk = PREFILL_CHUNK if lay.slot_of is not None else 0  # (a ring: chunks it holds)
+    matchers = masks = None
+    if grammars is not None and any(g is not None for g in grammars):
+        from ..decoding.grammar import fill_masks
+
+        if speculation is not None:
+            raise ValueError("response_format does not go with draft_loops (speculative decoding) yet")
+        matchers = [None if g is None else g.matcher() for g in grammars] + [None] * extra
+        masks = fill_masks(matchers, c.vocab_size)
     fill = paged_decode.prefill(weights.params, c, pool, state, lay.tables, P, suffixes, prior_logits, loops,
                                 0 if windows is not None else window, exit, chunk, adaptive=adaptive is not None,
-                                exits=adaptive is not None and adaptive.in_prefill, windows=windows)
+                                exits=adaptive is not None and adaptive.in_prefill, windows=windows, masks=masks)
     rows = paged.Rows(lay.tables, P + lens, np.ones((N,), np.int32), windows)  # where each first token is fed
+    if matchers is not None:
+        return paged_decode.decode_constrained(weights.params, c, rows, fill, request,
+                                               loops, 0 if windows is not None else window, kvc.bucket(max_new),
+                                               matchers, exit)
     # the output buffer in the own segment's buckets (16 and up): calls that differ only in a
     # max_tokens of 16 or less share one program (it was 8 and 16, one compile each)
     spec = dict(draft_loops=speculation.draft_loops, lookahead=speculation.lookahead) if speculation else {}
@@ -254,7 +268,7 @@ def call_layout(c, prefix_len: int, longest: int, max_new: int, n_rows: int,
 
 def generate(weights: Weights, prompts: list, request: Knobs, loops: int | None = None, cache_window: int = 0,
              speculation: Speculation | None = None, exit: Exit | None = None,
-             adaptive: Adaptive | None = None) -> Decoded:
+             adaptive: Adaptive | None = None, grammars: list | None = None) -> Decoded:
     """N unrelated prompts, decoded together (`decode` without a prefix); with adaptive depth
     one prompt is built as a prefix first (unless it may exit early)."""
     loops = weights.config.default_loops if loops is None else loops
@@ -262,8 +276,8 @@ def generate(weights: Weights, prompts: list, request: Knobs, loops: int | None 
     if len(prompts) == 1 and adaptive is not None and not adaptive.in_prefill:
         prefix = build_prefix(weights, prompts[0], loops, cache_window, exit=exit, seed=int(request.seed[0]))
         return decode(weights, prefix, [np.zeros((0,), np.int32)], request, loops, cache_window, speculation, exit,
-                      adaptive)
-    return decode(weights, None, prompts, request, loops, cache_window, speculation, exit, adaptive)
+                      adaptive, grammars)
+    return decode(weights, None, prompts, request, loops, cache_window, speculation, exit, adaptive, grammars)
 
 
 def check_fits(weights: Weights, prompt_lens: list, request: Knobs, loops: int, cache_window: int,

@@ -291,7 +291,8 @@ class Model:
                  frequency_penalty: float = 0.0, logit_bias=None, early_exit_threshold: float | None = None,
                  exit_criterion: str | None = None, min_steps: int = 0, check_every: int = 1,
                  exit_in_prefill: bool = False, continuous_compute: bool = False,
-                 params: SamplingParams | None = None, plan: R.DepthPlan | None = None) -> list[int]:
+                 response_format=None, params: SamplingParams | None = None,
+                 plan: R.DepthPlan | None = None) -> list[int]:
         """Prompt + up to `max_tokens` emitted tokens (a list of ints).
 
         The request as two values: params (`SamplingParams`: max_tokens .. logit_bias) and plan
@@ -316,7 +317,7 @@ class Model:
         prompt, params, spec = req.prompt, req.params, req.speculation
         self._check_length(len(prompt) + params.max_tokens, "prompt + max_tokens")
         state = F.generate(self.weights, [prompt], Knobs.from_params([params]), req.loops, req.cache_window, spec,
-                           self._exit(req), self._adaptive(req))
+                           self._exit(req), self._adaptive(req), grammars=[params.response_format])
         out = self._lists(state, [prompt.tolist()], spec)[0]
         self.last_passes = self.last_passes and self.last_passes[0]
         return out
@@ -351,7 +352,7 @@ class Model:
                                    frequency_penalty: float = 0.0, logit_bias=None,
                                    exit_criterion: str | None = None, min_steps: int = 0, check_every: int = 1,
                                    exit_in_prefill: bool = False, continuous_compute: bool = False,
-                                   params: SamplingParams | None = None,
+                                   response_format=None, params: SamplingParams | None = None,
                                    plan: R.DepthPlan | None = None) -> list[int]:
         """prefix.prompt + suffix + up to `max_tokens` emitted tokens. The prefix is only read.
 
@@ -365,7 +366,8 @@ class Model:
         req = Knobs.from_params([params])
         self._check_length(len(prefix) + len(suffix) + params.max_tokens, "prefix + suffix + max_tokens")
         F.check_fits(w, [len(suffix)], req, loops, window, spec, prefix_len=len(prefix))
-        state = F.decode(w, prefix, [suffix], req, loops, window, spec, self._exit(r), self._adaptive(r))
+        state = F.decode(w, prefix, [suffix], req, loops, window, spec, self._exit(r), self._adaptive(r),
+                         [params.response_format])
         out = self._lists(state, [prefix.prompt.tolist() + suffix.tolist()], spec)[0]
         self.last_passes = self.last_passes and self.last_passes[0]
         return out
@@ -379,7 +381,7 @@ class Model:
                                          presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                                          logit_bias=None, exit_criterion: str | None = None, min_steps: int = 0,
                                          check_every: int = 1, exit_in_prefill: bool = False,
-                                         continuous_compute: bool = False, params=None,
+                                         continuous_compute: bool = False, response_format=None, params=None,
                                          plan: R.DepthPlan | None = None) -> list[list[int]]:
         """N requests off one prefix, decoded together: the i-th result equals
         `generate_from_prefix_cache(prefix, suffix=suffixes[i], seed=seeds[i], ...)`.
@@ -398,7 +400,8 @@ class Model:
         self._check_length(len(prefix) + max(len(x) for x in suffixes) + max(p.max_tokens for p in params),
                            "prefix + longest suffix + max_tokens")
         F.check_fits(w, [len(x) for x in suffixes], req, loops, window, prefix_len=len(prefix))
-        state = F.decode(w, prefix, suffixes, req, loops, window, exit=ex, adaptive=ada)
+        state = F.decode(w, prefix, suffixes, req, loops, window, exit=ex, adaptive=ada,
+                         grammars=[p.response_format for p in params])
         head = prefix.prompt.tolist()
         return self._lists(state, [head + x.tolist() for x in suffixes], None)
 
@@ -409,8 +412,8 @@ class Model:
                        early_exit_threshold: float | None = None,
                        frequency_penalty: float = 0.0, logit_bias=None,
                        exit_criterion: str | None = None, min_steps: int = 0, check_every: int = 1,
-                       exit_in_prefill: bool = False, continuous_compute: bool = False, params=None,
-                       plan: R.DepthPlan | None = None) -> list[list[int]]:
+                       exit_in_prefill: bool = False, continuous_compute: bool = False, response_format=None,
+                       params=None, plan: R.DepthPlan | None = None) -> list[list[int]]:
         """Unrelated prompts decoded together (ragged, padded and masked): the i-th result
         equals `generate(prompts[i], seed=seeds[i], ...)`. params / plan: as in
         `generate_batch_from_prefix_cache`."""
@@ -420,7 +423,8 @@ class Model:
         loops, window, ada, ex = r.loops, r.cache_window, self._adaptive(r, len(prompts)), self._exit(r)
         self._check_length(max(len(x) for x in prompts) + max(p.max_tokens for p in params),
                            "longest prompt + max_tokens")
-        state = F.generate(w, prompts, Knobs.from_params(params), loops, window, exit=ex, adaptive=ada)
+        state = F.generate(w, prompts, Knobs.from_params(params), loops, window, exit=ex, adaptive=ada,
+                           grammars=[p.response_format for p in params])
         return self._lists(state, [x.tolist() for x in prompts], None)
 
     def next_token_logits_from_prefix(self, prefix: PrefixCache, suffix, loops: int | None = None,

@@ -213,7 +213,19 @@ def sampling_params(vocab_size: int, **fields) -> SamplingParams:
                           stop_sequences=tuple(tuple(s) for s in stop_sequences(stops, vocab_size)),
                           presence_penalty=penalty(p.presence_penalty, "presence_penalty"),
                           frequency_penalty=penalty(p.frequency_penalty, "frequency_penalty"),
-                          logit_bias=logit_bias(p.logit_bias, vocab_size))
+                          logit_bias=logit_bias(p.logit_bias, vocab_size),
+                          response_format=response_format(p.response_format, vocab_size))
+
+
+def response_format(value, vocab_size: int):
+    """None, or a `Grammar` built for this vocabulary (OpenAI's dict needs the tokenizer:
+    `Grammar.of(response_format, tokenizer, vocab_size)`; the server builds it from the body)."""
+    from ..decoding.grammar import Grammar
+
+    if value is None or isinstance(value, Grammar):
+        return value if value is None else Grammar.of(value, None, vocab_size)
+    raise ValueError(f"response_format must be a tinyloop_jax.Grammar (Grammar.of(response_format, tokenizer, "
+                     f"vocab_size) builds one from OpenAI's dict), got {type(value).__name__}")
 
 
 def batch_sampling_params(vocab_size: int, n: int, seeds=None, stop_sequences=(), **fields) -> list[SamplingParams]:

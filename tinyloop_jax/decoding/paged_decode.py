@@ -133,20 +133,21 @@ class Prefilled(NamedTuple):
 def prefill(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: St.Requests, tables: np.ndarray,
             prefix_len: int, suffixes: list, prior_logits: jax.Array, loops: int, window: int,
             exit: exits.Exit | None = None, chunk: int = 0, adaptive: bool = False, exits: bool = False,
-            windows: np.ndarray | None = None) -> Prefilled:
+            windows: np.ndarray | None = None, masks: np.ndarray | None = None) -> Prefilled:
     """N rows' suffixes (row i's prompt after the shared prefix_len positions; possibly empty)
     into their pages (tables [N, R]) by the step's chunk group over the call's rows in order,
     `chunk` tokens of each a step (0: each whole); their first tokens chosen in the step that
     ends them (a row with no suffix: from the prefix's prior_logits [V]). adaptive: the passes
     each prompt ran are kept (every pass, or with `exits` each prompt one chunk exiting as a
-    whole at its row's exit rule, `step.chunk_adaptive`); windows [N]: each row's cache_window."""
+    whole at its row's exit rule, `step.chunk_adaptive`); windows [N]: each row's cache_window;
+    masks [N, W]: the tokens each row's first may be (structured output; None: any)."""
     N = len(suffixes)
     lens = np.array([len(x) for x in suffixes], np.int32)
     first = stop = None
     depth = jnp.full((N,), loops, jnp.int32) if adaptive else None
     if (lens == 0).any():  # the prefix alone: its logits choose
         got, state = SHARED.start_rows(state, None, jnp.broadcast_to(prior_logits, (N, cfg.vocab_size)),
-                                       jnp.asarray(lens == 0))
+                                       jnp.asarray(lens == 0), mask=masks)
         first, stop = got.tokens, got.stops
     step = max(int(lens.max()), 1) if exits or not chunk else chunk
     for at in range(0, int(lens.max()), step):
@@ -156,7 +157,7 @@ def prefill(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: St
         for i, x in enumerate(suffixes):
             tokens[i, :n_new[i]] = x[at:at + n_new[i]]
         chunks = St.Chunks(paged.Rows(tables, np.full((N,), prefix_len + at, np.int32), n_new, windows), tokens, None,
-                           final)
+                           final, masks)
         if exits:
             got, d, pool, state = SHARED.chunk_adaptive(params, cfg, pool, state, chunks, loops=loops)
             depth = jnp.where(jnp.asarray(final), d, depth)
@@ -219,6 +220,55 @@ def decode(params: Params, cfg: ModelConfig, rows: paged.Rows, fill: Prefilled, 
                                        n_max=n_max, exit=exit, window=window, adaptive=fill.depth is not None,
                                        draft_loops=draft_loops, lookahead=lookahead)
     return Decoded(fill.first, got, fill.depth, pool)
+
+
+def decode_constrained(params: Params, cfg: ModelConfig, rows: paged.Rows, fill: Prefilled, req: Knobs, loops: int,
+                       window: int, out_len: int, matchers: list, exit: exits.Exit | None = None) -> Decoded:
+    """`decode` for rows of which some follow a grammar (matchers [N]: each row's llguidance
+    matcher, None: free), driven from the host: one `step.decode_steps` iteration a dispatch
+    (n_max 1), each with the rows' masks filled from their matchers after the tokens before it
+    (`grammar.fill_masks`). A row ends at max_tokens, a stop sequence, or when its grammar is
+    complete (the matcher stopped: its end-of-sequence token emitted). The same step body,
+    keys and stop rule as `decode`: free rows emit its tokens."""
+    from .grammar import fill_masks
+
+    N = rows.start.shape[0]
+    first, stop = np.asarray(fill.first), np.asarray(fill.stop)
+    max_tokens = np.asarray(req.max_tokens)
+    out = np.full((N, max(out_len - 1, 1)), -1, np.int32)
+    stops, passes = np.full_like(out, -1), np.zeros_like(out) if fill.depth is not None else None
+    count = np.zeros((N,), np.int32)
+    done = (stop >= 0) | (max_tokens <= 1)
+    for r, m in enumerate(matchers):
+        done[r] |= m is not None and _consume(m, int(first[r]))
+    pool, state = fill.pool, fill.state
+    for i in range(1, out_len):
+        live = ~done & (count < max_tokens - 1)
+        if not live.any():
+            break
+        decodes = St.Decodes(rows.replace(start=rows.start + count), None, 1 + count, live.astype(np.int32),
+                             fill_masks([m if on else None for m, on in zip(matchers, live)], cfg.vocab_size))
+        got, pool, state = SHARED.decode_steps(params, cfg, pool, state, decodes, np.int32(1), loops=loops, n_max=1,
+                                               exit=exit, window=window, adaptive=fill.depth is not None)
+        tok, hit = np.asarray(got.out.tokens[:, 0]), np.asarray(got.out.stops[:, 0])
+        for r in np.flatnonzero(live):
+            out[r, count[r]], stops[r, count[r]] = tok[r], hit[r]
+            if passes is not None:
+                passes[r, count[r]] = int(got.passes[r, 0])
+            count[r] += 1
+            done[r] |= hit[r] >= 0 or (matchers[r] is not None and _consume(matchers[r], int(tok[r])))
+    burst = St.Burst(St.Emitted(jnp.asarray(out), jnp.asarray(stops)), jnp.asarray(count),
+                     None if passes is None else jnp.asarray(passes), jnp.int32(out_len - 1),
+                     jnp.zeros((N,), jnp.int32))
+    return Decoded(fill.first, burst, fill.depth, pool)
+
+
+def _consume(matcher, token: int) -> bool:
+    """The matcher takes a row's token; True when its grammar is done (stopped). RuntimeError if
+    it refuses the token (the mask allowed it: a bug, never a silent wrong answer)."""
+    if not matcher.consume_token(token):
+        raise RuntimeError(f"the grammar refused token {token} its own mask allowed: {matcher.get_error()}")
+    return matcher.is_stopped()
 
 
 def lower_decode(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, rows: paged.Rows, req: Knobs, loops: int,

@@ -59,6 +59,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from every token emitted so far
     frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per time a token was emitted so far
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias in [-100, 100]) pairs, at most MAX_LOGIT_BIAS
+    response_format: object = None  # structured output: a `grammar.Grammar` (None: free text)
 
 
 @struct.dataclass
@@ -105,6 +106,9 @@ class Knobs:
     frequency_penalty: Annotated[jax.Array, "float32[N]"]  # 0 = off
     bias_ids: Annotated[jax.Array, "int32[N, MAX_LOGIT_BIAS]"] | None  # logit bias tokens, -1 = padding
     bias_values: Annotated[jax.Array, "float32[N, MAX_LOGIT_BIAS]"] | None  # their biases (0 in the padding)
+    # structured output: the tokens each row may choose now (`grammar` bitmask rows, set by the
+    # step that carries them); None: every token
+    allowed: Annotated[jax.Array, "int32[N, ceil(V / 32)]"] | None = None
     # static: False when every row is greedy, and the programs compile no sampling at all
     sampled: bool = struct.field(pytree_node=False, default=True)
 
@@ -130,7 +134,7 @@ class Knobs:
         return cls(col("temperature", np.float32), col("top_k", np.int32), col("top_p", np.float32),
                    col("repetition_penalty", np.float32), col("seed", np.uint32), col("max_tokens", np.int32), stop,
                    col("presence_penalty", np.float32), col("frequency_penalty", np.float32), bias_ids, bias_values,
-                   any(p.temperature > 0 for p in params) if sampled is None else sampled)
+                   sampled=any(p.temperature > 0 for p in params) if sampled is None else sampled)
 
     @classmethod
     def make(cls, n: int, temperature=0.0, top_k=50, top_p=1.0, repetition_penalty=1.0, seeds=None, max_tokens=32,
@@ -195,16 +199,25 @@ def penalize_counts(logits: jax.Array, counts: jax.Array, frequency: jax.Array, 
             - (counts > 0).astype(logits.dtype) * presence[:, None])
 
 
+def allow(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """logits [N, V] with every token whose bit is clear in allowed int32[N, ceil(V / 32)] at
+    -inf (bit i % 32 of word i // 32: token i; llguidance's bitmask layout)."""
+    ids = jnp.arange(logits.shape[-1])
+    bits = (jnp.take(allowed, ids // 32, axis=1) >> (ids % 32)) & 1
+    return jnp.where(bits != 0, logits, -jnp.inf)
+
+
 def adjusted_logits(logits: jax.Array, seen: jax.Array, req: Knobs, counts: jax.Array | None = None) -> jax.Array:
     """The logits [N, V] a token is chosen from: the logit bias, the repetition penalty over
-    `seen` [N, V] (prompt and output), then the frequency and presence penalties over `counts`
-    [N, V] (how often each token was emitted so far; None: nothing yet, the first token)."""
+    `seen` [N, V] (prompt and output), the frequency and presence penalties over `counts`
+    [N, V] (how often each token was emitted so far; None: nothing yet, the first token), then
+    the grammar's mask (`req.allowed`; last, so no bias revives a forbidden token)."""
     if req.bias_ids is not None:
         logits = bias(logits, req.bias_ids, req.bias_values)
     logits = penalize(logits, seen, req.repetition_penalty)
-    if counts is None:
-        return logits
-    return penalize_counts(logits, counts, req.frequency_penalty, req.presence_penalty)
+    if counts is not None:
+        logits = penalize_counts(logits, counts, req.frequency_penalty, req.presence_penalty)
+    return logits if req.allowed is None else allow(logits, req.allowed)
 
 
 def _sampled_knobs(req: Knobs) -> tuple[jax.Array, jax.Array, jax.Array]:

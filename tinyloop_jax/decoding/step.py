@@ -77,6 +77,7 @@ class Chunks:
     tokens: Annotated[jax.Array, "int32[b, T]"]
     slot: Annotated[jax.Array, "int32[b]"] | None  # request rows (FILLER: none); None: rows 0..b-1 of a call
     final: Annotated[jax.Array, "bool[b]"]  # the prompt's last chunk: the first token is chosen
+    mask: Annotated[jax.Array, "int32[b, ceil(V / 32)]"] | None = None  # the first tokens' grammar masks (None: none)
 
 
 @struct.dataclass
@@ -87,6 +88,7 @@ class Decodes:
     slot: Annotated[jax.Array, "int32[b]"] | None  # request rows (FILLER: none); None: rows 0..b-1 of a call
     steps: Annotated[jax.Array, "int32[b]"]  # the token's index in the output (its sampling key)
     left: Annotated[jax.Array, "int32[b]"] | None = None  # tokens each row may still emit (`decode_steps`)
+    mask: Annotated[jax.Array, "int32[b, ceil(V / 32)]"] | None = None  # the tokens' grammar masks (one step)
 
 
 def _take(tree, slot):
@@ -102,10 +104,11 @@ def _where(live: jax.Array, new, old):
     return jax.tree.map(lambda n, o: jnp.where(live.reshape(live.shape + (1,) * (o.ndim - 1)), n, o), new, old)
 
 
-def _knobs(state: "Requests", slot: jax.Array, live: jax.Array) -> Knobs:
+def _knobs(state: "Requests", slot: jax.Array | None, live: jax.Array, mask: jax.Array | None = None) -> Knobs:
     """The knobs of request rows `slot` [b]; those not live (filler rows, prompts' inner chunks)
-    greedy (`Knobs.greedy_where`)."""
-    return _take(state.req, slot).greedy_where(~live)
+    greedy (`Knobs.greedy_where`); mask [b, W]: the tokens each may choose now (structured output)."""
+    req = _take(state.req, slot).greedy_where(~live)
+    return req if mask is None else req.replace(allowed=mask)
 
 
 def _put(tree, slot, value):
@@ -163,15 +166,17 @@ def _first_tokens(params, cfg, state: Requests, chunks: Chunks, x: jax.Array, lo
     their last loop state as `warm`), as `Emitted`."""
     last = jnp.maximum(chunks.rows.n_new - 1, 0)
     warm = jnp.take_along_axis(loop_state, last[:, None, None], axis=1)[:, 0]
-    return start_rows(state, chunks.slot, paged.last_logits(params, cfg, x, chunks.rows), chunks.final, warm)
+    return start_rows(state, chunks.slot, paged.last_logits(params, cfg, x, chunks.rows), chunks.final, warm,
+                      chunks.mask)
 
 
 def start_rows(state: Requests, slot: jax.Array | None, logits: jax.Array, live: jax.Array,
-               warm: jax.Array | None = None) -> tuple[Emitted, Requests]:
+               warm: jax.Array | None = None, mask: jax.Array | None = None) -> tuple[Emitted, Requests]:
     """Request rows `slot` [b] (None: a call's rows in order) whose prompts ended, live [b]:
-    their first tokens chosen from logits [b, V] (sampling step 0), kept as `last` (and warm [b,
-    D] their last loop state) and recorded. Returns (`Emitted` [b], state)."""
-    tok = select_tokens(logits, _take(state.rows.seen, slot), _knobs(state, slot, live), jnp.int32(0))
+    their first tokens chosen from logits [b, V] (sampling step 0; mask [b, W]: the tokens each
+    may choose), kept as `last` (and warm [b, D] their last loop state) and recorded. Returns
+    (`Emitted` [b], state)."""
+    tok = select_tokens(logits, _take(state.rows.seen, slot), _knobs(state, slot, live, mask), jnp.int32(0))
     rows = state.rows
     new = rows.replace(last=tok) if warm is None else rows.replace(last=tok, warm=warm.astype(rows.warm.dtype))
     if slot is None:
@@ -195,12 +200,12 @@ def _next_tokens(state: Requests, decodes: Decodes, logits: jax.Array, warm: jax
     live = (s != FILLER) if s is not None else live
     if s is None:  # a call's rows in order: one-hots and selects, no scatter
         fed = _where(live, R.feed(state.rows), state.rows)
-        tok = R.choose(fed, logits, state.req.greedy_where(~live), decodes.steps)
+        tok = R.choose(fed, logits, _knobs(state, None, live, decodes.mask), decodes.steps)
         new = fed.replace(last=tok) if warm is None else fed.replace(last=tok, warm=warm.astype(fed.warm.dtype))
         fed = _where(live, new, fed)
     else:
         fed = R.feed(state.rows, s)
-        tok = R.choose(fed, logits, _knobs(state, s, live), decodes.steps, s)
+        tok = R.choose(fed, logits, _knobs(state, s, live, decodes.mask), decodes.steps, s)
         fed = fed.replace(last=fed.last.at[s].set(tok, mode="drop"))
         if warm is not None:
             fed = fed.replace(warm=fed.warm.at[s].set(warm.astype(fed.warm.dtype), mode="drop"))
@@ -233,6 +238,9 @@ def decode_steps(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, stat
     nothing, keeps its state); the loop ends when no row is left. window: a static cache_window
     for every row (else each row's, rows.window). Returns (`Burst`, pool, state)."""
     k, b = lookahead, decodes.steps.shape[0]
+    if decodes.mask is not None and (n_max != 1 or k):  # a grammar's mask holds for one token
+        raise ValueError(f"grammar masks need one plain or adaptive step a dispatch, got n_max={n_max}, "
+                         f"lookahead={k}")
     at = jnp.arange(n_max)[None, :]
 
     def live(c):
@@ -308,7 +316,7 @@ def chunk_adaptive(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, st
     s = chunks.slot
     out = pa.forward(params, cfg, pool, chunks.rows, chunks.tokens, loops, _take(state.pol, s),
                      _take(state.req.seed, s))
-    got, state = start_rows(state, s, out.logits, chunks.final, out.state)
+    got, state = start_rows(state, s, out.logits, chunks.final, out.state, chunks.mask)
     return got, out.depth, out.pool, state
 
 

@@ -46,7 +46,8 @@ from . import edge, render, tokenizer_api
 from .engine import Engine
 from .handles import MemoryBudgetError, QueueFull
 from .metrics import Collector
-from .protocol import BadRequest, ChatShape, TextShape, check_submit, error_body, parse, parse_chat, with_choices
+from .protocol import (BadRequest, ChatShape, TextShape, check_submit, error_body, parse, parse_chat, with_choices,
+                       with_grammar)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class Server:
     def checked(self, req, prompt_param: str):
         """A parsed body's values checked against the model, one checked `Request` per choice."""
         c = self.cfg
+        req = with_grammar(req, self.tokenizer, c.vocab_size)
         return with_choices(check_submit(req, c.vocab_size, self.engine.max_loops, c.max_seq_len, prompt_param), c)
 
 

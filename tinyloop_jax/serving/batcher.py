@@ -182,6 +182,9 @@ class Batcher(Budget, Admission, Reading, Plan):
 
     def _step(self, d: Depth) -> None:
         prev, d.inflight = d.inflight, None
+        if prev is not None and any(r.handle.matcher is not None for r, *_ in prev):
+            self._read(d, prev)  # a grammar's next mask needs the token before it: no overlap this step
+            prev = None
         chunk = None
         if d.prefilling:
             r = d.prefilling[0]
@@ -195,8 +198,11 @@ class Batcher(Budget, Admission, Reading, Plan):
             lengths = [r.fed + len(r.handle.tokens) + r.ahead for r in decoding]  # positions after the step
             if chunk is not None:
                 lengths.append(chunk[0].fed + chunk[1])
+            # structured output: every row of the step gets a mask (all ones for free rows), one step a dispatch
+            masked = any(r.handle.matcher is not None for r in decoding) or (
+                chunk is not None and chunk[2] and chunk[0].handle.matcher is not None)
             burst = chunk is None  # decode rows alone: 1 step or a burst (nothing to admit: n in one program)
-            many = self.decode_steps if burst and not self.waiting else 1
+            many = self.decode_steps if burst and not self.waiting and not masked else 1
             R = self.table_len(max(lengths) + many - 1)
             chunks = decodes = None
             T = bd = 0
@@ -204,14 +210,16 @@ class Batcher(Budget, Admission, Reading, Plan):
                 r, n, final = chunk
                 T = bucket(n) if r.handle.in_prefill else next(t for t in self.chunk_sizes() if t >= n)
                 chunks = S.make_chunks([r.pages], [r.handle.prompt[r.fed:r.fed + n]], [r.fed], [r.slot], [final], T,
-                                       R, 1, [r.handle.cache_window])
+                                       R, 1, [r.handle.cache_window],
+                                       self._masks([r.handle.matcher if final else None], 1) if masked else None)
             if decoding or not d.adaptive:  # (a chunk alone: beside one filler decode row, one program fewer)
                 bd = next(b for b in batch_buckets(self.max_batch) if b >= len(decoding))
                 starts = [r.fed + len(r.handle.tokens) + r.ahead - 1 for r in decoding]
                 left = [r.handle.params.max_tokens - len(r.handle.tokens) - r.ahead for r in decoding]
                 decodes = S.make_decodes([r.pages for r in decoding], starts, [r.slot for r in decoding],
                                          [len(r.handle.tokens) + r.ahead for r in decoding], R, bd,
-                                         [r.handle.cache_window for r in decoding], left)
+                                         [r.handle.cache_window for r in decoding], left,
+                                         self._masks([r.handle.matcher for r in decoding], bd) if masked else None)
             if chunk is not None:
                 self._window(d, chunk[0], chunk[0].fed, chunk[1])
             for r, q in zip(decoding, starts if decodes is not None else ()):
@@ -227,15 +235,18 @@ class Batcher(Budget, Admission, Reading, Plan):
                                                               loops=d.loops)
                     cdepth = int(np.asarray(cdepth)[0])
                 else:
-                    ctok, _, d.pool, d.state = self._run(("step", d.loops, 0, T, R), jits["step"], w.params, w.config,
-                                                         d.pool, d.state, chunks, None, loops=d.loops, exit=d.exit)
+                    ctok, _, d.pool, d.state = self._run(("step", d.loops, 0, T, R) + masked * ("masked",),
+                                                         jits["step"], w.params, w.config, d.pool, d.state, chunks,
+                                                         None, loops=d.loops, exit=d.exit)
             elif chunk is not None:  # the chunk and the decode rows in one forward
-                ctok, dtok, d.pool, d.state = self._run(("step", d.loops, bd, T, R), jits["step"], w.params, w.config,
-                                                        d.pool, d.state, chunks, decodes, loops=d.loops, exit=d.exit)
+                ctok, dtok, d.pool, d.state = self._run(("step", d.loops, bd, T, R) + masked * ("masked",),
+                                                        jits["step"], w.params, w.config, d.pool, d.state, chunks,
+                                                        decodes, loops=d.loops, exit=d.exit)
             if decoding and dtok is None:  # `decode_steps`: plain, or adaptive (each row's passes stop at its exit)
-                got, d.pool, d.state = self._run(("steps", d.loops, bd, R, d.adaptive), jits["decode_steps"],
-                                                 w.params, w.config, d.pool, d.state, decodes, np.int32(many),
-                                                 loops=d.loops, n_max=self.decode_steps, exit=d.exit,
+                got, d.pool, d.state = self._run(("steps", d.loops, bd, R, d.adaptive) + masked * ("masked",),
+                                                 jits["decode_steps"], w.params, w.config, d.pool, d.state, decodes,
+                                                 np.int32(many), loops=d.loops,
+                                                 n_max=1 if masked else self.decode_steps, exit=d.exit,
                                                  adaptive=d.adaptive)
                 dtok, passes = got.out, got.passes
             self.stats["steps"] += 1
@@ -277,6 +288,12 @@ class Batcher(Budget, Admission, Reading, Plan):
         self._speculate(d)
         if prev is not None:
             self._read(d, prev)
+
+    def _masks(self, matchers: list, rows: int) -> np.ndarray:
+        """Grammar masks [rows, W] of a step's rows (None or padding: every token)."""
+        from ..decoding.grammar import fill_masks
+
+        return fill_masks(list(matchers) + [None] * (rows - len(matchers)), self.cfg.vocab_size)
 
     # ---- leaving -----------------------------------------------------------------------------
 

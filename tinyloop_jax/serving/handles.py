@@ -56,6 +56,8 @@ class Handle:
         self.cancel_requested = False
         self._cv = threading.Condition()
         self._wakers: list = []
+        g = request.params.response_format  # structured output: the grammar's matcher, fed each token
+        self.matcher = None if g is None else g.matcher()
 
     # the request's parts, read by the batcher
     prompt = property(lambda self: self.request.prompt)  # [T] int32

@@ -139,6 +139,7 @@ class Parsed:
     best_of: int = 1  # candidates generated per prompt; the n likeliest (per token) are returned
     logprobs: int | None = None  # top log-probabilities per token (None: no logprobs object)
     echo: bool = False  # the prompt's text (and logprobs) start each choice
+    format: tuple | None = None  # structured output: (OpenAI's response_format dict, the field that named it)
 
     choices: tuple = ()  # per prompt, its best_of checked `Request`s (`with_choices`); None: echo only
 
@@ -196,7 +197,45 @@ def parse_common(body, model_name: str, eos: list[int], prompts: list[list[int]]
     if not isinstance(opts, dict):
         raise BadRequest("stream_options must be an object", "stream_options")
     return Parsed(kw, prompts, secrets.randbits(32) if seed is None else seed, parse_stop(body.get("stop")), stream,
-                  _bool(opts, "include_usage", False), n, best_of, logprobs, echo)
+                  _bool(opts, "include_usage", False), n, best_of, logprobs, echo, parse_format(body))
+
+
+# vLLM's `structured_outputs` extras -> the response_format each means
+_STRUCTURED = dict(json=lambda v: dict(type="json_schema", json_schema=dict(name="structured_outputs", schema=v)),
+                   regex=lambda v: dict(type="regex", regex=v), choice=lambda v: dict(type="choice", choice=v),
+                   grammar=lambda v: dict(type="grammar", grammar=v))
+
+
+def parse_format(body: dict) -> tuple | None:
+    """OpenAI's `response_format` or vLLM's `structured_outputs` extra ({"json": schema} /
+    {"regex": ...} / {"choice": [...]} / {"grammar": Lark or GBNF}), one of them -> (the
+    response_format dict, the field's name), compiled against the model by `with_grammar`;
+    None: free text."""
+    rf, so = body.get("response_format"), body.get("structured_outputs")
+    if rf in (None, {"type": "text"}):
+        rf = None
+    if so is None:
+        return None if rf is None else (rf, "response_format")
+    if rf is not None:
+        raise BadRequest("response_format and structured_outputs: give one or the other", "structured_outputs")
+    if not (isinstance(so, dict) and len(so) == 1 and next(iter(so)) in _STRUCTURED):
+        raise BadRequest(f"structured_outputs must be an object with one of {', '.join(_STRUCTURED)}, got "
+                         f"{json.dumps(so)[:80]}", "structured_outputs")
+    (key, value), = so.items()
+    return _STRUCTURED[key](value), "structured_outputs"
+
+
+def with_grammar(req: Parsed, tokenizer, vocab_size: int) -> Parsed:
+    """The request's structured output compiled against the served tokenizer (`Grammar.of`,
+    cached by the spec) into its sampling knobs; an unsupported keyword or a bad grammar is a
+    BadRequest naming the field."""
+    if req.format is None:
+        return req
+    from ..decoding.grammar import Grammar
+
+    spec, param = req.format
+    g = _named(param, Grammar.of, spec, tokenizer, vocab_size)
+    return req if g is None else dataclasses.replace(req, submit=dict(req.submit, response_format=g))
 
 
 def parse_adaptive(body: dict) -> dict:
@@ -263,7 +302,7 @@ CHAT_MAX_TOKENS = 1024
 def parse_chat(body, tokenizer, model_name: str, eos: list[int], context: int) -> Parsed:
     """A /v1/chat/completions request body (`max_completion_tokens`, else `max_tokens`)."""
     body = _object(body)
-    for name in ("tools", "functions", "tool_choice", "response_format"):
+    for name in ("tools", "functions", "tool_choice"):
         if body.get(name) not in (None, [], {"type": "text"}, "none"):
             raise BadRequest(f"{name} is not supported", name)
     prompt = parse_messages(body.get("messages"), tokenizer)

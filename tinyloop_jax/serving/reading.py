@@ -99,7 +99,11 @@ class Reading:
         self.stats["tokens_out"] += 1
         if len(h.tokens) == 1:
             self._on_first_token(h)
-        if stop >= 0:
+        if h.matcher is not None and not h.matcher.consume_token(t):  # (its mask allowed t: never expected)
+            self.release(d, r, "error", RuntimeError(f"the grammar refused token {t}: {h.matcher.get_error()}"))
+        elif h.matcher is not None and h.matcher.is_stopped():  # the grammar is complete
+            self.release(d, r, "stop")
+        elif stop >= 0:
             h.stop_matched = list(s.stop_sequences[stop])
             self.release(d, r, "stop")
         elif len(h.tokens) >= s.max_tokens:

@@ -11,22 +11,22 @@ from ..model import paged
 
 
 def make_chunks(tables: list, tokens: list, starts: list, slots: list, finals: list, T: int, R: int,
-                rows: int, windows: list = ()) -> Chunks:
+                rows: int, windows: list = (), mask: np.ndarray | None = None) -> Chunks:
     """Host arrays of a chunk group padded to `rows` rows of T tokens and R page entries
-    (windows: each row's cache_window, 0 for none)."""
+    (windows: each row's cache_window, 0 for none; mask [rows, W]: grammar masks)."""
     tok = np.zeros((rows, T), np.int32)
     for i, t in enumerate(tokens):
         tok[i, :len(t)] = t
     return Chunks(_rows(tables, starts, [len(t) for t in tokens], R, rows, windows), tok, _pad(slots, rows, FILLER),
-                  np.asarray(list(finals) + [False] * (rows - len(finals)), bool))
+                  np.asarray(list(finals) + [False] * (rows - len(finals)), bool), mask)
 
 
 def make_decodes(tables: list, starts: list, slots: list, steps: list, R: int, rows: int,
-                 windows: list = (), left: list | None = None) -> Decodes:
+                 windows: list = (), left: list | None = None, mask: np.ndarray | None = None) -> Decodes:
     """Host arrays of a decode group padded to `rows` rows and R page entries (left: tokens each
-    row may still emit, for `decode_steps`)."""
+    row may still emit, for `decode_steps`; mask [rows, W]: grammar masks, one step)."""
     return Decodes(_rows(tables, starts, [1] * len(tables), R, rows, windows), _pad(slots, rows, FILLER),
-                   _pad(steps, rows, 0), None if left is None else _pad(left, rows, 0))
+                   _pad(steps, rows, 0), None if left is None else _pad(left, rows, 0), mask)
 
 
 def _pad(values: list, rows: int, fill: int) -> np.ndarray:
