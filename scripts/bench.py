@@ -67,6 +67,7 @@ SUITES = {
     "profile-decode": Suite("profile_decode.py", "where a batch-1 decode step goes"),
     "profile-serving": Suite("profile_serving.py", "where a served step's time and the server's memory go"),
     "profile-warmup": Suite("profile_warmup.py", "the engine's warmup by program kind, and the cost of fewer programs"),
+    "structured": Suite("bench_structured.py", "structured output's cost: constrained against free decoding"),
     "suite-time": Suite("suite_profile.py", "where the test suite's time goes"),
     "suite-flags": Suite("bench_suite_flags.py", "an XLA flag's effect on the suite's compiles"),
     "house": Suite("house.py", "issue 59's structural counts (jit sites, long files, import circles)", ()),

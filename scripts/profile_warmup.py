@@ -80,7 +80,7 @@ def rows_cost() -> None:
     model, rng = tl.Model.from_pretrained("smollm2"), np.random.default_rng(0)
     for t in (0.0, 0.8):
         for n in (1, 2, 4, 8, 16):
-            ms = step_ms(model, rng.integers(100, 4000, (n, 200)), t)
+            ms = step_ms(model, [list(p) for p in rng.integers(100, 4000, (n, 200))], t)
             print(f"smollm2 decode step, {n} rows, t={t}: {ms:.2f} ms")
 
 
@@ -102,7 +102,7 @@ def adaptive_cost() -> None:
             return np.asarray(F.generate(w, list(prompts), req, adaptive=F.Adaptive(pol, True)).tokens)
 
     for n in (1, 4, 16):
-        prompts = rng.integers(100, 4000, (n, 200))
+        prompts = [list(p) for p in rng.integers(100, 4000, (n, 200))]
         for t in (0.0, 0.8):
             plain, every = step_ms(model, prompts, t), step_ms(EveryPass(), prompts, t)
             print(f"smollm2 {n} rows t={t}: plain step {plain:.2f} ms, adaptive step every pass {every:.2f} ms "

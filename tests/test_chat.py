@@ -289,3 +289,59 @@ def test_chat_answers_in_json_schema_and_refuses_a_bad_schema(smollm2, server):
     with pytest.raises(openai.BadRequestError) as e:
         chat(server, [user(FRANCE)], response_format=bad)
     assert "uniqueItems" in str(e.value) and e.value.body["param"] == "response_format"
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 16}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+
+
+def test_tool_calls_required_named_streamed_and_a_result_round_trip(server):
+    """tool_choice named and required: the answer is a call with arguments valid for its tool
+    (jsonschema), finish_reason tool_calls, streamed too (one delta with the call); the call and
+    its result sent back give a text answer; an unknown tool name is a 400 and the server serves on."""
+    import json
+
+    import jsonschema
+
+    ask = [user("What is the weather in Paris?")]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, kw in ((named, {}), ("required", dict(temperature=0.8, seed=2))):
+        r = chat(server, ask, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=64, **kw)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None and len(c.message.tool_calls) == 1
+        call = c.message.tool_calls[0]
+        tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+        assert call.id.startswith("call_") and (choice != named or call.function.name == "get_weather")
+    parts = list(chat(server, ask, tools=[WEATHER], tool_choice=named, stream=True, max_tokens=64))
+    last = [p.choices[0] for p in parts if p.choices][-1]
+    assert last.finish_reason == "tool_calls" and last.delta.tool_calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(last.delta.tool_calls[0].function.arguments), WEATHER["function"]["parameters"])
+    turn = ask + [dict(role="assistant", content=None, tool_calls=[call.model_dump(exclude_none=True)]),
+                  dict(role="tool", tool_call_id=call.id, content='{"temperature": 21, "sky": "clear"}')]
+    r = chat(server, turn, tools=[WEATHER], max_tokens=24)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server, ask, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert e.value.body["param"] == "tool_choice" and "nope" in str(e.value)
+    assert chat(server, [user(FRANCE)], max_tokens=4).choices[0].finish_reason == "length"
+
+
+def test_calls_are_read_from_tool_call_blocks_and_nothing_else():
+    """Under tool_choice auto the answer is a call only where the model wrote one for an offered tool."""
+    from tinyloop_jax.serving import tools as T
+
+    tools = T.parse({"tools": [WEATHER]})
+    calls = T.calls_in('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
+                       '\n</tool_call>', tools)
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "celsius"}
+    assert T.calls_in("It is sunny in Oslo.", tools) is None
+    assert T.calls_in('<tool_call>{"name": "other", "arguments": {}}</tool_call>', tools) is None
+    assert T.parse({"tools": [WEATHER], "tool_choice": "none"}) is None

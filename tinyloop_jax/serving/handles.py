@@ -15,6 +15,15 @@ from typing import Callable
 from ..api.request import Request
 
 
+class BadRequest(ValueError):
+    """A request the edge refuses before the engine sees it (the server's HTTP 400), naming its
+    field (`param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 class QueueFull(RuntimeError):
     """`submit` when the engine's queue is full (the server's HTTP 429)."""
 

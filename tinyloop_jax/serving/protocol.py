@@ -19,10 +19,8 @@ from ..decoding.sampling import MAX_LOGIT_BIAS
 
 
 
-class BadRequest(ValueError):
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
+from . import tools as T
+from .handles import BadRequest
 
 
 # ---- request parsing ---------------------------------------------------------------------------
@@ -78,10 +76,11 @@ def parse_prompts(prompt, tokenizer) -> list[list[int]]:
 CHAT_ROLES = ("system", "user", "assistant")
 
 
-def parse_messages(messages, tokenizer, add_generation_prompt: bool = True) -> list[int]:
+def parse_messages(messages, tokenizer, add_generation_prompt: bool = True, tools: T.Tools | None = None) -> list[int]:
     """A chat's `messages` (system / user / assistant, string content; OpenAI's "developer" is
-    "system") -> the prompt ids: the model's chat template with the assistant's generation prompt,
-    encoded as transformers does (the template writes the special tokens; none are added)."""
+    "system"; an assistant's `tool_calls` and "tool" results, `tools.plain_messages`) -> the
+    prompt ids: the model's chat template with the assistant's generation prompt, encoded as
+    transformers does (the template writes the special tokens; none are added)."""
     if not getattr(tokenizer, "chat_template", None):
         raise BadRequest("this model has no chat template, so it cannot serve /v1/chat/completions; "
                          "use /v1/completions, or serve an instruction-tuned model (e.g. --model smollm2)", "messages")
@@ -96,17 +95,39 @@ def parse_messages(messages, tokenizer, add_generation_prompt: bool = True) -> l
             raise BadRequest(f"messages[{i}] must be an object with role and content, got {json.dumps(m)[:80]}",
                              f"messages[{i}]")
         role = "system" if m.get("role") == "developer" else m.get("role")
-        if role not in CHAT_ROLES:
-            raise BadRequest(f"messages[{i}].role is {m.get('role')!r}; expected one of {', '.join(CHAT_ROLES)}",
-                             f"messages[{i}].role")
-        if not isinstance(m.get("content"), str):
+        if role not in CHAT_ROLES + ("tool",):
+            raise BadRequest(f"messages[{i}].role is {m.get('role')!r}; expected one of "
+                             f"{', '.join(CHAT_ROLES + ('tool',))}", f"messages[{i}].role")
+        calls = _tool_calls(m, i) if role == "assistant" else None
+        if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
             got = "missing" if m.get("content") is None else f"a {type(m['content']).__name__}"
             raise BadRequest(f"messages[{i}].content must be a string, got {got}", f"messages[{i}].content")
-        out.append(dict(role=role, content=m["content"]))  # only role and content reach the template
+        out.append(dict(role=role, content=m["content"], **({"tool_calls": calls} if calls else {})))
+    out, extra = T.plain_messages(out, tools, tokenizer.chat_template)  # only role and content reach a plain template
     try:
-        return tokenizer.apply_chat_template(out, add_generation_prompt=add_generation_prompt, tokenize=True).tolist()
+        return tokenizer.apply_chat_template(out, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                             **extra).tolist()
     except ValueError as e:  # the template itself refused the conversation (raise_exception)
         raise BadRequest(str(e), "messages") from None
+
+
+def _tool_calls(m: dict, i: int) -> list | None:
+    """An assistant message's earlier `tool_calls` (OpenAI's shape, arguments a JSON object's
+    text), checked."""
+    calls = m.get("tool_calls")
+    if calls in (None, []):
+        return None
+    ok = isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments"), str) for c in calls)
+    try:
+        ok = ok and all(isinstance(json.loads(c["function"]["arguments"]), dict) for c in calls)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise BadRequest(f"messages[{i}].tool_calls must be a list of {{id, type: function, function: {{name, "
+                         "arguments: a JSON object as text}}}}", f"messages[{i}].tool_calls")
+    return calls
 
 
 def parse_stop(stop) -> list[str]:
@@ -140,6 +161,7 @@ class Parsed:
     logprobs: int | None = None  # top log-probabilities per token (None: no logprobs object)
     echo: bool = False  # the prompt's text (and logprobs) start each choice
     format: tuple | None = None  # structured output: (OpenAI's response_format dict, the field that named it)
+    tools: T.Tools | None = None  # a chat's tools (`tools.parse`); its answer is read for calls
 
     choices: tuple = ()  # per prompt, its best_of checked `Request`s (`with_choices`); None: echo only
 
@@ -302,10 +324,13 @@ CHAT_MAX_TOKENS = 1024
 def parse_chat(body, tokenizer, model_name: str, eos: list[int], context: int) -> Parsed:
     """A /v1/chat/completions request body (`max_completion_tokens`, else `max_tokens`)."""
     body = _object(body)
-    for name in ("tools", "functions", "tool_choice"):
-        if body.get(name) not in (None, [], {"type": "text"}, "none"):
-            raise BadRequest(f"{name} is not supported", name)
-    prompt = parse_messages(body.get("messages"), tokenizer)
+    tools = T.parse(body)
+    forced = T.forced_format(tools)
+    if forced is not None and (body.get("response_format") or body.get("structured_outputs")) not in (
+            None, {"type": "text"}):
+        raise BadRequest("tool_choice required / a named function is its own response format: not with "
+                         "response_format", "tool_choice")
+    prompt = parse_messages(body.get("messages"), tokenizer, tools=tools)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, name, None, 1, 2**31)  # checked here: the engine knows it as max_tokens
     if max_tokens is None:
@@ -314,7 +339,8 @@ def parse_chat(body, tokenizer, model_name: str, eos: list[int], context: int) -
     if top is not None and not _bool(body, "logprobs", False):
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (top or 0) if _bool(body, "logprobs", False) else None
-    return parse_common(body, model_name, eos, [prompt], max_tokens, logprobs)
+    req = parse_common(body, model_name, eos, [prompt], max_tokens, logprobs)
+    return dataclasses.replace(req, tools=tools, format=(forced, "tool_choice") if forced else req.format)
 
 
 def parse_penalties(body: dict) -> dict:
@@ -458,3 +484,12 @@ class ChatShape:
     @staticmethod
     def opening(index: int) -> dict | None:
         return dict(index=index, delta=dict(role="assistant", content=""), logprobs=None, finish_reason=None)
+
+    @staticmethod
+    def calls(index: int, calls: list, ids: list[int], streaming: bool, logprobs: dict | None = None) -> dict:
+        """A choice whose answer is tool calls (`tools.calls_in`): finish_reason "tool_calls"."""
+        if streaming:
+            return dict(index=index, delta=dict(tool_calls=[dict(c, index=i) for i, c in enumerate(calls)]),
+                        logprobs=logprobs, finish_reason="tool_calls", token_ids=ids)
+        return dict(index=index, message=dict(role="assistant", content=None, tool_calls=calls), logprobs=logprobs,
+                    finish_reason="tool_calls", token_ids=ids)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from .engine import Engine
 from .handles import RequestTimeout
+from . import tools as T
 from .protocol import ChatShape, chat_logprobs, completion_logprobs, error_body
 from ..api.chat import Detokenizer
 
@@ -122,7 +123,9 @@ async def whole(r: Reply) -> tuple[int, dict]:
                 lp = (chat_logprobs(tokenizer, prompt + ids[:len(ids) - len(g[j].stop_matched or ())], sc, len(prompt))
                       if shape is ChatShape
                       else completion_logprobs(tokenizer, prompt + ids, sc, 0 if req.echo else len(prompt)))
-            choices.append(shape.choice(pi * req.n + k, r.echoed[pi] + text.sent, ids, reason, False, lp))
+            calls = None if req.tools is None else T.calls_in(text.sent, req.tools)
+            choices.append(shape.choice(pi * req.n + k, r.echoed[pi] + text.sent, ids, reason, False, lp)
+                           if calls is None else shape.calls(pi * req.n + k, calls, ids, False, lp))
     total = sum(len(t.ids) for answers in done for t, _ in answers)
     return 200, r.wrap(shape.full_object, choices, r.usage(total))
 
@@ -142,6 +145,8 @@ async def events(r: Reply):
                 await queue.put(r.wrap(shape.chunk_object, [shape.opening(index)]))
             if prefix_text:
                 await queue.put(r.wrap(shape.chunk_object, [shape.choice(index, prefix_text, [], None, True)]))
+            held = req.tools is not None  # an answer that may be a tool call goes out whole, at its end
+            kept, kept_ids = "", []
             async with aclosing(h.achunks() if h is not None else _nothing()) as lists:
                 async for new in lists:
                     ids, delta = [], ""
@@ -151,14 +156,21 @@ async def events(r: Reply):
                         if text.stopped:
                             break
                     counts[index] += len(ids)
-                    await queue.put(r.wrap(shape.chunk_object, [shape.choice(index, delta, ids, None, True)]))
+                    if held:
+                        kept, kept_ids = kept + delta, kept_ids + ids
+                    else:
+                        await queue.put(r.wrap(shape.chunk_object, [shape.choice(index, delta, ids, None, True)]))
                     if text.stopped:
                         h.cancel()
                         break
             stopped = h is not None and h.finish_reason == "stop"
             reason = "stop" if text.stopped or stopped else "length"
             tail = text.finish(len(h.stop_matched or ()) if h is not None else 0)
-            await queue.put(r.wrap(shape.chunk_object, [shape.choice(index, tail, [], reason, True)]))
+            calls = T.calls_in(kept + tail, req.tools) if held else None
+            if calls is not None:
+                await queue.put(r.wrap(shape.chunk_object, [shape.calls(index, calls, kept_ids, True)]))
+            else:
+                await queue.put(r.wrap(shape.chunk_object, [shape.choice(index, kept + tail, kept_ids, reason, True)]))
         except RuntimeError as e:  # a deadline or a failed step, after the headers went out
             await queue.put(error_body(str(e), "server_error"))
         finally:
