@@ -345,3 +345,40 @@ def test_calls_are_read_from_tool_call_blocks_and_nothing_else():
     assert T.calls_in("It is sunny in Oslo.", tools) is None
     assert T.calls_in('<tool_call>{"name": "other", "arguments": {}}</tool_call>', tools) is None
     assert T.parse({"tools": [WEATHER], "tool_choice": "none"}) is None
+
+
+SCHEMAS = {
+    "object": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                                "color": {"enum": ["red", "green", "blue"]}},
+               "required": ["name", "color"], "additionalProperties": False},
+    "refs": {"$defs": {"pt": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                               "y": {"type": "integer", "minimum": 0, "maximum": 99}},
+                              "required": ["x", "y"], "additionalProperties": False}},
+             "type": "object", "properties": {"a": {"$ref": "#/$defs/pt"}, "b": {"$ref": "#/$defs/pt"}},
+             "required": ["a", "b"], "additionalProperties": False},
+    "nullable": {"type": "object", "properties": {"nick": {"anyOf": [{"type": "string", "maxLength": 12},
+                                                                     {"type": "null"}]}},
+                 "required": ["nick"], "additionalProperties": False},
+    "array": {"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 1, "maxItems": 3},
+    "pattern": {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
+                "required": ["code"], "additionalProperties": False},
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_every_answer_validates_against_its_schema(server, name):
+    """Through the openai client on SmolLM2: greedy, sampled with n = 2, and streamed answers
+    each parse and validate (jsonschema) against the request's schema."""
+    import jsonschema
+
+    schema = SCHEMAS[name]
+    rf = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+    ask = [user(f"Answer as JSON: an example {name}.")]
+    texts = [c.message.content for c in chat(server, ask, response_format=rf, max_tokens=80).choices]
+    texts += [c.message.content for c in chat(server, ask, response_format=rf, max_tokens=80, temperature=0.8,
+                                              n=2, seed=7).choices]
+    parts = chat(server, ask, response_format=rf, max_tokens=80, stream=True)
+    texts.append("".join(p.choices[0].delta.content or "" for p in parts if p.choices))
+    assert len(texts) == 4
+    for t in texts:
+        jsonschema.validate(json.loads(t), schema)

@@ -161,3 +161,20 @@ def test_the_compiled_sampling_step_sorts_no_row_of_the_vocabulary():
     assert "TopK" in hlo
     assert not [line for line in sorts if f"[{N},{V}]" in line], sorts
     assert [line for line in sorts if f"[{V}]" in line]  # the fallback's (the test sees the program it means)
+
+
+def test_a_masked_row_with_fewer_tokens_than_top_k_stays_in_its_64_candidates():
+    """A grammar's mask leaves 3 tokens and top_k is 50: the cut is at -inf, settled by the 64
+    candidates (the -inf tokens, never drawn, need no tie order), and the draws equal the
+    full-sort reference's."""
+    rng = np.random.default_rng(9)
+    N, V = 4, 6000
+    logits = np.full((N, V), -np.inf, np.float32)
+    for i in range(N):
+        logits[i, rng.choice(V, 3, replace=False)] = rng.normal(0, 1, 3)
+    t, k, p = (jnp.asarray(np.full(N, v, dt)) for v, dt in ((0.8, np.float32), (50, np.int32), (1.0, np.float32)))
+    assert np.asarray(F.cut(jnp.asarray(logits) / 0.8, k, p).path).tolist() == [1] * N
+    want = reference_filter(jnp.asarray(logits), t, k, p)
+    keys = jax.vmap(jax.random.key)(jnp.arange(N, dtype=jnp.uint32))
+    np.testing.assert_array_equal(np.asarray(F.sample(jnp.asarray(logits), t, k, p, keys)),
+                                  np.asarray(reference_draw(keys, want)))

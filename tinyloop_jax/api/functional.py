@@ -244,7 +244,7 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
                                 0 if windows is not None else window, exit, chunk, adaptive=adaptive is not None,
                                 exits=adaptive is not None and adaptive.in_prefill, windows=windows, masks=masks)
     rows = paged.Rows(lay.tables, P + lens, np.ones((N,), np.int32), windows)  # where each first token is fed
-    if matchers is not None:
+    if matchers is not None and paged_decode.GRAMMAR_LOOP == "host":
         return paged_decode.decode_constrained(weights.params, c, rows, fill, request,
                                                loops, 0 if windows is not None else window, kvc.bucket(max_new),
                                                matchers, exit)
@@ -252,7 +252,7 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
     # max_tokens of 16 or less share one program (it was 8 and 16, one compile each)
     spec = dict(draft_loops=speculation.draft_loops, lookahead=speculation.lookahead) if speculation else {}
     return paged_decode.decode(weights.params, c, rows, fill, request, loops, 0 if windows is not None else window,
-                               kvc.bucket(max_new), exit, **spec)
+                               kvc.bucket(max_new), exit, matchers=matchers, **spec)
 
 
 def call_layout(c, prefix_len: int, longest: int, max_new: int, n_rows: int,

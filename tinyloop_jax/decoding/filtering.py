@@ -101,8 +101,9 @@ def _candidate_cut(vals: jax.Array, ids: jax.Array, k: jax.Array, top_p: jax.Arr
 def _whole_ties(scaled: jax.Array, vals: jax.Array, value: jax.Array) -> jax.Array:
     """Do the candidates vals [..., K] of scaled [..., V] hold every token equal to the cut
     value [...]? Not always where it is their smallest: TopK picks among equal values at its
-    edge in no set order, and the kept ones must be the lowest ids."""
-    return ((value > vals[..., -1])
+    edge in no set order, and the kept ones must be the lowest ids. A cut at -inf (a grammar's
+    mask left fewer tokens than top_k) needs none of them: a -inf token is never drawn."""
+    return ((value > vals[..., -1]) | (value == -jnp.inf)
             | (jnp.sum(scaled == value[..., None], -1) == jnp.sum(vals == value[..., None], -1)))
 
 

@@ -192,3 +192,51 @@ def fill_masks(matchers: list, vocab_size: int) -> np.ndarray:
 @functools.lru_cache(maxsize=1)
 def _executor():
     return _llg().LLExecutor()
+
+
+# ---- the device loop's host side ---------------------------------------------------------------
+# `step.decode_steps(grammar=call)` asks the host, each iteration, for the masks of a call's rows
+# after their last tokens: the call's matchers live here under `call` while it runs (`register`).
+
+_CALLS: dict[int, dict] = {}
+_NEXT = [0]
+
+
+def register(matchers: list) -> int:
+    """A call's matchers (one per row, None: free), addressed by the int a loop carries."""
+    _NEXT[0] += 1
+    _CALLS[_NEXT[0]] = dict(matchers=matchers, error=None)
+    return _NEXT[0]
+
+
+def release(call: int) -> None:
+    """The call is over (its loop finished): RuntimeError if a matcher refused a token its own
+    mask allowed (never expected: a wrong answer is not returned silently)."""
+    error = _CALLS.pop(call)["error"]
+    if error is not None:
+        raise RuntimeError(error)
+
+
+def host_masks(call, tokens, live, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(masks int32 [b, W], done bool [b]) for a call's rows: each live row's matcher takes its
+    last token (tokens [b]); a row whose grammar is then complete (or whose matcher refused it)
+    is done; the others get the mask of what may follow."""
+    entry = _CALLS[int(call)]
+    ms, done = entry["matchers"], np.zeros(len(tokens), bool)
+    for r, m in enumerate(ms):
+        if m is None or not live[r]:
+            continue
+        if not m.consume_token(int(tokens[r])):
+            entry["error"] = entry["error"] or f"the grammar refused token {int(tokens[r])}: {m.get_error()}"
+        done[r] = m.is_stopped() or m.is_error()
+    return fill_masks([m if on and not d else None for m, on, d in zip(ms, live, done)], vocab_size), done
+
+
+def device_masks(call, tokens, live, vocab_size: int):
+    """`host_masks` from inside a jitted loop (an ordered host callback: once an iteration, in order)."""
+    import jax
+    from jax.experimental import io_callback
+
+    b = tokens.shape[0]
+    shapes = (jax.ShapeDtypeStruct((b, words(vocab_size)), np.int32), jax.ShapeDtypeStruct((b,), np.bool_))
+    return io_callback(functools.partial(host_masks, vocab_size=vocab_size), shapes, call, tokens, live, ordered=True)

@@ -37,6 +37,7 @@ from ..model import page_pool
 from ..model import exits
 from ..model.config import ModelConfig
 from ..model.params import Params
+from . import grammar as G
 from . import step as St
 from .compiled import SHARED
 from .programs import materialize
@@ -203,7 +204,8 @@ class Decoded:
 
 
 def decode(params: Params, cfg: ModelConfig, rows: paged.Rows, fill: Prefilled, req: Knobs, loops: int, window: int,
-           out_len: int, exit: exits.Exit | None = None, draft_loops: int = 0, lookahead: int = 0) -> Decoded:
+           out_len: int, exit: exits.Exit | None = None, draft_loops: int = 0, lookahead: int = 0,
+           matchers: list | None = None) -> Decoded:
     """Emit up to req.max_tokens (<= out_len) tokens for each of N rows by the engine's step body
     (`step.decode_steps`, one `lax.while_loop` on the device, over the call's rows in order).
     rows: page tables [N, R], start [N] the position each row's first token (fill.first) is fed
@@ -211,15 +213,30 @@ def decode(params: Params, cfg: ModelConfig, rows: paged.Rows, fill: Prefilled, 
     loop ends when every row is done. lookahead > 0: rounds of self-speculative decoding
     (`lookahead` drafts at `draft_loops`; the pages need room for lookahead + 1 positions past
     the last emitted token). fill.depth not None (the prompts' passes): adaptive depth, each
-    step's passes stopping at each row's exit rule (`state.pol`)."""
+    step's passes stopping at each row's exit rule (`state.pol`). matchers [N]: structured
+    output, each row's grammar matcher (None: free), asked for its masks once an iteration
+    from inside the loop (`grammar.device_masks`; the call blocks until the loop is done)."""
     N = rows.start.shape[0]
     left = jnp.where(fill.stop >= 0, 0, jnp.asarray(req.max_tokens) - 1)
     decodes = St.Decodes(rows, None, np.ones((N,), np.int32), left)
     n_max = max(out_len - 1, 1)
-    got, pool, _ = SHARED.decode_steps(params, cfg, fill.pool, fill.state, decodes, np.int32(n_max), loops=loops,
-                                       n_max=n_max, exit=exit, window=window, adaptive=fill.depth is not None,
-                                       draft_loops=draft_loops, lookahead=lookahead)
+    call = None if matchers is None else G.register(matchers)
+    try:
+        got, pool, _ = SHARED.decode_steps(params, cfg, fill.pool, fill.state, decodes, np.int32(n_max), loops=loops,
+                                           n_max=n_max, exit=exit, window=window, adaptive=fill.depth is not None,
+                                           draft_loops=draft_loops, lookahead=lookahead,
+                                           grammar=None if call is None else np.int32(call))
+        if call is not None:
+            jax.block_until_ready(got)
+    finally:
+        if call is not None:
+            G.release(call)
     return Decoded(fill.first, got, fill.depth, pool)
+
+
+# how a `Model` call with a grammar decodes: "device" (the loop on the device asks the host for
+# masks by callback, `decode`) or "host" (a dispatch a token, `decode_constrained`); docs/benchmarks.md
+GRAMMAR_LOOP = "device"
 
 
 def decode_constrained(params: Params, cfg: ModelConfig, rows: paged.Rows, fill: Prefilled, req: Knobs, loops: int,

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from . import grammar as G
 from . import row_state as R
 from .row_state import RowState
 from .sampling import Knobs, select_tokens, stop_match
@@ -226,7 +227,7 @@ class Burst:
 
 def decode_steps(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Requests, decodes: Decodes,
                  n: jax.Array, loops: int, n_max: int, exit: exits.Exit | None = None, window: int = 0,
-                 adaptive: bool = False, draft_loops: int = 0, lookahead: int = 0):
+                 adaptive: bool = False, draft_loops: int = 0, lookahead: int = 0, grammar: jax.Array | None = None):
     """Up to n (traced, 1 <= n <= n_max) iterations of one decode step in one `while_loop`, the
     one device token loop: the engine's decode rows' step when no prompt chunk runs beside them
     (n = 1), or a burst when nothing waits (the host's work per dispatch spread over n tokens);
@@ -236,7 +237,10 @@ def decode_steps(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, stat
     Iteration i feeds each row's last token at rows.start + (tokens it emitted) and chooses the
     next; a row that emitted decodes.left tokens, or ended a stop sequence, idles (writes
     nothing, keeps its state); the loop ends when no row is left. window: a static cache_window
-    for every row (else each row's, rows.window). Returns (`Burst`, pool, state)."""
+    for every row (else each row's, rows.window). grammar (int32 [], a call's rows in order):
+    structured output, each iteration asking the host for the rows' masks after their last
+    tokens (`grammar.host_masks`, an ordered callback) and ending a row whose grammar is done.
+    Returns (`Burst`, pool, state)."""
     k, b = lookahead, decodes.steps.shape[0]
     if decodes.mask is not None and (n_max != 1 or k):  # a grammar's mask holds for one token
         raise ValueError(f"grammar masks need one plain or adaptive step a dispatch, got n_max={n_max}, "
@@ -248,9 +252,13 @@ def decode_steps(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, stat
 
     def body(c):
         on, count = live(c), c["count"]
+        mask = decodes.mask
+        if grammar is not None:  # the host's matchers take each row's last token, then say what may follow
+            mask, done = G.device_masks(grammar, c["state"].rows.last, on, cfg.vocab_size)
+            on, c = on & ~done, dict(c, stopped=c["stopped"] | done)
         slot = None if decodes.slot is None else jnp.where(on, decodes.slot, FILLER)
         d = decodes.replace(rows=decodes.rows.replace(start=decodes.rows.start + count, n_new=decodes.rows.n_new * on),
-                            slot=slot, steps=decodes.steps + count)
+                            slot=slot, steps=decodes.steps + count, mask=mask)
         passes, a = None, jnp.zeros((b,), jnp.int32)
         if k:
             got, a, pool, state = step_speculative(params, cfg, c["pool"], c["state"], d, loops, draft_loops, k, exit,
