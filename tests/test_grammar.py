@@ -89,15 +89,21 @@ def test_no_bias_revives_a_forbidden_token_and_padded_ids_never_come(model):
     assert set(free) <= {ord("x"), 259, 280, 299}  # (the bias alone does win)
 
 
-def test_a_batch_mixes_free_and_constrained_rows(model):
+@pytest.mark.parametrize("loop", ["device", "host"])
+def test_a_batch_mixes_free_and_constrained_rows(model, loop, monkeypatch):
     """generate_batch with one SamplingParams per row: the constrained row equals its own
-    generate, the free row the unconstrained generate (the same step body beside it)."""
+    generate, the free row the unconstrained generate (the same step body beside it); with the
+    loop on the device (masks by callback) and driven from the host (a dispatch a token)."""
+    from tinyloop_jax.decoding import paged_decode
+
+    monkeypatch.setattr(paged_decode, "GRAMMAR_LOOP", loop)
     g = grammar(FORMATS["gbnf"])
     other = [int(b) for b in b"Free text: "]
     rows = [tl.SamplingParams(max_tokens=10, response_format=g), tl.SamplingParams(max_tokens=10),
             tl.SamplingParams(max_tokens=10, temperature=0.9, seed=5, response_format=g)]
     got = model.generate_batch([PROMPT, other, other], params=rows)
     assert got[0] == model.generate(PROMPT, max_tokens=10, response_format=g)
+    assert got[0][len(PROMPT):] == reference(model, PROMPT, g, 10)
     assert got[1] == model.generate(other, max_tokens=10)
     assert got[2] == model.generate(other, params=rows[2])
     assert TOK.decode(got[2][len(other):])[0] == "("

@@ -244,7 +244,8 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
                                 0 if windows is not None else window, exit, chunk, adaptive=adaptive is not None,
                                 exits=adaptive is not None and adaptive.in_prefill, windows=windows, masks=masks)
     rows = paged.Rows(lay.tables, P + lens, np.ones((N,), np.int32), windows)  # where each first token is fed
-    if matchers is not None and paged_decode.GRAMMAR_LOOP == "host":
+    if matchers is not None and (paged_decode.GRAMMAR_LOOP == "host" or c.mesh is not None):  # (no host
+        # callback inside a program split over devices)
         return paged_decode.decode_constrained(weights.params, c, rows, fill, request,
                                                loops, 0 if windows is not None else window, kvc.bucket(max_new),
                                                matchers, exit)

@@ -252,13 +252,14 @@ def decode_steps(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, stat
 
     def body(c):
         on, count = live(c), c["count"]
-        mask = decodes.mask
-        if grammar is not None:  # the host's matchers take each row's last token, then say what may follow
-            mask, done = G.device_masks(grammar, c["state"].rows.last, on, cfg.vocab_size)
-            on, c = on & ~done, dict(c, stopped=c["stopped"] | done)
         slot = None if decodes.slot is None else jnp.where(on, decodes.slot, FILLER)
         d = decodes.replace(rows=decodes.rows.replace(start=decodes.rows.start + count, n_new=decodes.rows.n_new * on),
-                            slot=slot, steps=decodes.steps + count, mask=mask)
+                            slot=slot, steps=decodes.steps + count)
+        if grammar is not None:  # the host's matchers take each row's last token, then say what may follow
+            # (only the choice reads the answer, so the forward need not wait for it; a row whose
+            # grammar is done writes its last token's K/V and chooses nothing)
+            mask, done = G.device_masks(grammar, c["state"].rows.last, on, cfg.vocab_size)
+            on, c, d = on & ~done, dict(c, stopped=c["stopped"] | done), d.replace(mask=mask)
         passes, a = None, jnp.zeros((b,), jnp.int32)
         if k:
             got, a, pool, state = step_speculative(params, cfg, c["pool"], c["state"], d, loops, draft_loops, k, exit,
