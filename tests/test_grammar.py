@@ -158,7 +158,10 @@ def test_the_engine_equals_generate_with_grammars_beside_free_rows(model):
     with tl.Engine(model, max_batch=4, prefill_chunk=8) as eng:
         handles = [eng.submit(p, **kw) for p, kw in work]
         got = [h.result() for h in handles]
+        # then free requests, in another order, in the rows the grammar rows left: their solo answers
+        again = [eng.submit(p, max_tokens=6).result() for p, _ in reversed(work)]
     assert got == [model.generate(p, **kw) for p, kw in work]
+    assert again == [model.generate(p, max_tokens=6) for p, _ in reversed(work)]
     assert handles[2].finish_reason == "stop" and TOK.decode(got[2][len(PROMPT):]) in FORMATS["choice"]["choice"]
 
 
