@@ -66,6 +66,9 @@ class Workload:
     # the request's sampling knobs: temperature and top_p as OpenAI's fields, others (top_k) as
     # extras both servers take; a request seeded by its client and turn (reproducible draws)
     sampling: tuple = (("temperature", 0.0),)
+    # structured output: OpenAI's response_format on every request (None: free text); the answer
+    # then ends where the format does (no ignore_eos: a grammar that is done allows only the end)
+    response_format: object = None
 
 
 @dataclass
@@ -139,7 +142,9 @@ def send(cl, work: Workload, body: dict, max_tokens: int | None = None, seed: in
     knobs = dict(work.sampling)
     common = dict(model=work.model, max_tokens=n, stream=True, stream_options={"include_usage": True},
                   seed=seed, **{k: knobs.pop(k) for k in ("temperature", "top_p") if k in knobs},
-                  extra_body={"ignore_eos": True, **knobs})
+                  extra_body={"ignore_eos": work.response_format is None, **knobs})
+    if work.response_format is not None:
+        common["response_format"] = work.response_format
     chat = "messages" in body
     t0 = time.perf_counter()
     times, usage, ids = [], None, []

@@ -98,6 +98,12 @@ def ours_decode(batches: list[int], repeats: int, activations: str = "float32") 
 SAMPLING = {"greedy": (("temperature", 0.0),),
             "t0.8": (("temperature", 0.8),),
             "t0.8-k40-p0.95": (("temperature", 0.8), ("top_k", 40), ("top_p", 0.95))}
+# a preset "<sampling>+json" asks every request for this JSON schema (issue 60: structured output's cost)
+JSON = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+    "type": "object", "properties": {"topic": {"type": "string", "maxLength": 40},
+                                     "points": {"type": "array", "items": {"type": "string", "maxLength": 80},
+                                                "maxItems": 4}},
+    "required": ["topic", "points"], "additionalProperties": False}}}
 
 
 def serve(cmd: list[str], env: dict, url: str, works: dict, clients: list[int], ready) -> dict:
@@ -155,7 +161,9 @@ def main() -> None:
             print(name, batched[name], flush=True)
 
     picked = args.sampling.split(",")
-    works = {name: _load.Workload(max_tokens=args.max_tokens, per_client=args.per_client, sampling=SAMPLING[name])
+    works = {name: _load.Workload(max_tokens=args.max_tokens, per_client=args.per_client,
+                                  sampling=SAMPLING[name.removesuffix("+json")],
+                                  response_format=JSON if name.endswith("+json") else None)
              for name in picked}
     served = {}
     port = _load.free_port()
@@ -164,7 +172,8 @@ def main() -> None:
         name = "tinyloop serve" + LABEL[act]
         print(name, flush=True)
         served[name] = serve([sys.executable, "-m", "tinyloop_jax.cli", "serve", "--model", "smollm2",
-                              "--port", str(port), "--log-level", "warning", "--activations", act],
+                              "--port", str(port), "--log-level", "warning", "--activations", act,
+                              *(["--warmup-grammar"] if any(n.endswith("+json") for n in picked) else [])],
                              dict(os.environ), url, works, clients, ours_ready)
     for name, extra in LLAMA_CONFIGS.items():
         print(name, flush=True)
@@ -184,7 +193,9 @@ def report(args, served: dict, batched: dict, batches: list[int]) -> None:
              "requests per client back to back, after one warm-up request per system prompt; one server at a "
              "time, each load in turn in the same process. Sampling presets: " + "; ".join(
                  f"{name} = {', '.join(f'{k} {v}' for k, v in knobs)}" for name, knobs in SAMPLING.items()
-                 if name in args.sampling.split(",")) + " (the rest each server's defaults: ours top_k 0 and "
+                 if name in args.sampling.split(",")) + "; `+json`: every request asks for a JSON schema "
+             "(`response_format`, no `ignore_eos`: the answer ends with its object)" + " (the rest each server's "
+             "defaults: ours top_k 0 and "
              "top_p 1, llama.cpp's top_k 40, top_p 0.95, min_p 0.05 and more).", ""]
     presets = list(dict.fromkeys(p for rows in served.values() for p in rows))
     for preset in presets:

@@ -207,3 +207,29 @@ def test_adaptive_depth_with_a_grammar_in_generate_and_the_engine():
         assert [eng.submit(p, **kw).result() for p, kw in work] == want
     import re
     assert all(re.fullmatch(FORMATS["regex"]["regex"], TOK.decode(w[len(p):])) for w, (p, _) in zip(want, work))
+
+
+def test_warmup_compiles_the_masked_programs(model):
+    """`warmup(grammar=True)`: a structured-output request and a free one after it trace none
+    of the engine's programs (JAX's trace events), and answer as generate does."""
+    import jax
+
+    from tinyloop_jax.decoding import compiled
+
+    names, traced = {fn.__name__ for fn, _ in compiled.JIT_OPTIONS.values()}, []
+
+    def listen(event: str, secs: float, fun_name: str = "", **_) -> None:
+        if event.endswith("jaxpr_trace_duration") and fun_name in names:
+            traced.append(fun_name)
+
+    g = grammar(FORMATS["regex"])
+    with tl.Engine(model, max_batch=1, prefill_chunk=16) as eng:
+        assert eng.warmup(grammar=True) > 0
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        try:
+            got = [eng.submit(PROMPT, max_tokens=8, response_format=g).result(),
+                   eng.submit(PROMPT, max_tokens=4).result()]
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listen)
+        assert traced == [] and eng.stats()["compiles_after_warmup"] == 0, (traced, eng.programs)
+    assert got == [model.generate(PROMPT, max_tokens=8, response_format=g), model.generate(PROMPT, max_tokens=4)]

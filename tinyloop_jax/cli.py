@@ -236,7 +236,8 @@ def cmd_serve(args) -> None:
                     max_loops=args.max_loops, memory_budget=args.memory_budget, max_depths=args.max_depths)
     # programs compile in the background (a real model's take minutes) while requests are served,
     # each compiling what it needs first; /health says `warming` until they are all built
-    engine.warmup(background=True, adaptive=args.warmup_adaptive, speculation=args.warmup_speculation)
+    engine.warmup(background=True, adaptive=args.warmup_adaptive, speculation=args.warmup_speculation,
+                  grammar=args.warmup_grammar)
     print(f"tinyloop serve: {name} (loops={model.config()['default_loops']}, max_batch={args.max_batch}) on "
           f"http://{args.host}:{args.port}/v1; compiling its programs in the background", file=sys.stderr)
     try:
@@ -338,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also compile the adaptive-depth programs before /health says warm (exit_criterion requests)")
     s.add_argument("--warmup-speculation", type=_pairs, default=(), metavar="D:K[,D:K]",
                    help="also compile the speculative rounds of these draft_loops:lookahead pairs, e.g. 1:4")
+    s.add_argument("--warmup-grammar", action="store_true",
+                   help="also compile the masked programs of structured output (response_format, tools)")
     s.add_argument("--name", default=None, help="the model name clients send (default: the folder's name)")
     s.add_argument("--log-level", default="info")
     s.add_argument("--api-key", default=settings.get("TINYLOOP_API_KEY") or None,

@@ -230,9 +230,9 @@ class Batcher(Budget, Admission, Reading, Plan):
             exits = chunk is not None and chunk[0].handle.in_prefill
             if chunk is not None and (d.adaptive or exits):  # the prompt's chunk alone
                 if exits:  # the prompt exits as a whole: its passes read now (once a request)
-                    ctok, cdepth, d.pool, d.state = self._run(("chunk_adaptive", d.loops, T, R), jits["chunk_adaptive"],
-                                                              w.params, w.config, d.pool, d.state, chunks,
-                                                              loops=d.loops)
+                    ctok, cdepth, d.pool, d.state = self._run(("chunk_adaptive", d.loops, T, R) + masked * ("masked",),
+                                                              jits["chunk_adaptive"], w.params, w.config, d.pool,
+                                                              d.state, chunks, loops=d.loops)
                     cdepth = int(np.asarray(cdepth)[0])
                 else:
                     ctok, _, d.pool, d.state = self._run(("step", d.loops, 0, T, R) + masked * ("masked",),

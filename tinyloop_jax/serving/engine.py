@@ -195,12 +195,13 @@ class Engine:
         return self.submit(request, **kw).result()
 
     def warmup(self, loops: int | None = None, background: bool = False, adaptive: bool = False,
-               speculation=()) -> int:
+               speculation=(), grammar: bool = False) -> int:
         """Compile every step program at `loops` (default depth) now, ahead of time (nothing is
         allocated or run), so serving compiles nothing for them later. adaptive=True: the
         adaptive-depth programs too (exit_criterion requests, exit_in_prefill prompts of any
         length); speculation: the speculative rounds of these (draft_loops, lookahead) pairs (a
-        `Speculative` plan's; one program per lookahead serves every draft depth). Returns the
+        `Speculative` plan's; one program per lookahead serves every draft depth); grammar=True:
+        the masked programs a step with a structured-output row runs. Returns the
         number of programs compiled. background=True returns at once (0) and compiles on a
         thread of its own while requests are served; `warming` says whether it still runs."""
         loops = self.model.weights.config.default_loops if loops is None else check.loops(loops)
@@ -212,7 +213,9 @@ class Engine:
         for pair in speculation:  # checked as a request's (draft_loops <= loops, lookahead >= 1)
             d, k = (pair.draft_loops, pair.lookahead) if isinstance(pair, R.Speculative) else pair
             pairs.append(tuple(check.speculation(d, k, loops)))
-        run = lambda: self.batcher.warmup(loops, adaptive, tuple(pairs))  # noqa: E731
+        if not isinstance(grammar, bool):
+            raise ValueError(f"grammar must be True or False, got {grammar!r}")
+        run = lambda: self.batcher.warmup(loops, adaptive, tuple(pairs), grammar)  # noqa: E731
         if not background:
             n = run()
             self._publish_programs()

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from . import step as S
+from ..decoding.grammar import words
 from ..decoding.sampling import Knobs, SamplingParams
 from ..model import adaptive as ad
 from ..model import paged
@@ -50,12 +51,13 @@ class Plan:
         for every decode bucket, so few lengths keep warmup short)."""
         return sorted({min(32, self.chunk), self.chunk})
 
-    def warmup(self, loops: int, adaptive: bool = False, speculation=()) -> int:
+    def warmup(self, loops: int, adaptive: bool = False, speculation=(), grammar: bool = False) -> int:
         """Compile every program of a depth's steps (ahead of time: nothing is allocated or run,
         so any thread may call it while the loop serves); returns how many were new. adaptive:
         also the adaptive-depth programs (a prompt's chunk alone, the decode rows' adaptive
         steps, a prompt exiting in prefill at every length bucket); speculation: also the
-        speculative rounds of these (draft_loops, lookahead) pairs."""
+        speculative rounds of these (draft_loops, lookahead) pairs; grammar: also the masked
+        programs a step with a structured-output row runs (one step a dispatch)."""
         w, c, P = self.model.weights, self.cfg, self.page_size
         n_pages = self.pool_pages(loops)
         pool = jax.eval_shape(lambda: self.empty_pool(loops, n_pages))
@@ -69,28 +71,36 @@ class Plan:
                 new.add(key)
 
         tables = sorted({R for _, _, R in self.step_shapes(loops)})
+        W = words(c.vocab_size)
+        masks = (None, "masked") if grammar else (None,)
+        mask = lambda rows, m: None if m is None else np.zeros((rows, W), np.int32)  # noqa: E731
         alone = [(0, T, R) for R in tables for T in self.chunk_sizes()] if adaptive else []  # a chunk alone
         for bd, T, R in self.step_shapes(loops) + alone:
             if bd and not T:  # decode rows alone: `decode_steps` (plain; adaptive: each row's passes stop at its exit)
-                decodes = S.make_decodes([], [], [], [], R, bd, left=[])
                 for kind in (False, True) if adaptive else (False,):
-                    compile_(("steps", loops, bd, R, kind), jits["decode_steps"], w.params, c, pool, state, decodes,
-                             np.int32(1), loops=loops, n_max=self.decode_steps, exit=exit, adaptive=kind)
+                    for m in masks:  # (a masked step: one a dispatch)
+                        decodes = S.make_decodes([], [], [], [], R, bd, left=[], mask=mask(bd, m))
+                        compile_(("steps", loops, bd, R, kind) + ((m,) if m else ()), jits["decode_steps"], w.params,
+                                 c, pool, state, decodes, np.int32(1), loops=loops,
+                                 n_max=1 if m else self.decode_steps, exit=exit, adaptive=kind)
+                decodes = S.make_decodes([], [], [], [], R, bd, left=[])
                 for d, k in speculation:  # a speculative round (one program per lookahead: the draft depth is traced)
                     compile_(("speculate", loops, k, bd, R), jits["decode_steps"], w.params, c, pool, state, decodes,
                              np.int32(1), loops=loops, n_max=k + 1, exit=exit, draft_loops=np.int32(d), lookahead=k)
                 continue
             if not T:
                 continue
-            chunks = S.make_chunks([], [], [], [], [], T, R, 1) if T else None
-            decodes = S.make_decodes([], [], [], [], R, bd, left=[]) if bd else None
-            compile_(("step", loops, bd, T, R), jits["step"], w.params, c, pool, state, chunks, decodes, loops=loops,
-                     exit=exit)
+            for m in masks:
+                chunks = S.make_chunks([], [], [], [], [], T, R, 1, mask=mask(1, m))
+                decodes = S.make_decodes([], [], [], [], R, bd, left=[], mask=mask(bd, m)) if bd else None
+                compile_(("step", loops, bd, T, R) + ((m,) if m else ()), jits["step"], w.params, c, pool, state,
+                         chunks, decodes, loops=loops, exit=exit)
         for R in tables if adaptive else ():
             for T in sorted({bucket(n) for n in range(1, c.max_seq_len + 1)}):
-                chunks = S.make_chunks([], [], [], [], [], T, R, 1)
-                compile_(("chunk_adaptive", loops, T, R), jits["chunk_adaptive"], w.params, c, pool, state, chunks,
-                         loops=loops)
+                for m in masks:
+                    chunks = S.make_chunks([], [], [], [], [], T, R, 1, mask=mask(1, m))
+                    compile_(("chunk_adaptive", loops, T, R) + ((m,) if m else ()), jits["chunk_adaptive"], w.params,
+                             c, pool, state, chunks, loops=loops)
         req = Knobs.from_params([SamplingParams()], logit_bias=True, sampled=True, stop_shape=S.STOPS)
         compile_(("admit", loops), jits["admit"], state, np.int32(0), np.zeros((c.vocab_size,), bool), req,
                  jax.tree.map(np.asarray, ad.EVERY_PASS))
