@@ -46,8 +46,8 @@ from . import edge, render, tokenizer_api
 from .engine import Engine
 from .handles import MemoryBudgetError, QueueFull
 from .metrics import Collector
-from .protocol import (BadRequest, ChatShape, TextShape, check_submit, error_body, parse, parse_chat, with_choices,
-                       with_grammar)
+from .protocol import BadRequest, ChatShape, TextShape, check_submit, error_body, parse, parse_chat, with_choices
+from .tools import with_grammar
 
 
 @dataclass(frozen=True)

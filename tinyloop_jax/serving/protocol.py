@@ -98,7 +98,7 @@ def parse_messages(messages, tokenizer, add_generation_prompt: bool = True, tool
         if role not in CHAT_ROLES + ("tool",):
             raise BadRequest(f"messages[{i}].role is {m.get('role')!r}; expected one of "
                              f"{', '.join(CHAT_ROLES + ('tool',))}", f"messages[{i}].role")
-        calls = _tool_calls(m, i) if role == "assistant" else None
+        calls = T.check_calls(m, i) if role == "assistant" else None
         if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
             got = "missing" if m.get("content") is None else f"a {type(m['content']).__name__}"
             raise BadRequest(f"messages[{i}].content must be a string, got {got}", f"messages[{i}].content")
@@ -109,25 +109,6 @@ def parse_messages(messages, tokenizer, add_generation_prompt: bool = True, tool
                                              **extra).tolist()
     except ValueError as e:  # the template itself refused the conversation (raise_exception)
         raise BadRequest(str(e), "messages") from None
-
-
-def _tool_calls(m: dict, i: int) -> list | None:
-    """An assistant message's earlier `tool_calls` (OpenAI's shape, arguments a JSON object's
-    text), checked."""
-    calls = m.get("tool_calls")
-    if calls in (None, []):
-        return None
-    ok = isinstance(calls, list) and all(
-        isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
-        and isinstance(c["function"].get("arguments"), str) for c in calls)
-    try:
-        ok = ok and all(isinstance(json.loads(c["function"]["arguments"]), dict) for c in calls)
-    except ValueError:
-        ok = False
-    if not ok:
-        raise BadRequest(f"messages[{i}].tool_calls must be a list of {{id, type: function, function: {{name, "
-                         "arguments: a JSON object as text}}}}", f"messages[{i}].tool_calls")
-    return calls
 
 
 def parse_stop(stop) -> list[str]:
@@ -219,45 +200,7 @@ def parse_common(body, model_name: str, eos: list[int], prompts: list[list[int]]
     if not isinstance(opts, dict):
         raise BadRequest("stream_options must be an object", "stream_options")
     return Parsed(kw, prompts, secrets.randbits(32) if seed is None else seed, parse_stop(body.get("stop")), stream,
-                  _bool(opts, "include_usage", False), n, best_of, logprobs, echo, parse_format(body))
-
-
-# vLLM's `structured_outputs` extras -> the response_format each means
-_STRUCTURED = dict(json=lambda v: dict(type="json_schema", json_schema=dict(name="structured_outputs", schema=v)),
-                   regex=lambda v: dict(type="regex", regex=v), choice=lambda v: dict(type="choice", choice=v),
-                   grammar=lambda v: dict(type="grammar", grammar=v))
-
-
-def parse_format(body: dict) -> tuple | None:
-    """OpenAI's `response_format` or vLLM's `structured_outputs` extra ({"json": schema} /
-    {"regex": ...} / {"choice": [...]} / {"grammar": Lark or GBNF}), one of them -> (the
-    response_format dict, the field's name), compiled against the model by `with_grammar`;
-    None: free text."""
-    rf, so = body.get("response_format"), body.get("structured_outputs")
-    if rf in (None, {"type": "text"}):
-        rf = None
-    if so is None:
-        return None if rf is None else (rf, "response_format")
-    if rf is not None:
-        raise BadRequest("response_format and structured_outputs: give one or the other", "structured_outputs")
-    if not (isinstance(so, dict) and len(so) == 1 and next(iter(so)) in _STRUCTURED):
-        raise BadRequest(f"structured_outputs must be an object with one of {', '.join(_STRUCTURED)}, got "
-                         f"{json.dumps(so)[:80]}", "structured_outputs")
-    (key, value), = so.items()
-    return _STRUCTURED[key](value), "structured_outputs"
-
-
-def with_grammar(req: Parsed, tokenizer, vocab_size: int) -> Parsed:
-    """The request's structured output compiled against the served tokenizer (`Grammar.of`,
-    cached by the spec) into its sampling knobs; an unsupported keyword or a bad grammar is a
-    BadRequest naming the field."""
-    if req.format is None:
-        return req
-    from ..decoding.grammar import Grammar
-
-    spec, param = req.format
-    g = _named(param, Grammar.of, spec, tokenizer, vocab_size)
-    return req if g is None else dataclasses.replace(req, submit=dict(req.submit, response_format=g))
+                  _bool(opts, "include_usage", False), n, best_of, logprobs, echo, T.parse_format(body))
 
 
 def parse_adaptive(body: dict) -> dict:

@@ -1,4 +1,6 @@
-"""OpenAI tool calls on the chat route: the `tools` a request offers and its `tool_choice`
+"""Structured output and tool calls at the edge: a body's `response_format` or vLLM's
+`structured_outputs` (`parse_format`), compiled against the served tokenizer (`with_grammar`);
+OpenAI tool calls on the chat route: the `tools` a request offers and its `tool_choice`
 (`parse`), the answer forced to be one call where the choice says so (`forced_format`: a JSON
 schema, {"name": <a tool>, "arguments": <its parameters>}), the answer read back as `tool_calls`
 (`calls_in`: that object, or `<tool_call>` blocks the model wrote on its own under "auto"), and
@@ -108,6 +110,25 @@ def calls_in(text: str, tools: Tools) -> list[dict] | None:
     return calls
 
 
+def check_calls(m: dict, i: int) -> list | None:
+    """An assistant message's earlier `tool_calls` (OpenAI's shape, arguments a JSON object's
+    text), checked."""
+    calls = m.get("tool_calls")
+    if calls in (None, []):
+        return None
+    ok = isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments"), str) for c in calls)
+    try:
+        ok = ok and all(isinstance(json.loads(c["function"]["arguments"]), dict) for c in calls)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise BadRequest(f"messages[{i}].tool_calls must be a list of {{id, type: function, function: {{name, "
+                         "arguments: a JSON object as text}}}}", f"messages[{i}].tool_calls")
+    return calls
+
+
 def plain_messages(messages: list, tools: Tools | None, template: str) -> tuple[list, dict]:
     """A conversation's messages for the chat template, and the template's extra variables. A
     template that knows tools (it names `tools`) gets them and the tool turns as they are; any
@@ -137,3 +158,44 @@ def plain_messages(messages: list, tools: Tools | None, template: str) -> tuple[
         else:
             out.insert(0, dict(role="system", content=text))
     return out, {}
+
+
+# vLLM's `structured_outputs` extras -> the response_format each means
+_STRUCTURED = dict(json=lambda v: dict(type="json_schema", json_schema=dict(name="structured_outputs", schema=v)),
+                   regex=lambda v: dict(type="regex", regex=v), choice=lambda v: dict(type="choice", choice=v),
+                   grammar=lambda v: dict(type="grammar", grammar=v))
+
+
+def parse_format(body: dict) -> tuple | None:
+    """OpenAI's `response_format` or vLLM's `structured_outputs` extra ({"json": schema} /
+    {"regex": ...} / {"choice": [...]} / {"grammar": Lark or GBNF}), one of them -> (the
+    response_format dict, the field's name), compiled against the model by `with_grammar`;
+    None: free text."""
+    rf, so = body.get("response_format"), body.get("structured_outputs")
+    if rf in (None, {"type": "text"}):
+        rf = None
+    if so is None:
+        return None if rf is None else (rf, "response_format")
+    if rf is not None:
+        raise BadRequest("response_format and structured_outputs: give one or the other", "structured_outputs")
+    if not (isinstance(so, dict) and len(so) == 1 and next(iter(so)) in _STRUCTURED):
+        raise BadRequest(f"structured_outputs must be an object with one of {', '.join(_STRUCTURED)}, got "
+                         f"{json.dumps(so)[:80]}", "structured_outputs")
+    (key, value), = so.items()
+    return _STRUCTURED[key](value), "structured_outputs"
+
+
+def with_grammar(req, tokenizer, vocab_size: int):
+    """The request's structured output compiled against the served tokenizer (`Grammar.of`,
+    cached by the spec) into its sampling knobs; an unsupported keyword or a bad grammar is a
+    BadRequest naming the field."""
+    if req.format is None:
+        return req
+    from ..decoding.grammar import Grammar
+
+    spec, param = req.format
+    try:
+        g = Grammar.of(spec, tokenizer, vocab_size)
+    except ValueError as e:
+        raise BadRequest(str(e), param) from None
+    return req if g is None else dataclasses.replace(req, submit=dict(req.submit, response_format=g))
