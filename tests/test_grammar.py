@@ -233,3 +233,17 @@ def test_warmup_compiles_the_masked_programs(model):
             jax.monitoring.unregister_event_duration_listener(listen)
         assert traced == [] and eng.stats()["compiles_after_warmup"] == 0, (traced, eng.programs)
     assert got == [model.generate(PROMPT, max_tokens=8, response_format=g), model.generate(PROMPT, max_tokens=4)]
+
+
+def test_a_prefix_store_takes_a_grammar_and_a_conversation_refuses_one(model):
+    """`PrefixStore.generate(params=...)` with a grammar answers as generate does; a
+    `Conversation` given one raises (its bursts take no masks yet) rather than ignoring it."""
+    g = grammar(FORMATS["choice"])
+    store = tl.PrefixStore(model)
+    p = tl.SamplingParams(max_tokens=8, response_format=g)
+    assert store.generate(PROMPT, params=p) == model.generate(PROMPT, params=p)
+    class Chat(tl.ByteTokenizer):
+        chat_template, eos_token_ids = "{{ messages }}", [TOK.EOS]
+
+    with pytest.raises(ValueError, match="response_format"):
+        tl.Conversation(model, Chat(), params=p)

@@ -174,6 +174,8 @@ class Conversation:
         if params.stop_sequences:
             raise ValueError("a Conversation stops at the tokenizer's end-of-turn tokens; its params take no "
                              "stop_sequences")
+        if params.response_format is not None:  # (its bursts take no masks yet: refused, never ignored)
+            raise ValueError("a Conversation does not take response_format yet; use Model.generate or the server")
         self.eos = list(tokenizer.eos_token_ids)
         stops = tuple((i,) for i in self.eos)
         req = R.checked(R.Request(np.zeros((0,), np.int32), dataclasses.replace(params, stop_sequences=stops), plan),
