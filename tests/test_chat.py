@@ -60,6 +60,7 @@ def server(smollm2):
 
 def chat(server, messages, **kw):
     extra = {k: kw.pop(k) for k in ("top_k", "repetition_penalty", "loops", "ignore_eos") if k in kw}
+    extra.update(kw.pop("extra_body", {}))
     if "max_completion_tokens" not in kw:
         kw.setdefault("max_tokens", MAX)
     return server.client.chat.completions.create(model="smollm2", messages=messages,
@@ -385,3 +386,19 @@ def test_every_answer_validates_against_its_schema(server, name):
     assert len(texts) == 4
     for t in texts:
         jsonschema.validate(json.loads(t), schema)
+
+
+def test_a_gbnf_grammar_and_a_regex_through_the_openai_client(server):
+    """vLLM's structured_outputs extras on SmolLM2: a GBNF grammar (n = 2, sampled) and a regex
+    (streamed): every answer is in the grammar's language."""
+    import re
+
+    gbnf = 'root ::= ("yes" | "no") ", because " [a-z ]{1,24}'
+    r = chat(server, [user("Is Paris in France? Answer yes or no and why.")], max_tokens=40, temperature=0.8, n=2,
+             seed=3, extra_body={"structured_outputs": {"grammar": gbnf}})
+    for c in r.choices:
+        assert re.fullmatch(r"(yes|no), because [a-z ]{1,24}", c.message.content), c.message.content
+    parts = chat(server, [user("Give a date.")], max_tokens=16, stream=True,
+                 extra_body={"structured_outputs": {"regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"}})
+    text = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", text), text
