@@ -172,6 +172,15 @@ class _Bytes:
         return list(data)
 
 
+def take(matcher, token: int) -> tuple[bool, str | None]:
+    """The matcher takes an emitted token -> (the grammar is done, the refusal's message or None).
+    A refusal is never expected (the token passed the matcher's own mask); each driver turns
+    it into an error rather than a silently wrong answer."""
+    if not matcher.consume_token(int(token)):
+        return True, f"the grammar refused token {int(token)} its own mask allowed: {matcher.get_error()}"
+    return matcher.is_stopped(), None
+
+
 def words(vocab_size: int) -> int:
     """int32 words of a bitmask row."""
     return (vocab_size + 31) // 32
@@ -226,9 +235,8 @@ def host_masks(call, tokens, live, vocab_size: int) -> tuple[np.ndarray, np.ndar
     for r, m in enumerate(ms):
         if m is None or not live[r]:
             continue
-        if not m.consume_token(int(tokens[r])):
-            entry["error"] = entry["error"] or f"the grammar refused token {int(tokens[r])}: {m.get_error()}"
-        done[r] = m.is_stopped() or m.is_error()
+        done[r], error = take(m, tokens[r])
+        entry["error"] = entry["error"] or error
     return fill_masks([m if on and not d else None for m, on, d in zip(ms, live, done)], vocab_size), done
 
 

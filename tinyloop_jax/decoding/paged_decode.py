@@ -281,11 +281,11 @@ def decode_constrained(params: Params, cfg: ModelConfig, rows: paged.Rows, fill:
 
 
 def _consume(matcher, token: int) -> bool:
-    """The matcher takes a row's token; True when its grammar is done (stopped). RuntimeError if
-    it refuses the token (the mask allowed it: a bug, never a silent wrong answer)."""
-    if not matcher.consume_token(token):
-        raise RuntimeError(f"the grammar refused token {token} its own mask allowed: {matcher.get_error()}")
-    return matcher.is_stopped()
+    """`grammar.take`, a refusal raised (RuntimeError)."""
+    done, error = G.take(matcher, token)
+    if error is not None:
+        raise RuntimeError(error)
+    return done
 
 
 def lower_decode(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, rows: paged.Rows, req: Knobs, loops: int,

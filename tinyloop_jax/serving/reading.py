@@ -13,6 +13,7 @@ import numpy as np
 from . import step as S
 from .depth import Depth, Row
 from .plan import batch_buckets
+from ..decoding.grammar import take
 
 
 class Reading:
@@ -99,9 +100,10 @@ class Reading:
         self.stats["tokens_out"] += 1
         if len(h.tokens) == 1:
             self._on_first_token(h)
-        if h.matcher is not None and not h.matcher.consume_token(t):  # (its mask allowed t: never expected)
-            self.release(d, r, "error", RuntimeError(f"the grammar refused token {t}: {h.matcher.get_error()}"))
-        elif h.matcher is not None and h.matcher.is_stopped():  # the grammar is complete
+        done, error = (False, None) if h.matcher is None else take(h.matcher, t)
+        if error is not None:
+            self.release(d, r, "error", RuntimeError(error))
+        elif done:  # the grammar is complete
             self.release(d, r, "stop")
         elif stop >= 0:
             h.stop_matched = list(s.stop_sequences[stop])
