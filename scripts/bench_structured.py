@@ -1,8 +1,8 @@
 """Structured output's cost (issue 60): tokens/s of constrained decoding against free decoding on
 SmolLM2 as served (Q4_1 kept packed), greedy and sampled (temperature 0.8), through `generate`
-(batch 1: its loop on the device asking the host for each mask by callback, and a dispatch a
-token from the host) and the engine (1 and 16 requests in flight), and the host's mask time per
-token.
+(batch 1: its loop on the device asking the host for each mask by callback, and the host's loop:
+a token's forward and choice dispatched apart, the next masks filled while the forward runs) and
+the engine (1 and 16 requests in flight), and the host's mask time per token.
 
 The constraint is a regex that does not end within the tokens asked (`[a-z ,.]{1000}`) and a
 JSON schema (an object of a bounded string, an enum and an integer: what users send; it ends
@@ -86,13 +86,14 @@ def main() -> None:
         base = None
         for kind in FORMATS:
             for loop in ("device", "host") if kind != "free" else ("device",):
-                paged_decode.GRAMMAR_LOOP = loop  # the loop on the device with a callback, or a dispatch a token
+                paged_decode.GRAMMAR_LOOP = loop  # the loop on the device with a callback, or the host's (forward
+                # and choice apart, the masks filled while the forward runs)
                 r = gen_rate(kind, temperature)
                 base = r if kind == "free" else base
                 name = kind if kind == "free" else f"{kind} ({loop} loop)"
                 print(f"generate batch 1, {name}, {label}: {r:.1f} tok/s")
                 rows_out.append(f"| generate, batch 1 | {label} | {name} | {r:.1f} | {r / base:.2f}x |")
-    paged_decode.GRAMMAR_LOOP = "device"
+    paged_decode.GRAMMAR_LOOP = "host"
     with tl.Engine(model, max_batch=16) as eng:
         for clients in (1, 16):
             for temperature in (0.0, 0.8):

@@ -99,13 +99,18 @@ def test_a_batch_mixes_free_and_constrained_rows(model, loop, monkeypatch):
     g = grammar(FORMATS["gbnf"])
     other = [int(b) for b in b"Free text: "]
     rows = [tl.SamplingParams(max_tokens=10, response_format=g), tl.SamplingParams(max_tokens=10),
-            tl.SamplingParams(max_tokens=10, temperature=0.9, seed=5, response_format=g)]
-    got = model.generate_batch([PROMPT, other, other], params=rows)
+            tl.SamplingParams(max_tokens=10, temperature=0.9, seed=5, response_format=g),
+            tl.SamplingParams(max_tokens=10, response_format=grammar(FORMATS["choice"])),  # ends first
+            tl.SamplingParams(max_tokens=3)]  # and one that ends at its max_tokens
+    prompts = [PROMPT, other, other, PROMPT, other]
+    got = model.generate_batch(prompts, params=rows)
     assert got[0] == model.generate(PROMPT, max_tokens=10, response_format=g)
     assert got[0][len(PROMPT):] == reference(model, PROMPT, g, 10)
     assert got[1] == model.generate(other, max_tokens=10)
     assert got[2] == model.generate(other, params=rows[2])
     assert TOK.decode(got[2][len(other):])[0] == "("
+    assert got[3][len(PROMPT):] == reference(model, PROMPT, grammar(FORMATS["choice"]), 10)
+    assert len(got[3]) < len(PROMPT) + 10 and got[4] == model.generate(other, max_tokens=3)
 
 
 def test_from_a_prefix_cache_equals_the_whole_prompt(model):
@@ -235,15 +240,31 @@ def test_warmup_compiles_the_masked_programs(model):
     assert got == [model.generate(PROMPT, max_tokens=8, response_format=g), model.generate(PROMPT, max_tokens=4)]
 
 
-def test_a_prefix_store_takes_a_grammar_and_a_conversation_refuses_one(model):
+def test_a_prefix_store_and_a_conversation_take_a_grammar(model):
     """`PrefixStore.generate(params=...)` with a grammar answers as generate does; a
-    `Conversation` given one raises (its bursts take no masks yet) rather than ignoring it."""
+    `Conversation` with a response_format (OpenAI's dict) answers each turn as the from-scratch
+    reference does on the turn's rendered prompt, its cache kept between turns."""
     g = grammar(FORMATS["choice"])
     store = tl.PrefixStore(model)
     p = tl.SamplingParams(max_tokens=8, response_format=g)
     assert store.generate(PROMPT, params=p) == model.generate(PROMPT, params=p)
-    class Chat(tl.ByteTokenizer):
-        chat_template, eos_token_ids = "{{ messages }}", [TOK.EOS]
 
-    with pytest.raises(ValueError, match="response_format"):
-        tl.Conversation(model, Chat(), params=p)
+    class Chat(tl.ByteTokenizer):  # "role: content" bytes, each message ended by the end-of-sequence id
+        chat_template, eos_token_ids = "bytes", [TOK.EOS]
+
+        def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+            ids = [i for m in messages for i in [*f"{m['role']}: {m['content']}".encode(), TOK.EOS]]
+            return np.array(ids + [*b"assistant: "] * add_generation_prompt, np.int32)
+
+    conv = tl.Conversation(model, Chat(), max_tokens=12, response_format=FORMATS["choice"])
+    for text in ("Which way?", "And then?"):
+        ids = Chat().apply_chat_template(conv.messages + [dict(role="user", content=text)],
+                                         add_generation_prompt=True, tokenize=True)
+        answer = "".join(conv.send(text))
+        assert list(conv.turns[-1].answer) == reference(model, list(ids), g, 12)
+        assert answer in FORMATS["choice"]["choice"] and conv.turns[-1].finish_reason == "stop"
+    assert conv.turns[-1].reused_tokens > 0
+    sampled = tl.Conversation(model, Chat(), max_tokens=12, temperature=0.9, seed=4, response_format=g)
+    assert "".join(sampled.send("Which way?")) in FORMATS["choice"]["choice"]
+    with pytest.raises(ValueError, match="yaml"):
+        tl.Conversation(model, Chat(), response_format={"type": "yaml"})

@@ -40,6 +40,7 @@ from .prefix import PrefixCache
 from ..decoding import paged_decode, programs
 from ..decoding import step as St
 from ..decoding.compiled import SHARED
+from ..decoding.grammar import consume, fill_masks
 from ..decoding.sampling import Knobs, SamplingParams
 from ..model import cache as kvc
 from ..model import paged
@@ -148,14 +149,15 @@ class Conversation:
     `turns[-1]` what the turn did. Generation stops at `tokenizer.eos_token_ids` or after
     `max_tokens`. `reset()` starts over (keeping `system`); `turns` is a log of every turn.
     The sampling keywords may come as one `SamplingParams` (params=) and the depth as a
-    `DepthPlan` (plan=: loops and an exit pick). ValueError if the tokenizer has no chat
-    template or an argument is bad.
+    `DepthPlan` (plan=: loops and an exit pick). response_format: every answer follows it
+    (OpenAI's dict, built for this tokenizer, or a `Grammar`; a turn then decodes a token at a
+    time). ValueError if the tokenizer has no chat template or an argument is bad.
     """
 
     def __init__(self, model, tokenizer, system: str | None = None, loops: int | None = None,
                  max_tokens: int | None = None, temperature: float = 0.0, top_k: int = 50, top_p: float = 1.0,
                  repetition_penalty: float = 1.0, seed: int = 0, params: SamplingParams | None = None,
-                 plan: R.DepthPlan | None = None):
+                 plan: R.DepthPlan | None = None, response_format=None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template: chat needs an instruction-tuned model "
                              "(e.g. --model smollm2)")
@@ -165,6 +167,11 @@ class Conversation:
         c = model.weights.config
         given = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                      repetition_penalty=repetition_penalty)
+        if response_format is not None:  # OpenAI's dict (this tokenizer builds it) or a `Grammar`
+            from ..decoding.grammar import Grammar
+
+            given["response_format"] = (response_format if isinstance(response_format, Grammar)
+                                        else Grammar.of(response_format, tokenizer, c.vocab_size))
         if max_tokens is not None or params is None:  # a chat's answers default to 512 tokens
             given["max_tokens"] = MAX_TOKENS if max_tokens is None else max_tokens
         plan = R.plan_of(plan, dict(loops=loops))
@@ -174,8 +181,6 @@ class Conversation:
         if params.stop_sequences:
             raise ValueError("a Conversation stops at the tokenizer's end-of-turn tokens; its params take no "
                              "stop_sequences")
-        if params.response_format is not None:  # (its bursts take no masks yet: refused, never ignored)
-            raise ValueError("a Conversation does not take response_format yet; use Model.generate or the server")
         self.eos = list(tokenizer.eos_token_ids)
         stops = tuple((i,) for i in self.eos)
         req = R.checked(R.Request(np.zeros((0,), np.int32), dataclasses.replace(params, stop_sequences=stops), plan),
@@ -235,11 +240,14 @@ class Conversation:
         seen = jnp.asarray(programs.token_mask([ids], c.vocab_size))
         live = [pool]  # the pool as the last program returned it
         finished = False
+        g = self.params.response_format
+        matcher = None if g is None else g.matcher()  # every answer follows the grammar from its start
         try:
             new = ids[k:]
             state = SHARED.requests_of(seen, req, d_model=c.d_model, dtype=c.compute_dtype)
             chunks = St.Chunks(paged.Rows(table, np.int32([k]), np.int32([len(new)])),
-                               F.pad(new, max(MIN_CHUNK, kvc.bucket(len(new))))[None], None, np.ones((1,), bool))
+                               F.pad(new, max(MIN_CHUNK, kvc.bucket(len(new))))[None], None, np.ones((1,), bool),
+                               None if matcher is None else fill_masks([matcher], c.vocab_size))
             got, _, live[0], state = SHARED.step(w.params, c, pool, state, chunks, None, loops=self.loops,
                                                  exit=self._exit)
 
@@ -247,12 +255,12 @@ class Conversation:
             answer: list[int] = []
             text_so_far = Detokenizer(self.tokenizer, [])
             first = None
-            stopped = False
-            for t, stopped in self._decode(ids, table, live, got, state, max_new):
+            stopped = ended = False
+            for t, stopped, ended in self._decode(ids, table, live, got, state, max_new, matcher):
                 answer.append(t)
                 if first is None:
                     first = time.perf_counter()
-                if stopped or len(answer) == max_new:
+                if stopped or ended or len(answer) == max_new:
                     break
                 delta = text_so_far.add([t])
                 if delta:
@@ -274,29 +282,41 @@ class Conversation:
         self.messages = messages + [dict(role="assistant", content=text_so_far.sent)]
         self.turns.append(Turn(prompt_tokens=len(ids), reused_tokens=k, prefill_tokens=len(ids) - k,
                                answer=tuple(answer), text=text_so_far.sent,
-                               finish_reason="stop" if stopped else "length", first_token_s=first - t0,
+                               finish_reason="stop" if stopped or ended else "length", first_token_s=first - t0,
                                seconds=time.perf_counter() - t0))
 
     def _decode(self, ids: np.ndarray, table: np.ndarray, live: list, first: St.Emitted, state: St.Requests,
-                max_new: int) -> Iterator[tuple[int, bool]]:
-        """The answer's tokens, each with whether it ends a stop sequence (an end-of-turn token),
-        a burst of `BURST` at a time: the step body's `decode_steps` over the pool live[0] (kept
-        there after each burst), stopping on the device at a stop or at max_new. first: the
-        prompt's step's token, state its request row."""
+                max_new: int, matcher=None) -> Iterator[tuple[int, bool, bool]]:
+        """The answer's tokens, each with whether it ends a stop sequence (an end-of-turn token)
+        and whether its grammar is then complete (matcher: the turn's llguidance matcher, None:
+        free), a burst of `BURST` at a time: the step body's `decode_steps` over the pool live[0]
+        (kept there after each burst), stopping on the device at a stop or at max_new; with a
+        grammar a token at a time, its forward dispatched before the mask is filled
+        (`step.decode_forward`, `step.decode_choose`). first: the prompt's step's token, state
+        its request row."""
         w, c = self.model.weights, self.model.weights.config
         t, stopped, emitted = int(first.tokens[0]), int(first.stops[0]) >= 0, 1
-        yield t, stopped
-        while not stopped and emitted < max_new:
-            k = min(BURST, max_new - emitted)
+        ended = matcher is not None and consume(matcher, t)
+        yield t, stopped, ended
+        while not stopped and not ended and emitted < max_new:
+            k = min(BURST, max_new - emitted) if matcher is None else 1
             rows = paged.Rows(table, np.int32([len(ids) + emitted - 1]), np.int32([1]))
             decodes = St.Decodes(rows, None, np.int32([emitted]), np.int32([k]))
-            got, live[0], state = SHARED.decode_steps(w.params, c, live[0], state, decodes, np.int32(k),
-                                                      loops=self.loops, n_max=BURST, exit=self._exit)
-            for t, s in zip(np.asarray(got.out.tokens[0]).tolist(), np.asarray(got.out.stops[0]).tolist()):
+            if matcher is None:
+                got, live[0], state = SHARED.decode_steps(w.params, c, live[0], state, decodes, np.int32(k),
+                                                          loops=self.loops, n_max=BURST, exit=self._exit)
+                got = got.out
+            else:
+                logits, live[0] = SHARED.decode_forward(w.params, c, live[0], state, decodes, loops=self.loops,
+                                                        exit=self._exit)
+                got, state = SHARED.decode_choose(state, decodes.replace(mask=fill_masks([matcher], c.vocab_size)),
+                                                  logits, np.ones((1,), bool))
+            for t, s in zip(np.asarray(got.tokens).reshape(-1).tolist(), np.asarray(got.stops).reshape(-1).tolist()):
                 if t < 0:
                     break
                 emitted, stopped = emitted + 1, s >= 0
-                yield t, stopped
+                ended = matcher is not None and consume(matcher, t)
+                yield t, stopped, ended
                 if stopped:
                     break
 

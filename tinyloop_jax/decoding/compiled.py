@@ -32,6 +32,8 @@ JIT_OPTIONS = dict(
     # the step body and its loop
     step=(St.step, dict(static_argnames=("cfg", "loops", "window"), donate_argnames=STATE)),
     chunk_adaptive=(St.chunk_adaptive, dict(static_argnames=("cfg", "loops"), donate_argnames=STATE)),
+    decode_forward=(St.decode_forward, dict(static_argnames=("cfg", "loops", "window"), donate_argnames=POOL)),
+    decode_choose=(St.decode_choose, dict(donate_argnames=("state",))),
     decode_steps=(St.decode_steps, dict(static_argnames=("cfg", "loops", "n_max", "window", "adaptive", "lookahead"),
                                         donate_argnames=STATE)),
 )

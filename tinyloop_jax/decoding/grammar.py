@@ -181,6 +181,14 @@ def take(matcher, token: int) -> tuple[bool, str | None]:
     return matcher.is_stopped(), None
 
 
+def consume(matcher, token: int) -> bool:
+    """`take` for a driver that fails its call on a refusal (RuntimeError): is the grammar done?"""
+    done, error = take(matcher, token)
+    if error is not None:
+        raise RuntimeError(error)
+    return done
+
+
 def words(vocab_size: int) -> int:
     """int32 words of a bitmask row."""
     return (vocab_size + 31) // 32

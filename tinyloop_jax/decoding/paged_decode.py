@@ -234,19 +234,25 @@ def decode(params: Params, cfg: ModelConfig, rows: paged.Rows, fill: Prefilled, 
     return Decoded(fill.first, got, fill.depth, pool)
 
 
-# how a `Model` call with a grammar decodes: "device" (the loop on the device asks the host for
-# masks by callback, `decode`) or "host" (a dispatch a token, `decode_constrained`); docs/benchmarks.md
-GRAMMAR_LOOP = "device"
+# how a `Model` call with a grammar decodes: "host" (`decode_constrained`: a plain step's forward
+# and choice dispatched apart, the masks filled while the forward runs; 0.88-0.98x of free
+# decoding, docs/benchmarks.md) or "device" (`decode`: the loop on the device asks the host for
+# each iteration's masks by an ordered callback; 0.73-0.78x). Adaptive depth's step is one
+# program (no forward to overlap): its calls take the device loop either way, but on a mesh.
+GRAMMAR_LOOP = "host"
 
 
 def decode_constrained(params: Params, cfg: ModelConfig, rows: paged.Rows, fill: Prefilled, req: Knobs, loops: int,
                        window: int, out_len: int, matchers: list, exit: exits.Exit | None = None) -> Decoded:
     """`decode` for rows of which some follow a grammar (matchers [N]: each row's llguidance
-    matcher, None: free), driven from the host: one `step.decode_steps` iteration a dispatch
-    (n_max 1), each with the rows' masks filled from their matchers after the tokens before it
-    (`grammar.fill_masks`). A row ends at max_tokens, a stop sequence, or when its grammar is
-    complete (the matcher stopped: its end-of-sequence token emitted). The same step body,
-    keys and stop rule as `decode`: free rows emit its tokens."""
+    matcher, None: free), driven from the host. A plain step is two dispatches a token
+    (`step.decode_forward`, then `step.decode_choose` with the rows' masks): iteration i's
+    forward is queued before the host reads iteration i - 1's tokens, so the matchers take them
+    and fill the next masks (`grammar.fill_masks`) while the device runs it; a row that ended
+    in the choice before has fed one token for nothing. Adaptive depth: one `decode_steps`
+    iteration a dispatch (its forward and choice are one program). A row ends at max_tokens, a
+    stop sequence, or when its grammar is complete (its end-of-sequence token emitted). The same
+    step body, keys and stop rule as `decode`: free rows emit its tokens."""
     from .grammar import fill_masks
 
     N = rows.start.shape[0]
@@ -254,38 +260,53 @@ def decode_constrained(params: Params, cfg: ModelConfig, rows: paged.Rows, fill:
     max_tokens = np.asarray(req.max_tokens)
     out = np.full((N, max(out_len - 1, 1)), -1, np.int32)
     stops, passes = np.full_like(out, -1), np.zeros_like(out) if fill.depth is not None else None
-    count = np.zeros((N,), np.int32)
+    count = np.zeros((N,), np.int32)  # tokens chosen past the first (the one in flight counted)
     done = (stop >= 0) | (max_tokens <= 1)
     for r, m in enumerate(matchers):
-        done[r] |= m is not None and _consume(m, int(first[r]))
+        done[r] |= m is not None and G.consume(m, int(first[r]))
     pool, state = fill.pool, fill.state
-    for i in range(1, out_len):
-        live = ~done & (count < max_tokens - 1)
-        if not live.any():
-            break
-        decodes = St.Decodes(rows.replace(start=rows.start + count), None, 1 + count, live.astype(np.int32),
-                             fill_masks([m if on else None for m, on in zip(matchers, live)], cfg.vocab_size))
-        got, pool, state = SHARED.decode_steps(params, cfg, pool, state, decodes, np.int32(1), loops=loops, n_max=1,
-                                               exit=exit, window=window, adaptive=fill.depth is not None)
-        tok, hit = np.asarray(got.out.tokens[:, 0]), np.asarray(got.out.stops[:, 0])
-        for r in np.flatnonzero(live):
-            out[r, count[r]], stops[r, count[r]] = tok[r], hit[r]
+    pending = None  # the choice not read yet: (its tokens, its rows, where they go)
+
+    def read(got, which, at):
+        em = got.out if passes is not None else got  # (adaptive: a one-iteration `Burst`)
+        tok, hit = np.asarray(em.tokens).reshape(N, -1)[:, 0], np.asarray(em.stops).reshape(N, -1)[:, 0]
+        for r, c in zip(which, at):
+            out[r, c], stops[r, c] = tok[r], hit[r]
             if passes is not None:
-                passes[r, count[r]] = int(got.passes[r, 0])
-            count[r] += 1
-            done[r] |= hit[r] >= 0 or (matchers[r] is not None and _consume(matchers[r], int(tok[r])))
+                passes[r, c] = int(got.passes[r, 0])
+            done[r] |= hit[r] >= 0 or (matchers[r] is not None and G.consume(matchers[r], int(tok[r])))
+
+    live = ~done & (count < max_tokens - 1)  # the rows whose next token is chosen (as far as the host knows)
+    while live.any():
+        step = St.Decodes(rows.replace(start=rows.start + count, n_new=live.astype(np.int32)), None, 1 + count,
+                          live.astype(np.int32))
+        if passes is None:
+            logits, pool = SHARED.decode_forward(params, cfg, pool, state, step, loops=loops, window=window, exit=exit)
+        if pending is not None:  # the choice before, read while this forward runs
+            read(*pending)
+            live = live & ~done
+            if not live.any():
+                pending = None
+                break
+        step = step.replace(left=live.astype(np.int32),
+                            mask=fill_masks([m if on else None for m, on in zip(matchers, live)], cfg.vocab_size))
+        if passes is None:
+            got, state = SHARED.decode_choose(state, step, logits, jnp.asarray(live))
+        else:  # adaptive: the forward's passes depend on the row, one program
+            got, pool, state = SHARED.decode_steps(params, cfg, pool, state, step, np.int32(1), loops=loops, n_max=1,
+                                                   exit=exit, window=window, adaptive=True)
+        pending = (got, np.flatnonzero(live), count[live])
+        count = count + live
+        live = live & (count < max_tokens - 1)
+        if passes is not None:  # (no next forward queued: read now)
+            read(*pending)
+            pending, live = None, live & ~done
+    if pending is not None:
+        read(*pending)
     burst = St.Burst(St.Emitted(jnp.asarray(out), jnp.asarray(stops)), jnp.asarray(count),
                      None if passes is None else jnp.asarray(passes), jnp.int32(out_len - 1),
                      jnp.zeros((N,), jnp.int32))
     return Decoded(fill.first, burst, fill.depth, pool)
-
-
-def _consume(matcher, token: int) -> bool:
-    """`grammar.take`, a refusal raised (RuntimeError)."""
-    done, error = G.take(matcher, token)
-    if error is not None:
-        raise RuntimeError(error)
-    return done
 
 
 def lower_decode(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, rows: paged.Rows, req: Knobs, loops: int,

@@ -214,6 +214,26 @@ def _next_tokens(state: Requests, decodes: Decodes, logits: jax.Array, warm: jax
     return Emitted(tok, stops), state
 
 
+def decode_forward(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Requests, decodes: Decodes,
+                   loops: int, window: int = 0, exit: exits.Exit | None = None):
+    """The plain decode iteration's first half: each row's last token (state.rows.last) fed at
+    rows.start (a row with n_new 0 writes nothing) -> (logits [b, V], pool). `decode_steps`
+    runs it and `decode_choose` in one program; a driver that must read a step's tokens before
+    the next choice (a grammar's masks) dispatches them apart and fills the masks while the
+    next forward runs (`paged_decode.decode_constrained`)."""
+    slot = decodes.slot
+    x, pool = paged.forward(params, cfg, pool, decodes.rows, _take(state.rows.last, slot)[:, None], loops, window,
+                            exit, _take(state.req.seed, slot))
+    return tf.lm_head(params, cfg, x[:, 0]), pool
+
+
+def decode_choose(state: Requests, decodes: Decodes, logits: jax.Array, live: jax.Array | None = None):
+    """The plain decode iteration's second half: each row's next token from its logits [b, V]
+    (`_next_tokens`, decodes.mask applied), rows not live [b] (a call's) unchanged.
+    Returns (`Emitted` [b], state)."""
+    return _next_tokens(state, decodes, logits, live=live)
+
+
 @struct.dataclass
 class Burst:
     """What `decode_steps` returns for its b rows."""
@@ -267,9 +287,8 @@ def decode_steps(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, stat
         elif adaptive:
             got, passes, pool, state = step_adaptive(params, cfg, c["pool"], c["state"], d, loops, live=on)
         else:
-            x, pool = paged.forward(params, cfg, c["pool"], d.rows, _take(c["state"].rows.last, slot)[:, None], loops,
-                                    window, exit, _take(c["state"].req.seed, slot))
-            got, state = _next_tokens(c["state"], d, tf.lm_head(params, cfg, x[:, 0]), live=on)
+            logits, pool = decode_forward(params, cfg, c["pool"], c["state"], d, loops, window, exit)
+            got, state = decode_choose(c["state"], d, logits, on)
         tokens, stops = got.tokens.reshape(b, -1), got.stops.reshape(b, -1)
         j = jnp.arange(k + 1)[None, :]
         hit = stops >= 0

@@ -182,8 +182,11 @@ class Batcher(Budget, Admission, Reading, Plan):
 
     def _step(self, d: Depth) -> None:
         prev, d.inflight = d.inflight, None
-        if prev is not None and any(r.handle.matcher is not None for r, *_ in prev):
-            self._read(d, prev)  # a grammar's next mask needs the token before it: no overlap this step
+        # a grammar's next mask needs the token before it: a plain decode-only step dispatches its
+        # forward first and reads the step before while it runs (`_choose`); any other step reads it now
+        piped = not d.prefilling and not d.adaptive
+        if prev is not None and not piped and any(r.handle.matcher is not None for r, *_ in prev):
+            self._read(d, prev)
             prev = None
         chunk = None
         if d.prefilling:
@@ -219,7 +222,8 @@ class Batcher(Budget, Admission, Reading, Plan):
                 decodes = S.make_decodes([r.pages for r in decoding], starts, [r.slot for r in decoding],
                                          [len(r.handle.tokens) + r.ahead for r in decoding], R, bd,
                                          [r.handle.cache_window for r in decoding], left,
-                                         self._masks([r.handle.matcher for r in decoding], bd) if masked else None)
+                                         self._masks([r.handle.matcher for r in decoding], bd)
+                                         if masked and not (piped and chunk is None) else None)
             if chunk is not None:
                 self._window(d, chunk[0], chunk[0].fed, chunk[1])
             for r, q in zip(decoding, starts if decodes is not None else ()):
@@ -242,7 +246,9 @@ class Batcher(Budget, Admission, Reading, Plan):
                 ctok, dtok, d.pool, d.state = self._run(("step", d.loops, bd, T, R) + masked * ("masked",),
                                                         jits["step"], w.params, w.config, d.pool, d.state, chunks,
                                                         decodes, loops=d.loops, exit=d.exit)
-            if decoding and dtok is None:  # `decode_steps`: plain, or adaptive (each row's passes stop at its exit)
+            if decoding and dtok is None and masked and piped:  # forward, the step before read, masks, choice
+                dtok, prev = self._choose(d, decoding, decodes, R, bd, prev), None
+            elif decoding and dtok is None:  # `decode_steps`: plain, or adaptive (each row's passes stop at its exit)
                 got, d.pool, d.state = self._run(("steps", d.loops, bd, R, d.adaptive) + masked * ("masked",),
                                                  jits["decode_steps"], w.params, w.config, d.pool, d.state, decodes,
                                                  np.int32(many), loops=d.loops,
@@ -270,6 +276,8 @@ class Batcher(Budget, Admission, Reading, Plan):
                     ran.append((r, 0, ctok, None))
             fed = 0
             for i, r in enumerate(decoding):
+                if r.left:  # (ended by the step before, read in `_choose`)
+                    continue
                 k = min(many, r.handle.params.max_tokens - len(r.handle.tokens) - r.ahead)
                 r.ahead += k
                 fed += k
@@ -288,6 +296,26 @@ class Batcher(Budget, Admission, Reading, Plan):
         self._speculate(d)
         if prev is not None:
             self._read(d, prev)
+
+    def _choose(self, d: Depth, decoding: list, decodes, R: int, bd: int, prev: list | None):
+        """A decode-only step with grammar rows, in two dispatches: the forward
+        (`step.decode_forward`), then — while it runs — the step before it read (its tokens
+        taken by the matchers), then the choice with the masks (`step.decode_choose`); a row the
+        read ended has fed one token for nothing and chooses none (its slot a filler).
+        Returns the tokens (`Emitted` [bd])."""
+        w, jits = self.model.weights, self.jits(d.loops)
+        logits, d.pool = self._run(("forward", d.loops, bd, R), jits["decode_forward"], w.params, w.config, d.pool,
+                                   d.state, decodes, loops=d.loops, exit=d.exit)
+        if prev is not None:
+            self._read(d, prev)
+        kept = np.pad(np.array([not r.left for r in decoding], bool), (0, bd - len(decoding)))
+        choice = decodes.replace(rows=decodes.rows.replace(pages=decodes.rows.pages[:, :1]),  # (the choice reads
+                                 # no pages: one program per row bucket)
+                                 slot=np.where(kept, decodes.slot, S.FILLER).astype(np.int32),
+                                 mask=self._masks([r.handle.matcher if k else None for r, k in zip(decoding, kept)],
+                                                  bd))
+        dtok, d.state = self._run(("choose", d.loops, bd, "masked"), jits["decode_choose"], d.state, choice, logits)
+        return dtok
 
     def _masks(self, matchers: list, rows: int) -> np.ndarray:
         """Grammar masks [rows, W] of a step's rows (None or padding: every token)."""

@@ -79,6 +79,14 @@ class Plan:
             if bd and not T:  # decode rows alone: `decode_steps` (plain; adaptive: each row's passes stop at its exit)
                 for kind in (False, True) if adaptive else (False,):
                     for m in masks:  # (a masked step: one a dispatch)
+                        if m and not kind:  # plain: the forward, then the choice (`Batcher._choose`)
+                            decodes = S.make_decodes([], [], [], [], R, bd, left=[])
+                            compile_(("forward", loops, bd, R), jits["decode_forward"], w.params, c, pool, state,
+                                     decodes, loops=loops, exit=exit)
+                            choice = S.make_decodes([], [], [], [], 1, bd, left=[], mask=mask(bd, m))
+                            compile_(("choose", loops, bd, m), jits["decode_choose"], state, choice,
+                                     jax.ShapeDtypeStruct((bd, c.vocab_size), np.float32))  # (float32 logits)
+                            continue
                         decodes = S.make_decodes([], [], [], [], R, bd, left=[], mask=mask(bd, m))
                         compile_(("steps", loops, bd, R, kind) + ((m,) if m else ()), jits["decode_steps"], w.params,
                                  c, pool, state, decodes, np.int32(1), loops=loops,
