@@ -201,9 +201,11 @@ class Batcher(Budget, Admission, Reading, Plan):
             lengths = [r.fed + len(r.handle.tokens) + r.ahead for r in decoding]  # positions after the step
             if chunk is not None:
                 lengths.append(chunk[0].fed + chunk[1])
-            # structured output: every row of the step gets a mask (all ones for free rows), one step a dispatch
+            # structured output: every row of the step gets a mask (all ones for free rows), one step a dispatch;
+            # a prompt chunk beside decode rows always takes them (one program set, grammar or not)
             masked = any(r.handle.matcher is not None for r in decoding) or (
-                chunk is not None and chunk[2] and chunk[0].handle.matcher is not None)
+                chunk is not None and chunk[2] and chunk[0].handle.matcher is not None) or (
+                chunk is not None and not d.adaptive and not chunk[0].handle.in_prefill)
             burst = chunk is None  # decode rows alone: 1 step or a burst (nothing to admit: n in one program)
             many = self.decode_steps if burst and not self.waiting and not masked else 1
             R = self.table_len(max(lengths) + many - 1)
@@ -243,7 +245,7 @@ class Batcher(Budget, Admission, Reading, Plan):
                                                          jits["step"], w.params, w.config, d.pool, d.state, chunks,
                                                          None, loops=d.loops, exit=d.exit)
             elif chunk is not None:  # the chunk and the decode rows in one forward
-                ctok, dtok, d.pool, d.state = self._run(("step", d.loops, bd, T, R) + masked * ("masked",),
+                ctok, dtok, d.pool, d.state = self._run(("step", d.loops, bd, T, R),  # (masks always)
                                                         jits["step"], w.params, w.config, d.pool, d.state, chunks,
                                                         decodes, loops=d.loops, exit=d.exit)
             if decoding and dtok is None and masked and piped:  # forward, the step before read, masks, choice

@@ -56,8 +56,9 @@ class Plan:
         so any thread may call it while the loop serves); returns how many were new. adaptive:
         also the adaptive-depth programs (a prompt's chunk alone, the decode rows' adaptive
         steps, a prompt exiting in prefill at every length bucket); speculation: also the
-        speculative rounds of these (draft_loops, lookahead) pairs; grammar: also the masked
-        programs a step with a structured-output row runs (one step a dispatch)."""
+        speculative rounds of these (draft_loops, lookahead) pairs; grammar: also the programs
+        a decode-only step with a structured-output row runs (its forward and choice apart;
+        adaptive: one masked step). A prompt chunk beside decode rows always takes masks."""
         w, c, P = self.model.weights, self.cfg, self.page_size
         n_pages = self.pool_pages(loops)
         pool = jax.eval_shape(lambda: self.empty_pool(loops, n_pages))
@@ -98,11 +99,11 @@ class Plan:
                 continue
             if not T:
                 continue
-            for m in masks:
+            for m in masks if not bd else ("masked",):  # (a chunk beside decode rows: always masks)
                 chunks = S.make_chunks([], [], [], [], [], T, R, 1, mask=mask(1, m))
                 decodes = S.make_decodes([], [], [], [], R, bd, left=[], mask=mask(bd, m)) if bd else None
-                compile_(("step", loops, bd, T, R) + ((m,) if m else ()), jits["step"], w.params, c, pool, state,
-                         chunks, decodes, loops=loops, exit=exit)
+                compile_(("step", loops, bd, T, R) + ((m,) if m and not bd else ()), jits["step"], w.params, c, pool,
+                         state, chunks, decodes, loops=loops, exit=exit)
         for R in tables if adaptive else ():
             for T in sorted({bucket(n) for n in range(1, c.max_seq_len + 1)}):
                 for m in masks:
