@@ -11,6 +11,12 @@ where the object does). Decode tokens/s = (tokens emitted - 1 a request) / (the 
 counted, so answers of different lengths compare.
 
     python scripts/bench_structured.py [--repeats 3] [--no-write]
+    python scripts/bench_structured.py --memory [--tree DIR]   # warmup's programs and peak RSS
+
+`--memory`: the server's engine (the bundled model, max_batch 16) warmed with and without
+`grammar=True`, each in a fresh process with an empty compilation cache: programs compiled,
+seconds, peak RSS (VmHWM). `--tree` runs another checkout's package (a `git worktree`: before
+and after, back to back).
 """
 
 from __future__ import annotations
@@ -36,7 +42,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--memory", action="store_true")
+    ap.add_argument("--tree", default=None)
     args = ap.parse_args()
+    if args.memory:
+        return memory(args.tree)
     import _report
     import tinyloop_jax as tl
     from tinyloop_jax.decoding import grammar as G
@@ -117,6 +127,32 @@ def main() -> None:
         "| driver | sampling | format | tok/s | / free |", "|---|---|---|---|---|", *rows_out, ""])
     _report.write_section("bench_structured", body)
 
+
+WARM = """
+import os, sys, tempfile, time
+os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="tinyloop-xla-")
+from tinyloop_jax.cli import _load, persistent_compile_cache
+from tinyloop_jax.serving.engine import Engine
+persistent_compile_cache()
+eng = Engine(_load(None, None), max_batch=16)
+t0 = time.perf_counter()
+n = eng.warmup(grammar=sys.argv[1] == "1")
+hwm = next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM:"))
+print(n, time.perf_counter() - t0, hwm / 2**20)
+"""
+
+
+def memory(tree: str | None) -> None:
+    """Warmup with and without the grammar programs, each in a fresh process (see the docstring)."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree) if tree else os.getcwd())
+    for grammar in (0, 1):
+        out = subprocess.run([sys.executable, "-c", WARM, str(grammar)], env=env, capture_output=True, text=True,
+                             check=True).stdout.split()
+        n, secs, gib = int(out[0]), float(out[1]), float(out[2])
+        print(f"{tree or 'this tree'}: warmup(grammar={bool(grammar)}): {n} programs, {secs:.1f} s, "
+              f"peak RSS {gib:.2f} GiB", flush=True)
 
 
 if __name__ == "__main__":
