@@ -61,6 +61,24 @@ def test_constrained_greedy_equals_a_from_scratch_reference(model, kind):
     assert all(m.consume_token(t) for t in want)  # what it emitted the grammar takes, in order
 
 
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_speculative_rounds_follow_the_grammar(model, kind):
+    """Drafts drawn under the mask, verified under the same masks, the matchers rolled back past
+    the kept drafts: greedy rounds emit plain masked greedy decoding's tokens (the from-scratch
+    reference), ending where the grammar ends even inside a round; sampled rounds follow the
+    grammar."""
+    g = grammar(FORMATS[kind])
+    want = model.generate(PROMPT, max_tokens=12, response_format=g)
+    assert want[len(PROMPT):] == reference(model, PROMPT, g, 12)
+    for k in (1, 3):
+        assert model.generate(PROMPT, max_tokens=12, response_format=g, draft_loops=1, lookahead=k) == want
+    for seed in range(2):
+        out = model.generate(PROMPT, max_tokens=16, response_format=g, draft_loops=1, lookahead=3, temperature=0.8,
+                             seed=seed)[len(PROMPT):]
+        m = g.matcher()
+        assert all(m.consume_token(t) for t in out) and (len(out) == 16 or m.is_stopped())
+
+
 def test_choices_and_regexes_end_where_their_grammar_ends(model):
     """A bounded grammar ends the output before max_tokens — where nothing may follow, or at
     its end-of-sequence token where the model chose to stop — and the text is one of the
@@ -146,8 +164,8 @@ def test_a_response_format_the_call_cannot_take_is_refused(model):
     with pytest.raises(ValueError, match="built for 300 token ids"):
         tl.Model.random(tiny_config(vocab_size=320), seed=0).generate(PROMPT, response_format=grammar(
             FORMATS["regex"]))
-    with pytest.raises(ValueError, match="draft_loops"):
-        model.generate(PROMPT, response_format=grammar(FORMATS["regex"]), draft_loops=1, lookahead=2)
+    with tl.Engine(model, max_batch=1) as eng, pytest.raises(ValueError, match="draft_loops"):
+        eng.submit(PROMPT, response_format=grammar(FORMATS["regex"]), draft_loops=1, lookahead=2)
     assert tl.Grammar.of({"type": "text"}, TOK, V) is None
 
 

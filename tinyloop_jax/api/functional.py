@@ -197,7 +197,8 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
     pages (`decoding.paged_decode`), the suffixes prefilled as one group of chunks, then the
     on-device decode loop over the paged step. grammars [N]: each row's `Grammar` (structured
     output) or None; with any, the decode loop is driven from the host, a mask a token
-    (`paged_decode.decode_constrained`; adaptive depth: the device loop asks for them by callback).
+    (`paged_decode.decode_constrained`; adaptive depth and speculative rounds: the device loop
+    asks for them by callback).
 
     loops / cache_window default to the prefix's. Returns the `paged_decode.Decoded` (on device):
     row i emitted tokens[i, :n[i]] (on a mesh, rows past len(suffixes) are filler)."""
@@ -236,15 +237,15 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
     if grammars is not None and any(g is not None for g in grammars):
         from ..decoding.grammar import fill_masks
 
-        if speculation is not None:
-            raise ValueError("response_format does not go with draft_loops (speculative decoding) yet")
+        if speculation is not None and c.mesh is not None:
+            raise ValueError("response_format does not go with draft_loops (speculative decoding) on a mesh yet")
         matchers = [None if g is None else g.matcher() for g in grammars] + [None] * extra
         masks = fill_masks(matchers, c.vocab_size)
     fill = paged_decode.prefill(weights.params, c, pool, state, lay.tables, P, suffixes, prior_logits, loops,
                                 0 if windows is not None else window, exit, chunk, adaptive=adaptive is not None,
                                 exits=adaptive is not None and adaptive.in_prefill, windows=windows, masks=masks)
     rows = paged.Rows(lay.tables, P + lens, np.ones((N,), np.int32), windows)  # where each first token is fed
-    if matchers is not None and ((paged_decode.GRAMMAR_LOOP == "host" and adaptive is None)
+    if matchers is not None and ((paged_decode.GRAMMAR_LOOP == "host" and adaptive is None and speculation is None)
                                  or c.mesh is not None):  # (no host callback inside a program split over devices)
         return paged_decode.decode_constrained(weights.params, c, rows, fill, request,
                                                loops, 0 if windows is not None else window, kvc.bucket(max_new),

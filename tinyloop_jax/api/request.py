@@ -252,8 +252,6 @@ def checked(request: Request, config: ModelConfig, allow_empty: bool = False, na
     prompt = check.tokens(request.prompt, config.vocab_size, name, allow_empty)
     params = check.sampling_params(config.vocab_size, **dataclasses.asdict(request.params))
     plan, policy = checked_plan(request.plan, config)
-    if params.response_format is not None and isinstance(plan, Speculative):
-        raise ValueError("response_format does not go with draft_loops (speculative decoding) yet")
     out = Request(prompt, params, plan, check.cache_window(request.cache_window), request.deadline)
     object.__setattr__(out, "policy", policy)
     object.__setattr__(out, "checked_for", config)

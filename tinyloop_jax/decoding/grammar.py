@@ -222,7 +222,7 @@ _NEXT = [0]
 def register(matchers: list) -> int:
     """A call's matchers (one per row, None: free), addressed by the int a loop carries."""
     _NEXT[0] += 1
-    _CALLS[_NEXT[0]] = dict(matchers=matchers, error=None)
+    _CALLS[_NEXT[0]] = dict(matchers=matchers, error=None, drafted=[0] * len(matchers), ended=[0] * len(matchers))
     return _NEXT[0]
 
 
@@ -248,6 +248,42 @@ def host_masks(call, tokens, live, vocab_size: int) -> tuple[np.ndarray, np.ndar
     return fill_masks([m if on and not d else None for m, on, d in zip(ms, live, done)], vocab_size), done
 
 
+def draft_masks(call, tokens, live, vocab_size: int) -> np.ndarray:
+    """A speculative round's draft, as the host sees it: each live row's matcher takes its draft
+    token for now (`commit` keeps or rolls back) -> the masks [b, W] of what may follow. A row
+    whose grammar the drafts completed takes no more (its later positions: every token; they
+    are cut at `commit`)."""
+    entry = _CALLS[int(call)]
+    ms, out = entry["matchers"], []
+    for r, m in enumerate(ms):
+        if m is None or not live[r] or entry["ended"][r]:
+            out.append(None)
+            continue
+        done, error = take(m, tokens[r])
+        entry["error"] = entry["error"] or error
+        entry["drafted"][r] += 1
+        entry["ended"][r] = entry["drafted"][r] if done or error else 0
+        out.append(None if done or error else m)
+    return fill_masks(out, vocab_size)
+
+
+def commit(call, kept, live) -> np.ndarray:
+    """The round verified: each row kept its first kept[r] drafts -> the drafts it keeps [b]:
+    fewer where its grammar ended at a kept draft (that draft becomes the round's last token,
+    taken again by the next round's first mask, which ends the row). The matchers roll back
+    what they took past the kept drafts."""
+    entry = _CALLS[int(call)]
+    out = np.array(kept, np.int32)
+    for r, m in enumerate(entry["matchers"]):
+        n, end = entry["drafted"][r], entry["ended"][r]
+        if m is not None and live[r] and n:
+            if end and end <= out[r]:
+                out[r] = end - 1
+            m.rollback(n - min(int(out[r]), n))
+        entry["drafted"][r] = entry["ended"][r] = 0
+    return out
+
+
 def device_masks(call, tokens, live, vocab_size: int):
     """`host_masks` from inside a jitted loop (an ordered host callback: once an iteration, in order)."""
     import jax
@@ -256,3 +292,20 @@ def device_masks(call, tokens, live, vocab_size: int):
     b = tokens.shape[0]
     shapes = (jax.ShapeDtypeStruct((b, words(vocab_size)), np.int32), jax.ShapeDtypeStruct((b,), np.bool_))
     return io_callback(functools.partial(host_masks, vocab_size=vocab_size), shapes, call, tokens, live, ordered=True)
+
+
+def device_draft_masks(call, tokens, live, vocab_size: int):
+    """`draft_masks` from inside a jitted round (an ordered host callback)."""
+    import jax
+    from jax.experimental import io_callback
+
+    shape = jax.ShapeDtypeStruct((tokens.shape[0], words(vocab_size)), np.int32)
+    return io_callback(functools.partial(draft_masks, vocab_size=vocab_size), shape, call, tokens, live, ordered=True)
+
+
+def device_commit(call, kept, live):
+    """`commit` from inside a jitted round (an ordered host callback)."""
+    import jax
+    from jax.experimental import io_callback
+
+    return io_callback(commit, jax.ShapeDtypeStruct(kept.shape, np.int32), call, kept, live, ordered=True)

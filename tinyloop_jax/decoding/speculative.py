@@ -67,40 +67,59 @@ def accept(key: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Array) -> tup
 
 def round_paged(params: Params, cfg: ModelConfig, pool, rows, last: jax.Array, seen: jax.Array, counts: jax.Array,
                 req: Knobs, keys: jax.Array, loops: int, draft_loops: int, lookahead: int, window: int = 0,
-                exit: exits.Exit | None = None):
+                exit: exits.Exit | None = None, grammar: tuple | None = None):
     """One round for N rows over a page pool (`model.paged`): rows (`paged.Rows`: start = where
     each row's last token is fed, n_new 1, or 0 for a row that only idles) and their last
     tokens [N], seen / counts [N, V] before it, keys [N] the round's. k = lookahead drafts at
     depth `draft_loops` (passes 0..d-1 of the same pages), [last, d_1 .. d_k] verified as one
     chunk at `loops`, the acceptance rule. Rollback is the caller's length: positions past the
     kept tokens are written again by the next round. Returns (tokens [N, k + 1]: d_1 .. d_a
-    then the next token, a [N], seen and counts with last and the kept drafts fed, pool)."""
+    then the next token, a [N], seen and counts with last and the kept drafts fed, pool).
+
+    grammar (call, mask [N, W], live [N]): structured output. Draft j is drawn under the mask
+    of what may follow the tokens before it and the host's matchers take it for now
+    (`grammar.draft_masks`); position j of the verify chunk is chosen under the same mask, so
+    greedy rounds emit plain masked greedy decoding's tokens; then the host keeps the kept
+    drafts (`grammar.commit`: fewer where a kept draft completes the grammar, that draft
+    becoming the round's last token) and rolls back the rest."""
     from ..model import paged
+    from . import grammar as G
 
     k, N, V = lookahead, last.shape[0], seen.shape[-1]
     idx = jnp.arange(N)
+    masks = None if grammar is None else jnp.zeros((N, k + 1) + grammar[1].shape[1:], jnp.int32).at[:, 0].set(
+        grammar[1])
+    under = lambda r, m: r if m is None else r.replace(allowed=m)  # noqa: E731
 
     def draft(j, c):  # one token at depth d, at position start + j
-        pool, tok, seen_d, counts_d, drafts, qs = c
+        pool, tok, seen_d, counts_d, drafts, qs, masks = c
         seen_d = seen_d.at[idx, tok].set(True)
         counts_d = counts_d + jax.nn.one_hot(tok, V, dtype=jnp.int32)
         x, pool = paged.forward(params, cfg, pool, rows.replace(start=rows.start + j), tok[:, None], draft_loops,
                                 window, seeds=req.seed)
-        q = distribution(tf.lm_head(params, cfg, x[:, 0]), seen_d, req, counts_d)
+        q = distribution(tf.lm_head(params, cfg, x[:, 0]), seen_d, under(req, None if masks is None else masks[:, j]),
+                         counts_d)
         tok = jax.vmap(draw)(fold_in(keys, j), q)
-        return pool, tok, seen_d, counts_d, drafts.at[:, j].set(tok), qs.at[:, j].set(q)
+        if masks is not None:
+            masks = masks.at[:, j + 1].set(G.device_draft_masks(grammar[0], tok, grammar[2], V))
+        return pool, tok, seen_d, counts_d, drafts.at[:, j].set(tok), qs.at[:, j].set(q), masks
 
-    pool, _, _, _, drafts, qs = jax.lax.fori_loop(0, k, draft, (pool, last, seen, counts, jnp.zeros((N, k), jnp.int32),
-                                                              jnp.zeros((N, k, V), jnp.float32)))
+    pool, _, _, _, drafts, qs, masks = jax.lax.fori_loop(0, k, draft, (
+        pool, last, seen, counts, jnp.zeros((N, k), jnp.int32), jnp.zeros((N, k, V), jnp.float32), masks))
     chunk = jnp.concatenate([last[:, None], drafts], axis=1)  # [N, k + 1] at start .. start + k
     x, pool = paged.forward(params, cfg, pool, rows.replace(n_new=rows.n_new * (k + 1)), chunk, loops, window, exit,
                             req.seed)
     fed = jnp.cumsum(jax.nn.one_hot(chunk, V, dtype=jnp.int32), axis=1)  # seen / counts after each chunk prefix
     per_pos = jax.tree.map(lambda a: jnp.repeat(a, k + 1, axis=0), req)
-    flat = lambda a: a.reshape(N * (k + 1), V)  # noqa: E731
-    ps = distribution(flat(tf.lm_head(params, cfg, x)), flat(seen[:, None] | (fed > 0)), per_pos,
+    flat = lambda a: a.reshape((N * (k + 1),) + a.shape[2:])  # noqa: E731
+    ps = distribution(flat(tf.lm_head(params, cfg, x)), flat(seen[:, None] | (fed > 0)),
+                      under(per_pos, None if masks is None else flat(masks)),
                       flat(counts[:, None] + fed)).reshape(N, k + 1, V)
     a, nxt = jax.vmap(accept)(fold_in(keys, k), ps, qs, drafts)
+    if grammar is not None:  # a kept draft that completes the grammar ends the round (and the row)
+        cut = G.device_commit(grammar[0], a, grammar[2])
+        nxt = jnp.where(cut < a, jnp.take_along_axis(drafts, jnp.minimum(cut, k - 1)[:, None], axis=1)[:, 0], nxt)
+        a = cut
     kept = jnp.arange(k)[None] < a[:, None]  # last and the kept drafts were fed; nxt is the next input
     hot = jax.nn.one_hot(drafts, V, dtype=jnp.int32) * kept[..., None]
     seen = seen | (jax.nn.one_hot(last, V) > 0) | (jnp.sum(hot, axis=1) > 0)

@@ -259,7 +259,8 @@ def decode_steps(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, stat
     nothing, keeps its state); the loop ends when no row is left. window: a static cache_window
     for every row (else each row's, rows.window). grammar (int32 [], a call's rows in order):
     structured output, each iteration asking the host for the rows' masks after their last
-    tokens (`grammar.host_masks`, an ordered callback) and ending a row whose grammar is done.
+    tokens (`grammar.host_masks`, an ordered callback) and ending a row whose grammar is done
+    (a speculative round: its drafts and verify positions under the masks, `round_paged`).
     Returns (`Burst`, pool, state)."""
     k, b = lookahead, decodes.steps.shape[0]
     if decodes.mask is not None and (n_max != 1 or k):  # a grammar's mask holds for one token
@@ -279,11 +280,13 @@ def decode_steps(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, stat
             # (only the choice reads the answer, so the forward need not wait for it; a row whose
             # grammar is done writes its last token's K/V and chooses nothing)
             mask, done = G.device_masks(grammar, c["state"].rows.last, on, cfg.vocab_size)
-            on, c, d = on & ~done, dict(c, stopped=c["stopped"] | done), d.replace(mask=mask)
+            on, c = on & ~done, dict(c, stopped=c["stopped"] | done)
+            d = d if k else d.replace(mask=mask)  # (a speculative round takes it as its first position's)
         passes, a = None, jnp.zeros((b,), jnp.int32)
         if k:
             got, a, pool, state = step_speculative(params, cfg, c["pool"], c["state"], d, loops, draft_loops, k, exit,
-                                                   window, live=on)
+                                                   window, live=on,
+                                                   grammar=None if grammar is None else (grammar, mask))
         elif adaptive:
             got, passes, pool, state = step_adaptive(params, cfg, c["pool"], c["state"], d, loops, live=on)
         else:
@@ -350,11 +353,12 @@ def chunk_adaptive(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, st
 
 def step_speculative(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Requests, decodes: Decodes,
                      loops: int, draft_loops: int, lookahead: int, exit: exits.Exit | None = None, window: int = 0,
-                     live: jax.Array | None = None):
+                     live: jax.Array | None = None, grammar: tuple | None = None):
     """One round of self-speculative decoding for the decode rows (`speculative.round_paged`:
     drafts at `draft_loops` over their pages, one verify chunk at `loops`; greedy: plain
     decoding's tokens). decodes.steps: tokens each row emitted (its round's keys are
-    fold_in(keys(steps), DRAFT_STREAM)); live [b]: a call's rows (slot None) that step.
+    fold_in(keys(steps), DRAFT_STREAM)); live [b]: a call's rows (slot None) that step;
+    grammar (call, masks [b, W] after the rows' last tokens): structured output (`round_paged`).
     Returns (`Emitted` [b, k + 1]: d_1 .. d_a then the next token, each row's tokens up to a
     stop; kept a [b], pool, state)."""
     s = decodes.slot
@@ -363,7 +367,8 @@ def step_speculative(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, 
     keys = fold_in(req.keys(decodes.steps), DRAFT_STREAM)
     rows = _take(state.rows, s)
     tokens, a, seen, counts, pool = round_paged(params, cfg, pool, decodes.rows, rows.last, rows.seen, rows.counts,
-                                                req, keys, loops, draft_loops, lookahead, window, exit)
+                                                req, keys, loops, draft_loops, lookahead, window, exit,
+                                                None if grammar is None else (grammar[0], grammar[1], live))
     nxt = jnp.take_along_axis(tokens, a[:, None], axis=1)[:, 0]
     new = rows.replace(seen=seen, counts=counts, last=nxt)
     state = state.replace(rows=_where(live, new, state.rows) if s is None else _put(state.rows, s, new))
