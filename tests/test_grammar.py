@@ -72,11 +72,18 @@ def test_speculative_rounds_follow_the_grammar(model, kind):
     assert want[len(PROMPT):] == reference(model, PROMPT, g, 12)
     for k in (1, 3):
         assert model.generate(PROMPT, max_tokens=12, response_format=g, draft_loops=1, lookahead=k) == want
-    for seed in range(2):
-        out = model.generate(PROMPT, max_tokens=16, response_format=g, draft_loops=1, lookahead=3, temperature=0.8,
-                             seed=seed)[len(PROMPT):]
+    sampled = [model.generate(PROMPT, max_tokens=16, response_format=g, draft_loops=1, lookahead=3, temperature=0.8,
+                              seed=seed) for seed in range(2)]
+    for out in sampled:
         m = g.matcher()
-        assert all(m.consume_token(t) for t in out) and (len(out) == 16 or m.is_stopped())
+        assert all(m.consume_token(t) for t in out[len(PROMPT):]) and (len(out) == len(PROMPT) + 16 or m.is_stopped())
+    # the engine's rounds (its matchers take what it reads; the drafts rolled back after each round),
+    # beside a free speculative row
+    with tl.Engine(model, max_batch=2) as eng:
+        hs = [eng.submit(PROMPT, max_tokens=12, response_format=g, draft_loops=1, lookahead=3),
+              eng.submit(PROMPT[2:], max_tokens=12, draft_loops=1, lookahead=3),
+              eng.submit(PROMPT, max_tokens=16, response_format=g, draft_loops=1, lookahead=3, temperature=0.8, seed=0)]
+        assert [h.result() for h in hs] == [want, model.generate(PROMPT[2:], max_tokens=12), sampled[0]]
 
 
 def test_choices_and_regexes_end_where_their_grammar_ends(model):
@@ -164,8 +171,6 @@ def test_a_response_format_the_call_cannot_take_is_refused(model):
     with pytest.raises(ValueError, match="built for 300 token ids"):
         tl.Model.random(tiny_config(vocab_size=320), seed=0).generate(PROMPT, response_format=grammar(
             FORMATS["regex"]))
-    with tl.Engine(model, max_batch=1) as eng, pytest.raises(ValueError, match="draft_loops"):
-        eng.submit(PROMPT, response_format=grammar(FORMATS["regex"]), draft_loops=1, lookahead=2)
     assert tl.Grammar.of({"type": "text"}, TOK, V) is None
 
 
@@ -233,8 +238,9 @@ def test_adaptive_depth_with_a_grammar_in_generate_and_the_engine():
 
 
 def test_warmup_compiles_the_masked_programs(model):
-    """`warmup(grammar=True)`: a structured-output request and a free one after it trace none
-    of the engine's programs (JAX's trace events), and answer as generate does."""
+    """`warmup(grammar=True)` (with a speculative pair): a structured-output request, a
+    speculative one and a free one after them trace none of the engine's programs (JAX's trace
+    events), and answer as generate does."""
     import jax
 
     from tinyloop_jax.decoding import compiled
@@ -247,15 +253,17 @@ def test_warmup_compiles_the_masked_programs(model):
 
     g = grammar(FORMATS["regex"])
     with tl.Engine(model, max_batch=1, prefill_chunk=16) as eng:
-        assert eng.warmup(grammar=True) > 0
+        assert eng.warmup(grammar=True, speculation=((1, 2),)) > 0
         jax.monitoring.register_event_duration_secs_listener(listen)
         try:
             got = [eng.submit(PROMPT, max_tokens=8, response_format=g).result(),
+                   eng.submit(PROMPT, max_tokens=8, response_format=g, draft_loops=1, lookahead=2).result(),
                    eng.submit(PROMPT, max_tokens=4).result()]
         finally:
             jax.monitoring.unregister_event_duration_listener(listen)
         assert traced == [] and eng.stats()["compiles_after_warmup"] == 0, (traced, eng.programs)
-    assert got == [model.generate(PROMPT, max_tokens=8, response_format=g), model.generate(PROMPT, max_tokens=4)]
+    want = model.generate(PROMPT, max_tokens=8, response_format=g)
+    assert got == [want, want, model.generate(PROMPT, max_tokens=4)]
 
 
 def test_a_prefix_store_and_a_conversation_take_a_grammar(model):

@@ -219,10 +219,13 @@ _CALLS: dict[int, dict] = {}
 _NEXT = [0]
 
 
-def register(matchers: list) -> int:
-    """A call's matchers (one per row, None: free), addressed by the int a loop carries."""
+def register(matchers: list, reads: bool = False) -> int:
+    """A call's matchers (one per row, None: free), addressed by the int a loop carries. reads:
+    the driver reads the emitted tokens and gives them to the matchers itself (the engine's
+    speculative rounds): `commit` then rolls every draft back."""
     _NEXT[0] += 1
-    _CALLS[_NEXT[0]] = dict(matchers=matchers, error=None, drafted=[0] * len(matchers), ended=[0] * len(matchers))
+    _CALLS[_NEXT[0]] = dict(matchers=matchers, error=None, drafted=[0] * len(matchers), ended=[0] * len(matchers),
+                            reads=reads)
     return _NEXT[0]
 
 
@@ -271,7 +274,7 @@ def commit(call, kept, live) -> np.ndarray:
     """The round verified: each row kept its first kept[r] drafts -> the drafts it keeps [b]:
     fewer where its grammar ended at a kept draft (that draft becomes the round's last token,
     taken again by the next round's first mask, which ends the row). The matchers roll back
-    what they took past the kept drafts."""
+    what they took past the kept drafts (a driver that `reads`: every draft)."""
     entry = _CALLS[int(call)]
     out = np.array(kept, np.int32)
     for r, m in enumerate(entry["matchers"]):
@@ -279,7 +282,7 @@ def commit(call, kept, live) -> np.ndarray:
         if m is not None and live[r] and n:
             if end and end <= out[r]:
                 out[r] = end - 1
-            m.rollback(n - min(int(out[r]), n))
+            m.rollback(n if entry["reads"] else n - min(int(out[r]), n))
         entry["drafted"][r] = entry["ended"][r] = 0
     return out
 

@@ -263,9 +263,10 @@ def decode_steps(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, stat
     (a speculative round: its drafts and verify positions under the masks, `round_paged`).
     Returns (`Burst`, pool, state)."""
     k, b = lookahead, decodes.steps.shape[0]
-    if decodes.mask is not None and (n_max != 1 or k):  # a grammar's mask holds for one token
-        raise ValueError(f"grammar masks need one plain or adaptive step a dispatch, got n_max={n_max}, "
-                         f"lookahead={k}")
+    if decodes.mask is not None and (n_max != 1 if not k else grammar is None):  # a mask holds for one token
+        # (a speculative round's: its first position's, the drafts' asked of the host by `grammar`)
+        raise ValueError(f"grammar masks need one plain or adaptive step a dispatch, or a speculative round "
+                         f"with a grammar, got n_max={n_max}, lookahead={k}")
     at = jnp.arange(n_max)[None, :]
 
     def live(c):
@@ -276,9 +277,10 @@ def decode_steps(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, stat
         slot = None if decodes.slot is None else jnp.where(on, decodes.slot, FILLER)
         d = decodes.replace(rows=decodes.rows.replace(start=decodes.rows.start + count, n_new=decodes.rows.n_new * on),
                             slot=slot, steps=decodes.steps + count)
-        if grammar is not None:  # the host's matchers take each row's last token, then say what may follow
-            # (only the choice reads the answer, so the forward need not wait for it; a row whose
-            # grammar is done writes its last token's K/V and chooses nothing)
+        mask = decodes.mask  # (the engine's: filled after it read the rows' tokens)
+        if grammar is not None and mask is None:  # the host's matchers take each row's last token, then say
+            # what may follow (only the choice reads the answer, so the forward need not wait for it;
+            # a row whose grammar is done writes its last token's K/V and chooses nothing)
             mask, done = G.device_masks(grammar, c["state"].rows.last, on, cfg.vocab_size)
             on, c = on & ~done, dict(c, stopped=c["stopped"] | done)
             d = d if k else d.replace(mask=mask)  # (a speculative round takes it as its first position's)

@@ -92,10 +92,12 @@ class Plan:
                         compile_(("steps", loops, bd, R, kind) + ((m,) if m else ()), jits["decode_steps"], w.params,
                                  c, pool, state, decodes, np.int32(1), loops=loops,
                                  n_max=1 if m else self.decode_steps, exit=exit, adaptive=kind)
-                decodes = S.make_decodes([], [], [], [], R, bd, left=[])
                 for d, k in speculation:  # a speculative round (one program per lookahead: the draft depth is traced)
-                    compile_(("speculate", loops, k, bd, R), jits["decode_steps"], w.params, c, pool, state, decodes,
-                             np.int32(1), loops=loops, n_max=k + 1, exit=exit, draft_loops=np.int32(d), lookahead=k)
+                    for m in masks:  # (with a grammar: the drafts' masks asked of the host, `Reading._speculate`)
+                        decodes = S.make_decodes([], [], [], [], R, bd, left=[], mask=mask(bd, m))
+                        compile_(("speculate", loops, k, bd, R) + ((m,) if m else ()), jits["decode_steps"], w.params,
+                                 c, pool, state, decodes, np.int32(1), loops=loops, n_max=k + 1, exit=exit,
+                                 draft_loops=np.int32(d), lookahead=k, grammar=np.int32(0) if m else None)
                 continue
             if not T:
                 continue

@@ -13,6 +13,7 @@ import numpy as np
 from . import step as S
 from .depth import Depth, Row
 from .plan import batch_buckets
+from ..decoding import grammar as G
 from ..decoding.grammar import take
 
 
@@ -34,27 +35,38 @@ class Reading:
             R = self.table_len(max(starts) + k + 1)
             bd = next(b for b in batch_buckets(self.max_batch) if b >= len(rows))
             left = [r.handle.params.max_tokens - len(r.handle.tokens) for r in rows]
+            # structured output: the first position's masks from the matchers (which took every token
+            # read), the drafts' asked of them in the round (`grammar.draft_masks`), rolled back after
+            matchers = [r.handle.matcher for r in rows] + [None] * (bd - len(rows))
+            call = G.register(matchers, reads=True) if any(m is not None for m in matchers) else None
             decodes = S.make_decodes([r.pages for r in rows], starts, [r.slot for r in rows],
                                      [len(r.handle.tokens) for r in rows], R, bd, [r.handle.cache_window for r in rows],
-                                     left)
+                                     left, None if call is None else G.fill_masks(matchers, self.cfg.vocab_size))
             for r, q in zip(rows, starts):
                 self._window(d, r, q, k + 1)
             self._sync(d)
             w = self.model.weights
-            got, d.pool, d.state = self._run(
-                ("speculate", d.loops, k, bd, R), self.jits(d.loops)["decode_steps"], w.params, w.config, d.pool,
-                d.state, decodes, np.int32(1), loops=d.loops, n_max=k + 1, exit=d.exit,
-                draft_loops=np.int32(spec.draft_loops), lookahead=k)
-            got = jax.tree.map(np.asarray, got)
+            try:
+                got, d.pool, d.state = self._run(
+                    ("speculate", d.loops, k, bd, R) + ("masked",) * (call is not None),
+                    self.jits(d.loops)["decode_steps"], w.params, w.config, d.pool, d.state, decodes, np.int32(1),
+                    loops=d.loops, n_max=k + 1, exit=d.exit, draft_loops=np.int32(spec.draft_loops), lookahead=k,
+                    grammar=None if call is None else np.int32(call))
+                got = jax.tree.map(np.asarray, got)
+            finally:
+                if call is not None:
+                    G.release(call)
             self.stats["speculative_rounds"] += 1
             self.stats["batch_rows"] += len(rows)
             counts["tokens_computed"] += len(rows) * (k + 1)
             counts["passes"] += len(rows) * (k * spec.draft_loops + (k + 1) * d.loops)
-            for i, r in enumerate(rows):  # d_1 .. d_a and the next token, cut at a stop and at max_tokens
+            for i, r in enumerate(rows):  # d_1 .. d_a and the next token, cut at a stop, at max_tokens and
+                # where the grammar ends
                 r.handle.drafted += k
                 r.handle.accepted += int(got.accepted[i])
                 for t, stop in zip(got.out.tokens[i, :got.n[i]], got.out.stops[i]):
-                    self._emit(d, r, int(t), int(stop))
+                    if not r.left:
+                        self._emit(d, r, int(t), int(stop))
 
     def _read(self, d: Depth, ran: list) -> None:
         """The tokens of a dispatched step (waits for it), emitted for the rows still in; with
