@@ -1,0 +1,81 @@
+"""The replica router's policies as plain data (`serving/routing.py`, issue 61): fake replicas
+with preset loads, the chosen replica checked against what each policy promises."""
+
+import collections
+
+import numpy as np
+import pytest
+
+from tinyloop_jax.serving.routing import ORACLE_PAGES, Router, page_chain
+
+P = 16
+rng = np.random.default_rng(0)
+SYSTEMS = [list(rng.integers(0, 1000, 150)) for _ in range(3)]  # 9 full pages each (more than ORACLE_PAGES)
+S = 150 // P
+
+
+def prompt(system: int, question: int) -> list:
+    return SYSTEMS[system] + list(np.random.default_rng(100 + question).integers(0, 1000, 40))
+
+
+def test_page_chains_share_exactly_the_full_pages_two_prompts_share():
+    a, b = page_chain(prompt(0, 1)), page_chain(prompt(0, 2))
+    assert len(a) == (150 + 40) // P and a[:S] == b[:S] and a[S] != b[S]
+    assert page_chain(SYSTEMS[0][:P - 1]) == [] and page_chain(SYSTEMS[1])[0] != a[0]
+    # a page's hash depends on every page before it (chained), not on the page alone
+    assert page_chain([5] * P + [7] * P)[1] != page_chain([6] * P + [7] * P)[1]
+
+
+def test_prefix_routing_follows_the_longest_match_within_the_load_bound():
+    r = Router("prefix", imbalance=2)
+    loads = {"a": 0, "b": 0, "c": 0}
+    first = r.rank(page_chain(prompt(0, 1)), loads)[0]  # nothing cached: the least loaded
+    r.routed(first, page_chain(prompt(0, 1)))
+    loads[first] = 2  # busier, within the bound: the match still wins
+    assert r.rank(page_chain(prompt(0, 2)), loads)[0] == first
+    assert r.match(first, page_chain(prompt(0, 2))) == S
+    other = r.rank(page_chain(prompt(1, 1)), loads)[0]  # no match: the least loaded
+    assert other != first and loads[other] == 0
+    loads[first] = 3  # past least + imbalance: the prefix spreads to the least loaded
+    ranked = r.rank(page_chain(prompt(0, 3)), loads)
+    assert ranked[0] != first and ranked[-1] == first
+
+
+def test_each_replica_keeps_the_pages_its_pool_holds_most_recent_first():
+    """Capacity 10 pages: a prompt of 11 loses its last page first (as the engine's index drops
+    leaves first); a second prompt evicts the first one's pages."""
+    r = Router("prefix", capacity_pages=10)
+    r.routed("a", page_chain(prompt(0, 1)))
+    assert r.match("a", page_chain(prompt(0, 1))) == 10 and r.match("a", page_chain(prompt(0, 2))) == S
+    r.routed("a", page_chain(prompt(1, 1)))
+    assert r.match("a", page_chain(prompt(0, 2))) == 0 and r.match("a", page_chain(prompt(1, 2))) == S
+    r.forget("a")
+    assert r.match("a", page_chain(prompt(1, 2))) == 0
+
+
+def test_round_robin_power_of_two_and_the_oracle():
+    loads = {"a": 5, "b": 1, "c": 3}
+    rr = Router("round_robin")
+    assert collections.Counter(rr.rank([], loads)[0] for _ in range(9)) == {"a": 3, "b": 3, "c": 3}
+    p2 = Router("power_of_two", seed=1)
+    for _ in range(20):
+        top, second = p2.rank([], loads)[:2]
+        assert loads[top] <= loads[second]
+    oracle = Router("oracle")
+    picks = {s: {oracle.rank(page_chain(prompt(s, q)), dict(loads, **{k: q for k in loads}))[0] for q in range(6)}
+             for s in range(3)}
+    assert all(len(p) == 1 for p in picks.values())  # one replica a system prompt, whatever the load
+    assert S >= ORACLE_PAGES  # (keyed by the first ORACLE_PAGES pages: inside the system prompt)
+    # a replica leaving moves only the prompts it held
+    gone = next(iter(picks[0]))
+    after = {s: oracle.rank(page_chain(prompt(s, 0)), {k: 0 for k in loads if k != gone})[0] for s in range(3)}
+    assert all(after[s] == next(iter(picks[s])) for s in range(3) if next(iter(picks[s])) != gone)
+
+
+def test_bad_router_settings_are_value_errors_naming_them():
+    with pytest.raises(ValueError, match="'fastest'"):
+        Router("fastest")
+    with pytest.raises(ValueError, match="capacity_pages"):
+        Router(capacity_pages=0)
+    with pytest.raises(ValueError, match="no replica"):
+        Router().rank([], {})
