@@ -35,6 +35,11 @@ def command() -> str:
     return "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
 
 
+def heading(title: str) -> list[str]:
+    """A section's first lines: its title, the command that wrote it, the machine."""
+    return [f"## {title}", "", f"Command: `{command()}`  ", f"Machine: {machine()}", ""]
+
+
 def write_section(name: str, body: str, path: str = "benchmarks.md") -> str:
     """Replace (or append) the section `name` of docs/<path>, delimited by HTML comments."""
     os.makedirs(DOCS, exist_ok=True)

@@ -123,8 +123,7 @@ def main() -> None:
     if args.no_write:
         return
     body = "\n".join([
-        "## Structured output on a schema corpus (issue 60, `scripts/bench_schema_corpus.py`)", "",
-        f"Command: `{_report.command()}`  ", f"Machine: {_report.machine()}", "",
+        *_report.heading("Structured output on a schema corpus (issue 60, `scripts/bench_schema_corpus.py`)"),
         f"The JSON-Schema-Test-Suite's {DRAFT} cases (its required ones, as shipped in {SDIST}'s sdist), "
         "against SmolLM2's tokenizer: each instance `json.dumps`-ed and tokenized, accepted when every token is in "
         "the mask of what may follow and the end is allowed.", "",

@@ -117,8 +117,7 @@ def main() -> None:
     if args.no_write:
         return
     body = "\n".join([
-        "## Structured output's cost (issue 60, `scripts/bench_structured.py`)", "",
-        f"Command: `{_report.command()}`  ", f"Machine: {_report.machine()}", "",
+        *_report.heading("Structured output's cost (issue 60, `scripts/bench_structured.py`)"),
         f"SmolLM2-135M-Instruct (Q4_1 kept packed), a chat prompt of {len(ids)} tokens, up to {MAX_TOKENS} tokens; "
         f"medians of {args.repeats}; decode tokens/s past each request's first token (the call's time less the "
         "same call's with max_tokens 1). `regex` is `[a-z ,.]{1000}` (never done within the tokens asked), "
