@@ -79,3 +79,50 @@ def test_bad_router_settings_are_value_errors_naming_them():
         Router(capacity_pages=0)
     with pytest.raises(ValueError, match="no replica"):
         Router().rank([], {})
+
+
+def test_the_ray_request_router_ranks_by_the_request_value_in_positional_args():
+    """`TinyloopRouter` Ray's way (no cluster: fake replicas, preset queue lengths in Ray's
+    cache): a long match picks its replica, no match the least loaded, overload falls back, a
+    body in kwargs alone routes by load, a dead replica is forgotten."""
+    pytest.importorskip("ray.serve", reason="the ray extra is not installed (pip install -e '.[ray]')")
+    import asyncio
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    from tinyloop_jax.api.request import Request
+    from tinyloop_jax.serving.ray_router import TinyloopRouter
+
+    dep = DeploymentID(name="engine", app_name="tinyloop")
+    router = TinyloopRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(policy="prefix", imbalance=2)
+    fakes = [SimpleNamespace(replica_id=ReplicaID(f"r{i}", dep)) for i in range(3)]
+    r0, r1, r2 = (f.replica_id for f in fakes)
+
+    def loads(*ns):
+        for f, n in zip(fakes, ns):
+            router.replica_queue_len_cache.update(f.replica_id, n)
+
+    async def route(args, kwargs=None):
+        pending = PendingRequest(args=args, kwargs=kwargs or {}, metadata=RequestMetadata("id", "iid"))
+        ranks = await router.choose_replicas(fakes, pending)
+        assert sorted(str(r[0].replica_id) for r in ranks) == sorted(str(f.replica_id) for f in fakes)
+        router.on_request_routed(pending, ranks[0][0].replica_id, None)
+        return ranks[0][0].replica_id
+
+    def ask(system: int, question: int):
+        return asyncio.run(route([Request(np.asarray(prompt(system, question), np.int32))]))
+
+    loads(0, 1, 5)
+    assert ask(0, 1) == r0  # nothing cached: the least loaded
+    loads(2, 1, 5)
+    assert ask(0, 2) == r0  # its prefix, within the load bound
+    assert ask(1, 1) == r1  # no match: the least loaded
+    loads(4, 1, 0)
+    assert ask(0, 3) == r2  # r0 past least + 2: the least loaded instead
+    loads(0, 3, 3)
+    assert asyncio.run(route([], {"body": {"messages": []}})) == r0  # no request value: by load, no hang
+    router.on_replica_actor_died(r0)
+    assert router.router.match(r0, page_chain(prompt(0, 4))) == 0
