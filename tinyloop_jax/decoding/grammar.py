@@ -125,6 +125,12 @@ class Grammar:
         return hash((self.key, self.vocab_size, id(self.tokenizer)))
 
 
+def rebuilt(key: str, grammar: str, tokenizer, vocab_size: int) -> Grammar:
+    """A Grammar from its canonical key and grammar text (what crosses between processes: the
+    compiled one holds llguidance objects) for this process's `tokenizer`; cached."""
+    return _compiled(key, grammar, llg_tokenizer(tokenizer, vocab_size), vocab_size)
+
+
 @functools.lru_cache(maxsize=256)
 def _compiled(key: str, grammar: str, tokenizer, vocab_size: int) -> Grammar:
     """One Grammar per (spec, tokenizer): checked once (llguidance builds its lexer here)."""

@@ -197,6 +197,10 @@ class Handle:
                 if not new:
                     await event.wait()
 
+    async def aaccepted(self) -> None:
+        """Wait until the request is queued (here at once: `submit` raised what refused it; a
+        `replica.RemoteHandle` waits for its replica)."""
+
     async def aprefilled(self) -> None:
         """Wait (asyncio) until the prompt is prefilled: the first token is out, or the request
         ended."""

@@ -29,10 +29,12 @@ async def fan_out(engine: Engine, req) -> list[list]:
     try:
         for c in req.choices:
             groups.append([engine.submit(c[0])])
+        await asyncio.gather(*(g[0].aaccepted() for g in groups))  # (a replica's refusal raised here)
         if req.best_of > 1:
             await asyncio.gather(*(g[0].aprefilled() for g in groups))
             for g, c in zip(groups, req.choices):
                 g += [engine.submit(r) for r in c[1:]]
+            await asyncio.gather(*(h.aaccepted() for g in groups for h in g[1:]))
     except BaseException:
         for h in (h for g in groups for h in g):
             h.cancel()

@@ -1,0 +1,156 @@
+"""Engines behind streams (issue 61): a replica serves requests that come from elsewhere, and the
+HTTP app talks to it through the same `Engine` interface it uses in one process.
+
+    replica side   `EngineReplica.generate(request)`: one engine's handle as a stream of messages
+                   ({"accepted"} or {"error"}, then {"tokens": [...]} as they come, then the
+                   end: finish reason, stop matched, prefix tokens, passes, drafts)
+    ingress side   `RemoteEngine.submit(request)` -> a `RemoteHandle`, a `Handle` fed by that
+                   stream (`open_stream(request)`: an async iterator of those messages)
+
+What crosses is plain data (`portable`): the request's own fields, its grammar as its spec and
+grammar text (the replica compiles it for its tokenizer, cached), its deadline as seconds left.
+Ray Serve carries the stream between processes (`ray_app.py`); in one process a replica is its
+own `open_stream`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import numpy as np
+
+from ..api import request as R
+from ..decoding import grammar as G
+from .handles import BadRequest, Cancelled, Handle, MemoryBudgetError, QueueFull, RequestTimeout
+
+ERRORS = {c.__name__: c for c in (ValueError, RuntimeError, BadRequest, QueueFull, MemoryBudgetError,
+                                  RequestTimeout, Cancelled)}  # what a replica's error is raised as here
+
+
+def portable(request: R.Request) -> R.Request:
+    """The request as it crosses to a replica (which checks it against its model again)."""
+    g = request.params.response_format
+    params = request.params if g is None else dataclasses.replace(request.params, response_format=(g.key, g.grammar))
+    left = None if request.deadline is None else request.deadline - time.perf_counter()
+    return R.Request(np.asarray(request.prompt, np.int32), params, request.plan, request.cache_window, left)
+
+
+def restored(request: R.Request, tokenizer, vocab_size: int) -> R.Request:
+    """A `portable` request back as this process's: its grammar compiled for `tokenizer`."""
+    g = request.params.response_format
+    params = request.params if g is None else dataclasses.replace(
+        request.params, response_format=G.rebuilt(g[0], g[1], tokenizer, vocab_size))
+    deadline = None if request.deadline is None else time.perf_counter() + request.deadline
+    return R.Request(request.prompt, params, request.plan, request.cache_window, deadline)
+
+
+def _error(e: BaseException) -> tuple[str, str]:
+    return type(e).__name__, str(e)
+
+
+def _raised(error: tuple[str, str]) -> BaseException:
+    return ERRORS.get(error[0], RuntimeError)(error[1])
+
+
+class EngineReplica:
+    """One engine (and its tokenizer) serving `portable` requests as streams."""
+
+    def __init__(self, engine, tokenizer):
+        self.engine, self.tokenizer = engine, tokenizer
+
+    async def generate(self, request: R.Request):
+        """The request's messages (see the module's docstring); closing the stream early cancels it."""
+        try:
+            h = self.engine.submit(restored(request, self.tokenizer, self.engine.model.weights.config.vocab_size))
+        except Exception as e:  # noqa: BLE001 - the ingress raises it as its own kind
+            yield dict(error=_error(e))
+            return
+        yield dict(accepted=True)
+        error = None
+        try:
+            async for chunk in h.achunks():
+                yield dict(tokens=list(chunk))
+        except Exception as e:  # noqa: BLE001 - the request's end, reported below
+            error = e
+        finally:
+            if not h.done:
+                h.cancel()
+        yield dict(finish_reason=h.finish_reason, stop_matched=h.stop_matched, prefix_tokens=h.prefix_tokens,
+                   passes=list(h.passes), drafted=h.drafted, accepted_drafts=h.accepted,
+                   error=None if error is None else _error(error))
+
+
+class RemoteHandle(Handle):
+    """A `Handle` whose tokens come from a replica's stream (read by a task on the running
+    event loop); `cancel()` closes the stream, which cancels the request there."""
+
+    def __init__(self, request: R.Request, stream):
+        super().__init__(request, on_cancel=lambda h: h._task.cancel())
+        self.matcher = None  # (the replica's engine follows the grammar)
+        loop = asyncio.get_running_loop()
+        self._accepted = loop.create_future()
+        self._task = loop.create_task(self._pump(stream))
+
+    async def aaccepted(self) -> None:
+        """Wait until the replica queued the request; raise what it refused it with."""
+        await asyncio.shield(self._accepted)
+
+    def _settle(self, error: BaseException | None = None) -> None:
+        if not self._accepted.done():
+            if error is None:
+                self._accepted.set_result(None)
+            else:
+                self._accepted.set_exception(error)
+
+    async def _pump(self, stream) -> None:
+        try:
+            async for msg in stream:
+                if "tokens" in msg:
+                    for t in msg["tokens"]:
+                        self.emit(int(t), wake=False)
+                    self.wake()
+                elif "accepted" in msg:
+                    self._settle()
+                elif "finish_reason" in msg:
+                    self.stop_matched, self.prefix_tokens = msg["stop_matched"], msg["prefix_tokens"]
+                    self.passes, self.drafted, self.accepted = msg["passes"], msg["drafted"], msg["accepted_drafts"]
+                    self.finish(msg["finish_reason"], None if msg["error"] is None else _raised(msg["error"]))
+                else:  # refused at submit
+                    e = _raised(msg["error"])
+                    self._settle(e)
+                    self.finish("error", e)
+        except asyncio.CancelledError:
+            self.finish("cancelled", Cancelled(f"request {self.id} was cancelled"))
+        except Exception as e:  # noqa: BLE001 - the replica or the stream failed: the request fails, not the ingress
+            error = RuntimeError(f"the replica serving request {self.id} failed: {type(e).__name__}: {e}")
+            self._settle(error)
+            self.finish("error", error)
+        finally:
+            self._settle(RuntimeError(f"the replica ended request {self.id} before queueing it"))
+            if not self.done:
+                self.finish("error", RuntimeError(f"the replica's stream for request {self.id} ended early"))
+            close = getattr(stream, "aclose", None)
+            if close is not None:
+                await close()
+
+
+class RemoteEngine:
+    """The `Engine` interface of the HTTP app over replicas: `open_stream(portable request)` ->
+    an async iterator of a replica's messages (`EngineReplica.generate`, wherever it runs).
+    model: the served model (its config checks requests; best_of scores with it)."""
+
+    def __init__(self, model, open_stream, max_loops: int, stats=dict, warming=lambda: False):
+        self.model, self.max_loops = model, max_loops
+        self._open, self._stats, self._warming = open_stream, stats, warming
+
+    def submit(self, request: R.Request) -> RemoteHandle:
+        return RemoteHandle(request, self._open(portable(request)))
+
+    @property
+    def warming(self) -> bool:
+        return self._warming()
+
+    def stats(self) -> dict:
+        return self._stats()
