@@ -46,6 +46,13 @@ def _model_and_tokenizer(args, tok=None):
     return model, tok
 
 
+def model_and_tokenizer_of(model: str | None, kv_mode=None, weights=None, activations=None):
+    """(model, tokenizer) as `tinyloop serve --model ...` loads them (picklable as a partial: each
+    Ray Serve replica loads its own)."""
+    return _model_and_tokenizer(argparse.Namespace(model=model, kv_mode=kv_mode, weights=weights,
+                                                   activations=activations))
+
+
 def _int_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -230,6 +237,8 @@ def cmd_serve(args) -> None:
     from .serving.engine import Engine
 
     edge = edge_options(args)  # (checked before the model loads)
+    if args.replicas != 1:
+        return _serve_replicas(args, edge)
     model, tok = _model_and_tokenizer(args)
     name = args.name or os.path.basename(os.path.normpath(args.model or BUNDLED))
     engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue, timeout=args.timeout,
@@ -245,6 +254,41 @@ def cmd_serve(args) -> None:
                     host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.close()
+
+
+def _serve_replicas(args, edge: dict) -> None:
+    """`tinyloop serve --replicas N`: N engines on Ray Serve behind one ingress (`serving/ray_app.py`;
+    --ray-address joins a running cluster, else a local one starts)."""
+    import functools
+
+    if args.replicas < 1 or args.cores_per_replica <= 0:
+        raise UsageError(f"--replicas must be >= 1 and --cores-per-replica > 0, got {args.replicas}, "
+                         f"{args.cores_per_replica}")
+    try:
+        import ray
+        from ray import serve
+
+        from .serving.ray_app import build_app
+    except ImportError as e:
+        raise UsageError(f"--replicas needs the ray extra (pip install 'tinyloop-jax[ray]'): {e}") from None
+    from .serving.app import eos_ids
+
+    load = functools.partial(model_and_tokenizer_of, args.model, args.kv_mode, args.weights, args.activations)
+    model, tok = load()  # (checked here, before Ray starts; each replica and the ingress load their own)
+    c = model.config()
+    name = args.name or os.path.basename(os.path.normpath(args.model or BUNDLED))
+    max_loops = args.max_loops or max(64, 16 * c["default_loops"])
+    ray.init(address=args.ray_address, include_dashboard=False)
+    serve.start(http_options=dict(host=args.host, port=args.port))
+    app = build_app(load, replicas=args.replicas, router=args.router, cores_per_replica=args.cores_per_replica,
+                    engine_kwargs=dict(max_batch=args.max_batch, max_queue=args.max_queue, timeout=args.timeout,
+                                       memory_budget=args.memory_budget, max_depths=args.max_depths),
+                    warmup=dict(adaptive=args.warmup_adaptive, speculation=args.warmup_speculation,
+                                grammar=args.warmup_grammar),
+                    name=name, eos=eos_ids(args.model, tok, c["vocab_size"]), max_loops=max_loops, app_kwargs=edge)
+    print(f"tinyloop serve: {name}, {args.replicas} replicas routed by {args.router} on Ray Serve, "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr)
+    serve.run(app, route_prefix="/", blocking=True)
 
 
 def edge_options(args) -> dict:
@@ -341,6 +385,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also compile the speculative rounds of these draft_loops:lookahead pairs, e.g. 1:4")
     s.add_argument("--warmup-grammar", action="store_true",
                    help="also compile the masked programs of structured output (response_format, tools)")
+    s.add_argument("--replicas", type=int, default=1,
+                   help="engines on Ray Serve behind one ingress (needs the ray extra; default 1: this process)")
+    s.add_argument("--router", default="prefix", choices=["prefix", "round_robin", "power_of_two", "oracle"],
+                   help="how --replicas routes a request (default prefix: where its prompt's pages are cached)")
+    s.add_argument("--cores-per-replica", type=float, default=1.0, help="CPUs Ray gives each replica (default 1)")
+    s.add_argument("--ray-address", default=None, help="a running Ray cluster to join (default: start a local one)")
     s.add_argument("--name", default=None, help="the model name clients send (default: the folder's name)")
     s.add_argument("--log-level", default="info")
     s.add_argument("--api-key", default=settings.get("TINYLOOP_API_KEY") or None,

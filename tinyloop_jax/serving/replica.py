@@ -131,9 +131,10 @@ class RemoteHandle(Handle):
             self._settle(RuntimeError(f"the replica ended request {self.id} before queueing it"))
             if not self.done:
                 self.finish("error", RuntimeError(f"the replica's stream for request {self.id} ended early"))
-            close = getattr(stream, "aclose", None)
-            if close is not None:
-                await close()
+            if hasattr(stream, "aclose"):  # an async generator (in one process)
+                await stream.aclose()
+            elif hasattr(stream, "cancel") and self.finish_reason in ("cancelled", "error"):  # Ray Serve's
+                stream.cancel()  # response stream, left early: the request is cancelled there
 
 
 class RemoteEngine:
