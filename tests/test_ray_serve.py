@@ -1,6 +1,7 @@
 """Two engine replicas on Ray Serve behind the ingress (`serving/ray_app.py`, issue 61), a local
 Ray instance, through the `openai` client: answers equal `model.generate`'s, and a request that
-shares a cached prompt's pages goes where they are (its cached tokens reported)."""
+shares a cached prompt's pages goes where they are (its cached tokens and the replica's name
+reported)."""
 
 import functools
 import socket
@@ -11,6 +12,9 @@ from conftest import tiny_config
 import tinyloop_jax as tl
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
+# (Ray's own pydantic fields, and its process spawns: fork + exec, which JAX's fork warning does not tell apart)
+pytestmark = [pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`"),
+              pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called")]
 openai = pytest.importorskip("openai", reason="the test extra installs the openai client")
 
 
@@ -40,10 +44,13 @@ def test_two_replicas_answer_as_generate_and_route_by_prefix(cluster):
     model, client = cluster
     tok = tl.ByteTokenizer()
     system = "You are terse and exact. " * 3  # 4 full pages of 16 bytes
+    served = []
     for i, q in enumerate(["What is two plus two?", "Name a colour.", "Say hi."]):
         r = client.completions.create(model="tiny", prompt=system + q, max_tokens=6, temperature=0.0,
                                       extra_body=dict(ignore_eos=True))
         ids = tok.encode(system + q)
         assert r.choices[0].token_ids == model.generate(ids, max_tokens=6)[len(ids):]
+        served.append(r.system_fingerprint)
         if i:  # the prompt's shared pages are cached where the first one went
             assert r.usage.prompt_tokens_details.cached_tokens >= len(tok.encode(system)) // 16 * 16
+    assert len(set(served)) == 1 and served[0].startswith("tinyloop-")  # one replica, named

@@ -32,8 +32,13 @@ def served():
     replica = EngineReplica(engine, TOK)
 
     async def open_stream(request):  # what Ray Serve does between processes, here in one
+        text = TOK.decode(list(request.prompt))
+        if text.startswith("DEAD"):  # a replica gone before it queued the request
+            raise ConnectionError("the replica's actor died")
         async for msg in replica.generate(pickle.loads(pickle.dumps(request))):
             yield pickle.loads(pickle.dumps(msg))
+            if text.startswith("DYING") and "accepted" in msg:  # one that dies while it serves it
+                raise ConnectionError("the replica's actor died")
 
     remote = RemoteEngine(model, open_stream, max_loops=8, stats=engine.stats, warming=lambda: engine.warming)
     server = uvicorn.Server(uvicorn.Config(make_app(remote, TOK, "tiny", eos=[TOK.EOS]), host="127.0.0.1", port=0,
@@ -73,11 +78,23 @@ def test_answers_through_a_replica_equal_generate(served):
                                                 for j in (0, 1)]
 
 
-def test_a_replicas_refusal_is_the_single_process_400(served):
+def test_a_replicas_refusal_is_the_single_process_400_and_a_dead_replica_a_503(served):
     model, engine, client = served
     with pytest.raises(openai.BadRequestError, match="max_loops=4"):  # the ingress allows 8; the replica 4
         client.completions.create(model="tiny", prompt="abc", max_tokens=3, extra_body=dict(loops=6))
-    assert client.completions.create(model="tiny", prompt="abc", max_tokens=3).choices[0].text is not None
+    for prompt in ("DEAD abc", "DYING abc"):
+        with pytest.raises(openai.InternalServerError, match="actor died") as e:
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=3)
+        assert e.value.status_code == 503
+    r = client.completions.create(model="tiny", prompt="abc", max_tokens=3)  # the others serve on
+    assert r.choices[0].text is not None and r.system_fingerprint == f"tinyloop-{replica_name()}"
+
+
+def replica_name() -> str:
+    import os
+    import socket
+
+    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 def test_the_request_value_crosses_whole_and_a_closed_stream_frees_the_row(served):

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from . import edge, render, tokenizer_api
 from .engine import Engine
-from .handles import MemoryBudgetError, QueueFull
+from .handles import MemoryBudgetError, QueueFull, ReplicaUnavailable
 from .metrics import Collector
 from .protocol import BadRequest, ChatShape, TextShape, check_submit, error_body, parse, parse_chat, with_choices
 from .tools import with_grammar
@@ -114,6 +114,8 @@ async def _serve(request, parse_body, shape):
         groups = await render.fan_out(s.engine, req)
     except QueueFull as e:
         return _fail(429, str(e), "rate_limit_error")
+    except ReplicaUnavailable as e:  # (a RuntimeError) several engines: the one it went to failed
+        return _fail(503, str(e), "service_unavailable")
     except MemoryBudgetError as e:  # (a RuntimeError) this request can never fit, whatever waits
         return _fail(400, str(e), "invalid_request_error")
     except BadRequest as e:

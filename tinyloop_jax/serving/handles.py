@@ -33,6 +33,10 @@ class MemoryBudgetError(RuntimeError):
     depth evicted (the server's HTTP 400: the request itself is too large)."""
 
 
+class ReplicaUnavailable(RuntimeError):
+    """The replica serving a request failed or went away (`replica.RemoteHandle`): a 503."""
+
+
 class RequestTimeout(RuntimeError):
     """A request that passed its deadline (`timeout`)."""
 
@@ -61,6 +65,7 @@ class Handle:
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self.prefix_tokens = 0  # prompt tokens read from a cached prefix
+        self.replica: str | None = None  # the replica that serves it (`replica.RemoteHandle`; None: this process)
         self._on_cancel = on_cancel  # the engine frees a queued request's place at once
         self.cancel_requested = False
         self._cv = threading.Condition()

@@ -38,7 +38,7 @@ class Engines:
         self.engine = Engine(model, **engine_kwargs)
         if warmup is not None:  # (as `tinyloop serve`: in the background, each request compiling what it needs first)
             self.engine.warmup(background=True, **warmup)
-        self.replica = EngineReplica(self.engine, tok)
+        self.replica = EngineReplica(self.engine, tok, serve.get_replica_context().replica_id.unique_id)
 
     async def generate(self, request):
         async for msg in self.replica.generate(request):

@@ -13,7 +13,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from .engine import Engine
-from .handles import RequestTimeout
+from .handles import ReplicaUnavailable, RequestTimeout
 from . import tools as T
 from .protocol import ChatShape, chat_logprobs, completion_logprobs, error_body
 from ..api.chat import Detokenizer
@@ -60,6 +60,9 @@ class Reply:
 
     def wrap(self, obj: str, choices: list, usage=None) -> dict:
         out = dict(id=self.id, object=obj, created=int(time.time()), model=self.server.model_name, choices=choices)
+        replica = next((h.replica for h in self.handles if h.replica is not None), None)
+        if replica is not None:  # (several engines: the one that served it)
+            out["system_fingerprint"] = f"tinyloop-{replica}"
         if usage is not None:
             out["usage"] = usage
         return out
@@ -102,6 +105,8 @@ async def whole(r: Reply) -> tuple[int, dict]:
                                       for g in r.groups))
     except RequestTimeout as e:
         return 504, error_body(str(e), "timeout")
+    except ReplicaUnavailable as e:
+        return 503, error_body(str(e), "service_unavailable")
     except RuntimeError as e:
         return 500, error_body(str(e), "server_error")
     finally:

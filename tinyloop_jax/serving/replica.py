@@ -23,7 +23,7 @@ import numpy as np
 
 from ..api import request as R
 from ..decoding import grammar as G
-from .handles import BadRequest, Cancelled, Handle, MemoryBudgetError, QueueFull, RequestTimeout
+from .handles import BadRequest, Cancelled, Handle, MemoryBudgetError, QueueFull, ReplicaUnavailable, RequestTimeout
 
 ERRORS = {c.__name__: c for c in (ValueError, RuntimeError, BadRequest, QueueFull, MemoryBudgetError,
                                   RequestTimeout, Cancelled)}  # what a replica's error is raised as here
@@ -55,10 +55,15 @@ def _raised(error: tuple[str, str]) -> BaseException:
 
 
 class EngineReplica:
-    """One engine (and its tokenizer) serving `portable` requests as streams."""
+    """One engine (and its tokenizer) serving `portable` requests as streams; `name` (default:
+    host and process id) is told with each accepted request."""
 
-    def __init__(self, engine, tokenizer):
+    def __init__(self, engine, tokenizer, name: str | None = None):
+        import os
+        import socket
+
         self.engine, self.tokenizer = engine, tokenizer
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
 
     async def generate(self, request: R.Request):
         """The request's messages (see the module's docstring); closing the stream early cancels it."""
@@ -67,7 +72,7 @@ class EngineReplica:
         except Exception as e:  # noqa: BLE001 - the ingress raises it as its own kind
             yield dict(error=_error(e))
             return
-        yield dict(accepted=True)
+        yield dict(accepted=self.name)
         error = None
         try:
             async for chunk in h.achunks():
@@ -112,6 +117,7 @@ class RemoteHandle(Handle):
                         self.emit(int(t), wake=False)
                     self.wake()
                 elif "accepted" in msg:
+                    self.replica = msg["accepted"]
                     self._settle()
                 elif "finish_reason" in msg:
                     self.stop_matched, self.prefix_tokens = msg["stop_matched"], msg["prefix_tokens"]
@@ -124,13 +130,13 @@ class RemoteHandle(Handle):
         except asyncio.CancelledError:
             self.finish("cancelled", Cancelled(f"request {self.id} was cancelled"))
         except Exception as e:  # noqa: BLE001 - the replica or the stream failed: the request fails, not the ingress
-            error = RuntimeError(f"the replica serving request {self.id} failed: {type(e).__name__}: {e}")
+            error = ReplicaUnavailable(f"the replica serving request {self.id} failed: {type(e).__name__}: {e}")
             self._settle(error)
             self.finish("error", error)
         finally:
-            self._settle(RuntimeError(f"the replica ended request {self.id} before queueing it"))
+            self._settle(ReplicaUnavailable(f"the replica ended request {self.id} before queueing it"))
             if not self.done:
-                self.finish("error", RuntimeError(f"the replica's stream for request {self.id} ended early"))
+                self.finish("error", ReplicaUnavailable(f"the replica's stream for request {self.id} ended early"))
             if hasattr(stream, "aclose"):  # an async generator (in one process)
                 await stream.aclose()
             elif hasattr(stream, "cancel") and self.finish_reason in ("cancelled", "error"):  # Ray Serve's
