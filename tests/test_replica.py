@@ -40,7 +40,7 @@ def served():
             if text.startswith("DYING") and "accepted" in msg:  # one that dies while it serves it
                 raise ConnectionError("the replica's actor died")
 
-    remote = RemoteEngine(model, open_stream, max_loops=8, stats=engine.stats, warming=lambda: engine.warming)
+    remote = RemoteEngine(model, open_stream, max_loops=8)
     server = uvicorn.Server(uvicorn.Config(make_app(remote, TOK, "tiny", eos=[TOK.EOS]), host="127.0.0.1", port=0,
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -88,6 +88,16 @@ def test_a_replicas_refusal_is_the_single_process_400_and_a_dead_replica_a_503(s
         assert e.value.status_code == 503
     r = client.completions.create(model="tiny", prompt="abc", max_tokens=3)  # the others serve on
     assert r.choices[0].text is not None and r.system_fingerprint == f"tinyloop-{replica_name()}"
+    # the ingress's /metrics: what it saw of each replica (the failures under no replica's name)
+    import urllib.request
+
+    text = urllib.request.urlopen(str(client.base_url).replace("/v1/", "/metrics")).read().decode()
+    metric = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[:1] != "#"}
+    name = replica_name()
+    assert metric[f'tinyloop_replica_requests_total{{replica="{name}"}}'] >= 2
+    assert metric['tinyloop_replica_requests_failed_total{replica="(none)"}'] >= 1  # (gone before it was queued)
+    assert metric["tinyloop_requests_total"] == sum(v for k, v in metric.items()
+                                                    if k.startswith("tinyloop_replica_requests_total"))
 
 
 def replica_name() -> str:

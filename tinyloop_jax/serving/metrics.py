@@ -32,6 +32,12 @@ class Collector:
                                  "passes / tokens = passes per token",
                           passes_skipped="loop passes skipped by adaptive-depth exits (exit_criterion)")
 
+    # per replica (label `replica`, `tinyloop serve --replicas`), as the ingress counts them
+    REPLICA_COUNTERS = dict(requests="requests the replica finished", tokens_in="their prompt tokens",
+                            tokens_out="tokens they emitted",
+                            prefix_tokens_reused="their prompt tokens the replica read from cached prefixes",
+                            requests_failed="requests that failed there")
+
     def __init__(self, engine: Engine):
         self.engine = engine
 
@@ -48,6 +54,11 @@ class Collector:
         yield finished
         for name, doc in self.GAUGES.items():
             yield GaugeMetricFamily(f"tinyloop_{name}", doc, value=s.get(name, 0))
+        for name, doc in self.REPLICA_COUNTERS.items():  # several engines: what the ingress saw of each
+            family = CounterMetricFamily(f"tinyloop_replica_{name}", doc, labels=["replica"])
+            for replica, counts in sorted(s.get("replicas", {}).items()):
+                family.add_metric([replica], counts.get(name, 0))
+            yield family
         for name, doc in self.DEPTH_COUNTERS.items():
             family = CounterMetricFamily(f"tinyloop_{name}", doc, labels=["loops"])
             for loops, counts in sorted(s.get("depths", {}).items()):

@@ -89,10 +89,12 @@ class EngineReplica:
 
 class RemoteHandle(Handle):
     """A `Handle` whose tokens come from a replica's stream (read by a task on the running
-    event loop); `cancel()` closes the stream, which cancels the request there."""
+    event loop); `cancel()` closes the stream, which cancels the request there. on_end(handle):
+    called once it ended (the ingress's counters)."""
 
-    def __init__(self, request: R.Request, stream):
+    def __init__(self, request: R.Request, stream, on_end=lambda h: None):
         super().__init__(request, on_cancel=lambda h: h._task.cancel())
+        self._on_end = on_end
         self.matcher = None  # (the replica's engine follows the grammar)
         loop = asyncio.get_running_loop()
         self._accepted = loop.create_future()
@@ -137,6 +139,7 @@ class RemoteHandle(Handle):
             self._settle(ReplicaUnavailable(f"the replica ended request {self.id} before queueing it"))
             if not self.done:
                 self.finish("error", ReplicaUnavailable(f"the replica's stream for request {self.id} ended early"))
+            self._on_end(self)
             if hasattr(stream, "aclose"):  # an async generator (in one process)
                 await stream.aclose()
             elif hasattr(stream, "cancel") and self.finish_reason in ("cancelled", "error"):  # Ray Serve's
@@ -146,18 +149,48 @@ class RemoteHandle(Handle):
 class RemoteEngine:
     """The `Engine` interface of the HTTP app over replicas: `open_stream(portable request)` ->
     an async iterator of a replica's messages (`EngineReplica.generate`, wherever it runs).
-    model: the served model (its config checks requests; best_of scores with it)."""
+    model: the served model (its config checks requests; best_of scores with it). `stats()`
+    counts what the ingress sees — requests, tokens, cached prompt tokens, finishes, in flight
+    — in all and per replica (`replicas`); stats: the replicas' own, merged in where given."""
 
     def __init__(self, model, open_stream, max_loops: int, stats=dict, warming=lambda: False):
         self.model, self.max_loops = model, max_loops
         self._open, self._stats, self._warming = open_stream, stats, warming
+        self._counts: dict = {}  # replica -> counters
+        self._flight = 0
+        self._started = time.perf_counter()
 
     def submit(self, request: R.Request) -> RemoteHandle:
-        return RemoteHandle(request, self._open(portable(request)))
+        self._flight += 1
+        return RemoteHandle(request, self._open(portable(request)), self._ended)
+
+    def _ended(self, h: RemoteHandle) -> None:
+        self._flight -= 1
+        c = self._counts.setdefault(h.replica or "(none)", dict.fromkeys(
+            ("requests", "tokens_in", "tokens_out", "prefix_tokens_reused", "requests_prefix_hit",
+             "requests_prefix_miss", "requests_failed"), 0))
+        c["requests"] += 1
+        c["tokens_in"] += len(h.prompt)
+        c["tokens_out"] += len(h.tokens)
+        c["prefix_tokens_reused"] += h.prefix_tokens
+        c["requests_prefix_hit" if h.prefix_tokens else "requests_prefix_miss"] += 1
+        c["requests_failed"] += h.finish_reason == "error"
+        c[f"finished_{h.finish_reason}"] = c.get(f"finished_{h.finish_reason}", 0) + 1
 
     @property
     def warming(self) -> bool:
         return self._warming()
 
     def stats(self) -> dict:
-        return self._stats()
+        s = dict(self._stats())
+        replicas = {r: dict(c) for r, c in self._counts.items()}
+        for c in replicas.values():
+            for k, v in c.items():
+                s[k] = s.get(k, 0) + v
+        n = s.get("requests_prefix_hit", 0) + s.get("requests_prefix_miss", 0)
+        s["prefix_hit_rate"] = s.get("requests_prefix_hit", 0) / n if n else 0.0
+        s["running"] = s.get("running", 0) + self._flight
+        up = time.perf_counter() - self._started
+        s["tokens_per_second"] = s.get("tokens_out", 0) / up if up > 0 else 0.0
+        s["replicas"] = replicas
+        return s
