@@ -253,8 +253,6 @@ def decode_constrained(params: Params, cfg: ModelConfig, rows: paged.Rows, fill:
     iteration a dispatch (its forward and choice are one program). A row ends at max_tokens, a
     stop sequence, or when its grammar is complete (its end-of-sequence token emitted). The same
     step body, keys and stop rule as `decode`: free rows emit its tokens."""
-    from .grammar import fill_masks
-
     N = rows.start.shape[0]
     first, stop = np.asarray(fill.first), np.asarray(fill.stop)
     max_tokens = np.asarray(req.max_tokens)
@@ -289,7 +287,7 @@ def decode_constrained(params: Params, cfg: ModelConfig, rows: paged.Rows, fill:
                 pending = None
                 break
         step = step.replace(left=live.astype(np.int32),
-                            mask=fill_masks([m if on else None for m, on in zip(matchers, live)], cfg.vocab_size))
+                            mask=G.fill_masks([m if on else None for m, on in zip(matchers, live)], cfg.vocab_size))
         if passes is None:
             got, state = SHARED.decode_choose(state, step, logits, jnp.asarray(live))
         else:  # adaptive: the forward's passes depend on the row, one program
