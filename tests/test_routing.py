@@ -93,7 +93,7 @@ def test_the_ray_request_router_ranks_by_the_request_value_in_positional_args():
     from ray.serve.request_router import PendingRequest
 
     from tinyloop_jax.api.request import Request
-    from tinyloop_jax.serving.ray_router import TinyloopRouter
+    from tinyloop_jax.serving.ray_router import Probe, TinyloopRouter
 
     dep = DeploymentID(name="engine", app_name="tinyloop")
     router = TinyloopRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN)
@@ -108,7 +108,8 @@ def test_the_ray_request_router_ranks_by_the_request_value_in_positional_args():
     async def route(args, kwargs=None):
         pending = PendingRequest(args=args, kwargs=kwargs or {}, metadata=RequestMetadata("id", "iid"))
         ranks = await router.choose_replicas(fakes, pending)
-        assert sorted(str(r[0].replica_id) for r in ranks) == sorted(str(f.replica_id) for f in fakes)
+        if not any(isinstance(a, Probe) for a in args):  # (a probe: its one replica)
+            assert sorted(str(r[0].replica_id) for r in ranks) == sorted(str(f.replica_id) for f in fakes)
         router.on_request_routed(pending, ranks[0][0].replica_id, None)
         return ranks[0][0].replica_id
 
@@ -124,5 +125,19 @@ def test_the_ray_request_router_ranks_by_the_request_value_in_positional_args():
     assert ask(0, 3) == r2  # r0 past least + 2: the least loaded instead
     loads(0, 3, 3)
     assert asyncio.run(route([], {"body": {"messages": []}})) == r0  # no request value: by load, no hang
+    # a probe names a replica outright (in id order), whatever the load; it records no pages
+    assert [asyncio.run(route([Probe(i)])) for i in range(4)] == [r0, r1, r2, r0]
     router.on_replica_actor_died(r0)
     assert router.router.match(r0, page_chain(prompt(0, 4))) == 0
+
+
+def test_replica_cores_give_each_replica_its_own_run_of_cores():
+    pytest.importorskip("ray.serve", reason="the ray extra is not installed (pip install -e '.[ray]')")
+    from tinyloop_jax.serving.ray_app import replica_cores
+
+    assert [replica_cores(r, 1, [0, 1]) for r in range(3)] == [[0], [1], [0]]  # (a third shares)
+    assert [replica_cores(r, 2, [0, 1, 2, 3, 4, 5]) for r in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    assert replica_cores(1, 2, [4, 7, 9]) == [4, 9]  # (the cores the process may use, wrapping)
+    assert replica_cores(0, 4, [0, 1]) == [0, 1]
+    with pytest.raises(ValueError, match="a core a replica"):
+        replica_cores(0, 0, [0, 1])

@@ -37,6 +37,11 @@ class Collector:
                             tokens_out="tokens they emitted",
                             prefix_tokens_reused="their prompt tokens the replica read from cached prefixes",
                             requests_failed="requests that failed there")
+    REPLICA_GAUGES = dict(queue_depth="requests waiting there (its engine's count)",
+                          running="requests in its batch", prefix_hit_rate="share of its requests with a prefix hit",
+                          memory_bytes="bytes its page pools and rows hold", tokens_per_second="its tokens per second",
+                          ttft_p50_s="its time to first token, median (s)",
+                          ttft_p99_s="its time to first token, p99 (s)")
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -58,6 +63,12 @@ class Collector:
             family = CounterMetricFamily(f"tinyloop_replica_{name}", doc, labels=["replica"])
             for replica, counts in sorted(s.get("replicas", {}).items()):
                 family.add_metric([replica], counts.get(name, 0))
+            yield family
+        for name, doc in self.REPLICA_GAUGES.items():  # ... and what each replica's engine says of itself
+            family = GaugeMetricFamily(f"tinyloop_replica_{name}", doc, labels=["replica"])
+            for replica, counts in sorted(s.get("replicas", {}).items()):
+                if name in counts:
+                    family.add_metric([replica], counts[name])
             yield family
         for name, doc in self.DEPTH_COUNTERS.items():
             family = CounterMetricFamily(f"tinyloop_{name}", doc, labels=["loops"])

@@ -15,10 +15,35 @@ the config that checks requests and for best_of's scoring): a picklable callable
 
 from __future__ import annotations
 
+import os
+import threading
+
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from .ray_router import Probe
 from .replica import EngineReplica, RemoteEngine
+
+POLL_S = 1.0  # how often the ingress asks each replica for its engine's counters
+
+
+def replica_cores(rank: int, per: int, available: list[int]) -> list[int]:
+    """The cores the replica of local rank `rank` keeps to: the rank-th run of `per` of the
+    `available` ones, wrapping past the last (more replicas than cores share them)."""
+    if per < 1 or not available:
+        raise ValueError(f"need a core a replica and some cores, got {per} of {available}")
+    start = rank * per
+    return sorted({available[(start + i) % len(available)] for i in range(per)})
+
+
+def pin(cores: list[int]) -> None:
+    """Keep every thread of this process (and those it starts later) to `cores` — before JAX
+    starts its thread pool, which XLA sizes by the cores the process may run on."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except (ProcessLookupError, PermissionError):  # a thread gone since, or not ours to move
+            pass
 
 
 def load_random(config, seed: int = 0):
@@ -31,35 +56,64 @@ def load_random(config, seed: int = 0):
 class Engines:
     """One engine a replica (the engine deployment's class)."""
 
-    def __init__(self, load, engine_kwargs: dict, warmup: dict | None):
+    def __init__(self, load, engine_kwargs: dict, warmup: dict | None, cores: int | None = None):
         from .engine import Engine
 
+        ctx = serve.get_replica_context()
+        if cores:  # (a whole number of cores: this replica's own, by its rank on the node)
+            pin(replica_cores(ctx.rank.local_rank, cores, sorted(os.sched_getaffinity(0))))
         model, tok = load()
         self.engine = Engine(model, **engine_kwargs)
         if warmup is not None:  # (as `tinyloop serve`: in the background, each request compiling what it needs first)
             self.engine.warmup(background=True, **warmup)
-        self.replica = EngineReplica(self.engine, tok, serve.get_replica_context().replica_id.unique_id)
+        self.replica = EngineReplica(self.engine, tok, ctx.replica_id.unique_id)
 
     async def generate(self, request):
         async for msg in self.replica.generate(request):
             yield msg
 
-    def stats(self) -> dict:
-        return self.engine.stats()
+    def stats(self, probe: Probe) -> dict:
+        """This replica's engine counters (`probe` routed the call here), its name and cores."""
+        return dict(self.engine.stats(), replica=self.replica.name, warming=self.engine.warming,
+                    cores=sorted(os.sched_getaffinity(0)))
 
 
 class Ingress:
     """The OpenAI routes over the engine replicas (the ingress deployment's class)."""
 
-    def __init__(self, engines, load, name: str, eos: list, max_loops: int, app_kwargs: dict):
+    def __init__(self, engines, load, name: str, eos: list, max_loops: int, app_kwargs: dict, replicas: int):
         self.engines, (self.model, self.tokenizer) = engines, load()
         self.name, self.eos, self.max_loops, self.app_kwargs = name, list(eos), max_loops, app_kwargs
+        self.replicas, self.polled = replicas, {}  # replica -> its engine's last counters
+        threading.Thread(target=self._poll, daemon=True, name="tinyloop-replica-stats").start()
+
+    def _poll(self) -> None:
+        """Each replica's engine counters, every POLL_S (a replica that does not answer in time
+        drops out until it does)."""
+        import time
+
+        while True:
+            seen = {}
+            for i in range(self.replicas):
+                try:
+                    s = self.engines.stats.remote(Probe(i)).result(timeout_s=5)
+                except Exception:  # noqa: BLE001 - dying, restarting or busy past the timeout
+                    continue
+                seen[s.pop("replica")] = s
+            self.polled = seen
+            time.sleep(POLL_S)
+
+    def warming(self) -> bool:
+        """Until every replica answered, and while any of them still compiles its warmup."""
+        polled = self.polled
+        return len(polled) < self.replicas or any(s["warming"] for s in polled.values())
 
     def __serve_build_asgi_app__(self):
         from .app import make_app
 
         engines = self.engines.options(stream=True)
-        remote = RemoteEngine(self.model, lambda request: engines.generate.remote(request), self.max_loops)
+        remote = RemoteEngine(self.model, lambda request: engines.generate.remote(request), self.max_loops,
+                              stats=lambda: self.polled, warming=self.warming)
         return make_app(remote, self.tokenizer, self.name, self.eos, **self.app_kwargs)
 
 
@@ -68,7 +122,8 @@ def build_app(load, replicas: int = 2, router: str = "prefix", cores_per_replica
               router_kwargs: dict | None = None, app_kwargs: dict | None = None, warmup: dict | None = None):
     """The Ray Serve application (`serve.run(build_app(...))`): `replicas` engines routed by
     `router` (`routing.POLICIES`), each warming up with `warmup` (`Engine.warmup`'s keywords;
-    None: none), and the ingress."""
+    None: none) and, where `cores_per_replica` is whole, pinned to cores of its own (`pin`),
+    and the ingress."""
     from .routing import POLICIES
 
     if router not in POLICIES:
@@ -82,5 +137,7 @@ def build_app(load, replicas: int = 2, router: str = "prefix", cores_per_replica
                                ray_actor_options=dict(num_cpus=cores_per_replica),
                                request_router_config=routing, max_ongoing_requests=64)
     ingress = serve.deployment(serve.ingress()(Ingress), name="ingress", ray_actor_options=dict(num_cpus=0))
-    return ingress.bind(engines.bind(load, engine_kwargs, warmup), load, name, list(eos), max_loops, app_kwargs or {})
+    cores = int(cores_per_replica) if float(cores_per_replica).is_integer() else None
+    return ingress.bind(engines.bind(load, engine_kwargs, warmup, cores), load, name, list(eos), max_loops,
+                        app_kwargs or {}, replicas)
 

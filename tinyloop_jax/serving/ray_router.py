@@ -6,7 +6,7 @@ It ranks the candidate replicas with `routing.Router` (the policy's choice) from
 value in the pending request's positional arguments — an object with a `prompt` of token ids
 (the chat template already rendered, `api.request.Request`) — and Ray's cached queue lengths;
 after a request is routed it records the prompt's pages as that replica's; a replica that dies
-is forgotten.
+is forgotten. A `Probe(i)` argument instead names the i-th replica (in id order) outright.
 
     RequestRouterConfig(request_router_class="tinyloop_jax.serving.ray_router:TinyloopRouter",
                         request_router_kwargs={"policy": "prefix", "capacity_pages": 4096})
@@ -14,9 +14,23 @@ is forgotten.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from .routing import Router, page_chain
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A call for one replica in particular: the `index`-th of the candidates in id order (the
+    ingress asks each replica for its engine's counters this way; Ray Serve has no broadcast)."""
+
+    index: int
+
+
+def probe_of(pending: PendingRequest | None) -> Probe | None:
+    return next((a for a in (() if pending is None else pending.args) if isinstance(a, Probe)), None)
 
 
 def prompt_of(pending: PendingRequest | None):
@@ -39,6 +53,10 @@ class TinyloopRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        probe = probe_of(pending_request)
+        if probe is not None:
+            ordered = sorted(candidate_replicas, key=lambda r: str(r.replica_id))
+            return [[ordered[probe.index % len(ordered)]]]
         prompt = prompt_of(pending_request)
         chain = [] if prompt is None else page_chain(prompt)
         by_id = {r.replica_id: r for r in candidate_replicas}

@@ -151,7 +151,11 @@ class RemoteEngine:
     an async iterator of a replica's messages (`EngineReplica.generate`, wherever it runs).
     model: the served model (its config checks requests; best_of scores with it). `stats()`
     counts what the ingress sees — requests, tokens, cached prompt tokens, finishes, in flight
-    — in all and per replica (`replicas`); stats: the replicas' own, merged in where given."""
+    — in all and per replica (`replicas`), beside each replica's engine's own gauges (`stats()`:
+    replica -> its `Engine.stats()`, as last polled; its queue summed into `queue_depth`)."""
+
+    REPLICA_GAUGES = ("queue_depth", "running", "prefix_hit_rate", "memory_bytes", "tokens_per_second",
+                      "ttft_p50_s", "ttft_p99_s")
 
     def __init__(self, model, open_stream, max_loops: int, stats=dict, warming=lambda: False):
         self.model, self.max_loops = model, max_loops
@@ -164,11 +168,13 @@ class RemoteEngine:
         self._flight += 1
         return RemoteHandle(request, self._open(portable(request)), self._ended)
 
+    def _zero(self) -> dict:
+        return dict.fromkeys(("requests", "tokens_in", "tokens_out", "prefix_tokens_reused", "requests_prefix_hit",
+                              "requests_prefix_miss", "requests_failed"), 0)
+
     def _ended(self, h: RemoteHandle) -> None:
         self._flight -= 1
-        c = self._counts.setdefault(h.replica or "(none)", dict.fromkeys(
-            ("requests", "tokens_in", "tokens_out", "prefix_tokens_reused", "requests_prefix_hit",
-             "requests_prefix_miss", "requests_failed"), 0))
+        c = self._counts.setdefault(h.replica or "(none)", self._zero())
         c["requests"] += 1
         c["tokens_in"] += len(h.prompt)
         c["tokens_out"] += len(h.tokens)
@@ -182,14 +188,17 @@ class RemoteEngine:
         return self._warming()
 
     def stats(self) -> dict:
-        s = dict(self._stats())
+        s: dict = {}
         replicas = {r: dict(c) for r, c in self._counts.items()}
         for c in replicas.values():
             for k, v in c.items():
                 s[k] = s.get(k, 0) + v
+        for r, own in self._stats().items():  # each engine's own view
+            replicas.setdefault(r, self._zero()).update({k: own.get(k, 0) for k in self.REPLICA_GAUGES})
+            s["queue_depth"] = s.get("queue_depth", 0) + own.get("queue_depth", 0)
         n = s.get("requests_prefix_hit", 0) + s.get("requests_prefix_miss", 0)
         s["prefix_hit_rate"] = s.get("requests_prefix_hit", 0) / n if n else 0.0
-        s["running"] = s.get("running", 0) + self._flight
+        s["running"] = self._flight
         up = time.perf_counter() - self._started
         s["tokens_per_second"] = s.get("tokens_out", 0) / up if up > 0 else 0.0
         s["replicas"] = replicas
