@@ -102,3 +102,11 @@ def test_cli_bad_arguments_exit_2(capsys, args, msg):
     r = tinyloop(capsys, *args)
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert msg in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_serve_replicas_refuses_bad_counts_before_ray_starts(capsys):
+    for flags, bad in ((["--replicas", "0"], "--replicas must be >= 1"),
+                       (["--replicas", "2", "--cores-per-replica", "0"], "--cores-per-replica > 0"),
+                       (["--replicas", "2", "--router", "nearest"], "invalid choice")):
+        r = tinyloop(capsys, "serve", *flags)
+        assert r.returncode == 2 and bad in r.stderr, (flags, r.stderr)

@@ -278,6 +278,11 @@ def _serve_replicas(args, edge: dict) -> None:
     c = model.config()
     name = args.name or os.path.basename(os.path.normpath(args.model or BUNDLED))
     max_loops = args.max_loops or max(64, 16 * c["default_loops"])
+    from .serving.engine import Engine
+
+    sized = Engine(model, max_batch=args.max_batch, memory_budget=args.memory_budget, max_loops=max_loops)
+    pages = sized.batcher.pool_pages(c["default_loops"])  # (what each replica's pool holds: the router's bound)
+    sized.close()
     ray.init(address=args.ray_address, include_dashboard=False)
     serve.start(http_options=dict(host=args.host, port=args.port))
     app = build_app(load, replicas=args.replicas, router=args.router, cores_per_replica=args.cores_per_replica,
@@ -285,7 +290,8 @@ def _serve_replicas(args, edge: dict) -> None:
                                        memory_budget=args.memory_budget, max_depths=args.max_depths),
                     warmup=dict(adaptive=args.warmup_adaptive, speculation=args.warmup_speculation,
                                 grammar=args.warmup_grammar),
-                    name=name, eos=eos_ids(args.model, tok, c["vocab_size"]), max_loops=max_loops, app_kwargs=edge)
+                    name=name, eos=eos_ids(args.model, tok, c["vocab_size"]), max_loops=max_loops, app_kwargs=edge,
+                    router_kwargs=dict(capacity_pages=max(1, pages)))
     print(f"tinyloop serve: {name}, {args.replicas} replicas routed by {args.router} on Ray Serve, "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
     serve.run(app, route_prefix="/", blocking=True)

@@ -84,14 +84,15 @@ class Ingress:
     def __init__(self, engines, load, name: str, eos: list, max_loops: int, app_kwargs: dict, replicas: int):
         self.engines, (self.model, self.tokenizer) = engines, load()
         self.name, self.eos, self.max_loops, self.app_kwargs = name, list(eos), max_loops, app_kwargs
-        self.replicas, self.polled = replicas, {}  # replica -> its engine's last counters
+        self.replicas, self.polled, self.running = replicas, {}, 0  # polled: replica -> its engine's counters
         threading.Thread(target=self._poll, daemon=True, name="tinyloop-replica-stats").start()
 
     def _poll(self) -> None:
-        """Each replica's engine counters, every POLL_S (a replica that does not answer in time
-        drops out until it does)."""
+        """Each replica's engine counters and Ray's count of running replicas, every POLL_S (a
+        replica that does not answer in time drops out until it does)."""
         import time
 
+        app = serve.get_replica_context().app_name
         while True:
             seen = {}
             for i in range(self.replicas):
@@ -101,12 +102,15 @@ class Ingress:
                     continue
                 seen[s.pop("replica")] = s
             self.polled = seen
+            try:
+                self.running = serve.status().applications[app].deployments["engines"].replica_states.get("RUNNING", 0)
+            except Exception:  # noqa: BLE001 - the controller restarting: the last count stands
+                pass
             time.sleep(POLL_S)
 
     def warming(self) -> bool:
-        """Until every replica answered, and while any of them still compiles its warmup."""
-        polled = self.polled
-        return len(polled) < self.replicas or any(s["warming"] for s in polled.values())
+        """Until Ray runs every replica and each one that answers has finished its warmup."""
+        return self.running < self.replicas or any(s["warming"] for s in self.polled.values())
 
     def __serve_build_asgi_app__(self):
         from .app import make_app
