@@ -21,6 +21,12 @@ golden.npz, all with init_scale=0 (the zero initial state):
     and at the default depth;
   * the spread of the reference's initial state draw at init_scale=1 over many positions.
 
+With --share it loads the 2/4/2 folder and writes share.npz beside it: the reference's cache
+with `lookup_strategy` "compress-s4" and "compress-s8" (every pass reading one recurrence's
+blocks: our kv_share "last" = ring:1, and ring:2, its core being 4 blocks), at 4 steps and
+init_scale=0: each prompt prefilled in one call, then the greedy tokens fed one at a time
+through that cache — the logits of every decode step and the tokens.
+
 With --adaptive it instead loads the 2/4/2 folder written before (the reference's latest-m4
 lookup hard-codes a 4-block core) and writes adaptive.npz beside it:
 `generate_with_adaptive_compute(cache_lookup_strategy="latest-m4", init_scale=0, num_steps=8)`
@@ -95,6 +101,7 @@ def main() -> None:
     ap.add_argument("--venv", default=os.path.expanduser("~/.cache/tinyloop-huginn-ref"), type=os.path.abspath)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--adaptive", action="store_true", help="write adaptive.npz for the 2/4/2 folder")
+    ap.add_argument("--share", action="store_true", help="write share.npz (compressed caches) for the 2/4/2 folder")
     args = ap.parse_args()
     files = ("raven_modeling_minimal.py", "raven_config_minimal.py")
     for name in files:
@@ -118,6 +125,11 @@ def main() -> None:
     from raven_ref.raven_modeling_minimal import HuginnDynamicCache, RavenForCausalLM
 
     torch.set_num_threads(2)
+    if args.share:
+        share_goldens(RavenForCausalLM(RavenConfig(**CONFIGS["242"])), HuginnDynamicCache,
+                      os.path.abspath(os.path.join(args.out, "huginn-tiny-242")))
+        shutil.rmtree(pkg_root)
+        return
     if args.adaptive:
         adaptive_goldens(RavenForCausalLM(RavenConfig(**CONFIGS["242"])),
                          os.path.abspath(os.path.join(args.out, "huginn-tiny-242")))
@@ -180,6 +192,51 @@ def main() -> None:
         print(f"wrote {out}: model_type={saved['model_type']}, {len(PROMPT_LENS)} prompts, "
               f"tensors in model.safetensors, golden.npz")
     shutil.rmtree(pkg_root)
+
+
+SHARE_STRATEGIES = {"compress-s4": "last", "compress-s8": "ring:2"}  # (a 4-block core)
+SHARE_STEPS, SHARE_TOKENS = 4, 12
+
+
+def load_242(model, folder: str):
+    import torch  # noqa: F401
+    from safetensors.torch import load_file
+
+    missing, unexpected = model.load_state_dict(load_file(os.path.join(folder, "model.safetensors")), strict=False)
+    if missing or unexpected:
+        sys.exit(f"{folder}: the saved tensors do not fit the 2/4/2 config: missing {missing}, unexpected {unexpected}")
+    return model.eval()
+
+
+def share_goldens(model, cache_class, folder: str) -> None:
+    """share.npz: greedy decoding through the reference's compressed caches (see the module doc)."""
+    import numpy as np
+    import torch
+
+    model = load_242(model, folder)
+    golden = dict(np.load(os.path.join(folder, "golden.npz")))
+    out = {"steps": np.array(SHARE_STEPS, np.int32), "strategies": np.array(json.dumps(SHARE_STRATEGIES))}
+    with torch.no_grad():
+        for strategy in SHARE_STRATEGIES:
+            for i in range(len(PROMPT_LENS)):
+                ids = torch.tensor(golden[f"prompt_{i}"][None].astype(np.int64))
+                n = ids.shape[1]
+                cache = cache_class(lookup_strategy=strategy)
+                o = model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(n),
+                          num_steps=SHARE_STEPS, init_scale=0.0)
+                logits, tokens = [o.logits[0, -1].numpy()], []
+                for t in range(SHARE_TOKENS):
+                    tokens.append(int(np.argmax(logits[-1])))
+                    if t == SHARE_TOKENS - 1:
+                        break
+                    o = model(torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True,
+                              cache_position=torch.tensor([n + t]), num_steps=SHARE_STEPS, init_scale=0.0)
+                    logits.append(o.logits[0, -1].numpy())
+                out[f"{strategy}_{i}_logits"] = np.stack(logits)  # [tokens, V]: the logits each token was chosen from
+                out[f"{strategy}_{i}_tokens"] = np.array(tokens, np.int32)
+                print(strategy, i, tokens)
+    np.savez(os.path.join(folder, "share.npz"), **out)
+    print(f"wrote {folder}/share.npz")
 
 
 def adaptive_goldens(model, folder: str) -> None:

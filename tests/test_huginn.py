@@ -114,6 +114,27 @@ def test_cached_path_matches_the_reference(name):
     np.testing.assert_allclose(np.stack([np.asarray(r) for r in rows]), g["cached_prefill_then_decode"], **PARITY)
 
 
+def test_shared_kv_matches_the_references_compressed_cache():
+    """Huginn's own cache with `compress-s4` / `compress-s8` (its 4-block core: kv_share last /
+    ring:2), greedy from each prompt at 4 steps: the tokens `generate` gives on the compact
+    store, and the logits of every decode step on the naive store it equals (tests/test_kv_share.py)."""
+    from test_kv_share import naive_run
+
+    m, g = huginn("242"), golden("242")
+    share = np.load(os.path.join(folder("242"), "share.npz"))
+    steps = int(share["steps"])
+    for strategy, mode in json.loads(str(share["strategies"])).items():
+        shared = tl.Model(m.weights.params, m.weights.config.replace(kv_share=mode))
+        for i in range(2):
+            p, want = g[f"prompt_{i}"], share[f"{strategy}_{i}_tokens"].tolist()
+            assert shared.generate(p, max_tokens=len(want), loops=steps)[len(p):] == want, (strategy, i)
+            tokens, logits = naive_run(m, shared.weights.config.share, p.tolist(), steps, len(want))
+            assert tokens == want
+            np.testing.assert_allclose(logits, share[f"{strategy}_{i}_logits"], **PARITY)
+    # (the compression is load-bearing: the reference's compressed greedy tokens differ from its full cache's)
+    assert any(share[f"compress-s4_{i}_tokens"].tolist() != g[f"greedy_{i}"].tolist() for i in range(2))
+
+
 @pytest.mark.parametrize("mode", ["fp16", "int8-h"])
 def test_prefix_reuse_equals_recompute(mode):
     m = huginn("242", kv_mode=mode)

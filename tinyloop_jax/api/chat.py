@@ -165,6 +165,7 @@ class Conversation:
             raise ValueError(f"system must be a string or None, got {type(system).__name__}")
         self.model, self.tokenizer, self.system = model, tokenizer, system
         c = model.weights.config
+        c.require_full_share("Conversation")
         given = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                      repetition_penalty=repetition_penalty)
         if response_format is not None:  # OpenAI's dict (this tokenizer builds it) or a `Grammar`

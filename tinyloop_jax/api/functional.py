@@ -97,6 +97,7 @@ def decode_step(weights: Weights, token: int, cache: KVCache, ro: tuple = (), lo
     """One token at position cache.length (a chunk of one, `programs.prefill`). Returns
     (next-token logits [V], new cache); `cache` is donated."""
     c = weights.config
+    c.require_full_share("decode_step on dense segments")
     if c.block == "gpt2":
         c.check_positions(int(cache.length) + 1, "the token")
     out = programs.prefill(weights.params, c, jnp.int32([token]), jnp.int32(1), cache.length, tuple(ro), cache,
@@ -211,6 +212,11 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
                 lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], extra, axis=0)]), adaptive.policy))
     loops = (prefix.loops if prefix is not None else c.default_loops) if loops is None else loops
     window = (prefix.cache_window if prefix is not None else 0) if cache_window is None else cache_window
+    if not c.share.full:  # (the prompts per pass, then the pool collapsed for the decode steps)
+        c.share.check(loops)
+        if adaptive is not None or speculation is not None:
+            raise ValueError(f"kv_share={c.kv_share!r} runs a fixed depth: adaptive depth and speculative decoding "
+                             f"with it are not served yet")
     N, P = len(suffixes), 0 if prefix is None else len(prefix)
     lens = np.array([len(s) for s in suffixes], np.int32)
     max_new = int(np.max(request.max_tokens))
@@ -244,6 +250,8 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
     fill = paged_decode.prefill(weights.params, c, pool, state, lay.tables, P, suffixes, prior_logits, loops,
                                 0 if windows is not None else window, exit, chunk, adaptive=adaptive is not None,
                                 exits=adaptive is not None and adaptive.in_prefill, windows=windows, masks=masks)
+    if not c.share.full:
+        fill = fill._replace(pool=paged_decode.collapse(fill.pool, c.share, loops))
     rows = paged.Rows(lay.tables, P + lens, np.ones((N,), np.int32), windows)  # where each first token is fed
     if matchers is not None and ((paged_decode.GRAMMAR_LOOP == "host" and adaptive is None and speculation is None)
                                  or c.mesh is not None):  # (no host callback inside a program split over devices)

@@ -121,6 +121,10 @@ def load_prefix(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, seg, 
     return pool
 
 
+# the call's pool once its prompts are done, as `kv_share`'s compact store (decode steps read it)
+collapse = partial(jax.jit, static_argnames=("share", "loops"))(page_pool.collapse)
+
+
 class Prefilled(NamedTuple):
     """What `prefill` returns: each row's first token and the stop sequence it ends (-1: none),
     the passes its prompt ran (None: every pass), the pool and the request rows."""

@@ -115,6 +115,7 @@ class ModelConfig:
     qk_norm: bool = False
     layer_windows: tuple = ()
     rope_local_theta: float = 0.0
+    kv_share: str = "full"  # what later tokens read of a finished token's passes (`kv_share`)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_heads", "max_seq_len", "mlp_ratio"):
@@ -163,6 +164,14 @@ class ModelConfig:
         if self.kv_mode is None:
             object.__setattr__(self, "kv_mode", kv_mode_from_env())
         check_kv_mode(self.kv_mode)
+        from .kv_share import parse as parse_share
+
+        object.__setattr__(self, "kv_share", str(parse_share(self.kv_share)))  # ("last" is "ring:1")
+        if parse_share(self.kv_share).kind == "first":
+            import warnings
+
+            warnings.warn("kv_share='first' reads every finished token at its first pass: only for models trained "
+                          "for it (others lose their quality)", stacklevel=3)
         if self.storage.format.packed and (self.d_model % 2 or self.head_dim % 2):
             raise ValueError(f"int4 modes pack two values per byte: d_model {self.d_model} and head_dim "
                              f"{self.head_dim} must be even")
@@ -223,6 +232,19 @@ class ModelConfig:
                                f"GPT-2 model (max_seq_len={self.max_seq_len})")
 
     @property
+    def share(self):
+        """`kv_share` parsed (`kv_share.Share`)."""
+        from .kv_share import parse
+
+        return parse(self.kv_share)
+
+    def require_full_share(self, what: str) -> None:
+        """ValueError where `what` does not serve a compact `kv_share` yet."""
+        if self.kv_share != "full":
+            raise ValueError(f"kv_share={self.kv_share!r} is not served by {what} yet (Model.generate and its prefix "
+                             f"calls are; docs/engine-plan.md, issue 62)")
+
+    @property
     def storage(self) -> KVMode:
         """`kv_mode` parsed: the format and codec every module uses."""
         return parse_kv_mode(self.kv_mode)
@@ -272,4 +294,4 @@ ARCH_FIELDS = {f.name: f.default for f in dataclasses.fields(ModelConfig)
                              "dtype", "n_kv_heads", "head_dim", "intermediate_size", "rope_theta", "attention_bias",
                              "early_exit_gate", "early_exit_step", "early_exit_threshold", "injection",
                              "state_init_scale", "embed_scale", "norm_before_coda", "rope_pairing", "mlp_act",
-                             "qk_norm", "layer_windows", "rope_local_theta")}
+                             "qk_norm", "layer_windows", "rope_local_theta", "kv_share")}

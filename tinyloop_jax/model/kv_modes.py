@@ -141,8 +141,9 @@ class KVMode:
         return sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in shapes.values())
 
     def pack(self, h: jax.Array, k: jax.Array, v: jax.Array) -> dict:
-        """Fresh h [T, D] and K, V [KV, T, hd] -> the stored arrays of a chunk."""
-        h, k, v = (a.astype(jnp.float32) for a in (h, k, v))
+        """Fresh h [T, D] and K, V [KV, T, hd] -> the stored arrays of a chunk (h may be None
+        where the mode stores K/V)."""
+        h, k, v = (None if a is None else a.astype(jnp.float32) for a in (h, k, v))
         if self.h:
             return {"h" + sfx: a for sfx, a in self.format.encode(h[None], h_group(h.shape[-1])).items()}
         out = {}

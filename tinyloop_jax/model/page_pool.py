@@ -47,10 +47,16 @@ class PagedKV:
     # page's slot (-1: none); () and None: every layer on the pages themselves.
     slot_of: jax.Array | None = None  # int32 [NP]
     local: tuple = struct.field(pytree_node=False, default=())
+    # `kv_share`: "full" (the loop stack holds every pass), or the compact store of finished
+    # tokens (`kv_share.collapse`: its leading axis the mode's slots; decode steps only)
+    share: object = struct.field(pytree_node=False, default="full")
 
     def __post_init__(self):
+        from .kv_share import parse
+
         object.__setattr__(self, "kv_mode", parse_mode(self.kv_mode))
         object.__setattr__(self, "local", tuple(int(j) for j in self.local))
+        object.__setattr__(self, "share", parse(self.share))
 
     @property
     def _any(self) -> jax.Array:
@@ -66,6 +72,7 @@ class PagedKV:
 
     @property
     def passes(self) -> int:
+        """Passes held (a compact store: its slots)."""
         return int(self._any.shape[0])
 
     @property
@@ -165,6 +172,19 @@ def placed(pool: PagedKV, mesh) -> PagedKV:
     layer = lambda e: {n: put(a, 0) for n, a in e.items()}  # noqa: E731
     return pool.replace(pre=tuple(map(layer, pool.pre)), post=tuple(map(layer, pool.post)),
                         loop={n: put(a, 2) for n, a in pool.loop.items()})
+
+
+def collapse(pool: PagedKV, share, loops: int) -> PagedKV:
+    """Every page's loop stack at depth `loops` as `kv_share`'s compact store (`kv_share.collapse`):
+    the pool of a call whose prompts are done, for its decode steps."""
+    from . import kv_share
+
+    share = kv_share.parse(share)
+    if not pool.share.full:
+        raise ValueError(f"the pool is already compact (kv_share={pool.share})")
+    if pool.passes < loops:
+        raise ValueError(f"a pool of {pool.passes} passes cannot collapse loops={loops}")
+    return pool.replace(loop=kv_share.collapse(pool.loop, share, loops, pool.kv_mode), share=share)
 
 
 def copy_pages(pool: PagedKV, src: jax.Array, dst: jax.Array) -> PagedKV:

@@ -30,6 +30,7 @@ from . import paged_pallas, qarray
 from . import recurrence as rec
 from . import transformer as tf
 from . import exits
+from . import kv_share
 from . import layers
 from .precision import exact
 from .attention import attention
@@ -228,8 +229,15 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
     streams after the last pass (before the coda; injection models: the loop state), the same way."""
     single = isinstance(rows, Rows)
     rows, tokens = as_groups(rows, tokens)
-    if isinstance(loops, int) and pool.passes < loops:  # (traced: a draft depth, checked by its caller)
+    share = pool.share
+    if share.full and isinstance(loops, int) and pool.passes < loops:  # (traced: a draft depth, checked by its caller)
         raise ValueError(f"a pool of {pool.passes} passes cannot run loops={loops}")
+    if not share.full:
+        if not isinstance(loops, int):
+            raise ValueError(f"kv_share={share} runs a fixed depth (no speculative drafts yet), got a traced depth")
+        share.check(loops)
+        if pool.passes != share.slots(loops):
+            raise ValueError(f"a compact pool of {pool.passes} slots is not kv_share={share}'s at loops={loops}")
     groups = tuple(Group.of(r, t.shape[1], pool) for r, t in zip(rows, tokens))
     pos = jnp.concatenate([g.pos.reshape(-1) for g in groups])
     x = over_data(embed(params, jnp.concatenate([t.reshape(-1) for t in tokens]), pos, cfg), cfg.mesh)
@@ -257,11 +265,43 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
     def post_block(y, blk, store, j):
         return block(y, blk, cfg, groups, store, None, window, pool.kv_mode)
 
-    x, loop, _, pick = tf.run_passes(params, cfg, x, e, loops, pool.loop, loop_block, exit if gated else None)
+    x, loop, _, pick = tf.run_passes(params, cfg, x, e, loops, pool.loop, loop_block, exit if gated else None,
+                                     slot=share.slot, settle=settle(share, pool.kv_mode, groups, loops, pool.loop))
     y, post = tf.coda(params, cfg, x, pool.post, post_block)
     pool = placed(pool.replace(pre=tuple(pre), loop=loop, post=tuple(post)), cfg.mesh)
     out = split(pick if gated else y, groups, single)
     return (out, pool, split(x, groups, single)) if keep_state else (out, pool)
+
+
+def settle(share, mode: KVMode, groups: tuple, loops: int, stack0: dict) -> tf.Settle | None:
+    """A compact pool's (`kv_share`) last word on the step's tokens, where the last pass written
+    is not what later tokens read: avg writes the mean of the passes' K/V, first pass 0's.
+    stack0: the loop stack before the step (shapes)."""
+    if share.kind not in ("avg", "first"):
+        return None
+    page = jnp.concatenate([g.page for g in groups])
+    off = jnp.concatenate([g.off for g in groups])
+    k = next(iter(stack0.values())).shape[1]
+    now = lambda stack: [kv_share.take_at(stack, j, page, off) for j in range(k)]  # noqa: E731
+    if share.kind == "first":
+        def after(i, stack, acc):
+            return jax.lax.cond(i == 0, lambda: now(stack), lambda: acc)
+
+        def end(stack, acc):
+            for j in range(k):
+                stack = kv_share.put_at(stack, j, page, off, acc[j])
+            return stack
+        return tf.Settle(now(stack0), after, end)
+
+    def sums(stack, acc):
+        return [tuple(a + b for a, b in zip(mode.unpack(t, None), s)) for t, s in zip(now(stack), acc)]
+
+    def end_avg(stack, acc):
+        for j, (sk, sv) in enumerate(acc):
+            stack = kv_share.put_at(stack, j, page, off, mode.pack(None, sk / loops, sv / loops))
+        return stack
+    zero = [tuple(jnp.zeros_like(a) for a in mode.unpack(t, None)) for t in now(stack0)]
+    return tf.Settle(zero, lambda i, stack, acc: sums(stack, acc), end_avg)
 
 
 def split(x: jax.Array, groups: tuple, single: bool):

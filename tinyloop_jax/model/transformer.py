@@ -236,38 +236,54 @@ def run_pre(params: Params, cfg: ModelConfig, x: jax.Array, chunk: Chunk, ro: tu
     return x, e, pre, states
 
 
-def one_pass(params: Params, cfg: ModelConfig, i, x: jax.Array, e: jax.Array | None, stack, loop_block):
+def one_pass(params: Params, cfg: ModelConfig, i, x: jax.Array, e: jax.Array | None, stack, loop_block,
+             slot=lambda i: i):
     """Pass i (traced) of the loop stack over streams x [N, D] (injection: the state, with the pre
     blocks' output e): the pass's input, the k loop blocks in order (loop_block(x, blk, stack,
-    (i, j)) -> (x, stack): a storage's block, writing pass i's layers of `stack`), then the final
-    norm with `pass_norm`. Every forward's pass: dense segments, pages, adaptive depth."""
+    (slot(i), j)) -> (x, stack): a storage's block, writing pass i's layers of `stack`; slot: a
+    compact store's, `kv_share`), then the final norm with `pass_norm`. Every forward's pass:
+    dense segments, pages, adaptive depth."""
     if e is not None:
         x = rec.pass_input(params, x, e)
     for j, blk in enumerate(params.loop):
-        x, stack = loop_block(x, blk, stack, (i, j))
+        x, stack = loop_block(x, blk, stack, (slot(i), j))
     if cfg.pass_norm:
         x = final_norm(params, cfg, x)
     return x, stack
 
 
+class Settle(NamedTuple):
+    """A compact store's last word on the step's tokens (`kv_share` avg / first: what later
+    tokens read is not the last pass written): acc = after(i, stack, acc) after each pass,
+    from `start`; stack = end(stack, acc) after the last."""
+    start: object
+    after: object
+    end: object
+
+
 def run_passes(params: Params, cfg: ModelConfig, x: jax.Array, e: jax.Array | None, loops, stack, loop_block,
-               exit: Exit | None = None, keep=None):
+               exit: Exit | None = None, keep=None, slot=lambda i: i, settle: Settle | None = None):
     """Passes 0..loops-1 (`one_pass`; loops static, or traced) under `fori_loop`, with the early
     exit's pick among the passes' outputs (`exit`: a gate model's) and keep(x) -> [D], one
-    position's stream after each pass. Returns (x after the last pass, stack, kept [loops, D] |
-    None, the exit's pick [N, D] | None)."""
+    position's stream after each pass; slot / settle: a compact store's (`kv_share`). Returns
+    (x after the last pass, stack, kept [loops, D] | None, the exit's pick [N, D] | None)."""
     def body(i, carry):
-        x, stack, kept, sel = carry
-        x, stack = one_pass(params, cfg, i, x, e, stack, loop_block)
+        x, stack, kept, sel, acc = carry
+        x, stack = one_pass(params, cfg, i, x, e, stack, loop_block, slot)
         if keep is not None:
             kept = kept.at[i].set(keep(x))
         if exit is not None:
             sel = exit_update(params, exit, i, i == loops - 1, x, sel)
-        return x, stack, kept, sel
+        if settle is not None:
+            acc = settle.after(i, stack, acc)
+        return x, stack, kept, sel, acc
 
     kept = jnp.zeros((loops, x.shape[1]), x.dtype) if keep is not None else None
     sel = ExitCarry.start(x) if exit is not None else None
-    x, stack, kept, sel = jax.lax.fori_loop(0, loops, body, (x, stack, kept, sel))
+    x, stack, kept, sel, acc = jax.lax.fori_loop(0, loops, body, (x, stack, kept, sel,
+                                                                 None if settle is None else settle.start))
+    if settle is not None:
+        stack = settle.end(stack, acc)
     return x, stack, kept, None if sel is None else sel.pick(x)
 
 

@@ -89,6 +89,7 @@ class Engine:
                  decode_steps: int = DECODE_STEPS):
         self.model = model
         c = model.weights.config
+        c.require_full_share("the engine")
         max_loops = max(64, 16 * c.default_loops) if max_loops is None else max_loops
         for name, v in dict(max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk,
                             max_loops=max_loops, max_depths=max_depths, decode_steps=decode_steps).items():

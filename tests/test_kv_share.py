@@ -1,0 +1,212 @@
+"""K/V shared across passes (`kv_share`, issue 62): the read map against Huginn's own cache rule,
+the sizes against the models' published figures, and `generate` on the compact store against a
+naive store — every pass kept, each finished token's passes overwritten by what the mode reads
+(the prompt after its prefill, each decoded token after its step), on the dense functional path
+of the same weights with kv_share full."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_config
+
+import tinyloop_jax as tl
+from tinyloop_jax.api import functional as F
+from tinyloop_jax.model import kv_share as KS
+
+
+def huginn_reads(p: int, ran: int, stage: int) -> int | None:
+    """Huginn's `compress-s{stage}` on one token's core layers, per block (its dict cache: each
+    step's K/V stored at (step - 2) % stage + 2, a later step overwriting): the step a pass p
+    lookup finds, stage counted in passes (None: nothing stored there)."""
+    slots = {}
+    for q in range(ran):
+        slots[q % stage] = q
+    return slots.get(p % stage)
+
+
+def test_ring_reads_what_huginns_compressed_cache_holds():
+    for m in (1, 2, 4):
+        share = KS.parse("last" if m == 1 else f"ring:{m}")
+        for loops in (4, 8):
+            for ran in range(m, loops + 1):  # (every residue written: Huginn's cache finds them all)
+                assert [share.source(p, ran) for p in range(loops)] == [huginn_reads(p, ran, m) for p in range(loops)]
+    assert KS.parse("first").source(5, 8) == 0 and KS.parse("avg").source(5, 8) is None
+    assert KS.parse("full").source(5, 8) == 5
+
+
+def test_bad_modes_are_clear_errors():
+    for bad in ("ring:0", "ring:x", "ring", "mean", 3):
+        with pytest.raises(ValueError, match="kv_share="):
+            KS.parse(bad)
+    with pytest.raises(ValueError, match="divisible by 3"):
+        KS.parse("ring:3").check(8)
+    with pytest.raises(ValueError, match="kv_share="):
+        tiny_config(kv_share="ring:0")
+    with pytest.warns(UserWarning, match="trained for it"):
+        tiny_config(kv_share="first")
+
+
+def test_collapse_holds_what_each_pass_reads():
+    rng = np.random.default_rng(0)
+    stack = {"k": rng.normal(size=(8, 2, 3, 5, 4)).astype(np.float32),
+             "v": rng.normal(size=(8, 2, 3, 5, 4)).astype(np.float32)}
+    from tinyloop_jax.model.kv_modes import kv_mode
+
+    fp32 = kv_mode("fp32")
+    for name in ("last", "ring:2", "ring:4", "first"):
+        share = KS.parse(name)
+        got = KS.expand(KS.collapse(stack, share, 8, fp32), share, 8)
+        for p in range(8):
+            np.testing.assert_array_equal(got["k"][p], stack["k"][share.source(p, 8)])
+    avg = KS.collapse(stack, KS.parse("avg"), 6, fp32)  # (the first 6 of 8 passes: a shallower call)
+    np.testing.assert_allclose(np.asarray(avg["v"][0]), stack["v"][:6].mean(0), rtol=1e-6)
+
+
+def test_bytes_per_token_match_the_models_published_figures():
+    huginn = tl.ModelConfig(vocab_size=65536, d_model=5280, n_heads=55, n_pre_blocks=2, loop_blocks=4,
+                            n_post_blocks=2, block="llama", kv_mode="fp16", default_loops=32)
+    assert KS.bytes_per_token(huginn, 32, "full") == 132 * 2 * 5280 * 2  # 2.79 MB (the issue's figure)
+    assert KS.bytes_per_token(huginn, 32, "last") == 8 * 2 * 5280 * 2
+    assert KS.bytes_per_token(huginn, 32, "ring:2") == 12 * 2 * 5280 * 2
+    ouro = tl.ModelConfig(vocab_size=49152, d_model=2048, n_heads=16, n_pre_blocks=0, loop_blocks=24,
+                          block="llama", kv_mode="fp16", default_loops=4)
+    assert KS.bytes_per_token(ouro, 4, "full") == 768 * 1024  # 768 KiB at 4 loops (the issue's figure)
+    assert KS.bytes_per_token(ouro, 4, "avg") == 192 * 1024
+
+
+# ---- generate on the compact store == the naive store -------------------------------------------
+
+def naive(base: tl.Model, share: KS.Share, prompt: list, loops: int, n: int, window: int = 0) -> list[int]:
+    """Greedy tokens by the dense functional path (kv_share full), each finished token's passes
+    overwritten in the cache by what `share` reads (numpy: the stored arrays copied; avg: the
+    mean of the passes' float32 K/V, re-encoded in the cache's mode)."""
+    return naive_run(base, share, prompt, loops, n, window)[0]
+
+
+def naive_run(base: tl.Model, share: KS.Share, prompt: list, loops: int, n: int,
+              window: int = 0, grammar=None) -> tuple[list[int], np.ndarray]:
+    """`naive`'s greedy tokens and the logits each was chosen from [n, V]; with a `tl.Grammar`,
+    llguidance's own mask applied before each choice, until the grammar ends."""
+    w = base.weights
+
+    def rewrite(cache, positions):
+        if share.full:
+            return cache
+        loop = {name: np.array(a) for name, a in cache.loop.items()}  # [L, k, KV, C, w] each stored array
+        C = loop["k"].shape[3]
+        for pos in positions:
+            old = {name: a[:, :, :, pos % C].copy() for name, a in loop.items()}  # [L, k, KV, w]
+            if share.kind == "avg":
+                k, v = cache.kv_mode.unpack({name: a[:loops] for name, a in old.items()}, None)
+                mean = cache.kv_mode.pack(None, np.asarray(k).mean(0), np.asarray(v).mean(0))
+            for p in range(loops):
+                for name, a in loop.items():
+                    if share.kind == "avg":
+                        a[p, :, :, pos % C] = np.asarray(mean[name])
+                    elif share.kind == "first":
+                        a[p, :, :, pos % C] = old[name][0]
+                    else:  # ring:m: the latest pass run with the same residue
+                        a[p, :, :, pos % C] = old[name][max(q for q in range(loops) if q % share.m == p % share.m)]
+        return cache.replace(loop={name: jnp.asarray(a) for name, a in loop.items()})
+
+    cache = F.empty_cache(w, len(prompt) + n, loops, cache_window=window)
+    logits, cache = F.prefill(w, prompt, cache, loops=loops, cache_window=window)
+    cache = rewrite(cache, range(len(prompt)))
+    out, rows = [], []
+    matcher = None if grammar is None else grammar.matcher()
+    for i in range(n):
+        rows.append(np.asarray(logits))
+        if matcher is None:
+            out.append(int(np.argmax(rows[-1])))
+        else:
+            from llguidance.numpy import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
+
+            masked, bits = rows[-1].astype(np.float32)[None].copy(), allocate_token_bitmask(1, len(rows[-1]))
+            fill_next_token_bitmask(matcher, bits)
+            apply_token_bitmask_inplace(masked, bits)
+            out.append(int(np.argmax(masked[0])))
+            assert matcher.consume_token(out[-1])
+            if matcher.is_stopped():
+                break
+        if i < n - 1:
+            logits, cache = F.decode_step(w, out[-1], cache, loops=loops, cache_window=window)
+            cache = rewrite(cache, [len(prompt) + i])
+    return out, np.stack(rows)
+
+
+def shared(base: tl.Model, name: str) -> tl.Model:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ("first": experimental)
+        return tl.Model(base.weights.params, base.weights.config.replace(kv_share=name))
+
+
+BASES = {}
+
+
+def base_in(kv_mode: str) -> tl.Model:
+    if kv_mode not in BASES:
+        BASES[kv_mode] = tl.Model.random(tiny_config(kv_mode=kv_mode, default_loops=4), seed=5)
+    return BASES[kv_mode]
+
+
+@pytest.fixture(scope="module")
+def base():
+    return base_in("fp32")
+
+
+PROMPTS = [[5, 9, 14, 3, 77, 21, 8], [40, 2, 2, 19, 101, 64, 7, 7, 33, 12, 90]]
+
+
+@pytest.mark.parametrize("name,loops", [("last", 1), ("last", 3), ("ring:2", 4), ("ring:4", 8), ("avg", 3),
+                                        ("first", 3), ("avg", 8)])
+def test_generate_on_the_compact_store_equals_the_naive_store(base, name, loops):
+    model, n = shared(base, name), 12
+    want = [naive(base, model.weights.config.share, p, loops, n) for p in PROMPTS]
+    assert [model.generate(p, max_tokens=n, loops=loops)[len(p):] for p in PROMPTS] == want
+    assert model.generate_batch(PROMPTS, max_tokens=n, loops=loops) == [p + t for p, t in zip(PROMPTS, want)]
+    prefix = model.build_prefix_cache(PROMPTS[1][:6], loops=loops)  # (a prefix stays per pass)
+    got = model.generate_from_prefix_cache(prefix, max_tokens=n, suffix=PROMPTS[1][6:])
+    assert got[len(PROMPTS[1]):] == want[1]
+
+
+@pytest.mark.parametrize("kv_mode,name,window", [("int8", "ring:2", 0), ("int4", "first", 0), ("int8", "avg", 0),
+                                                 ("fp32", "last", 8), ("int4", "ring:2", 8)])
+def test_the_compact_store_in_other_modes_and_under_a_window(kv_mode, name, window):
+    b = base_in(kv_mode)
+    model, n, loops = shared(b, name), 12, 4
+    for p in PROMPTS:
+        assert model.generate(p, max_tokens=n, loops=loops, cache_window=window)[len(p):] == naive(
+            b, model.weights.config.share, p, loops, n, window)
+
+
+@pytest.mark.parametrize("name", ["last", "avg"])
+def test_structured_output_on_the_compact_store(name):
+    """A grammar's masks over the compact store's decode steps (the host loop: forward and choice
+    apart) == the naive store with llguidance's own mask."""
+    b = tl.Model.random(tiny_config(vocab_size=260, kv_mode="fp32", default_loops=4), seed=2)
+    g = tl.Grammar.of({"type": "regex", "regex": "[0-9]{2,3}(-[a-f]{2})?"}, tl.ByteTokenizer(), 260)
+    prompt = [int(c) for c in b"The answer: "]
+    model = shared(b, name)
+    got = model.generate(prompt, max_tokens=10, loops=4, response_format=g)[len(prompt):]
+    assert got == naive_run(b, model.weights.config.share, prompt, 4, 10, grammar=g)[0]
+
+
+def test_the_modes_change_what_later_tokens_read(base):
+    """(so the equality above can fail: the naive store differs from kv_share full's tokens)"""
+    n, loops = 16, 8
+    full = [base.generate(p, max_tokens=n, loops=loops)[len(p):] for p in PROMPTS]
+    assert full == [naive(base, KS.parse("full"), p, loops, n) for p in PROMPTS]
+    for name in ("last", "avg"):
+        assert [naive(base, KS.parse(name), p, loops, n) for p in PROMPTS] != full, name
+
+
+def test_paths_without_a_compact_store_refuse_it(base):
+    model = shared(base, "last")
+    with pytest.raises(ValueError, match="kv_share='ring:1' is not served by the engine"):
+        tl.Engine(model)
+    with pytest.raises(ValueError, match="adaptive depth and speculative"):
+        model.generate(PROMPTS[0], max_tokens=4, loops=3, draft_loops=1, lookahead=2)
+    with pytest.raises(ValueError, match="divisible by 2"):
+        shared(base, "ring:2").generate(PROMPTS[0], max_tokens=4, loops=3)
