@@ -210,3 +210,15 @@ def test_paths_without_a_compact_store_refuse_it(base):
         model.generate(PROMPTS[0], max_tokens=4, loops=3, draft_loops=1, lookahead=2)
     with pytest.raises(ValueError, match="divisible by 2"):
         shared(base, "ring:2").generate(PROMPTS[0], max_tokens=4, loops=3)
+
+
+def test_a_share_mismatch_on_a_prefix_load_names_it_and_checkpoints_keep_the_mode(base, tmp_path):
+    prefix = base.build_prefix_cache(PROMPTS[0], loops=4)
+    prefix.save(str(tmp_path / "p"))
+    last = shared(base, "last")
+    with pytest.raises(ValueError, match="kv_share='full', this model has kv_share='ring:1'"):
+        tl.PrefixCache.load(str(tmp_path / "p"), last)
+    last.save(str(tmp_path / "m"))
+    back = tl.Model.load(str(tmp_path / "m"))
+    assert back.weights.config.kv_share == "ring:1" and back.fingerprint == last.fingerprint != base.fingerprint
+    assert back.generate(PROMPTS[0], max_tokens=6, loops=4) == last.generate(PROMPTS[0], max_tokens=6, loops=4)

@@ -107,7 +107,8 @@ class PrefixCache:
         """Load a prefix saved by `save` for use with `model`. A prefix of another model (or
         mode) is a ValueError; a damaged folder a RuntimeError or ValueError."""
         weights = model.weights
-        return cls(**prefix_checkpoint.load(path, weights.fingerprint, weights.config.mesh), weights=weights)
+        return cls(**prefix_checkpoint.load(path, weights.fingerprint, weights.config.mesh, weights.config.kv_share),
+                   weights=weights)
 
 
 def prefix_at_depth(prefix: PrefixCache, loops: int, exit: Exit | None = None) -> PrefixCache:

@@ -38,16 +38,19 @@ def save(path: str, prefix) -> None:
         tree["state"] = state
     meta = dict(model_fingerprint=prefix.model_fingerprint, loops=prefix.loops, cache_window=prefix.cache_window,
                 kv_mode=cache.kv_mode.name, n_pre=len(cache.pre), n_post=len(cache.post), prompt_len=len(prefix.prompt),
-                layout=LAYOUT, seed=prefix.seed, rings=list(cache.rings))
+                layout=LAYOUT, seed=prefix.seed, rings=list(cache.rings), kv_share=prefix.weights.config.kv_share)
     checkpoint.save(path, KIND, checkpoint.flatten(tree), meta)
 
 
-def load(path: str, fingerprint: str, mesh=None) -> dict:
+def load(path: str, fingerprint: str, mesh=None, kv_share: str = "full") -> dict:
     """The fields of the prefix saved at `path` (every `PrefixCache` field but `weights`), for
-    the model whose fingerprint is `fingerprint`; with `mesh`, the cache is placed on it. A
-    prefix of another model (or mode) or an older layout is a ValueError; a damaged folder a
-    RuntimeError or ValueError."""
+    the model whose fingerprint is `fingerprint` (and `kv_share`); with `mesh`, the cache is
+    placed on it. A prefix of another model (or mode, or kv_share) or an older layout is a
+    ValueError; a damaged folder a RuntimeError or ValueError."""
     meta = checkpoint.read_meta(path, KIND)
+    if meta.get("kv_share", "full") != kv_share:
+        raise ValueError(f"{path} was built with kv_share={meta.get('kv_share', 'full')!r}, this model has "
+                         f"kv_share={kv_share!r}")
     if meta["model_fingerprint"] != fingerprint:
         raise ValueError(f"{path} was built by a different model or kv_mode (fingerprint "
                          f"{meta['model_fingerprint'][:12]}…, this model {fingerprint[:12]}…)")
