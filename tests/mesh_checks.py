@@ -209,6 +209,11 @@ def kv_modes_and_weights() -> None:
            == one.generate_batch_from_prefix_cache(b, SUFFIXES[:2], max_tokens=5))
         if mode == "int4-h":
             engines(f"gpt2 2x4 {mode}", one, many)
+    for share in ("last", "avg"):  # kv_share: the call's pool collapsed on the mesh, decode steps on the compact store
+        one, many = (tl.Model.random(GPT2.replace(kv_share=share), seed=0, mesh=m) for m in (None, mesh))
+        a, b = many.build_prefix_cache(PROMPT[:12]), one.build_prefix_cache(PROMPT[:12])
+        ok(f"gpt2 2x4 kv_share {share}", many.generate_batch_from_prefix_cache(a, SUFFIXES, max_tokens=5)
+           == one.generate_batch_from_prefix_cache(b, SUFFIXES, max_tokens=5))
     # packed int4 weights (qarray): placed by their fields' specs, dequantized whole on the mesh
     q_one = tl.Model.random(PACKED, seed=0, quantize_weights="int4")
     q_many = tl.Model.random(PACKED, seed=0, quantize_weights="int4", mesh=sharding.make_mesh(2, 4))
