@@ -25,7 +25,9 @@ With --share it loads the 2/4/2 folder and writes share.npz beside it: the refer
 with `lookup_strategy` "compress-s4" and "compress-s8" (every pass reading one recurrence's
 blocks: our kv_share "last" = ring:1, and ring:2, its core being 4 blocks), at 4 steps and
 init_scale=0: each prompt prefilled in one call, then the greedy tokens fed one at a time
-through that cache — the logits of every decode step and the tokens.
+through that cache — the logits of every decode step and the tokens; and
+`generate_with_adaptive_compute` with "latest-m4-compress-s4" and kl exits (8 steps; with and
+without exits in the prefill): the tokens and the passes each ran.
 
 With --adaptive it instead loads the 2/4/2 folder written before (the reference's latest-m4
 lookup hard-codes a 4-block core) and writes adaptive.npz beside it:
@@ -194,6 +196,25 @@ def main() -> None:
     shutil.rmtree(pkg_root)
 
 
+def count_passes(model) -> list:
+    """A list the model appends to: one entry per generated token (its embedding call with a
+    cache), counting the recurrence steps that token ran."""
+    passes: list = []
+    step, embed = model.iterate_one_step, model.embed_inputs
+
+    def counted_embed(*a, **kw):  # one call per generated token (the continuous warm start's has no cache)
+        if kw.get("past_key_values") is not None:
+            passes.append(0)
+        return embed(*a, **kw)
+
+    def counted_step(*a, **kw):
+        passes[-1] += 1
+        return step(*a, **kw)
+
+    model.embed_inputs, model.iterate_one_step = counted_embed, counted_step
+    return passes
+
+
 SHARE_STRATEGIES = {"compress-s4": "last", "compress-s8": "ring:2"}  # (a 4-block core)
 SHARE_STEPS, SHARE_TOKENS = 4, 12
 
@@ -212,6 +233,7 @@ def share_goldens(model, cache_class, folder: str) -> None:
     """share.npz: greedy decoding through the reference's compressed caches (see the module doc)."""
     import numpy as np
     import torch
+    from transformers import GenerationConfig
 
     model = load_242(model, folder)
     golden = dict(np.load(os.path.join(folder, "golden.npz")))
@@ -235,6 +257,23 @@ def share_goldens(model, cache_class, folder: str) -> None:
                 out[f"{strategy}_{i}_logits"] = np.stack(logits)  # [tokens, V]: the logits each token was chosen from
                 out[f"{strategy}_{i}_tokens"] = np.array(tokens, np.int32)
                 print(strategy, i, tokens)
+    # adaptive depth through the compressed cache (its default generator's lookup): kl exits
+    passes = count_passes(model)
+    with torch.no_grad():
+        for i in range(len(PROMPT_LENS)):
+            x = torch.tensor(golden[f"prompt_{i}"][None].astype(np.int64))
+            for thr in THRESHOLDS["kl"]:
+                for no_prefill_exit in (False, True):
+                    passes.clear()
+                    seq = model.generate_with_adaptive_compute(
+                        x, GenerationConfig(do_sample=False), criterion="kl", exit_threshold=thr, init_scale=0.0,
+                        cache_lookup_strategy="latest-m4-compress-s4", do_not_exit_in_prefill=no_prefill_exit,
+                        num_steps=ADAPTIVE_STEPS, max_new_tokens=ADAPTIVE_TOKENS)
+                    key = f"adaptive_{i}_{thr}_{int(no_prefill_exit)}"
+                    out[f"{key}_tokens"] = seq[0, x.shape[1]:].numpy().astype(np.int32)
+                    out[f"{key}_passes"] = np.array(passes, np.int32)
+                    print(key, out[f"{key}_tokens"].tolist(), passes)
+    out["adaptive_steps"] = np.array(ADAPTIVE_STEPS, np.int32)
     np.savez(os.path.join(folder, "share.npz"), **out)
     print(f"wrote {folder}/share.npz")
 
@@ -252,19 +291,7 @@ def adaptive_goldens(model, folder: str) -> None:
         sys.exit(f"{folder}: the saved tensors do not fit the 2/4/2 config: missing {missing}, unexpected {unexpected}")
     model.eval()
     golden = dict(np.load(os.path.join(folder, "golden.npz")))
-    passes: list = []
-    step, embed = model.iterate_one_step, model.embed_inputs
-
-    def counted_embed(*a, **kw):  # one call per generated token (the continuous warm start's has no cache)
-        if kw.get("past_key_values") is not None:
-            passes.append(0)
-        return embed(*a, **kw)
-
-    def counted_step(*a, **kw):
-        passes[-1] += 1
-        return step(*a, **kw)
-
-    model.embed_inputs, model.iterate_one_step = counted_embed, counted_step
+    passes = count_passes(model)
     out, cases = {}, []
     for i in range(len(PROMPT_LENS)):
         x = torch.tensor(golden[f"prompt_{i}"][None].astype(np.int64))

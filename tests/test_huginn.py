@@ -131,6 +131,23 @@ def test_shared_kv_matches_the_references_compressed_cache():
             tokens, logits = naive_run(m, shared.weights.config.share, p.tolist(), steps, len(want))
             assert tokens == want
             np.testing.assert_allclose(logits, share[f"{strategy}_{i}_logits"], **PARITY)
+    # adaptive depth (kl exits) through the reference's compressed cache: tokens and passes
+    last = tl.Model(m.weights.params, m.weights.config.replace(kv_share="last"))
+    steps = int(share["adaptive_steps"])
+    for i in range(2):
+        p = g[f"prompt_{i}"]
+        for thr in (1e-3, 1e-2):
+            for no_prefill_exit in (0, 1):
+                key = f"adaptive_{i}_{thr}_{no_prefill_exit}"
+                want = share[f"{key}_tokens"].tolist()
+                got = last.generate(p, max_tokens=len(want), loops=steps, exit_criterion="kl", exit_threshold=thr,
+                                    exit_in_prefill=not no_prefill_exit)[len(p):]
+                assert got == want and last.last_passes == share[f"{key}_passes"].tolist(), key
+    full = dict(np.load(os.path.join(folder("242"), "adaptive.npz")))  # (the reference's full cache, latest-m4)
+    assert any(full[c["key"] + "_tokens"].tolist() != share[f"adaptive_{c['prompt']}_{c['threshold']}_"
+                                                            f"{int(not c['exit_in_prefill'])}_tokens"].tolist()
+               for c in json.loads(str(full["cases"])) if c["criterion"] == "kl" and c["min_steps"] == 0
+               and not c["continuous_compute"])
     # (the compression is load-bearing: the reference's compressed greedy tokens differ from its full cache's)
     assert any(share[f"compress-s4_{i}_tokens"].tolist() != g[f"greedy_{i}"].tolist() for i in range(2))
 

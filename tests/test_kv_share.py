@@ -193,6 +193,29 @@ def test_structured_output_on_the_compact_store(name):
     assert got == naive_run(b, model.weights.config.share, prompt, 4, 10, grammar=g)[0]
 
 
+@pytest.mark.parametrize("name", ["last", "ring:2", "avg", "first"])
+def test_adaptive_depth_that_never_exits_equals_the_fixed_depth(base, name):
+    """The adaptive step on a compact store (each row's last pass kept, its skipped passes filled,
+    then collapsed) with every pass run == the fixed-depth step (== the naive store, above)."""
+    model, loops = shared(base, name), 4
+    for p in PROMPTS:
+        fixed = model.generate(p, max_tokens=10, loops=loops)
+        assert model.generate(p, max_tokens=10, loops=loops, exit_criterion="kl", min_steps=loops) == fixed
+        assert model.last_passes == [loops] * 10
+
+
+@pytest.mark.parametrize("name", ["last", "ring:2", "avg"])
+def test_adaptive_rows_of_a_batch_equal_each_alone(base, name):
+    """Rows exiting at different passes in one batch (an exited row's slots keep being written
+    while the others run: its last pass is kept and its skipped passes filled) == each alone."""
+    model, loops = shared(base, name), 8
+    kw = dict(max_tokens=10, loops=loops, exit_criterion="kl", exit_threshold=1e-2)
+    batch = model.generate_batch(PROMPTS, **kw)
+    assert batch == [model.generate(p, **kw) for p in PROMPTS]
+    passes = [model.generate(p, **kw) and model.last_passes for p in PROMPTS]
+    assert len({tuple(x) for x in passes}) > 1 and min(map(min, passes)) < loops  # (the rows exit apart)
+
+
 def test_the_modes_change_what_later_tokens_read(base):
     """(so the equality above can fail: the naive store differs from kv_share full's tokens)"""
     n, loops = 16, 8
@@ -206,7 +229,7 @@ def test_paths_without_a_compact_store_refuse_it(base):
     model = shared(base, "last")
     with pytest.raises(ValueError, match="kv_share='ring:1' is not served by the engine"):
         tl.Engine(model)
-    with pytest.raises(ValueError, match="adaptive depth and speculative"):
+    with pytest.raises(ValueError, match="speculative decoding with it is not served"):
         model.generate(PROMPTS[0], max_tokens=4, loops=3, draft_loops=1, lookahead=2)
     with pytest.raises(ValueError, match="divisible by 2"):
         shared(base, "ring:2").generate(PROMPTS[0], max_tokens=4, loops=3)

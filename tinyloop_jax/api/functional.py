@@ -214,9 +214,8 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
     window = (prefix.cache_window if prefix is not None else 0) if cache_window is None else cache_window
     if not c.share.full:  # (the prompts per pass, then the pool collapsed for the decode steps)
         c.share.check(loops)
-        if adaptive is not None or speculation is not None:
-            raise ValueError(f"kv_share={c.kv_share!r} runs a fixed depth: adaptive depth and speculative decoding "
-                             f"with it are not served yet")
+        if speculation is not None:
+            raise ValueError(f"kv_share={c.kv_share!r}: speculative decoding with it is not served yet")
     N, P = len(suffixes), 0 if prefix is None else len(prefix)
     lens = np.array([len(s) for s in suffixes], np.int32)
     max_new = int(np.max(request.max_tokens))

@@ -128,13 +128,25 @@ def bytes_per_token(cfg, loops: int, share: Share | str, kv_mode: str | KVMode |
     return layers_per_token(cfg, loops, share) * mode.layer_nbytes(cfg.n_kv_heads, 1, cfg.head_dim, cfg.d_model)
 
 
-def take_at(stack: dict, j: int, page: jax.Array, off: jax.Array) -> dict:
-    """Slot 0, loop block j of a compact pool's loop stack at the step's targets (page, off [N])
-    -> {name: [lead, N, w]} (targets past the pool read its last page: never written back)."""
-    return {n: a[0, j][:, jnp.minimum(page, a.shape[3] - 1), off] for n, a in stack.items()}
-
-
-def put_at(stack: dict, j: int, page: jax.Array, off: jax.Array, values: dict) -> dict:
-    """`take_at`'s inverse: values written at slot 0, loop block j (targets past the pool dropped)."""
-    return {n: a.at[0, j, :, page, off].set(values[n].astype(a.dtype).transpose(1, 0, 2), mode="drop")
+def take_at(stack: dict, j: int, page: jax.Array, off: jax.Array, slot=0) -> dict:
+    """A slot (traced or not), loop block j of a compact pool's loop stack at the step's targets
+    (page, off [N]) -> {name: [lead, N, w]} (targets past the pool read its last page: never
+    written back)."""
+    return {n: jax.lax.dynamic_index_in_dim(a, slot, 0, keepdims=False)[j][:, jnp.minimum(page, a.shape[3] - 1), off]
             for n, a in stack.items()}
+
+
+def put_at(stack: dict, j: int, page: jax.Array, off: jax.Array, values: dict, slot: int = 0) -> dict:
+    """`take_at`'s inverse: values written at `slot`, loop block j (targets past the pool dropped)."""
+    return {n: a.at[slot, j, :, page, off].set(values[n].astype(a.dtype).transpose(1, 0, 2), mode="drop")
+            for n, a in stack.items()}
+
+
+def filled(share: Share, slot: int, depth: jax.Array, loops: int) -> jax.Array:
+    """bool [N]: slot `slot` of a token that ran `depth` [N] of `loops` passes takes its last
+    pass's K/V — some skipped pass p (depth <= p < loops) writes that slot (an adaptive exit's
+    skipped passes are filled with its last pass, then collapsed)."""
+    if share.kind != "ring":
+        return depth < loops
+    first_skipped = depth + (slot - depth) % share.m  # the first p >= depth with p = slot (mod m)
+    return first_skipped < loops

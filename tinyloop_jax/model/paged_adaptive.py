@@ -23,6 +23,7 @@ from . import page_pool
 from . import recurrence as rec
 from . import transformer as tf
 from . import exits
+from . import kv_share
 from .precision import exact
 from .config import ModelConfig
 from .params import Params
@@ -44,6 +45,33 @@ def fill_skipped(stack: dict, page: jax.Array, off: jax.Array, depth: jax.Array,
         col = jnp.where((p >= depth[None, None, None, :, None]) & (p < loops), last, col)
         return a.at[:, :, :, page, off].set(col, mode="drop")
     return {n: one(a) for n, a in stack.items()}
+
+
+def settle_exits(stack: dict, share, x: tuple, depth: jax.Array, loops: int, g: paged.Group, mode) -> dict:
+    """A compact pool after an adaptive step: what later tokens read of each token that ran
+    `depth` [N] passes, as if its skipped passes had been filled with its last one and the
+    token then collapsed (`fill_skipped`, then `kv_share.collapse`): ring: the slots some
+    skipped pass writes take its last pass's K/V (the others keep the latest pass run there);
+    avg: the mean over `loops` passes, the skipped ones its last; first: pass 0."""
+    kept, acc, first = x
+    k = len(kept)
+    if share.kind == "ring":
+        for sl in range(share.m):
+            f = kv_share.filled(share, sl, depth, loops)[None, :, None]
+            for j in range(k):
+                cur = kv_share.take_at(stack, j, g.page, g.off, sl)
+                stack = kv_share.put_at(stack, j, g.page, g.off, {n: jnp.where(f, kept[j][n], a)
+                                                                  for n, a in cur.items()}, sl)
+        return stack
+    for j in range(k):
+        if share.kind == "avg":
+            rest = (loops - depth).astype(jnp.float32)[None, :, None]
+            (sk, sv), (lk, lv) = acc[j], mode.unpack(kept[j], None)
+            value = mode.pack(None, (sk + rest * lk) / loops, (sv + rest * lv) / loops)
+        else:
+            value = first[j]
+        stack = kv_share.put_at(stack, j, g.page, g.off, value)
+    return stack
 
 
 @exact
@@ -94,8 +122,29 @@ def forward(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, rows: pag
     def loop_block(x, blk, stack, index):
         return paged.block(x, blk, cfg, groups, stack, index, 0, pool.kv_mode)
 
-    def body(c: ad.Carry) -> ad.Carry:
-        s_new, stack = tf.one_pass(params, cfg, c.i, c.s, e, c.stack, loop_block)
+    share, k = pool.share, len(params.loop)
+
+    def now(stack, i):  # [k] the K/V pass i wrote for the step's tokens (a compact pool)
+        return [kv_share.take_at(stack, j, g.page, g.off, share.slot(i)) for j in range(k)]
+
+    def remember(x, stack, i, active):
+        """A compact pool's carry after pass i: each token's last pass's K/V (kept), avg's sums
+        of its passes' K/V, first's pass 0."""
+        kept, acc, first = x
+        got, on = now(stack, i), active[None, :, None]
+        kept = [{n: jnp.where(on, a, o[n]) for n, a in d.items()} for d, o in zip(got, kept)]
+        if share.kind == "avg":
+            acc = [tuple(t + jnp.where(on, u, 0) for t, u in zip(a, pool.kv_mode.unpack(d, None)))
+                   for a, d in zip(acc, got)]
+        if share.kind == "first":
+            first = jax.lax.cond(i == 0, lambda: got, lambda: first)
+        return kept, acc, first
+
+    def body(carry):
+        c, x = carry
+        s_new, stack = tf.one_pass(params, cfg, c.i, c.s, e, c.stack, loop_block, share.slot)
+        if not share.full:
+            x = remember(x, stack, c.i, by_token(c.active))
         last_pass = c.i == loops - 1
         check = c.active & vm(lambda p: ad.is_check(p, c.i))(pol)
         gp = gate_prob(s_new)
@@ -110,16 +159,24 @@ def forward(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, rows: pag
                              c.judge)
         return ad.Carry(c.i + 1, jnp.where(by_token(c.active)[:, None], s_new, c.s), stack, post, c.active & ~leave,
                         jnp.where(c.active, c.i + 1, c.depth), judge, jnp.where(need[:, None], logits, c.logits),
-                        c.have | need)
+                        c.have | need), x
 
     c = ad.Carry(jnp.int32(0), s, pool.loop, pool.post, rows.n_new > 0, jnp.zeros((b,), jnp.int32), judge,
                  jnp.zeros((b, V), jnp.float32), jnp.zeros((b,), bool))
-    c = jax.lax.while_loop(lambda c: (c.i < loops) & jnp.any(c.active), body, c)
+    x = None
+    if not share.full:
+        start = now(pool.loop, 0)
+        x = (start, [tuple(jnp.zeros_like(u) for u in pool.kv_mode.unpack(d, None)) for d in start]
+             if share.kind == "avg" else None, start if share.kind == "first" else None)
+    c, x = jax.lax.while_loop(lambda cx: (cx[0].i < loops) & jnp.any(cx[0].active), body, (c, x))
     final = ~c.have  # rows that never computed logits: the last pass's
     logits, post = jax.lax.cond(jnp.any(final), lambda p: coda_logits(c.s, p, final), lambda p: (c.logits, p),
                                 c.post)
     logits = jnp.where(final[:, None], logits, c.logits)
-    stack = fill_skipped(c.stack, g.page, g.off, by_token(c.depth), loops)
+    if share.full:
+        stack = fill_skipped(c.stack, g.page, g.off, by_token(c.depth), loops)
+    else:
+        stack = settle_exits(c.stack, share, x, by_token(c.depth), loops, g, pool.kv_mode)
     return Out(logits, pool.replace(pre=tuple(pre), loop=stack, post=post), c.depth, at_last(c.s))
 
 
