@@ -100,6 +100,7 @@ def test_two_replicas_answer_as_one_process_and_route_by_prefix(cluster, single)
     m = _until(lambda: (m := _metrics(url)) and sum(k.startswith("tinyloop_replica_queue_depth{") for k in m) == 2
                and m[f'tinyloop_replica_prefix_hit_rate{{replica="{name}"}}'] > 0 and m)
     assert m[f'tinyloop_replica_requests_total{{replica="{name}"}}'] == len(QUESTIONS)
+    assert m["tinyloop_replicas_running"] == m["tinyloop_replicas_answering"] == 2
     _until(lambda: json.load(urllib.request.urlopen(f"{url}/health", timeout=10))["warming"] is False)
 
 

@@ -43,6 +43,10 @@ class Collector:
                           ttft_p50_s="its time to first token, median (s)",
                           ttft_p99_s="its time to first token, p99 (s)")
 
+    # several engines: Ray's count and the poll's (a replica running but not answering is the one to look at)
+    REPLICA_TOTALS = dict(replicas_running="engine replicas Ray runs",
+                          replicas_answering="engine replicas that answered the ingress's last poll")
+
     def __init__(self, engine: Engine):
         self.engine = engine
 
@@ -59,6 +63,9 @@ class Collector:
         yield finished
         for name, doc in self.GAUGES.items():
             yield GaugeMetricFamily(f"tinyloop_{name}", doc, value=s.get(name, 0))
+        for name, doc in self.REPLICA_TOTALS.items():
+            if name in s:
+                yield GaugeMetricFamily(f"tinyloop_{name}", doc, value=s[name])
         for name, doc in self.REPLICA_COUNTERS.items():  # several engines: what the ingress saw of each
             family = CounterMetricFamily(f"tinyloop_replica_{name}", doc, labels=["replica"])
             for replica, counts in sorted(s.get("replicas", {}).items()):

@@ -117,7 +117,7 @@ class Ingress:
 
         engines = self.engines.options(stream=True)
         remote = RemoteEngine(self.model, lambda request: engines.generate.remote(request), self.max_loops,
-                              stats=lambda: self.polled, warming=self.warming)
+                              stats=lambda: self.polled, warming=self.warming, running=lambda: self.running)
         return make_app(remote, self.tokenizer, self.name, self.eos, **self.app_kwargs)
 
 

@@ -152,14 +152,15 @@ class RemoteEngine:
     model: the served model (its config checks requests; best_of scores with it). `stats()`
     counts what the ingress sees — requests, tokens, cached prompt tokens, finishes, in flight
     — in all and per replica (`replicas`), beside each replica's engine's own gauges (`stats()`:
-    replica -> its `Engine.stats()`, as last polled; its queue summed into `queue_depth`)."""
+    replica -> its `Engine.stats()`, as last polled; its queue summed into `queue_depth`), and
+    (`running()`: the replicas Ray runs) how many run and how many answer the poll."""
 
     REPLICA_GAUGES = ("queue_depth", "running", "prefix_hit_rate", "memory_bytes", "tokens_per_second",
                       "ttft_p50_s", "ttft_p99_s")
 
-    def __init__(self, model, open_stream, max_loops: int, stats=dict, warming=lambda: False):
+    def __init__(self, model, open_stream, max_loops: int, stats=dict, warming=lambda: False, running=lambda: None):
         self.model, self.max_loops = model, max_loops
-        self._open, self._stats, self._warming = open_stream, stats, warming
+        self._open, self._stats, self._warming, self._running = open_stream, stats, warming, running
         self._counts: dict = {}  # replica -> counters
         self._flight = 0
         self._started = time.perf_counter()
@@ -193,9 +194,12 @@ class RemoteEngine:
         for c in replicas.values():
             for k, v in c.items():
                 s[k] = s.get(k, 0) + v
-        for r, own in self._stats().items():  # each engine's own view
+        polled = self._stats()
+        for r, own in polled.items():  # each engine's own view
             replicas.setdefault(r, self._zero()).update({k: own.get(k, 0) for k in self.REPLICA_GAUGES})
             s["queue_depth"] = s.get("queue_depth", 0) + own.get("queue_depth", 0)
+        if self._running() is not None:  # (Ray's count, and how many of them answer the poll)
+            s["replicas_running"], s["replicas_answering"] = self._running(), len(polled)
         n = s.get("requests_prefix_hit", 0) + s.get("requests_prefix_miss", 0)
         s["prefix_hit_rate"] = s.get("requests_prefix_hit", 0) / n if n else 0.0
         s["running"] = self._flight
