@@ -245,3 +245,24 @@ def test_a_share_mismatch_on_a_prefix_load_names_it_and_checkpoints_keep_the_mod
     back = tl.Model.load(str(tmp_path / "m"))
     assert back.weights.config.kv_share == "ring:1" and back.fingerprint == last.fingerprint != base.fingerprint
     assert back.generate(PROMPTS[0], max_tokens=6, loops=4) == last.generate(PROMPTS[0], max_tokens=6, loops=4)
+
+
+def test_a_store_load_and_depth_views_serve_the_compact_store(base, tmp_path):
+    """A PrefixStore (its entries per pass) saved and loaded, and a prefix viewed at another depth
+    (shallower: a view; deeper: the missing passes from its kept state), decode on the compact
+    store exactly as a call from scratch."""
+    model, n = shared(base, "ring:2"), 8
+    want = model.generate(PROMPTS[1], max_tokens=n, loops=4)
+    store = tl.PrefixStore(model, loops=4)
+    store.insert(model.build_prefix_cache(PROMPTS[1][:7], loops=4))
+    assert store.generate(PROMPTS[1], max_tokens=n) == want
+    store.save(str(tmp_path / "s"))
+    back = tl.PrefixStore.load(str(tmp_path / "s"), model)
+    assert back.generate(PROMPTS[1], max_tokens=n) == want and back.stats()["tokens_reused"] >= 7
+    deep = model.build_prefix_cache(PROMPTS[0], loops=8, keep_state=True)
+    for loops in (2, 4):  # (ring:2 needs an even depth)
+        got = model.generate_from_prefix_cache(deep.at_depth(loops), max_tokens=n)
+        assert got == model.generate(PROMPTS[0], max_tokens=n, loops=loops)
+    shallow = model.build_prefix_cache(PROMPTS[0], loops=2, keep_state=True)
+    assert model.generate_from_prefix_cache(shallow.at_depth(6), max_tokens=n) == model.generate(
+        PROMPTS[0], max_tokens=n, loops=6)
