@@ -271,6 +271,7 @@ def _serve_replicas(args, edge: dict) -> None:
         from .serving.ray_app import build_app
     except ImportError as e:
         raise UsageError(f"--replicas needs the ray extra (pip install 'tinyloop-jax[ray]'): {e}") from None
+    from .formats.tokenizer import tokenizer_for
     from .serving.app import eos_ids
 
     load = functools.partial(model_and_tokenizer_of, args.model, args.kv_mode, args.weights, args.activations)
@@ -291,7 +292,8 @@ def _serve_replicas(args, edge: dict) -> None:
                     warmup=dict(adaptive=args.warmup_adaptive, speculation=args.warmup_speculation,
                                 grammar=args.warmup_grammar),
                     name=name, eos=eos_ids(args.model, tok, c["vocab_size"]), max_loops=max_loops, app_kwargs=edge,
-                    router_kwargs=dict(capacity_pages=max(1, pages)))
+                    router_kwargs=dict(capacity_pages=max(1, pages)),
+                    tokenizer=functools.partial(tokenizer_for, args.model))  # (the ingress loads no weights)
     print(f"tinyloop serve: {name}, {args.replicas} replicas routed by {args.router} on Ray Serve, "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
     serve.run(app, route_prefix="/", blocking=True)

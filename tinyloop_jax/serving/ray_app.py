@@ -22,7 +22,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from .ray_router import Probe
-from .replica import EngineReplica, RemoteEngine
+from .replica import EngineReplica, RemoteEngine, RemoteModel
 
 POLL_S = 1.0  # how often the ingress asks each replica for its engine's counters
 
@@ -72,6 +72,17 @@ class Engines:
         async for msg in self.replica.generate(request):
             yield msg
 
+    def describe(self, probe: Probe):
+        """The served model's config (for an ingress that loads no weights)."""
+        return self.engine.model.weights.config
+
+    def score(self, tokens: list, loops, top_logprobs: int):
+        """`Model.score` here (best_of and logprobs for an ingress that loads no weights), as numpy."""
+        import numpy as np
+
+        s = self.engine.model.score(tokens, loops=loops, top_logprobs=top_logprobs)
+        return type(s)(*(np.asarray(a) for a in s))
+
     def stats(self, probe: Probe) -> dict:
         """This replica's engine counters (`probe` routed the call here), its name and cores."""
         return dict(self.engine.stats(), replica=self.replica.name, warming=self.engine.warming,
@@ -81,8 +92,15 @@ class Engines:
 class Ingress:
     """The OpenAI routes over the engine replicas (the ingress deployment's class)."""
 
-    def __init__(self, engines, load, name: str, eos: list, max_loops: int, app_kwargs: dict, replicas: int):
-        self.engines, (self.model, self.tokenizer) = engines, load()
+    def __init__(self, engines, load, name: str, eos: list, max_loops: int, app_kwargs: dict, replicas: int,
+                 tokenizer=None):
+        self.engines = engines
+        if tokenizer is None:  # the model here too (its config checks requests, best_of scores with it)
+            self.model, self.tokenizer = load()
+        else:  # no weights here: the config asked of a replica, best_of and logprobs scored there
+            self.tokenizer = tokenizer()
+            self.model = RemoteModel(lambda: engines.describe.remote(Probe(0)).result(timeout_s=10),
+                                     lambda t, loops, top: engines.score.remote(t, loops, top).result())
         self.name, self.eos, self.max_loops, self.app_kwargs = name, list(eos), max_loops, app_kwargs
         self.replicas, self.polled, self.running = replicas, {}, 0  # polled: replica -> its engine's counters
         threading.Thread(target=self._poll, daemon=True, name="tinyloop-replica-stats").start()
@@ -94,6 +112,8 @@ class Ingress:
 
         app = serve.get_replica_context().app_name
         while True:
+            if isinstance(self.model, RemoteModel):
+                self.model.fetch()
             seen = {}
             for i in range(self.replicas):
                 try:
@@ -110,7 +130,8 @@ class Ingress:
 
     def warming(self) -> bool:
         """Until Ray runs every replica and each one that answers has finished its warmup."""
-        return self.running < self.replicas or any(s["warming"] for s in self.polled.values())
+        described = not isinstance(self.model, RemoteModel) or self.model.described
+        return not described or self.running < self.replicas or any(s["warming"] for s in self.polled.values())
 
     def __serve_build_asgi_app__(self):
         from .app import make_app
@@ -123,11 +144,14 @@ class Ingress:
 
 def build_app(load, replicas: int = 2, router: str = "prefix", cores_per_replica: float = 1.0,
               engine_kwargs: dict | None = None, name: str = "tinyloop", eos: list = (), max_loops: int = 16,
-              router_kwargs: dict | None = None, app_kwargs: dict | None = None, warmup: dict | None = None):
+              router_kwargs: dict | None = None, app_kwargs: dict | None = None, warmup: dict | None = None,
+              tokenizer=None):
     """The Ray Serve application (`serve.run(build_app(...))`): `replicas` engines routed by
     `router` (`routing.POLICIES`), each warming up with `warmup` (`Engine.warmup`'s keywords;
     None: none) and, where `cores_per_replica` is whole, pinned to cores of its own (`pin`),
-    and the ingress."""
+    and the ingress. tokenizer: a picklable callable giving the tokenizer alone — the ingress
+    then loads no weights (the config asked of a replica, best_of and logprobs scored there);
+    None: it calls `load` too."""
     from .routing import POLICIES
 
     if router not in POLICIES:
@@ -143,5 +167,5 @@ def build_app(load, replicas: int = 2, router: str = "prefix", cores_per_replica
     ingress = serve.deployment(serve.ingress()(Ingress), name="ingress", ray_actor_options=dict(num_cpus=0))
     cores = int(cores_per_replica) if float(cores_per_replica).is_integer() else None
     return ingress.bind(engines.bind(load, engine_kwargs, warmup, cores), load, name, list(eos), max_loops,
-                        app_kwargs or {}, replicas)
+                        app_kwargs or {}, replicas, tokenizer)
 

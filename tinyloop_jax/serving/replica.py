@@ -146,6 +146,39 @@ class RemoteHandle(Handle):
                 stream.cancel()  # response stream, left early: the request is cancelled there
 
 
+class RemoteModel:
+    """The served model as an ingress that loads no weights needs it: its config, asked of a
+    replica (`describe()`, from a thread: `fetch`), and `score`, run on a replica."""
+
+    def __init__(self, describe, score):
+        self._describe, self._score, self._config = describe, score, None
+
+    def fetch(self) -> bool:
+        """The config, once a replica answers (call it off the event loop); True once known."""
+        if self._config is None:
+            try:
+                self._config = self._describe()
+            except Exception:  # noqa: BLE001 - no replica up yet: the next poll asks again
+                return False
+        return True
+
+    @property
+    def described(self) -> bool:
+        return self._config is not None
+
+    @property
+    def weights(self):
+        import types
+
+        if self._config is None:
+            raise ReplicaUnavailable("no engine replica has described the model yet (the server is starting)")
+        return types.SimpleNamespace(config=self._config)
+
+    def score(self, tokens, loops=None, top_logprobs: int = 0):
+        """`Model.score` on a replica (blocking: call it from a thread)."""
+        return self._score([int(t) for t in tokens], loops, int(top_logprobs))
+
+
 class RemoteEngine:
     """The `Engine` interface of the HTTP app over replicas: `open_stream(portable request)` ->
     an async iterator of a replica's messages (`EngineReplica.generate`, wherever it runs).
