@@ -92,6 +92,7 @@ def test_cli_eval(capsys):
     (["generate", "hi", "--loops", "abc"], "invalid int"),
     (["generate", "hi", "--model", "/nonexistent/model"], "no model"),
     (["generate", "hi", "--kv-mode", "bogus"], "kv_mode"),
+    (["serve", "--kv-share", "ring:0"], "kv_share='ring:0'"),
     (["generate", ""], "empty"),
     (["eval", "--loops", "x"], "integers"),
     (["eval", "--seq-len", "1"], "--seq-len must be >= 2"),
@@ -102,6 +103,14 @@ def test_cli_bad_arguments_exit_2(capsys, args, msg):
     r = tinyloop(capsys, *args)
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert msg in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_the_kv_share_flag_reaches_the_model():
+    """`--kv-share` (every command; `tinyloop serve`'s engine serves it) loads the model with it."""
+    from tinyloop_jax.cli import model_and_tokenizer_of
+
+    model, _ = model_and_tokenizer_of(None, kv_share="last")
+    assert model.config()["kv_share"] == "ring:1"
 
 
 def test_serve_replicas_refuses_bad_counts_before_ray_starts(capsys):

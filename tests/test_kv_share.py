@@ -12,6 +12,7 @@ from conftest import tiny_config
 import tinyloop_jax as tl
 from tinyloop_jax.api import functional as F
 from tinyloop_jax.model import kv_share as KS
+from tinyloop_jax.serving import MemoryBudgetError
 
 
 def huginn_reads(p: int, ran: int, stage: int) -> int | None:
@@ -227,10 +228,13 @@ def test_the_modes_change_what_later_tokens_read(base):
 
 def test_paths_without_a_compact_store_refuse_it(base):
     model = shared(base, "last")
-    with pytest.raises(ValueError, match="kv_share='ring:1' is not served by the engine"):
-        tl.Engine(model)
     with pytest.raises(ValueError, match="speculative decoding with it is not served"):
         model.generate(PROMPTS[0], max_tokens=4, loops=3, draft_loops=1, lookahead=2)
+    with tl.Engine(model) as engine:
+        with pytest.raises(ValueError, match="speculative decoding with it is not served"):
+            engine.submit(PROMPTS[0], max_tokens=4, loops=3, draft_loops=1, lookahead=2)
+    with tl.Engine(shared(base, "ring:2")) as engine, pytest.raises(ValueError, match="divisible by 2"):
+        engine.submit(PROMPTS[0], max_tokens=4, loops=3)
     with pytest.raises(ValueError, match="divisible by 2"):
         shared(base, "ring:2").generate(PROMPTS[0], max_tokens=4, loops=3)
 
@@ -266,3 +270,92 @@ def test_a_store_load_and_depth_views_serve_the_compact_store(base, tmp_path):
     shallow = model.build_prefix_cache(PROMPTS[0], loops=2, keep_state=True)
     assert model.generate_from_prefix_cache(shallow.at_depth(6), max_tokens=n) == model.generate(
         PROMPTS[0], max_tokens=n, loops=6)
+
+
+# ---- the engine: prompts on pass slots, collapsed at their end --------------------------------------
+
+LONG = [int(x) for x in np.random.default_rng(0).integers(1, 120, 70)]
+ENGINE_PROMPTS = PROMPTS + [LONG, LONG[:40] + [3, 4, 5]]  # (the last shares 2 full pages with the one before)
+
+
+@pytest.mark.parametrize("name,kv_mode", [("last", "fp32"), ("ring:2", "fp32"), ("avg", "fp32"), ("first", "fp32"),
+                                          ("ring:2", "int8")])
+def test_the_engine_on_pass_slots_equals_the_naive_store(name, kv_mode):
+    """The engine's compact pool: prompts in 16-token chunks on pass slots (every pass), rows
+    decoding beside them on the compact layers, each prompt's pages collapsed at its end; then
+    every prompt again, reading the pool's cached pages (those that kept their pass slots) — the
+    tokens of the naive store each time."""
+    b = base_in(kv_mode)
+    model, share = shared(b, name), KS.parse(name)
+    want = [naive(b, share, p, 4, 10) for p in ENGINE_PROMPTS]
+    with tl.Engine(model, prefill_chunk=16, max_batch=4) as engine:
+        handles = [engine.submit(p, max_tokens=10, loops=4) for p in ENGINE_PROMPTS]
+        assert [h.result()[len(p):] for h, p in zip(handles, ENGINE_PROMPTS)] == want
+        again = []
+        for p in ENGINE_PROMPTS:  # one after the other: the last reads the 2 pages it shares with the one before
+            again.append(engine.submit(p, max_tokens=10, loops=4))
+            again[-1].result()
+        assert [h.result()[len(p):] for h, p in zip(again, ENGINE_PROMPTS)] == want
+        assert again[3].prefix_tokens >= 32
+        pages = engine.stats()["pages"][4]
+        assert pages["pass_free"] + pages["pass_idle"] == pages["pass_slots"]  # (every row gave its slots back)
+
+
+def test_pass_slots_taken_back_leave_the_pages_compact_and_prompts_recomputed(base):
+    """A budget of few pass slots: later prompts take back the idle slots of earlier ones, whose
+    pages then serve no prompt (they keep only compact layers) — a prompt sharing them is
+    computed again, and every answer is still the naive store's. A prompt needing more pass slots
+    than the budget holds is refused with the numbers."""
+    model, share = shared(base, "last"), KS.parse("last")
+    with tl.Engine(model, max_batch=4, memory_budget=None) as probe:
+        b = probe.batcher
+        budget = b.rows_nbytes() + b.pages_nbytes(4, 24)  # 24 pages, 6 pass slots
+    others = [[int(x) for x in np.random.default_rng(s).integers(1, 120, 60)] for s in (1, 2)]
+    order = [LONG] + others + [LONG[:40] + [3, 4, 5]]
+    want = [naive(base, share, p, 4, 8) for p in order]
+    with tl.Engine(model, prefill_chunk=16, max_batch=4, memory_budget=budget) as engine:
+        assert engine.batcher.pool_pages(4) == 24 and engine.batcher.prompt_slots(24) == 6
+        got = [engine.generate(p, max_tokens=8, loops=4)[len(p):] for p in order]
+        s = engine.stats()
+        assert got == want
+        assert s["pages"][4]["pass_reclaimed"] > 0 and s["prefix_tokens_reused"] == 0  # (LONG's pages lost theirs)
+        with pytest.raises(MemoryBudgetError, match="needs 8 pass slots .* holds 6"):
+            engine.submit(LONG + LONG[:40], max_tokens=4, loops=4)
+
+
+def test_a_compact_budget_holds_more_pages(base):
+    """At one memory budget, a compact kv_share's depth holds more pages (the budget counts its
+    compact layers on the pages and every pass on a quarter as many pass slots)."""
+    budget = 1 << 20
+    with tl.Engine(base, memory_budget=budget) as full, tl.Engine(shared(base, "last"), memory_budget=budget) as last:
+        f, c = full.batcher, last.batcher
+        room = budget - f.rows_nbytes()
+        assert f.pool_pages(4) == room // f.page_nbytes(4)
+        n = c.pool_pages(4)
+        assert c.pass_nbytes(4) == c.page_nbytes(4, 4 * c.cfg.loop_blocks) and c.prompt_slots(n) == -(-n // 4)
+        assert c.pages_nbytes(4, n) <= room < c.pages_nbytes(4, n + 1) and c.depth_nbytes(4) <= budget
+        assert n > 1.4 * f.pool_pages(4)  # (this tiny model: 2 pre blocks, 1 loop block; 6 layers a token -> 3)
+
+
+@pytest.mark.parametrize("name", ["last", "avg"])
+def test_the_engine_on_pass_slots_serves_exits_grammars_and_cancels(name):
+    """Under a compact kv_share the engine's adaptive rows (exits while decoding; a prompt
+    exiting as a whole on its pass slots) equal `generate`'s (== the naive store, above), a
+    grammar's masks equal llguidance's over the naive store, and a prompt cancelled while it
+    prefills gives its pass slots back."""
+    b = tl.Model.random(tiny_config(vocab_size=260, kv_mode="fp32", default_loops=4), seed=2)
+    model = shared(b, name)
+    g = tl.Grammar.of({"type": "regex", "regex": "[0-9]{2,3}(-[a-f]{2})?"}, tl.ByteTokenizer(), 260)
+    prompt = [int(c) for c in b"The answer: "]
+    kl = dict(max_tokens=10, loops=4, exit_criterion="kl", exit_threshold=0.1)  # (exits at pass 2 of 4)
+    with tl.Engine(model, prefill_chunk=16, max_batch=4) as engine:
+        long = engine.submit(LONG * 1, max_tokens=20, loops=4)
+        long.cancel()
+        for kw in (kl, dict(kl, exit_in_prefill=True)):
+            h = engine.submit(PROMPTS[1], **kw)
+            assert h.result() == model.generate(PROMPTS[1], **kw) and h.passes == model.last_passes
+            assert min(h.passes) < 4
+        got = engine.generate(prompt, max_tokens=10, loops=4, response_format=g)[len(prompt):]
+        assert got == naive_run(b, model.weights.config.share, prompt, 4, 10, grammar=g)[0]
+        pages = engine.stats()["pages"][4]
+        assert pages["pass_free"] + pages["pass_idle"] == pages["pass_slots"]

@@ -18,10 +18,11 @@ class UsageError(Exception):
     """A user mistake: printed as one line, exit code 2."""
 
 
-def _load(path: str | None, kv_mode: str | None, weights: str = "as-stored", activations: str = "float32"):
+def _load(path: str | None, kv_mode: str | None, weights: str = "as-stored", activations: str = "float32",
+          kv_share: str | None = None):
     """A tinyloop checkpoint (tinyloop.json), a Hugging Face folder (config.json), a GGUF file or
     folder, or a known model name ("smollm2"); `weights`: --weights (`quantize_weights`);
-    `activations`: --activations."""
+    `activations`: --activations; `kv_share`: --kv-share."""
     import tinyloop_jax as tl
 
     from .formats import gguf, hub
@@ -29,28 +30,40 @@ def _load(path: str | None, kv_mode: str | None, weights: str = "as-stored", act
     path = path or BUNDLED
     q = None if weights == "as-stored" else weights
     if hub.is_name(path) or gguf.find_file(path) is not None:  # "smollm2", a GGUF file or a folder holding one
-        return tl.Model.from_pretrained(path, kv_mode=kv_mode, quantize_weights=q, activations=activations)
+        return tl.Model.from_pretrained(path, kv_mode=kv_mode, quantize_weights=q, activations=activations,
+                                        kv_share=kv_share)
     if not os.path.isdir(path):
         raise UsageError(f"no model at {path}" + ("" if path != BUNDLED else " (the bundled checkpoint is missing)"))
     if os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(os.path.join(path, "tinyloop.json")):
-        return tl.Model.from_pretrained(path, kv_mode=kv_mode, quantize_weights=q, activations=activations)
-    return tl.Model.load(path, kv_mode=kv_mode, quantize_weights=q, activations=activations)
+        return tl.Model.from_pretrained(path, kv_mode=kv_mode, quantize_weights=q, activations=activations,
+                                        kv_share=kv_share)
+    return tl.Model.load(path, kv_mode=kv_mode, quantize_weights=q, activations=activations, kv_share=kv_share)
 
 
 def _model_and_tokenizer(args, tok=None):
     from .formats.tokenizer import tokenizer_for
 
-    model, tok = _load(args.model, args.kv_mode, args.weights, args.activations), tok or tokenizer_for(args.model)
+    model = _load(args.model, args.kv_mode, args.weights, args.activations, getattr(args, "kv_share", None))
+    tok = tok or tokenizer_for(args.model)
     if tok.vocab_size > model.config()["vocab_size"]:
         raise UsageError(f"the tokenizer has {tok.vocab_size} ids but the model only {model.config()['vocab_size']}")
     return model, tok
 
 
-def model_and_tokenizer_of(model: str | None, kv_mode=None, weights=None, activations=None):
+def model_and_tokenizer_of(model: str | None, kv_mode=None, weights=None, activations=None, kv_share=None):
     """(model, tokenizer) as `tinyloop serve --model ...` loads them (picklable as a partial: each
     Ray Serve replica loads its own)."""
     return _model_and_tokenizer(argparse.Namespace(model=model, kv_mode=kv_mode, weights=weights,
-                                                   activations=activations))
+                                                   activations=activations, kv_share=kv_share))
+
+
+def _kv_share(text: str) -> str:
+    from .model.kv_share import parse
+
+    try:
+        return str(parse(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _int_list(text: str) -> list[int]:
@@ -274,7 +287,8 @@ def _serve_replicas(args, edge: dict) -> None:
     from .formats.tokenizer import tokenizer_for
     from .serving.app import eos_ids
 
-    load = functools.partial(model_and_tokenizer_of, args.model, args.kv_mode, args.weights, args.activations)
+    load = functools.partial(model_and_tokenizer_of, args.model, args.kv_mode, args.weights, args.activations,
+                             args.kv_share)
     model, tok = load()  # (checked here, before Ray starts; each replica and the ingress load their own)
     c = model.config()
     name = args.name or os.path.basename(os.path.normpath(args.model or BUNDLED))
@@ -328,6 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(default: float32)")
     common = argparse.ArgumentParser(add_help=False, parents=[model_arg])
     common.add_argument("--kv-mode", default=None, help="KV cache storage mode: " + ", ".join(KV_MODES))
+    common.add_argument("--kv-share", default=None, type=_kv_share,
+                        help="what later tokens read of a finished token's loop passes: full (each pass its own, "
+                             "the default), last, ring:m, avg, first (experimental); a compact mode keeps a looped "
+                             "model's cache at about one pass's size (docs/reference.md)")
 
     g = sub.add_parser("generate", parents=[common], help="continue a prompt")
     g.add_argument("prompt")

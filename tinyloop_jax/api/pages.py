@@ -125,13 +125,18 @@ class LocalSlots:
 
 class PageBook:
     """Pages 0 .. n_pages - 1 of one pool of `page_size`-token pages (with n_local: and the
-    `LocalSlots` of its local layers, whose window is `window` positions)."""
+    `LocalSlots` of its local layers, whose window is `window` positions; with n_prompt: the
+    pass slots of a compact `kv_share` pool, `prompts`, kept as local slots are: held by the
+    pages of a prompt in flight, idle afterwards — an indexed page serves a later prompt only
+    while it keeps its slot)."""
 
-    def __init__(self, n_pages: int, page_size: int, n_local: int | None = None, window: int = 0):
+    def __init__(self, n_pages: int, page_size: int, n_local: int | None = None, window: int = 0,
+                 n_prompt: int | None = None):
         if n_pages < 1:
             raise ValueError(f"n_pages={n_pages} must be >= 1")
         self.n_pages, self.page_size = n_pages, page_size
         self.local = None if n_local is None else LocalSlots(n_local, n_pages)
+        self.prompts = None if n_prompt is None else LocalSlots(n_prompt, n_pages)
         self.window = window
         self.refs = [0] * n_pages
         self._free = list(range(n_pages - 1, -1, -1))  # a stack: low ids first
@@ -189,8 +194,9 @@ class PageBook:
             self.refs[p] -= 1
             if self.refs[p] == 0:
                 self._free.append(p)
-                if self.local is not None:
-                    self.local.forget(p)
+                for slots in (self.local, self.prompts):
+                    if slots is not None:
+                        slots.forget(p)
 
     def alloc(self, n: int) -> list[int] | None:
         """n pages held once by the caller, evicting cached pages if needed; None (nothing

@@ -88,7 +88,8 @@ class Model:
 
     @classmethod
     def from_pretrained(cls, path: str, kv_mode: str | None = None, dtype: str | None = None,
-                        mesh=None, quantize_weights: str | None = None, activations: str | None = None) -> "Model":
+                        mesh=None, quantize_weights: str | None = None, activations: str | None = None,
+                        kv_share: str | None = None) -> "Model":
         """A Hugging Face folder (config.json + model.safetensors, or shards with
         model.safetensors.index.json) by its `model_type`: "gpt2", "llama" (n_pre = L - 1, one
         loop block run once) or "ouro" (the whole stack looped `total_ut_steps` times, early-exit
@@ -101,24 +102,29 @@ class Model:
         packed, bit for bit, see `qarray`; other GGUF types dequantized; a folder's floats
         float), "float" dequantizes everything to `dtype`, "int8" / "int4" quantize the matmul
         weights and the embedding / head (q8_0 / q4_0 blocks of 32; norms never).
-        `activations`: see `Model` ("int8": packed weights multiply 8-bit inputs)."""
+        `activations`: see `Model` ("int8": packed weights multiply 8-bit inputs). `kv_share`:
+        what later tokens read of a finished token's loop passes (`ModelConfig.kv_share`)."""
         path = hub.resolve(path)  # a known name ("smollm2") -> its local file
         if gguf.find_file(path) is not None:
             keep = check_weight_mode(quantize_weights) is None
             params, config = gguf.load(path, kv_mode, dtype, keep_packed=keep)
         else:
             params, config = hf_import.load(path, kv_mode, dtype)
+        if kv_share is not None:
+            config = config.replace(kv_share=kv_share)
         return cls(quantize_params(params, config, quantize_weights), config, mesh=mesh, activations=activations)
 
     @classmethod
     def load(cls, path: str, kv_mode: str | None = None, mesh=None, quantize_weights: str | None = None,
-             activations: str | None = None) -> "Model":
-        """Load weights + config saved by `save` (packed weights stay packed); `kv_mode`
-        overrides the saved mode; `mesh` places them on a ('data', 'model') mesh;
+             activations: str | None = None, kv_share: str | None = None) -> "Model":
+        """Load weights + config saved by `save` (packed weights stay packed); `kv_mode` and
+        `kv_share` override the saved ones; `mesh` places them on a ('data', 'model') mesh;
         `quantize_weights`, `activations`: see `from_pretrained` (`activations` is not saved)."""
         params, config = checkpoint.load_model(path)
         if kv_mode is not None:
             config = config.replace(kv_mode=check_kv_mode(kv_mode))
+        if kv_share is not None:
+            config = config.replace(kv_share=kv_share)
         return cls(quantize_params(params, config, quantize_weights), config, mesh, activations)
 
     def save(self, path: str) -> None:

@@ -16,6 +16,13 @@ says which slot holds a page's K/V for them (-1: none, for pages outside every q
 `local_map` turns a row's table and write targets into slots, so the tables stay the pages'.
 The host moves slots with the windows (the engine's `LocalSlots`; `generate`'s pools a static
 ring per row). `model.paged` runs the forward step over a pool.
+
+Under a compact `kv_share` the engine's pool keeps two loop stacks: `loop`, the compact store
+every page has (`kv_share.slots(loops)` passes: what decode steps read), and `aside`, every pass
+in NF < NP *pass slots* (`aside_of [NP]`: a page's slot, -1: none), held by the pages of prompts
+in flight and of cached prefixes (a prompt reads and writes every pass). `swap` exchanges the
+two (a prompt chunk runs on the swapped pool, its loop layers mapped through the slots as a
+local layer's are); `collapse_pages` fills a finished prompt's pages' compact layers from them.
 """
 
 from __future__ import annotations
@@ -50,6 +57,12 @@ class PagedKV:
     # `kv_share`: "full" (the loop stack holds every pass), or the compact store of finished
     # tokens (`kv_share.collapse`: its leading axis the mode's slots; decode steps only)
     share: object = struct.field(pytree_node=False, default="full")
+    # the loop stack's page -> slot map (None: the pages themselves; the swapped pool's pass slots)
+    loop_of: jax.Array | None = None
+    # the other loop stack of an engine's compact pool (module doc), its map and its kv_share
+    aside: dict | None = None
+    aside_of: jax.Array | None = None
+    aside_share: object = struct.field(pytree_node=False, default="full")
 
     def __post_init__(self):
         from .kv_share import parse
@@ -57,6 +70,7 @@ class PagedKV:
         object.__setattr__(self, "kv_mode", parse_mode(self.kv_mode))
         object.__setattr__(self, "local", tuple(int(j) for j in self.local))
         object.__setattr__(self, "share", parse(self.share))
+        object.__setattr__(self, "aside_share", parse(self.aside_share))
 
     @property
     def _any(self) -> jax.Array:
@@ -64,7 +78,12 @@ class PagedKV:
 
     @property
     def n_pages(self) -> int:
-        return int(self._any.shape[-3])
+        return int(self._any.shape[-3] if self.loop_of is None else self.loop_of.shape[0])
+
+    @property
+    def n_prompt(self) -> int:
+        """Pass slots (0: none, the pool is not an engine's compact one)."""
+        return 0 if self.aside is None else int(next(iter(self.aside.values())).shape[-3])
 
     @property
     def page_size(self) -> int:
@@ -122,25 +141,63 @@ def local_window(cfg: ModelConfig, cache_window: int = 0) -> int:
 
 
 def empty(cfg: ModelConfig, passes: int, n_pages: int, page_size: int = PAGE_SIZE, kv_mode=None,
-          n_local: int | None = None) -> PagedKV:
+          n_local: int | None = None, n_prompt: int | None = None) -> PagedKV:
     """A pool of n_pages zeroed pages for `cfg`'s layers at depth `passes`, in cfg's kv_mode (or
     `kv_mode`: a call's working pool, see `block`); with n_local, the pre blocks with a window of
-    their own in n_local local slots instead (`local_map`; no page has a slot yet). Out of memory
-    is a RuntimeError (checked before anything is allocated)."""
+    their own in n_local local slots instead (`local_map`; no page has a slot yet); with
+    n_prompt (a compact `cfg.kv_share`), the engine's compact pool: the loop layers compact on
+    every page and every pass in n_prompt pass slots (module doc; no page has one yet). Out of
+    memory is a RuntimeError (checked before anything is allocated)."""
     if page_size < 1 or page_size & (page_size - 1):
         raise ValueError(f"page_size={page_size} must be a power of two")
     mode = cfg.storage if kv_mode is None else parse_mode(kv_mode)
-    layers, local = cfg.n_cache_layers(passes), (local_layers(cfg) if n_local is not None else ())
+    share = cfg.share if n_prompt is not None else None
+    if share is not None and share.full:
+        raise ValueError("pass slots (n_prompt) are for a compact kv_share; this model's is 'full'")
+    held = passes if share is None else share.slots(passes)
+    layers, local = cfg.n_cache_layers(held), (local_layers(cfg) if n_local is not None else ())
     size = lambda n, k: n * page_nbytes(mode, k, cfg.n_kv_heads, page_size, cfg.head_dim, cfg.d_model)  # noqa: E731
     need = size(n_pages, layers - len(local)) + (size(n_local, len(local)) if local else 0)
+    need += size(n_prompt, passes * cfg.loop_blocks) if share is not None else 0
     kvc.check_fits(need, f"a page pool of {n_pages} pages x {page_size} tokens x {layers} layers ({mode})")
     shapes = page_shapes(mode, cfg.n_kv_heads, n_pages, page_size, cfg.head_dim, cfg.d_model)
     slots = page_shapes(mode, cfg.n_kv_heads, n_local, page_size, cfg.head_dim, cfg.d_model) if local else shapes
     layer = lambda lead=(), sh=shapes: {n: jnp.zeros(lead + s, d) for n, (s, d) in sh.items()}  # noqa: E731
     pre = tuple(layer(sh=slots if j in local else shapes) for j in range(cfg.n_pre_blocks))
-    return placed(PagedKV(pre=pre, loop=layer((passes, cfg.loop_blocks)), kv_mode=mode,
+    aside = {} if share is None else dict(
+        aside=layer((passes, cfg.loop_blocks), page_shapes(mode, cfg.n_kv_heads, n_prompt, page_size, cfg.head_dim,
+                                                           cfg.d_model)),
+        aside_of=jnp.full((n_pages,), -1, jnp.int32), share=share)
+    return placed(PagedKV(pre=pre, loop=layer((held, cfg.loop_blocks)), kv_mode=mode,
                           post=tuple(layer() for _ in range(cfg.n_post_blocks)),
-                          slot_of=jnp.full((n_pages,), -1, jnp.int32) if local else None, local=local), cfg.mesh)
+                          slot_of=jnp.full((n_pages,), -1, jnp.int32) if local else None, local=local, **aside),
+                  cfg.mesh)
+
+
+def swap(pool: PagedKV) -> PagedKV:
+    """An engine's compact pool with its two loop stacks exchanged (module doc): the pass slots'
+    stack read and written by a prompt chunk (mapped by `loop_of`), the compact one aside; and
+    back. A host-side relabelling: no device work."""
+    if pool.aside is None:
+        raise ValueError("the pool keeps no second loop stack (not an engine's compact pool)")
+    return pool.replace(loop=pool.aside, loop_of=pool.aside_of, share=pool.aside_share,
+                        aside=pool.loop, aside_of=pool.loop_of, aside_share=pool.share)
+
+
+def collapse_pages(pool: PagedKV, pages: jax.Array, loops: int) -> PagedKV:
+    """The pages pages [n] (a finished prompt's; past the pool: ignored) of an engine's compact
+    pool: their compact loop layers filled from their pass slots (`kv_share.collapse`). The same
+    passes give the same values, so a page shared by two prompts may be filled by either."""
+    from . import kv_share
+
+    if pool.aside is None or pool.loop_of is not None:
+        raise ValueError("collapse_pages takes an engine's compact pool (not swapped)")
+    src = local_map(pool.aside_of, pages, 0)
+    stack = {n: a[:, :, :, src] for n, a in pool.aside.items()}  # [loops, k, lead, n, P, w]
+    compact = kv_share.collapse(stack, pool.share, loops, pool.kv_mode)
+    dst = jnp.where(pages < pool.n_pages, pages, pool.n_pages)
+    return pool.replace(loop={n: a.at[:, :, :, dst].set(compact[n].astype(a.dtype), mode="drop")
+                              for n, a in pool.loop.items()})
 
 
 def local_map(slot_of: jax.Array | None, pages: jax.Array, n_slots: int, write: bool = False) -> jax.Array:
@@ -170,8 +227,9 @@ def placed(pool: PagedKV, mesh) -> PagedKV:
         spec = sharding.cache_spec(a.shape, False, head_axis if heads else None, mesh)
         return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
     layer = lambda e: {n: put(a, 0) for n, a in e.items()}  # noqa: E731
+    stack = lambda e: None if e is None else {n: put(a, 2) for n, a in e.items()}  # noqa: E731
     return pool.replace(pre=tuple(map(layer, pool.pre)), post=tuple(map(layer, pool.post)),
-                        loop={n: put(a, 2) for n, a in pool.loop.items()})
+                        loop=stack(pool.loop), aside=stack(pool.aside))
 
 
 def collapse(pool: PagedKV, share, loops: int) -> PagedKV:
@@ -180,7 +238,7 @@ def collapse(pool: PagedKV, share, loops: int) -> PagedKV:
     from . import kv_share
 
     share = kv_share.parse(share)
-    if not pool.share.full:
+    if not pool.share.full or pool.aside is not None:
         raise ValueError(f"the pool is already compact (kv_share={pool.share})")
     if pool.passes < loops:
         raise ValueError(f"a pool of {pool.passes} passes cannot collapse loops={loops}")
@@ -189,12 +247,13 @@ def collapse(pool: PagedKV, share, loops: int) -> PagedKV:
 
 def copy_pages(pool: PagedKV, src: jax.Array, dst: jax.Array) -> PagedKV:
     """Pages dst [n] <- pages src [n], every layer (copy-on-write of a shared partial page; a
-    local layer copies their slots)."""
+    local layer copies their slots, an engine's compact pool its pass slots too)."""
     def cp(layer, m=None):  # [.., lead, NP, P, w]
         s, d = local_map(m, src, 0), local_map(m, dst, layer_slots(layer), write=True)
         return {n: a.at[..., d, :, :].set(a[..., s, :, :], mode="drop") for n, a in layer.items()}
-    return pool.replace(pre=tuple(cp(e, pool.map_of(j)) for j, e in enumerate(pool.pre)), loop=cp(pool.loop),
-                        post=tuple(map(cp, pool.post)))
+    return pool.replace(pre=tuple(cp(e, pool.map_of(j)) for j, e in enumerate(pool.pre)),
+                        loop=cp(pool.loop, pool.loop_of), post=tuple(map(cp, pool.post)),
+                        aside=None if pool.aside is None else cp(pool.aside, pool.aside_of))
 
 
 def layer_slots(layer: dict) -> int:
@@ -233,7 +292,10 @@ def load_segment(pool: PagedKV, seg, pages: jax.Array, start: jax.Array, n: jax.
     """Positions [start, n) of a dense segment (a `PrefixCache`'s `model.cache.KVCache`: slot s
     holds position seg.pos[s], a window's ring included; a ring layer's slots seg.ring_pos[s])
     written into the pages pages [R] (position p: page pages[p // P]), every layer, stored values
-    as they are. A ring layer writes only the positions it holds (the last of its window)."""
+    as they are. A ring layer writes only the positions it holds (the last of its window); an
+    engine's compact pool, its pass slots (a prompt's: every pass)."""
+    if pool.aside is not None and pool.loop_of is None:
+        return swap(load_segment(swap(pool), seg, pages, start, n))
     P = pool.page_size
 
     def where(p):  # the page and offset of each slot's position (outside [start, n): dropped)
@@ -244,7 +306,8 @@ def load_segment(pool: PagedKV, seg, pages: jax.Array, start: jax.Array, n: jax.
 
     def put(store, layer, at=(page, off), m=None):
         return write(store, layer, local_map(m, at[0], layer_slots(store), write=True), at[1])
-    loop = {k: a.at[:, :, :, page, off].set(seg.loop[k][:a.shape[0]].astype(a.dtype), mode="drop")
+    lp = local_map(pool.loop_of, page, layer_slots(pool.loop), write=True)
+    loop = {k: a.at[:, :, :, lp, off].set(seg.loop[k][:a.shape[0]].astype(a.dtype), mode="drop")
             for k, a in pool.loop.items()}
     return pool.replace(pre=tuple(put(a, b, ring if j in seg.rings else (page, off), pool.map_of(j))
                                   for j, (a, b) in enumerate(zip(pool.pre, seg.pre))), loop=loop,
@@ -277,7 +340,7 @@ def grow(pool: PagedKV, n_pages: int) -> PagedKV:
     extra = n_pages - pool.n_pages
     if extra < 0:
         raise ValueError(f"cannot shrink a pool of {pool.n_pages} pages to {n_pages}")
-    if pool.local:
-        raise ValueError("a pool with local slots does not grow")
+    if pool.local or pool.aside is not None:
+        raise ValueError("a pool with local or pass slots does not grow")
     pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 3) + [(0, extra), (0, 0), (0, 0)])  # noqa: E731
     return jax.tree.map(pad, pool)

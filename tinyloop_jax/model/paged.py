@@ -259,8 +259,8 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
         e, x = x, over_data(jnp.concatenate(states), cfg.mesh)
     gated = exit is not None and cfg.early_exit_gate
 
-    def loop_block(x, blk, stack, index):
-        return block(x, blk, cfg, groups, stack, index, window, pool.kv_mode)
+    def loop_block(x, blk, stack, index):  # (loop_of: a prompt's pass slots, `page_pool.swap`)
+        return block(x, blk, cfg, groups, stack, index, window, pool.kv_mode, pool.loop_of)
 
     def post_block(y, blk, store, j):
         return block(y, blk, cfg, groups, store, None, window, pool.kv_mode)

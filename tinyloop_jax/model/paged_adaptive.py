@@ -120,7 +120,7 @@ def forward(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, rows: pag
         return exits.gate(params, at_last(x)) if cfg.early_exit_gate else jnp.zeros((b,), jnp.float32)
 
     def loop_block(x, blk, stack, index):
-        return paged.block(x, blk, cfg, groups, stack, index, 0, pool.kv_mode)
+        return paged.block(x, blk, cfg, groups, stack, index, 0, pool.kv_mode, pool.loop_of)
 
     share, k = pool.share, len(params.loop)
 
@@ -174,7 +174,8 @@ def forward(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, rows: pag
                                 c.post)
     logits = jnp.where(final[:, None], logits, c.logits)
     if share.full:
-        stack = fill_skipped(c.stack, g.page, g.off, by_token(c.depth), loops)
+        at = page_pool.local_map(pool.loop_of, g.page, page_pool.layer_slots(c.stack), write=True)  # (pass slots)
+        stack = fill_skipped(c.stack, at, g.off, by_token(c.depth), loops)
     else:
         stack = settle_exits(c.stack, share, x, by_token(c.depth), loops, g, pool.kv_mode)
     return Out(logits, pool.replace(pre=tuple(pre), loop=stack, post=post), c.depth, at_last(c.s))

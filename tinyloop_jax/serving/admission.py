@@ -43,6 +43,8 @@ class Admission:
         share = self.prefix_cache and not h.in_prefill
         ns = self.namespace(h)
         shared = d.book.match(h.prompt[:n - 1], ns) if share else []
+        if d.compact:  # (a compact kv_share) a prompt reads every pass of what it shares: the pages that kept them
+            shared = shared[:next((i for i, p in enumerate(shared) if not d.book.prompts.has(p)), len(shared))]
         if share and self._written_soon(d, h, ns, len(shared)):
             self.stats["prefix_waits"] += 1
             return False
@@ -55,6 +57,8 @@ class Admission:
         tail = d.book.match_tail(h.prompt[:n - 1], len(shared), ns) if share else None
         if tail is not None and d.book.windowed(shared, *tail) < len(shared):
             tail = None  # its local layers' window is gone (it is recomputed)
+        if tail is not None and d.compact and not d.book.prompts.has(tail[0]):
+            tail = None  # its passes are gone
         keep = d.book.windowed(shared)
         d.book.release(shared[keep:])  # their local layers' window is gone
         shared = shared[:keep]
@@ -62,6 +66,12 @@ class Admission:
             d.book.retain([tail[0]])  # not evicted for this request's own pages: it is copied into the first
         own = d.book.alloc(need - len(shared))
         if own is not None and d.book.local is not None and not d.book.local.promise(credits + 1):
+            d.book.release(own)
+            own = None
+        n_prompt = d.book.pages_for(n)  # (a compact kv_share: the prompt's pages hold pass slots, + the tail's)
+        if own is not None and d.compact and not d.book.prompts.promise(n_prompt + 1):
+            if d.book.local is not None:
+                d.book.local.unpromise(credits + 1)
             d.book.release(own)
             own = None
         if own is None:
@@ -74,22 +84,26 @@ class Admission:
             if tail is not None:
                 d.book.local.hold(tail[0])
             self._window(d, row, len(shared) * self.page_size + (tail[1] if tail else 0), 1)
+        if d.compact:  # the tail's pass slot first (its copy's source), then the prompt's pages'
+            if tail is not None:
+                d.book.prompts.hold(tail[0])
+            self._hold_passes(d, row, row.pages[:n_prompt])
         if tail is not None:  # a partial page that begins the rest: copied, then continued
             try:
                 self._sync(d)
                 d.pool = self._run(("copy", d.loops), self.jits(d.loops)["copy_pages"], d.pool,
                                    np.asarray([tail[0]], np.int32), np.asarray([own[0]], np.int32))
             except Exception as e:
-                self._unhold(d, row)
-                d.book.release(shared + own + [tail[0]])
-                self.fail_depth(d, e)
+                self.fail_depth(d, e)  # (the depth and its book are dropped)
                 raise
-            if d.book.local is not None:
-                d.book.local.drop(tail[0])
+            for slots in (d.book.local, d.book.prompts):
+                if slots is not None:
+                    slots.drop(tail[0])
             d.book.release([tail[0]])
             extra = tail[1]
-        if d.book.local is not None:
-            d.book.local.unpromise(1)  # the tail's credit
+        for slots in (d.book.local, d.book.prompts):
+            if slots is not None:
+                slots.unpromise(1)  # the tail's credit
         seen = np.zeros((self.cfg.vocab_size,), bool)
         seen[h.prompt] = True
         req = Knobs.from_params([h.params], logit_bias=True, sampled=True, stop_shape=S.STOPS)
@@ -98,9 +112,7 @@ class Admission:
             d.state = self._run(("admit", d.loops), self.jits(d.loops)["admit"], d.state, np.int32(slot), seen, req,
                                 pol)
         except Exception as e:
-            self._unhold(d, row)
-            d.book.release(shared + own)
-            self.fail_depth(d, e)
+            self.fail_depth(d, e)  # (the depth and its book are dropped)
             raise
         self._tick += 1
         d.used = self._tick
@@ -172,8 +184,15 @@ class Admission:
         if window and not d.book.local.promise(len(window)):
             d.book.release(new)
             return shared
+        if d.compact and not d.book.prompts.promise(len(new)):  # pass slots for the pages the load fills
+            if window:
+                d.book.local.unpromise(len(window))
+            d.book.release(new)
+            return shared
         for p in window:  # slots for the pages the first query's window reads, filled by the load
             d.book.local.hold(p)
+        for p in new if d.compact else ():
+            d.book.prompts.hold(p)
         R = pow2(len(pages), MIN_TABLE)
         table = np.zeros((R,), np.int32)
         table[:len(pages)] = pages
@@ -184,6 +203,10 @@ class Admission:
             d.book.local.drop(p)
         if window:
             d.book.local.unpromise(len(window))
+        for p in new if d.compact else ():
+            d.book.prompts.drop(p)
+        if d.compact:
+            d.book.prompts.unpromise(len(new))
         d.book.insert(prompt[:full * P], pages, ns=self.namespace(h))
         store.touch(entry)
         self.stats["prefix_pool_loads"] += 1

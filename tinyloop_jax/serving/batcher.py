@@ -36,7 +36,7 @@ from .admission import Admission
 from .budget import Budget
 from .depth import Depth, Row
 from .handles import Handle, MemoryBudgetError
-from .plan import Plan, batch_buckets
+from .plan import MIN_TABLE, Plan, batch_buckets, pow2
 from .reading import Reading
 from ..api.pages import PageBook
 from ..model import page_pool
@@ -123,7 +123,8 @@ class Batcher(Budget, Admission, Reading, Plan):
         n_pages = self.pool_pages(loops)
         jits = self.jits(loops)
         pool = self.empty_pool(loops, n_pages, jits.empty_pool)
-        book = PageBook(n_pages, self.page_size, self.local_slots(n_pages) if self.local else None, self.local_window)
+        book = PageBook(n_pages, self.page_size, self.local_slots(n_pages) if self.local else None, self.local_window,
+                        self.prompt_slots(n_pages))
         d = Depth(loops, self.model.exit_for(loops), pool, book, self._empty_rows(jits.requests_of))
         self.depths[loops] = d
         return d
@@ -156,11 +157,42 @@ class Batcher(Budget, Admission, Reading, Plan):
         r.credits = 0
 
     def _sync(self, d: Depth) -> None:
-        """The device's page -> slot map brought up to the book's."""
-        local = d.book.local
+        """The device's page -> slot maps brought up to the book's (local and pass slots)."""
+        local, prompts = d.book.local, d.book.prompts
         if local is not None and local.changed:
             d.pool = d.pool.replace(slot_of=jax.device_put(np.asarray(local.slot, np.int32)))
             local.changed = False
+        if prompts is not None and prompts.changed:
+            d.pool = d.pool.replace(aside_of=jax.device_put(np.asarray(prompts.slot, np.int32)))
+            prompts.changed = False
+
+    # ---- pass slots (a compact kv_share) -----------------------------------------------------
+
+    def _hold_passes(self, d: Depth, r: Row, pages: list) -> None:
+        """Row r's prompt pages get pass slots (against credits promised at admission)."""
+        for p in pages:
+            d.book.prompts.hold(p)
+        r.passes = list(pages)
+
+    def _drop_passes(self, d: Depth, r: Row) -> None:
+        """Row r's pass slots back (its prompt ended, or it left): idle, their K/V kept for
+        later prompts that read its pages, until another prompt needs the slot."""
+        if not r.passes:
+            return
+        for p in r.passes:
+            d.book.prompts.drop(p)
+        d.book.prompts.unpromise(len(r.passes))
+        r.passes = []
+
+    def _collapse(self, d: Depth, r: Row) -> None:
+        """Row r's prompt is done: its pages' compact loop layers filled from their pass slots
+        (`page_pool.collapse_pages`), then the slots dropped."""
+        n = len(r.passes)
+        pages = np.full((pow2(n, MIN_TABLE),), d.book.n_pages, np.int32)
+        pages[:n] = r.passes
+        d.pool = self._run(("collapse", d.loops, len(pages)), self.jits(d.loops)["collapse_pages"], d.pool, pages,
+                           loops=d.loops)
+        self._drop_passes(d, r)
 
     def _run(self, key: tuple, program, *args, **kw):
         if key not in self.programs:
@@ -205,7 +237,7 @@ class Batcher(Budget, Admission, Reading, Plan):
             # a prompt chunk beside decode rows always takes them (one program set, grammar or not)
             masked = any(r.handle.matcher is not None for r in decoding) or (
                 chunk is not None and chunk[2] and chunk[0].handle.matcher is not None) or (
-                chunk is not None and not d.adaptive and not chunk[0].handle.in_prefill)
+                chunk is not None and not (d.adaptive or d.compact) and not chunk[0].handle.in_prefill)
             burst = chunk is None  # decode rows alone: 1 step or a burst (nothing to admit: n in one program)
             many = self.decode_steps if burst and not self.waiting and not masked else 1
             R = self.table_len(max(lengths) + many - 1)
@@ -217,7 +249,8 @@ class Batcher(Budget, Admission, Reading, Plan):
                 chunks = S.make_chunks([r.pages], [r.handle.prompt[r.fed:r.fed + n]], [r.fed], [r.slot], [final], T,
                                        R, 1, [r.handle.cache_window],
                                        self._masks([r.handle.matcher if final else None], 1) if masked else None)
-            if decoding or not d.adaptive:  # (a chunk alone: beside one filler decode row, one program fewer)
+            if decoding or not (d.adaptive or d.compact):  # (a chunk alone: beside one filler decode row, one
+                # program fewer)
                 bd = next(b for b in batch_buckets(self.max_batch) if b >= len(decoding))
                 starts = [r.fed + len(r.handle.tokens) + r.ahead - 1 for r in decoding]
                 left = [r.handle.params.max_tokens - len(r.handle.tokens) - r.ahead for r in decoding]
@@ -234,16 +267,18 @@ class Batcher(Budget, Admission, Reading, Plan):
             w, jits = self.model.weights, self.jits(d.loops)
             dtok = passes = cdepth = None
             exits = chunk is not None and chunk[0].handle.in_prefill
-            if chunk is not None and (d.adaptive or exits):  # the prompt's chunk alone
+            if chunk is not None and (d.adaptive or exits or d.compact):  # the prompt's chunk alone
+                pool = page_pool.swap(d.pool) if d.compact else d.pool  # (a compact kv_share: on the pass slots)
                 if exits:  # the prompt exits as a whole: its passes read now (once a request)
-                    ctok, cdepth, d.pool, d.state = self._run(("chunk_adaptive", d.loops, T, R) + masked * ("masked",),
-                                                              jits["chunk_adaptive"], w.params, w.config, d.pool,
-                                                              d.state, chunks, loops=d.loops)
+                    ctok, cdepth, pool, d.state = self._run(("chunk_adaptive", d.loops, T, R) + masked * ("masked",),
+                                                            jits["chunk_adaptive"], w.params, w.config, pool,
+                                                            d.state, chunks, loops=d.loops)
                     cdepth = int(np.asarray(cdepth)[0])
                 else:
-                    ctok, _, d.pool, d.state = self._run(("step", d.loops, 0, T, R) + masked * ("masked",),
-                                                         jits["step"], w.params, w.config, d.pool, d.state, chunks,
-                                                         None, loops=d.loops, exit=d.exit)
+                    ctok, _, pool, d.state = self._run(("step", d.loops, 0, T, R) + masked * ("masked",),
+                                                       jits["step"], w.params, w.config, pool, d.state, chunks,
+                                                       None, loops=d.loops, exit=d.exit)
+                d.pool = page_pool.swap(pool) if d.compact else pool
             elif chunk is not None:  # the chunk and the decode rows in one forward
                 ctok, dtok, d.pool, d.state = self._run(("step", d.loops, bd, T, R),  # (masks always)
                                                         jits["step"], w.params, w.config, d.pool, d.state, chunks,
@@ -270,6 +305,8 @@ class Batcher(Budget, Admission, Reading, Plan):
                 counts["passes"] += n * (d.loops if cdepth is None else cdepth)
                 counts["passes_skipped"] += 0 if cdepth is None else n * (d.loops - cdepth)
                 if final:
+                    if d.compact:  # decode steps read the prompt compact from now on
+                        self._collapse(d, r)
                     d.prefilling.popleft()
                     r.decoding = True
                     r.ahead += 1
@@ -335,11 +372,14 @@ class Batcher(Budget, Admission, Reading, Plan):
         r.left = True
         if d.rows.get(r.slot) is r:
             del d.rows[r.slot]
-            if r.decoding and self.prefix_cache and not r.handle.in_prefill:  # prompt and output whose K/V
-                # are written (each emitted token but the last was fed): a later turn of the chat reads them
+            if r.decoding and self.prefix_cache and not r.handle.in_prefill and not d.compact:  # prompt and output
+                # whose K/V are written (each emitted token but the last was fed): a later turn of the chat reads
+                # them (a compact kv_share keeps output compact only, which no prompt reads: its prompt alone)
                 d.book.insert(list(r.handle.prompt) + r.handle.tokens[:-1], r.pages, partial=True,
                               ns=self.namespace(r.handle))
             self._unhold(d, r)
+            if d.compact:
+                self._drop_passes(d, r)
             d.book.release(r.pages)
         if r in d.prefilling:
             d.prefilling.remove(r)
@@ -384,5 +424,9 @@ class Batcher(Budget, Admission, Reading, Plan):
                     pages={loops: dict(total=d.book.n_pages, free=d.book.free, cached=d.book.cached(),
                                        **({} if d.book.local is None else dict(
                                            local_slots=d.book.local.n_slots, local_free=d.book.local.free,
-                                           local_idle=d.book.local.idle, local_reclaimed=d.book.local.reclaimed)))
+                                           local_idle=d.book.local.idle, local_reclaimed=d.book.local.reclaimed)),
+                                       **({} if d.book.prompts is None else dict(
+                                           pass_slots=d.book.prompts.n_slots, pass_free=d.book.prompts.free,
+                                           pass_idle=d.book.prompts.idle,
+                                           pass_reclaimed=d.book.prompts.reclaimed)))
                            for loops, d in self.depths.items()})

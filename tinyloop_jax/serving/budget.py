@@ -1,5 +1,5 @@
 """The engine's sizes and memory: a page's and a depth's bytes, the pages a depth's pool holds
-within the memory budget, a request's pages, the local slots beside them. A base of `Batcher`
+within the memory budget, a request's pages, the local slots and pass slots beside them. A base of `Batcher`
 (its fields: model, max_batch, chunk, page_size, memory_budget, decode_steps, depths).
 """
 
@@ -11,6 +11,8 @@ from . import step as S
 from ..decoding import step as St
 from ..model import page_pool
 
+PASS_SHARE = 4  # a compact kv_share's pages per pass slot (`Budget.prompt_slots`)
+
 
 class Budget:
     """Sizes of the engine's pools and rows (`Batcher` holds the fields it reads)."""
@@ -20,10 +22,22 @@ class Budget:
         return self.model.weights.config
 
     def page_nbytes(self, loops: int, layers: int | None = None) -> int:
-        """Bytes of a page (of `layers` of its cache layers; default every layer on the pages)."""
+        """Bytes of a page (of `layers` of its cache layers; default every layer on the pages: a
+        compact `kv_share`'s loop layers as it keeps them)."""
         c = self.cfg
-        layers = c.n_cache_layers(loops) - len(self.local) if layers is None else layers
+        held = loops if c.share.full else c.share.slots(loops)
+        layers = c.n_cache_layers(held) - len(self.local) if layers is None else layers
         return page_pool.page_nbytes(c.storage, layers, c.n_kv_heads, self.page_size, c.head_dim, c.d_model)
+
+    def pass_nbytes(self, loops: int) -> int:
+        """Bytes of a pass slot (a compact `kv_share`: a prompt page's every loop pass)."""
+        return self.page_nbytes(loops, loops * self.cfg.loop_blocks)
+
+    def prompt_slots(self, n_pages: int) -> int | None:
+        """Pass slots beside n_pages pages under a compact `kv_share` (None: full, none): a
+        quarter as many (`PASS_SHARE`: prompts in flight and cached prefixes keep every pass
+        there, the pages hold every row compact)."""
+        return None if self.cfg.share.full else max(1, -(-n_pages // PASS_SHARE))
 
     @property
     def local(self) -> tuple:
@@ -66,29 +80,32 @@ class Budget:
         return -(-(n_prompt + max_tokens) // self.page_size)
 
     def pool_pages(self, loops: int) -> int:
-        """Pages of a depth's pool: what the budget holds beside the request rows, up to
-        `max_pages` (the same for every engine of this model and budget, so warmup's programs
-        are the ones serving runs)."""
+        """Pages of a depth's pool: what the budget holds beside the request rows (and the local
+        and pass slots that go with them), up to `max_pages` (the same for every engine of this
+        model and budget, so warmup's programs are the ones serving runs)."""
         if self.memory_budget is None:
             return self.max_pages()
         room = self.memory_budget - self.rows_nbytes()
-        if not self.local:
-            return max(0, min(self.max_pages(), room // self.page_nbytes(loops)))
-        g, l = self.page_nbytes(loops), self.page_nbytes(loops, len(self.local))  # noqa: E741
-        n = min(self.max_pages(), room // (g + l // 2))
-        while n > 0 and n * g + self.local_slots(n) * l > room:  # the rows' windows take more than half
+        g, l = self.page_nbytes(loops), self.page_nbytes(loops, len(self.local)) if self.local else 0  # noqa: E741
+        f = 0 if self.cfg.share.full else self.pass_nbytes(loops)
+        n = min(self.max_pages(), room // (g + l // 2 + f // PASS_SHARE))
+        while n > 0 and self.pages_nbytes(loops, n) > room:  # (the rows' windows take more than half)
             n -= max(1, n // 64)
         return max(0, n)
 
-    def depth_nbytes(self, loops: int) -> int:
-        n = self.pool_pages(loops)
+    def pages_nbytes(self, loops: int, n: int) -> int:
+        """Bytes of n pages with their local and pass slots."""
         local = self.local_slots(n) * self.page_nbytes(loops, len(self.local)) if self.local and n else 0
-        return n * self.page_nbytes(loops) + local + self.rows_nbytes()
+        return n * self.page_nbytes(loops) + local + (self.prompt_slots(n) or 0) * self.pass_nbytes(loops)
+
+    def depth_nbytes(self, loops: int) -> int:
+        return self.pages_nbytes(loops, self.pool_pages(loops)) + self.rows_nbytes()
 
     def empty_pool(self, loops: int, n_pages: int, make=page_pool.empty) -> page_pool.PagedKV:
-        """A depth's pool (its local layers in `local_slots` slots), by `make` (a depth's program,
-        or the function for shapes)."""
-        return make(self.cfg, loops, n_pages, self.page_size, None, self.local_slots(n_pages) if self.local else None)
+        """A depth's pool (its local layers in `local_slots` slots, a compact kv_share's prompts
+        in `prompt_slots`), by `make` (a depth's program, or the function for shapes)."""
+        return make(self.cfg, loops, n_pages, self.page_size, None, self.local_slots(n_pages) if self.local else None,
+                    self.prompt_slots(n_pages))
 
     def memory_bytes(self) -> int:
         return sum(d.pool.nbytes + self.rows_nbytes() for d in self.depths.values())

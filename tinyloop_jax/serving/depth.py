@@ -23,6 +23,8 @@ class Row:
     left: bool = False  # it left (a step still in flight chose a token for it: discarded)
     credits: int = 0  # local slots promised to it (`LocalSlots`)
     held: set = field(default_factory=set)  # indices of its pages whose local slot it holds
+    passes: list = field(default_factory=list)  # its prompt's pages, whose pass slots it holds (a compact
+    # kv_share, until its prompt ends)
 
 
 @dataclass
@@ -39,3 +41,8 @@ class Depth:
     used: int = 0  # tick of its last admission
     inflight: tuple | None = None  # the dispatched step not read yet
     adaptive: bool = False  # a request with an exit rule came in: decode rows take the adaptive-depth step
+
+    @property
+    def compact(self) -> bool:
+        """Its pool keeps the loop layers compact (a `kv_share` other than full), prompts in pass slots."""
+        return self.book.prompts is not None

@@ -89,7 +89,6 @@ class Engine:
                  decode_steps: int = DECODE_STEPS):
         self.model = model
         c = model.weights.config
-        c.require_full_share("the engine")
         max_loops = max(64, 16 * c.default_loops) if max_loops is None else max_loops
         for name, v in dict(max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk,
                             max_loops=max_loops, max_depths=max_depths, decode_steps=decode_steps).items():
@@ -162,6 +161,11 @@ class Engine:
         if loops > self.max_loops:
             raise ValueError(f"loops={loops} is above this engine's max_loops={self.max_loops}")
         spec = req.speculation
+        if spec is not None and not c.share.full:
+            raise ValueError(f"kv_share={c.kv_share!r}: speculative decoding with it is not served yet "
+                             "(its verify chunk would read the drafts at every pass)")
+        if not c.share.full:
+            c.share.check(loops)
         if spec is not None and params.response_format is not None and c.mesh is not None:  # (a round asks the
             # host for its drafts' masks: no callback in a program split over devices)
             raise ValueError("the engine does not take response_format with draft_loops (speculative decoding) on a "
@@ -173,6 +177,12 @@ class Engine:
                                f"max_seq_len={c.max_seq_len}")
         b = self.batcher
         need, have = b.need_pages(len(prompt), params.max_tokens + ahead), b.pool_pages(loops)
+        slots = b.prompt_slots(have)  # (a compact kv_share: the prompt's pages in pass slots, + a partial page)
+        if slots is not None and b.need_pages(len(prompt), 0) + 1 > slots:
+            raise MemoryBudgetError(
+                f"a prompt of {len(prompt)} tokens at loops={loops} needs {b.need_pages(len(prompt), 0) + 1} pass "
+                f"slots of {b.pass_nbytes(loops) / 2**10:.1f} KiB (kv_share={c.kv_share!r}); memory_budget="
+                f"{self.memory_budget} bytes holds {slots}; shorten the prompt or raise the budget")
         if need > have or (self.memory_budget is not None and b.depth_nbytes(loops) > self.memory_budget):
             raise MemoryBudgetError(f"a request of {len(prompt)} + {params.max_tokens} tokens at loops={loops} needs "
                                     f"{need} pages of {b.page_nbytes(loops) / 2**10:.1f} KiB; memory_budget="

@@ -11,7 +11,7 @@ from . import step as S
 from ..decoding.grammar import words
 from ..decoding.sampling import Knobs, SamplingParams
 from ..model import adaptive as ad
-from ..model import paged
+from ..model import page_pool, paged
 from ..model.cache import bucket
 
 
@@ -62,6 +62,8 @@ class Plan:
         w, c, P = self.model.weights, self.cfg, self.page_size
         n_pages = self.pool_pages(loops)
         pool = jax.eval_shape(lambda: self.empty_pool(loops, n_pages))
+        compact = not c.share.full  # prompts on the pass slots, alone (`page_pool.swap`), then collapsed
+        prompts = page_pool.swap(pool) if compact else pool
         state = jax.eval_shape(self._empty_rows)
         jits, exit = self.jits(loops), self.model.exit_for(loops)
         new = set()
@@ -75,7 +77,8 @@ class Plan:
         W = words(c.vocab_size)
         masks = (None, "masked") if grammar else (None,)
         mask = lambda rows, m: None if m is None else np.zeros((rows, W), np.int32)  # noqa: E731
-        alone = [(0, T, R) for R in tables for T in self.chunk_sizes()] if adaptive else []  # a chunk alone
+        alone = [(0, T, R) for R in tables for T in self.chunk_sizes()] if adaptive or compact else []  # a chunk
+        # alone
         for bd, T, R in self.step_shapes(loops) + alone:
             if bd and not T:  # decode rows alone: `decode_steps` (plain; adaptive: each row's passes stop at its exit)
                 for kind in (False, True) if adaptive else (False,):
@@ -99,27 +102,30 @@ class Plan:
                                  c, pool, state, decodes, np.int32(1), loops=loops, n_max=k + 1, exit=exit,
                                  draft_loops=np.int32(d), lookahead=k, grammar=np.int32(0) if m else None)
                 continue
-            if not T:
+            if not T or (bd and compact):
                 continue
             for m in masks if not bd else ("masked",):  # (a chunk beside decode rows: always masks)
                 chunks = S.make_chunks([], [], [], [], [], T, R, 1, mask=mask(1, m))
                 decodes = S.make_decodes([], [], [], [], R, bd, left=[], mask=mask(bd, m)) if bd else None
-                compile_(("step", loops, bd, T, R) + ((m,) if m and not bd else ()), jits["step"], w.params, c, pool,
-                         state, chunks, decodes, loops=loops, exit=exit)
+                compile_(("step", loops, bd, T, R) + ((m,) if m and not bd else ()), jits["step"], w.params, c,
+                         pool if bd else prompts, state, chunks, decodes, loops=loops, exit=exit)
         for R in tables if adaptive else ():
             for T in sorted({bucket(n) for n in range(1, c.max_seq_len + 1)}):
                 for m in masks:
                     chunks = S.make_chunks([], [], [], [], [], T, R, 1, mask=mask(1, m))
                     compile_(("chunk_adaptive", loops, T, R) + ((m,) if m else ()), jits["chunk_adaptive"], w.params,
-                             c, pool, state, chunks, loops=loops)
+                             c, prompts, state, chunks, loops=loops)
         req = Knobs.from_params([SamplingParams()], logit_bias=True, sampled=True, stop_shape=S.STOPS)
         compile_(("admit", loops), jits["admit"], state, np.int32(0), np.zeros((c.vocab_size,), bool), req,
                  jax.tree.map(np.asarray, ad.EVERY_PASS))
         one = np.zeros((1,), np.int32)
         compile_(("copy", loops), jits["copy_pages"], pool, one, one)
+        whole = -(-c.max_seq_len // P)
+        for n in sorted({pow2(k, MIN_TABLE) for k in range(1, whole + 1)}) if compact else ():  # a prompt's end
+            compile_(("collapse", loops, n), jits["collapse_pages"], pool, np.zeros((n,), np.int32), loops=loops)
         if loops not in self.depths:  # the depth's pool and rows, made on its first request
             compile_(("pool", loops, n_pages), jits["empty_pool"], c, loops, n_pages, P, None,
-                     self.local_slots(n_pages) if self.local else None)
+                     self.local_slots(n_pages) if self.local else None, self.prompt_slots(n_pages))
             self._empty_rows(lambda *a, **kw: compile_(("rows", loops), jits["requests_of"], *a, **kw))
         if self.store is not None and self.store.loops == loops:  # loads of the store's entries
             for e in (e for e in self.store.entries() if self.local or not e.cache.rings):
