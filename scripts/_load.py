@@ -254,15 +254,19 @@ def table(rows: list[tuple[str, Row]]) -> list[str]:
 
 
 def wait_healthy(url: str, proc, timeout: float = 600, ready=lambda body: True) -> float:
-    """Seconds until GET url/health answers 200 with a body `ready` accepts (the process alive)."""
+    """Seconds until GET url/health answers (200, or 503 while warming) with a body `ready`
+    accepts (the process alive)."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"the server exited with code {proc.returncode}")
         try:
-            if ready(get(f"{url}/health")):
-                return time.perf_counter() - t0
+            body = get(f"{url}/health")
+        except urllib.error.HTTPError as e:  # (503: warming, up)
+            body = e.read().decode() if e.code == 503 else None
         except OSError:
-            pass
+            body = None
+        if body is not None and ready(body):
+            return time.perf_counter() - t0
         time.sleep(0.3)
     raise RuntimeError(f"{url} not healthy after {timeout} s")

@@ -3,6 +3,7 @@ decode speed, and next-token quality token by token.
 
     python scripts/bench_kv_share.py             # ~6 min on 2 CPUs; writes docs/benchmarks.md and docs/quality.md
     python scripts/bench_kv_share.py --quick     # a smoke run, nothing written
+    python scripts/bench_kv_share.py --engine    # the engine part alone (~5 min), its section written
 
 * bytes: a finished token's K/V per mode against loops 1..32 for the bundled model and, from
   their published configs, Huginn-0125 (3.5B: prelude 2, core 4, coda 2, d 5280, bf16) and
@@ -17,6 +18,10 @@ decode speed, and next-token quality token by token.
   the mode reads: `generate` on the compact store equals this store, tests/test_kv_share.py);
   bits/byte, KL(full || mode) per position, top-1 agreement with full, and whether a 32-token
   greedy continuation equals full's; 95% intervals by bootstrap over the windows.
+* engine (`--engine`): one `tl.Engine` a mode at one memory budget (4 full-mode rows of the
+  whole context): its pages, pass slots and the whole-context rows they hold; 24 requests at
+  once (64 held-out bytes, 64 new tokens), greedy and sampled (temperature 0.8), tokens/s
+  (median of 3 rounds after a round that compiles) and the mean rows a decode step ran.
 """
 
 from __future__ import annotations
@@ -182,12 +187,84 @@ def decode_speed(model, repeats: int) -> list[str]:
     return rows, budget
 
 
+def engine_table(model, repeats: int, n_requests: int = 24, new: int = 64) -> tuple[list[str], int]:
+    """Each mode's engine at the budget of 4 full-mode rows of the whole context."""
+    import warnings
+
+    c = model.weights.config
+    loops, P = c.default_loops, 16
+    val = pydoc_split()[1].astype(np.int32)
+    prompts = [val[i * 97:i * 97 + 64].tolist() for i in range(n_requests)]
+    budget = None
+    rows = ["| mode | pages (KiB each) | pass slots (KiB each) | whole-context rows the pages hold | "
+            "tok/s greedy | tok/s t=0.8 | mean rows a step (greedy) |", "|---|---|---|---|---|---|---|"]
+    for m in ("full", "last", "ring:2", "avg"):
+        if not fits(m, loops):
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mm = tl.Model(model.weights.params, c.replace(kv_share=m))
+        if budget is None:  # (the full mode's: 4 rows of the whole context beside the request rows)
+            with tl.Engine(mm, max_batch=n_requests, memory_budget=None) as probe:
+                b = probe.batcher
+                budget = b.rows_nbytes() + 4 * -(-c.max_seq_len // P) * b.page_nbytes(loops)
+        with tl.Engine(mm, max_batch=n_requests, memory_budget=budget, prefill_chunk=64) as engine:
+            b = engine.batcher
+            n = b.pool_pages(loops)
+            speeds, mean_rows = [], 0.0
+            for temperature in (0.0, 0.8):
+                def one_round():
+                    hs = [engine.submit(p, max_tokens=new, loops=loops, temperature=temperature, seed=i)
+                          for i, p in enumerate(prompts)]
+                    for h in hs:
+                        h.result()
+                one_round()  # (compiles)
+                before = engine.stats()
+                ts = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    one_round()
+                    ts.append(time.perf_counter() - t0)
+                after = engine.stats()
+                speeds.append(n_requests * new / float(np.median(ts)))
+                if temperature == 0.0:
+                    steps = after["decode_steps"] - before["decode_steps"]
+                    mean_rows = (after["batch_rows"] - before["batch_rows"]) / max(steps, 1)
+            slots = b.prompt_slots(n)
+        whole = n // -(-c.max_seq_len // P)
+        rows.append(f"| {m} | {n} ({b.page_nbytes(loops) / 1024:.1f}) | "
+                    f"{'-' if slots is None else f'{slots} ({b.pass_nbytes(loops) / 1024:.1f})'} | {whole} | "
+                    f"{speeds[0]:.0f} | {speeds[1]:.0f} | {mean_rows:.1f} |")
+        print(rows[-1], flush=True)
+        print(f"engine {m} greedy: {speeds[0]:.1f} tok/s", flush=True)
+    return rows, budget
+
+
+def engine_section(model, repeats: int) -> None:
+    c = model.weights.config
+    rows, budget = engine_table(model, repeats)
+    head = _report.heading("KV shared across loops: the engine (`scripts/bench_kv_share.py --engine`)")
+    body = "\n".join(head + [
+        f"One `tl.Engine` a mode, the bundled model at its default depth {c.default_loops}, memory_budget = "
+        f"{budget / 2**20:.2f} MiB (4 full-mode rows of the whole {c.max_seq_len}-position context beside 24 "
+        "request rows). A compact mode keeps every page's loop layers compact and prompts in flight (and "
+        "cached prefixes) at every pass in pass slots, a quarter as many as pages. 24 requests at once, each "
+        "64 held-out bytes and 64 new tokens (no stop), greedy and sampled (temperature 0.8, top_k 50): "
+        "tokens/s, median of 3 rounds after one that compiles; the mean rows a decode step ran (greedy).",
+        "", *rows, ""])
+    print(_report.write_section("KV shared across loops: the engine", body))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--engine", action="store_true", help="the engine part alone (its section written)")
     args = ap.parse_args()
     model = tl.Model.load(BUNDLED)
     c = model.weights.config
+    if args.engine:
+        engine_section(model, 3)
+        return
     loops_list = [1, 2, 4, 8, 16, 32]
     gib = 2 ** 30
     sizes = ["| model (loops) | mode | bytes a token | tokens in 1 GiB | whole-context rows in 1 GiB |",

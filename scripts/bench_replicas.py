@@ -119,6 +119,8 @@ def health(url: str) -> dict | None:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
             return json.load(r)
+    except urllib.error.HTTPError as e:  # (503: warming)
+        return json.load(e) if e.code == 503 else None
     except OSError:
         return None
 

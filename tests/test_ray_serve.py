@@ -5,7 +5,6 @@ tokens and the replica's name reported); each replica's engine counters reach th
 /metrics; a killed replica's request is a 503, then the deployment serves again."""
 
 import functools
-import json
 import threading
 import time
 import urllib.request
@@ -77,6 +76,14 @@ def _metrics(url: str) -> dict:
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line and line[0] != "#"}
 
 
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
 def _until(cond, timeout=120.0, every=0.25):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -104,7 +111,7 @@ def test_two_replicas_answer_as_one_process_and_route_by_prefix(cluster, single)
                and m[f'tinyloop_replica_prefix_hit_rate{{replica="{name}"}}'] > 0 and m)
     assert m[f'tinyloop_replica_requests_total{{replica="{name}"}}'] == len(QUESTIONS)
     assert m["tinyloop_replicas_running"] == m["tinyloop_replicas_answering"] == 2
-    _until(lambda: json.load(urllib.request.urlopen(f"{url}/health", timeout=10))["warming"] is False)
+    _until(lambda: _status(f"{url}/health") == 200)  # (503 while a replica warms up)
     # logprobs and best_of, scored on a replica (the ingress holds no weights): as one process's
     kw = dict(max_tokens=6, logprobs=2, extra={"best_of": 2, "n": 1})
     r, one = _complete(client, SYSTEM + QUESTIONS[0], **kw), _complete(single.client, SYSTEM + QUESTIONS[0], **kw)

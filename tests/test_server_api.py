@@ -16,6 +16,7 @@ module over a tiny byte-vocabulary model, driven by the official `openai` client
 
 import json
 import socket
+import time
 import urllib.request
 from collections import Counter
 
@@ -430,7 +431,9 @@ def test_request_past_the_memory_budget_is_400_and_no_key_or_cors_by_default(mod
     try:
         status, hdrs, err = s.call("/v1/completions", dict(prompt="hi", max_tokens=2), key=None,
                                    headers={"Origin": ORIGIN})
-        assert status == 400 and "memory_budget" in err["error"]["message"]
+        msg = err["error"]["message"]
+        assert status == 400 and "memory_budget=1 bytes holds 0 pages (0 tokens)" in msg, msg
+        assert "a request of 2 + 2 tokens" in msg and "needs 1 pages (16 tokens)" in msg and "--memory-budget" in msg
         assert err["error"]["type"] == "invalid_request_error"
         assert "Access-Control-Allow-Origin" not in hdrs  # no CORS unless origins are listed
         assert s.call("/tokenize", dict(prompt="hi"), key=None)[0] == 200  # no key configured: open
@@ -472,3 +475,43 @@ def test_metrics_count_prefix_cache_and_passes_per_depth(server):
         for n in names:
             assert after[(n, str(loops))] == d[n.removeprefix("tinyloop_").removesuffix("_total")]
     assert {"2", "3"} <= {label for _, label in after}
+
+
+# ---- OpenAI's message parts and the readiness probe ----------------------------------------------
+
+def test_content_as_text_parts_equals_the_string(model, server):
+    """Content as an array of text parts (what many clients and agent frameworks send) answers as
+    the parts' text joined by newlines; any other part type is a 400 naming it."""
+    kw = dict(model="tiny", max_tokens=8, temperature=0, extra_body=dict(ignore_eos=True))
+    plain = server.client.chat.completions.create(
+        messages=[dict(role="system", content="Be brief."), dict(role="user", content="Say hi\nthen bye")], **kw)
+    parts = server.client.chat.completions.create(messages=[
+        dict(role="system", content=[dict(type="text", text="Be brief.")]),
+        dict(role="user", content=[dict(type="text", text="Say hi"), dict(type="text", text="then bye")])], **kw)
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+    assert parts.usage.prompt_tokens == plain.usage.prompt_tokens
+    image = dict(type="image_url", image_url=dict(url="data:image/png;base64,AAAA"))
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\].content\[1\] is a 'image_url' part") as e:
+        server.client.chat.completions.create(
+            messages=[dict(role="user", content=[dict(type="text", text="What is this?"), image])], **kw)
+    assert e.value.body["param"] == "messages[0].content[1]"
+    still_serving(server)
+
+
+def test_health_is_503_while_warming_then_200(model):
+    """/health answers 503 {"status": "warming"} while the background warmup compiles (requests
+    are served meanwhile), then 200 {"status": "ok"}: a readiness probe waits for it."""
+    s = Server(model, max_batch=1)
+    try:
+        s.engine.warmup(background=True)
+        seen = []
+        while True:
+            status, _, body = s.call("/health", key=None)
+            seen.append((status, body["status"]))
+            if status == 200:
+                break
+            assert s.engine.warming, body
+            time.sleep(0.05)
+        assert seen[0] == (503, "warming") and seen[-1] == (200, "ok") and not s.engine.warming
+    finally:
+        s.close()

@@ -330,3 +330,27 @@ def test_prefix_cache_and_pass_counters_per_depth(model):
     assert s["prefix_cache_queries"] == 95 and s["prefix_cache_hits"] == 40
     assert s["passes_per_token"] == (3 * d3["tokens_computed"] + 2 * d2["tokens_computed"]) / (
         d3["tokens_computed"] + d2["tokens_computed"])
+
+
+def test_the_auto_budget_scales_with_what_is_free(monkeypatch):
+    """"auto": 80% of a GPU's free memory, a quarter of a CPU's at most 4 GiB, never below one
+    2,048-token request at the default depth; an injected 64 GiB free grows it past the old
+    256 MiB, and the engine says what it holds (capacity(), stats, /metrics)."""
+    from tinyloop_jax.serving import engine as E
+
+    gib = 1 << 30
+    assert E.auto_budget(80 * gib, "gpu", 1 << 20) == 64 * gib
+    assert E.auto_budget(64 * gib, "cpu", 1 << 20) == 4 * gib and E.auto_budget(2 * gib, "cpu", 1 << 20) == gib // 2
+    assert E.auto_budget(1 << 20, "cpu", 5 << 20) == 5 << 20  # (one request's floor)
+    assert E.auto_budget(None, "cpu", 1 << 20) == 256 << 20
+    monkeypatch.setattr(E, "free_bytes", lambda: 64 * gib)
+    model = tl.Model.random(tiny_config(max_seq_len=4096), seed=0)
+    with tl.Engine(model, max_batch=64) as eng:
+        assert eng.memory_budget == 4 * gib > 256 << 20
+        cap = eng.capacity()
+        b = eng.batcher
+        assert cap["pages"] == b.pool_pages(3) == b.max_pages() and cap["tokens"] == cap["pages"] * 16
+        assert cap["rows"] == 64 and eng.stats()["budget_tokens"] == cap["tokens"]
+    monkeypatch.setattr(E, "free_bytes", lambda: 1 << 20)  # (nearly nothing free: still one request)
+    with tl.Engine(model, max_batch=64) as eng:
+        assert eng.capacity()["rows"] == 1 and eng.capacity()["row_tokens"] == 2048

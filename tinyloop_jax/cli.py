@@ -260,6 +260,13 @@ def cmd_serve(args) -> None:
     # each compiling what it needs first; /health says `warming` until they are all built
     engine.warmup(background=True, adaptive=args.warmup_adaptive, speculation=args.warmup_speculation,
                   grammar=args.warmup_grammar)
+    cap = engine.capacity()
+    print(f"tinyloop serve: memory budget {cap['memory_budget'] / 2**20:,.0f} MiB "
+          f"({'auto' if args.memory_budget == 'auto' else '--memory-budget'}): {cap['tokens']:,} tokens at "
+          f"loops={cap['loops']}, {cap['rows']} requests of {cap['row_tokens']:,} tokens at once "
+          "(--memory-budget sets it)" if cap["memory_budget"] is not None else
+          "tinyloop serve: no memory budget (--memory-budget none): each depth holds max_batch whole contexts",
+          file=sys.stderr)
     print(f"tinyloop serve: {name} (loops={model.config()['default_loops']}, max_batch={args.max_batch}) on "
           f"http://{args.host}:{args.port}/v1; compiling its programs in the background", file=sys.stderr)
     try:
@@ -348,52 +355,53 @@ def build_parser() -> argparse.ArgumentParser:
                              "model's cache at about one pass's size (docs/reference.md)")
 
     g = sub.add_parser("generate", parents=[common], help="continue a prompt")
-    g.add_argument("prompt")
-    g.add_argument("--loops", type=int, default=None)
-    g.add_argument("--max-tokens", type=int, default=200)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=50)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("prompt", help="the text to continue")
+    g.add_argument("--loops", type=int, default=None, help="loop passes (default: the model's depth)")
+    g.add_argument("--max-tokens", type=int, default=200, help="tokens to add at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default here)")
+    g.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set holding p")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide seen tokens' positive logits by this (1: none)")
     g.add_argument("--stop", action="append", default=[], help="stop text (repeatable; \\n escapes allowed)")
-    g.add_argument("--cache-window", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--cache-window", type=int, default=0, help="attend to the last N positions only (0: all)")
+    g.add_argument("--seed", type=int, default=0, help="the sampler's seed")
     g.set_defaults(func=cmd_generate)
 
     d = sub.add_parser("demo", parents=[common], help="one shared document, many questions: NO_CACHE vs SHARED "
                        "vs SERVED (default model: smollm2 when it can be fetched, else the bundled one)")
-    d.add_argument("--questions", type=int, default=8)
-    d.add_argument("--max-tokens", type=int, default=48)
-    d.add_argument("--loops", type=int, default=None)
-    d.add_argument("--temperature", type=float, default=0.0)
-    d.add_argument("--top-k", type=int, default=50)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--questions", type=int, default=8, help="questions asked of the shared document")
+    d.add_argument("--max-tokens", type=int, default=48, help="tokens per answer at most")
+    d.add_argument("--loops", type=int, default=None, help="loop passes (default: the model's depth)")
+    d.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default here)")
+    d.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
+    d.add_argument("--seed", type=int, default=0, help="the sampler's seed")
     d.set_defaults(func=cmd_demo)
 
     c = sub.add_parser("chat", parents=[common], help="chat in the terminal (a model with a chat template)")
     c.add_argument("--system", default=None, help="a system message")
-    c.add_argument("--loops", type=int, default=None)
+    c.add_argument("--loops", type=int, default=None, help="loop passes (default: the model's depth)")
     c.add_argument("--max-tokens", type=int, default=512, help="per answer")
-    c.add_argument("--temperature", type=float, default=0.0)
-    c.add_argument("--top-k", type=int, default=50)
-    c.add_argument("--top-p", type=float, default=1.0)
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default here)")
+    c.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
+    c.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set holding p")
+    c.add_argument("--seed", type=int, default=0, help="the sampler's seed")
     c.set_defaults(func=cmd_chat)
 
     e = sub.add_parser("eval", parents=[model_arg], help="held-out bits per byte")
     e.add_argument("--loops", type=_int_list, default=None,
                    help="depths to evaluate (default: 1,2,4,8,16 for a looped model, else its one depth)")
     e.add_argument("--kv-modes", type=_str_list, default=["fp32"], help="comma-separated, from: " + ", ".join(KV_MODES))
-    e.add_argument("--windows", type=_int_list, default=[0])
+    e.add_argument("--windows", type=_int_list, default=[0], help="cache windows to evaluate (0: the whole context)")
     e.add_argument("--max-bytes", type=int, default=None, help="evaluate only the first N held-out bytes")
     e.add_argument("--seq-len", type=int, default=None,
                    help="tokens per window (default: the model's context, at most 1024 for a tokenizer's tokens)")
     e.set_defaults(func=cmd_eval)
     s = sub.add_parser("serve", parents=[common], help="an OpenAI-compatible HTTP server (continuous batching)")
     s.add_argument("--host", default="127.0.0.1", help="no TLS: keep 127.0.0.1 unless behind a proxy")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--max-batch", type=int, default=16)
-    s.add_argument("--max-queue", type=int, default=256)
+    s.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    s.add_argument("--max-batch", type=int, default=16, help="requests decoded together per depth")
+    s.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond the batch (then 429)")
     s.add_argument("--timeout", type=float, default=None, help="per-request deadline in seconds")
     s.add_argument("--max-loops", type=int, default=None,
                    help="the deepest `loops` a request may ask (default 64, or 16 x the model's depth)")
@@ -401,10 +409,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="depths served at once (each holds its compiled programs); a new depth evicts the least "
                         "recently used idle one (default 8)")
     s.add_argument("--memory-budget", "--kv-memory", dest="memory_budget", type=_bytes, default="auto",
-                   help="bytes for every depth's KV pages and request rows together, e.g. 512M (default auto: half "
-                        "the free memory at start, at most 256M; none: each depth's pool holds max-batch requests at "
-                        "the whole context); cached pages and idle depths are evicted to make room, and a request "
-                        "waits while its pages are not free")
+                   help="bytes for every depth's KV pages and request rows together, e.g. 512M (default auto: 80%% "
+                        "of a GPU's free memory once the weights are loaded, a quarter of a CPU's at most 4G, never "
+                        "below one 2,048-token request; printed at start; none: each depth's pool holds max-batch "
+                        "requests at the whole context); cached pages and idle depths are evicted to make room, and "
+                        "a request waits while its pages are not free")
     s.add_argument("--warmup-adaptive", action="store_true",
                    help="also compile the adaptive-depth programs before /health says warm (exit_criterion requests)")
     s.add_argument("--warmup-speculation", type=_pairs, default=(), metavar="D:K[,D:K]",
@@ -418,7 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cores-per-replica", type=float, default=1.0, help="CPUs Ray gives each replica (default 1)")
     s.add_argument("--ray-address", default=None, help="a running Ray cluster to join (default: start a local one)")
     s.add_argument("--name", default=None, help="the model name clients send (default: the folder's name)")
-    s.add_argument("--log-level", default="info")
+    s.add_argument("--log-level", default="info", help="uvicorn's log level")
     s.add_argument("--api-key", default=settings.get("TINYLOOP_API_KEY") or None,
                    help="require Authorization: Bearer KEY on /v1/* and the tokenizer routes (default: "
                         "$TINYLOOP_API_KEY; none: open)")

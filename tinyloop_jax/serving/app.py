@@ -182,9 +182,14 @@ async def models(request):
 
 
 async def health(request):
+    """200 `{"status": "ok"}` once ready; 503 `{"status": "warming"}` while the programs still
+    compile (requests are served meanwhile, compiling what they need first): a load balancer's
+    or Kubernetes' readiness probe sends traffic once it is 200, as llama.cpp's while loading."""
     from starlette.responses import JSONResponse
 
-    return JSONResponse(dict(status="ok", warming=request.app.state.server.engine.warming))
+    warming = request.app.state.server.engine.warming
+    return JSONResponse(dict(status="warming" if warming else "ok", warming=warming),
+                        status_code=503 if warming else 200)
 
 
 async def metrics(request):

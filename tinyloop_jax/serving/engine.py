@@ -39,6 +39,8 @@ import collections
 import threading
 import time
 
+import jax
+
 from .handles import Cancelled, Handle, MemoryBudgetError, QueueFull, RequestTimeout
 from . import step as S
 from .batcher import Batcher
@@ -48,8 +50,15 @@ from ..api.store import PrefixStore
 from ..decoding.sampling import StopSpec
 from ..model.cache import free_bytes
 
-DEFAULT_KV_MEMORY = 256 << 20  # "auto": at most this many bytes of pages (or half the free memory): 11k tokens
-# of SmolLM2 in fp16; 16 requests of 400 tokens use 150 MiB (512 MiB held the server at 1.93 GiB under the load)
+# "auto" memory_budget (`auto_budget`): a share of the memory free once the weights are loaded — on a
+# GPU 80% (vLLM's gpu_memory_utilization is 0.9 of the whole device; the rest here is the programs' and
+# XLA's working memory), on a CPU a quarter, at most 4 GiB (vLLM's CPU backend keeps 4 GiB of KV by
+# default: host memory is shared with everything else) — and never below one request of
+# `AUTO_REQUEST_TOKENS` at the model's default depth. Where nothing says what is free: 256 MiB.
+AUTO_SHARE = {"gpu": 0.8, "cpu": 0.25}
+AUTO_CPU_CAP = 4 << 30
+AUTO_REQUEST_TOKENS = 2048  # a chat request: up to 1,024 prompt tokens and the server's 1,024 answer tokens
+DEFAULT_KV_MEMORY = 256 << 20
 
 __all__ = ["Engine", "Handle", "MemoryBudgetError", "QueueFull", "RequestTimeout", "Cancelled"]
 
@@ -69,8 +78,10 @@ class Engine:
     Bounds: max_loops, the deepest `loops` a request may ask (default 64, or 16 x the model's
     default depth if more): each depth has its own pool and programs. max_depths: depths held at
     once (default 8): a new depth evicts the least recently used idle one. memory_budget: bytes
-    for every depth's pages and request rows ("auto": half of what the device has free, at most
-    256 MiB; None: each pool holds max_batch requests at the whole context); a request waits
+    for every depth's pages and request rows ("auto": `auto_budget` — 80% of what a GPU has
+    free once the weights are loaded, a quarter of a CPU's at most 4 GiB, never below one
+    2,048-token request at the default depth; `capacity()` says what it holds; None: each pool
+    holds max_batch requests at the whole context); a request waits
     while its pages are not free (cached pages are evicted, least recently used first, to make
     room), and one that cannot fit even alone is refused at `submit` (`MemoryBudgetError`).
     overlap: the loop dispatches step t + 1 before it reads step t's tokens, so stop checks,
@@ -96,9 +107,9 @@ class Engine:
                 raise ValueError(f"{name} must be >= 1, got {v}")
         if check.integer(page_size, "page_size") < 16 or page_size > 256 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two in 16..256, got {page_size}")
-        if memory_budget == "auto":
-            free = free_bytes()
-            memory_budget = DEFAULT_KV_MEMORY if free is None else min(free // 2, DEFAULT_KV_MEMORY)
+        auto = memory_budget == "auto"
+        if auto:
+            memory_budget = None  # (sized below, by the batcher's arithmetic)
         elif memory_budget is not None and check.integer(memory_budget, "memory_budget") < 1:
             raise ValueError(f"memory_budget must be >= 1 bytes or None, got {memory_budget}")
         self.max_loops, self.memory_budget = max_loops, memory_budget
@@ -120,6 +131,11 @@ class Engine:
         # the batch side, on the loop thread only (other threads read its published `_view`)
         self.batcher = Batcher(model, max_batch, prefill_chunk, collections.Counter(), self._first_token,
                                memory_budget, overlap, max_depths, page_size, prefix_cache, store, decode_steps)
+        if auto:
+            b = self.batcher
+            one = b.need_pages(min(AUTO_REQUEST_TOKENS, c.max_seq_len), 0)
+            floor = b.rows_nbytes() + b.pages_nbytes(c.default_loops, one)
+            self.memory_budget = b.memory_budget = auto_budget(free_bytes(), jax.default_backend(), floor)
         self._view: dict = {}
         self._programs: frozenset = frozenset()
         self._publish()
@@ -184,9 +200,11 @@ class Engine:
                 f"slots of {b.pass_nbytes(loops) / 2**10:.1f} KiB (kv_share={c.kv_share!r}); memory_budget="
                 f"{self.memory_budget} bytes holds {slots}; shorten the prompt or raise the budget")
         if need > have or (self.memory_budget is not None and b.depth_nbytes(loops) > self.memory_budget):
-            raise MemoryBudgetError(f"a request of {len(prompt)} + {params.max_tokens} tokens at loops={loops} needs "
-                                    f"{need} pages of {b.page_nbytes(loops) / 2**10:.1f} KiB; memory_budget="
-                                    f"{self.memory_budget} bytes holds {have}; lower loops or max_tokens")
+            raise MemoryBudgetError(
+                f"a request of {len(prompt)} + {params.max_tokens} tokens at loops={loops} needs {need} pages "
+                f"({need * b.page_size} tokens) of {b.page_nbytes(loops) / 2**10:.1f} KiB; memory_budget="
+                f"{self.memory_budget} bytes holds {have} pages ({have * b.page_size} tokens) at that depth; lower "
+                "loops or max_tokens, or raise the budget (tinyloop serve --memory-budget, Engine(memory_budget=...))")
         timeout = self.timeout if timeout is None else timeout
         if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -204,6 +222,16 @@ class Engine:
             self._stats["tokens_in"] += len(prompt)
             self._cv.notify_all()
         return h
+
+    def capacity(self, loops: int | None = None) -> dict:
+        """What the memory budget holds at `loops` (default: the model's depth): the budget's
+        bytes, the pages and tokens of that depth's pool, and how many requests of
+        `AUTO_REQUEST_TOKENS` tokens fit at once (at most max_batch)."""
+        b, loops = self.batcher, self.model.weights.config.default_loops if loops is None else loops
+        pages = b.pool_pages(loops)
+        one = b.need_pages(min(AUTO_REQUEST_TOKENS, self.model.weights.config.max_seq_len), 0)
+        return dict(memory_budget=self.memory_budget, loops=loops, pages=pages, tokens=pages * b.page_size,
+                    rows=min(self.max_batch, pages // one), row_tokens=one * b.page_size)
 
     def generate(self, request, **kw) -> list[int]:
         """submit(...).result(): blocking, like `model.generate`."""
@@ -272,6 +300,7 @@ class Engine:
         s["ttft_p50_s"] = ttft[len(ttft) // 2] if ttft else 0.0
         s["ttft_p99_s"] = ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else 0.0
         s["memory_budget"] = self.memory_budget
+        s["budget_tokens"] = self.capacity()["tokens"]
         depths = s.get("depths", {})
         s["depths"] = depths
         for name in ("prefix_cache_queries", "prefix_cache_hits", "tokens_computed", "passes"):
@@ -398,3 +427,13 @@ class Engine:
                 h.finish("error", e)
                 with self._cv:
                     self._stats["requests_failed"] += 1
+
+
+def auto_budget(free: int | None, backend: str, floor: int) -> int:
+    """The "auto" memory budget: `AUTO_SHARE` of the `free` bytes on `backend` (a CPU's at most
+    `AUTO_CPU_CAP`), never below `floor` (one request at the default depth); `DEFAULT_KV_MEMORY`
+    where nothing says what is free."""
+    if free is None:
+        return max(floor, DEFAULT_KV_MEMORY)
+    share = int(free * AUTO_SHARE.get(backend, AUTO_SHARE["gpu"]))
+    return max(floor, min(share, AUTO_CPU_CAP) if backend == "cpu" else share)

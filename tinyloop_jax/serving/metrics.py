@@ -22,7 +22,9 @@ class Collector:
                   ttft_p99_s="time to first token, p99 of recent requests (s)",
                   tokens_per_second="tokens emitted per second since start",
                   depths_held="depths held now (each a page pool, request rows and programs)",
-                  memory_bytes="bytes the depths' page pools and request rows hold (within the memory budget)")
+                  memory_bytes="bytes the depths' page pools and request rows hold (within the memory budget)",
+                  memory_budget="bytes the page pools and request rows may hold (--memory-budget; 0: none)",
+                  budget_tokens="tokens the memory budget holds at the model's default depth")
 
     # per depth (label `loops`), in tokens, as vLLM names its prefix-cache counters
     DEPTH_COUNTERS = dict(prefix_cache_queries="prompt tokens looked up in cached prefixes",
@@ -62,7 +64,7 @@ class Collector:
             finished.add_metric([reason], s.get(f"finished_{reason}", 0))
         yield finished
         for name, doc in self.GAUGES.items():
-            yield GaugeMetricFamily(f"tinyloop_{name}", doc, value=s.get(name, 0))
+            yield GaugeMetricFamily(f"tinyloop_{name}", doc, value=s.get(name) or 0)
         for name, doc in self.REPLICA_TOTALS.items():
             if name in s:
                 yield GaugeMetricFamily(f"tinyloop_{name}", doc, value=s[name])
