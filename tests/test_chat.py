@@ -181,7 +181,7 @@ def test_tinyloop_chat_through_stdin(smollm2, monkeypatch, capsys):
 
     monkeypatch.setattr(chat_module, "Conversation", Recording)
     # the session's model rather than a second load of the same file; the name still picks the tokenizer
-    monkeypatch.setattr(cli, "_load", lambda path, kv_mode, weights="as-stored", activations="float32": model)
+    monkeypatch.setattr(cli, "_load", lambda path, kv_mode, *rest, **kw: model)
     italy = "And of Italy?"
     monkeypatch.setattr(sys, "stdin", io.StringIO(f"{FRANCE}\n{italy}\n/reset\n{FRANCE}\n/exit\n{italy}\n"))
     assert cli.main(["chat", "--model", "smollm2", "--max-tokens", str(MAX)]) == 0

@@ -584,7 +584,7 @@ def test_tinyloop_eval_scores_smollm2_tokens_per_byte(smollm2, monkeypatch, caps
 
     model, tok = smollm2
     # the session's model
-    monkeypatch.setattr(cli, "_load", lambda path, kv_mode, weights="as-stored", activations="float32": model)
+    monkeypatch.setattr(cli, "_load", lambda path, kv_mode, *rest, **kw: model)
     assert cli.main(["eval", "--model", "smollm2", "--max-bytes", "400", "--seq-len", "32"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("fp32")]
     assert len(rows) == 1 and rows[0][2] == "1"  # not a looped model: its one depth only

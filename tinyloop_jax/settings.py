@@ -17,8 +17,8 @@ VARIABLES = {
     "TINYLOOP_LAYER_RINGS": ("1", "0: a model's local layers keep the whole context (a benchmark's other arm)"),
     "TINYLOOP_INT4_ATTENTION": ("auto", "int4 dense attention: auto (the kernel on GPU, jnp elsewhere), pallas, "
                                         "interpret or jnp; read when a config is made"),
-    "TINYLOOP_KV_H_MODE": ("0", "1: an h KV mode when a model names none (the seed's switch)"),
-    "TINYLOOP_KV_INT4": ("0", "1: int4 K/V when a model names no mode (the seed's switch)"),
+    "TINYLOOP_KV_H_MODE": ("0", "1: an h KV mode (fp16-h) when a model names none"),
+    "TINYLOOP_KV_INT4": ("0", "1: int4 K/V when a model names no mode (with TINYLOOP_KV_H_MODE=1: int4-h)"),
 }
 
 
