@@ -4,8 +4,10 @@
     python scripts/train_tiny.py --out checkpoints/tinyloop-pydoc      # ~30 min on 2 CPUs
 
 The loop depth is drawn per step, uniformly from 1..--max-loops, so one set of weights works
-at every depth. Data order and init are seeded. Writes the checkpoint (orbax), a loss log
-(train_log.tsv) and a model card (README.md) with held-out bits-per-byte by loops.
+at every depth (or fixed: --fixed-loops, as Ouro trains its 4 loops; with --n-pre 0 and
+--loop-blocks 2 the whole stack loops, Ouro's layout). Data order and init are seeded. Writes
+the checkpoint (orbax), a loss log (train_log.tsv) and a model card (README.md) with held-out
+bits-per-byte by loops.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def make_step(cfg, optimizer):
     return jax.jit(step, static_argnums=3, donate_argnums=(0, 1))
 
 
-def train(cfg, steps, batch, max_loops, lr, seed, log_path=None, progress=True):
+def train(cfg, steps, batch, max_loops, lr, seed, log_path=None, progress=True, fixed_loops=None):
     """Returns (params, losses, seconds)."""
     train_bytes, _ = pydoc_split()
     rng = np.random.default_rng(seed)
@@ -60,7 +62,7 @@ def train(cfg, steps, batch, max_loops, lr, seed, log_path=None, progress=True):
     for i in range(steps):
         starts = rng.integers(0, len(train_bytes) - T - 1, batch)
         seqs = np.stack([train_bytes[s:s + T + 1] for s in starts]).astype(np.int32)
-        loops = int(rng.integers(1, max_loops + 1))
+        loops = fixed_loops or int(rng.integers(1, max_loops + 1))
         params, opt_state, loss = step(params, opt_state, jnp.asarray(seqs), loops)
         loss = float(loss) / np.log(2)
         losses.append(loss)
@@ -81,6 +83,8 @@ def main():
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--n-heads", type=int, default=4)
     ap.add_argument("--n-pre", type=int, default=2)
+    ap.add_argument("--loop-blocks", type=int, default=1)
+    ap.add_argument("--fixed-loops", type=int, default=None, help="train at this depth only (default: uniform)")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--max-loops", type=int, default=8)
     ap.add_argument("--default-loops", type=int, default=6)
@@ -89,12 +93,13 @@ def main():
     args = ap.parse_args()
 
     cfg = tl.ModelConfig(vocab_size=tl.ByteTokenizer.vocab_size, d_model=args.d_model, n_heads=args.n_heads,
-                         n_pre_blocks=args.n_pre, default_loops=args.default_loops, max_seq_len=args.context,
-                         kv_mode="fp32")
+                         n_pre_blocks=args.n_pre, loop_blocks=args.loop_blocks, default_loops=args.default_loops,
+                         max_seq_len=args.context, kv_mode="fp32")
     if os.path.exists(args.out):
         sys.exit(f"error: {args.out} exists; remove it or choose another --out")
     tmp_log = args.out.rstrip("/") + ".train_log.tsv"
-    params, losses, secs = train(cfg, args.steps, args.batch, args.max_loops, args.lr, args.seed, tmp_log)
+    params, losses, secs = train(cfg, args.steps, args.batch, args.max_loops, args.lr, args.seed, tmp_log,
+                                 fixed_loops=args.fixed_loops)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     model = tl.Model(params, cfg)
     model.save(args.out)
@@ -113,8 +118,9 @@ def main():
         f"- Config: {cfg.to_dict()} ({n_params / 1e6:.2f} M parameters; one loop block shared by all iterations)",
         f"- Data: Python {sys.version.split()[0]}'s `pydoc_data.topics` (UTF-8 bytes), every 20th 2048-byte chunk "
         "held out (5%) — `tinyloop_jax.data.pydoc_split`",
-        f"- Training: {args.steps} steps × batch {args.batch} × {args.context} bytes, loop depth uniform in "
-        f"1..{args.max_loops} per step, AdamW lr {args.lr} (warmup + cosine), grad clip 1.0, seed {args.seed}",
+        f"- Training: {args.steps} steps × batch {args.batch} × {args.context} bytes, loop depth "
+        + (f"{args.fixed_loops} every step" if args.fixed_loops else f"uniform in 1..{args.max_loops} per step")
+        + f", AdamW lr {args.lr} (warmup + cosine), grad clip 1.0, seed {args.seed}",
         f"- Time: {secs / 60:.1f} min on {_report.machine()}",
         f"- Final training loss (mean of last 50 steps): {np.mean(losses[-50:]):.3f} bits/byte",
         f"- Command: `{_report.command()}`",
