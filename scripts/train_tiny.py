@@ -115,7 +115,8 @@ def main():
         "",
         "A small looped byte-level GPT-2-style model trained by `scripts/train_tiny.py`.",
         "",
-        f"- Config: {cfg.to_dict()} ({n_params / 1e6:.2f} M parameters; one loop block shared by all iterations)",
+        f"- Config: {cfg.to_dict()} ({n_params / 1e6:.2f} M parameters; {cfg.loop_blocks} loop block(s) shared "
+        "by all iterations)",
         f"- Data: Python {sys.version.split()[0]}'s `pydoc_data.topics` (UTF-8 bytes), every 20th 2048-byte chunk "
         "held out (5%) — `tinyloop_jax.data.pydoc_split`",
         f"- Training: {args.steps} steps × batch {args.batch} × {args.context} bytes, loop depth "

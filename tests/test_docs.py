@@ -78,8 +78,9 @@ class Recorder(dict):
 
 
 def test_every_request_field_the_parsers_read_is_in_the_fields_table():
-    """The fields `/v1/completions` and `/v1/chat/completions` read (a body recording what the
-    parsers ask of it, with the fields that open others set) each have a row of serving.md's table."""
+    """The fields `/v1/completions`, `/v1/chat/completions` and the tokenizer routes read (a body
+    recording what the parsers ask of it, with the fields that open others set) each have a row
+    of serving.md's tables."""
     from test_server_api import TOK
     from tinyloop_jax.serving import protocol as P
 
@@ -87,6 +88,11 @@ def test_every_request_field_the_parsers_read_is_in_the_fields_table():
     extras = dict(draft_loops=1, stream_options={})  # (lookahead is read with draft_loops)
     P.parse(Recorder(dict(prompt="hi", **extras), seen), TOK, "tiny", [0])
     P.parse_chat(Recorder(dict(messages=[dict(role="user", content="hi")], **extras), seen), TOK, "tiny", [0], 128)
+    from tinyloop_jax.serving import tokenizer_api as TA
+
+    TA.tokenize(Recorder(dict(prompt="hi"), seen), TOK, "tiny", 128)
+    TA.tokenize(Recorder(dict(messages=[dict(role="user", content="hi")]), seen), TOK, "tiny", 128)
+    TA.detokenize(Recorder(dict(tokens=[104]), seen), TOK, "tiny", 260)
     rows = [line for line in doc("serving.md").splitlines() if line.startswith("| `")]
     missing = sorted(f for f in seen if not any(f"`{f}`" in r.split("|")[1] for r in rows))
     assert len(seen) > 30 and not missing, missing

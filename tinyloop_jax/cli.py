@@ -9,6 +9,7 @@ import sys
 import time
 
 
+from . import cli_args as A
 from .model.kv_modes import KV_MODES
 from . import settings
 
@@ -55,41 +56,6 @@ def model_and_tokenizer_of(model: str | None, kv_mode=None, weights=None, activa
     Ray Serve replica loads its own)."""
     return _model_and_tokenizer(argparse.Namespace(model=model, kv_mode=kv_mode, weights=weights,
                                                    activations=activations, kv_share=kv_share))
-
-
-def _kv_share(text: str) -> str:
-    from .model.kv_share import parse
-
-    try:
-        return str(parse(text))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _bytes(text: str) -> int | str | None:
-    """A byte count ("512M", "2G", "1048576"), "auto" or "none"."""
-    t = text.strip().lower()
-    if t in ("auto", "none"):
-        return None if t == "none" else "auto"
-    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(t[-1:], 1)
-    try:
-        n = int(float(t[:-1] if scale > 1 else t) * scale)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected bytes (e.g. 512M, 2G), auto or none, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number of bytes, got {text!r}")
-    return n
-
-
-def _str_list(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def cmd_generate(args) -> None:
@@ -229,17 +195,6 @@ def cmd_eval(args) -> None:
         print(f"{mode:<8}{window:>8}{loops:>7}{bpb:>11.4f}")
 
 
-def _pairs(text: str) -> tuple:
-    """'1:4,2:3' -> ((1, 4), (2, 3)): draft_loops:lookahead pairs."""
-    try:
-        pairs = tuple(tuple(int(x) for x in p.split(":")) for p in text.split(",") if p.strip())
-    except ValueError:
-        pairs = ((),)
-    if not all(len(p) == 2 for p in pairs):
-        raise argparse.ArgumentTypeError(f"expected draft_loops:lookahead pairs such as 1:4,2:3, got {text!r}")
-    return pairs
-
-
 def cmd_serve(args) -> None:
     try:
         import uvicorn
@@ -260,13 +215,7 @@ def cmd_serve(args) -> None:
     # each compiling what it needs first; /health says `warming` until they are all built
     engine.warmup(background=True, adaptive=args.warmup_adaptive, speculation=args.warmup_speculation,
                   grammar=args.warmup_grammar)
-    cap = engine.capacity()
-    print(f"tinyloop serve: memory budget {cap['memory_budget'] / 2**20:,.0f} MiB "
-          f"({'auto' if args.memory_budget == 'auto' else '--memory-budget'}): {cap['tokens']:,} tokens at "
-          f"loops={cap['loops']}, {cap['rows']} requests of {cap['row_tokens']:,} tokens at once "
-          "(--memory-budget sets it)" if cap["memory_budget"] is not None else
-          "tinyloop serve: no memory budget (--memory-budget none): each depth holds max_batch whole contexts",
-          file=sys.stderr)
+    _say_budget(engine, args)
     print(f"tinyloop serve: {name} (loops={model.config()['default_loops']}, max_batch={args.max_batch}) on "
           f"http://{args.host}:{args.port}/v1; compiling its programs in the background", file=sys.stderr)
     try:
@@ -304,6 +253,7 @@ def _serve_replicas(args, edge: dict) -> None:
 
     sized = Engine(model, max_batch=args.max_batch, memory_budget=args.memory_budget, max_loops=max_loops)
     pages = sized.batcher.pool_pages(c["default_loops"])  # (what each replica's pool holds: the router's bound)
+    _say_budget(sized, args, "each replica's ")  # (auto: as this process measures what is free)
     sized.close()
     ray.init(address=args.ray_address, include_dashboard=False)
     serve.start(http_options=dict(host=args.host, port=args.port))
@@ -318,6 +268,17 @@ def _serve_replicas(args, edge: dict) -> None:
     print(f"tinyloop serve: {name}, {args.replicas} replicas routed by {args.router} on Ray Serve, "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
     serve.run(app, route_prefix="/", blocking=True)
+
+
+def _say_budget(engine, args, whose: str = "") -> None:
+    """What the memory budget holds, printed at start (`Engine.capacity`)."""
+    cap = engine.capacity()
+    print(f"tinyloop serve: {whose}memory budget {cap['memory_budget'] / 2**20:,.0f} MiB "
+          f"({'auto' if args.memory_budget == 'auto' else '--memory-budget'}): {cap['tokens']:,} tokens at "
+          f"loops={cap['loops']}, {cap['rows']} requests of {cap['row_tokens']:,} tokens at once "
+          "(--memory-budget sets it)" if cap["memory_budget"] is not None else
+          "tinyloop serve: no memory budget (--memory-budget none): each depth holds max_batch whole contexts",
+          file=sys.stderr)
 
 
 def edge_options(args) -> dict:
@@ -349,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(default: float32)")
     common = argparse.ArgumentParser(add_help=False, parents=[model_arg])
     common.add_argument("--kv-mode", default=None, help="KV cache storage mode: " + ", ".join(KV_MODES))
-    common.add_argument("--kv-share", default=None, type=_kv_share,
+    common.add_argument("--kv-share", default=None, type=A.kv_share,
                         help="what later tokens read of a finished token's loop passes: full (each pass its own, "
                              "the default), last, ring:m, avg, first (experimental); a compact mode keeps a looped "
                              "model's cache at about one pass's size (docs/reference.md)")
@@ -389,10 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     e = sub.add_parser("eval", parents=[model_arg], help="held-out bits per byte")
-    e.add_argument("--loops", type=_int_list, default=None,
+    e.add_argument("--loops", type=A.int_list, default=None,
                    help="depths to evaluate (default: 1,2,4,8,16 for a looped model, else its one depth)")
-    e.add_argument("--kv-modes", type=_str_list, default=["fp32"], help="comma-separated, from: " + ", ".join(KV_MODES))
-    e.add_argument("--windows", type=_int_list, default=[0], help="cache windows to evaluate (0: the whole context)")
+    e.add_argument("--kv-modes", type=A.str_list, default=["fp32"],
+                   help="comma-separated, from: " + ", ".join(KV_MODES))
+    e.add_argument("--windows", type=A.int_list, default=[0], help="cache windows to evaluate (0: the whole context)")
     e.add_argument("--max-bytes", type=int, default=None, help="evaluate only the first N held-out bytes")
     e.add_argument("--seq-len", type=int, default=None,
                    help="tokens per window (default: the model's context, at most 1024 for a tokenizer's tokens)")
@@ -408,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-depths", "--max-lanes", dest="max_depths", type=int, default=8,
                    help="depths served at once (each holds its compiled programs); a new depth evicts the least "
                         "recently used idle one (default 8)")
-    s.add_argument("--memory-budget", "--kv-memory", dest="memory_budget", type=_bytes, default="auto",
+    s.add_argument("--memory-budget", "--kv-memory", dest="memory_budget", type=A.byte_count, default="auto",
                    help="bytes for every depth's KV pages and request rows together, e.g. 512M (default auto: 80%% "
                         "of a GPU's free memory once the weights are loaded, a quarter of a CPU's at most 4G, never "
                         "below one 2,048-token request; printed at start; none: each depth's pool holds max-batch "
@@ -416,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "a request waits while its pages are not free")
     s.add_argument("--warmup-adaptive", action="store_true",
                    help="also compile the adaptive-depth programs before /health says warm (exit_criterion requests)")
-    s.add_argument("--warmup-speculation", type=_pairs, default=(), metavar="D:K[,D:K]",
+    s.add_argument("--warmup-speculation", type=A.pairs, default=(), metavar="D:K[,D:K]",
                    help="also compile the speculative rounds of these draft_loops:lookahead pairs, e.g. 1:4")
     s.add_argument("--warmup-grammar", action="store_true",
                    help="also compile the masked programs of structured output (response_format, tools)")

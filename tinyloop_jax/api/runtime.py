@@ -110,8 +110,7 @@ class Model:
             params, config = gguf.load(path, kv_mode, dtype, keep_packed=keep)
         else:
             params, config = hf_import.load(path, kv_mode, dtype)
-        if kv_share is not None:
-            config = config.replace(kv_share=kv_share)
+        config = config if kv_share is None else config.replace(kv_share=kv_share)
         return cls(quantize_params(params, config, quantize_weights), config, mesh=mesh, activations=activations)
 
     @classmethod
@@ -121,10 +120,8 @@ class Model:
         `kv_share` override the saved ones; `mesh` places them on a ('data', 'model') mesh;
         `quantize_weights`, `activations`: see `from_pretrained` (`activations` is not saved)."""
         params, config = checkpoint.load_model(path)
-        if kv_mode is not None:
-            config = config.replace(kv_mode=check_kv_mode(kv_mode))
-        if kv_share is not None:
-            config = config.replace(kv_share=kv_share)
+        config = config if kv_mode is None else config.replace(kv_mode=check_kv_mode(kv_mode))
+        config = config if kv_share is None else config.replace(kv_share=kv_share)
         return cls(quantize_params(params, config, quantize_weights), config, mesh, activations)
 
     def save(self, path: str) -> None:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 
-from .protocol import BadRequest, _bool, _object, parse_messages
+from .messages import parse_messages
+from .protocol import BadRequest, _bool, _object
 
 
 def _model(body: dict, model_name: str) -> None:
