@@ -305,34 +305,37 @@ def test_pass_slots_taken_back_leave_the_pages_compact_and_prompts_recomputed(ba
     """A budget of few pass slots: later prompts take back the idle slots of earlier ones, whose
     pages then serve no prompt (they keep only compact layers) — a prompt sharing them is
     computed again, and every answer is still the naive store's. A prompt needing more pass slots
-    than the budget holds is refused with the numbers."""
+    than a budget holds is refused with the numbers."""
     model, share = shared(base, "last"), KS.parse("last")
     with tl.Engine(model, max_batch=4, memory_budget=None) as probe:
         b = probe.batcher
-        budget = b.rows_nbytes() + b.pages_nbytes(4, 24)  # 24 pages, 6 pass slots
+        budget = b.rows_nbytes() + b.pages_nbytes(4, 24)  # 24 pages, 9 pass slots (one 128-token prompt's + 1)
+        small = b.rows_nbytes() + b.pages_nbytes(4, 6)  # 6 pages, 6 pass slots
     others = [[int(x) for x in np.random.default_rng(s).integers(1, 120, 60)] for s in (1, 2)]
     order = [LONG] + others + [LONG[:40] + [3, 4, 5]]
     want = [naive(base, share, p, 4, 8) for p in order]
     with tl.Engine(model, prefill_chunk=16, max_batch=4, memory_budget=budget) as engine:
-        assert engine.batcher.pool_pages(4) == 24 and engine.batcher.prompt_slots(24) == 6
+        assert engine.batcher.pool_pages(4) == 24 and engine.batcher.prompt_slots(24) == 9
         got = [engine.generate(p, max_tokens=8, loops=4)[len(p):] for p in order]
         s = engine.stats()
         assert got == want
         assert s["pages"][4]["pass_reclaimed"] > 0 and s["prefix_tokens_reused"] == 0  # (LONG's pages lost theirs)
+    with tl.Engine(model, max_batch=4, memory_budget=small) as engine:
         with pytest.raises(MemoryBudgetError, match="needs 8 pass slots .* holds 6"):
             engine.submit(LONG + LONG[:40], max_tokens=4, loops=4)
 
 
 def test_a_compact_budget_holds_more_pages(base):
     """At one memory budget, a compact kv_share's depth holds more pages (the budget counts its
-    compact layers on the pages and every pass on a quarter as many pass slots)."""
+    compact layers on the pages and every pass on a quarter as many pass slots, at least one
+    whole-context prompt's)."""
     budget = 1 << 20
     with tl.Engine(base, memory_budget=budget) as full, tl.Engine(shared(base, "last"), memory_budget=budget) as last:
         f, c = full.batcher, last.batcher
         room = budget - f.rows_nbytes()
         assert f.pool_pages(4) == room // f.page_nbytes(4)
         n = c.pool_pages(4)
-        assert c.pass_nbytes(4) == c.page_nbytes(4, 4 * c.cfg.loop_blocks) and c.prompt_slots(n) == -(-n // 4)
+        assert c.pass_nbytes(4) == c.page_nbytes(4, 4 * c.cfg.loop_blocks) and c.prompt_slots(n) == max(-(-n // 4), 9)
         assert c.pages_nbytes(4, n) <= room < c.pages_nbytes(4, n + 1) and c.depth_nbytes(4) <= budget
         assert n > 1.4 * f.pool_pages(4)  # (this tiny model: 2 pre blocks, 1 loop block; 6 layers a token -> 3)
 
@@ -359,3 +362,33 @@ def test_the_engine_on_pass_slots_serves_exits_grammars_and_cancels(name):
         assert got == naive_run(b, model.weights.config.share, prompt, 4, 10, grammar=g)[0]
         pages = engine.stats()["pages"][4]
         assert pages["pass_free"] + pages["pass_idle"] == pages["pass_slots"]
+
+
+def test_the_engines_warmup_under_a_compact_mode_leaves_nothing_to_trace(base):
+    """`warmup(adaptive=True)` under kv_share compiles the prompt's chunk programs on the swapped
+    pool, the collapse program of each page-count bucket, the decode steps on the compact pool
+    and the pool itself: plain, sampled, adaptive and exiting-in-prefill requests then trace none
+    of the engine's programs (JAX's own trace events, by program name)."""
+    import jax
+
+    from tinyloop_jax.decoding import compiled
+
+    model = shared(base, "avg")
+    names = {fn.__name__ for fn, _ in compiled.JIT_OPTIONS.values()}
+    traced = []
+
+    def listen(event: str, secs: float, fun_name: str = "", **_) -> None:
+        if event.endswith("jaxpr_trace_duration") and fun_name in names:
+            traced.append(fun_name)
+
+    work = [dict(), dict(temperature=0.8, seed=2), dict(exit_criterion="kl", exit_threshold=0.1),
+            dict(exit_criterion="kl", exit_threshold=0.1, exit_in_prefill=True)]
+    want = [model.generate(LONG, max_tokens=6, loops=4, **kw) for kw in work]
+    with tl.Engine(model, max_batch=1, prefill_chunk=16) as engine:
+        assert engine.warmup(loops=4, adaptive=True) > 0
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        try:
+            assert [engine.generate(LONG, max_tokens=6, loops=4, **kw) for kw in work] == want
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listen)
+        assert traced == [] and engine.stats()["compiles_after_warmup"] == 0, (traced, engine.programs)

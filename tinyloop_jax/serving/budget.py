@@ -36,8 +36,12 @@ class Budget:
     def prompt_slots(self, n_pages: int) -> int | None:
         """Pass slots beside n_pages pages under a compact `kv_share` (None: full, none): a
         quarter as many (`PASS_SHARE`: prompts in flight and cached prefixes keep every pass
-        there, the pages hold every row compact)."""
-        return None if self.cfg.share.full else max(1, -(-n_pages // PASS_SHARE))
+        there, the pages hold every row compact), and at least what the longest prompt the
+        pages hold needs (its pages and a copied partial page)."""
+        if self.cfg.share.full:
+            return None
+        whole = -(-self.cfg.max_seq_len // self.page_size)
+        return max(1, min(n_pages, max(-(-n_pages // PASS_SHARE), whole + 1)))
 
     @property
     def local(self) -> tuple:
