@@ -153,7 +153,8 @@ def step(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Reque
         tokens.append(_take(state.rows.last, decodes.slot)[:, None])
         seeds.append(_take(state.req.seed, decodes.slot))
     xs, pool, states = paged.forward(params, cfg, pool, tuple(groups), tuple(tokens), loops, window, exit,
-                                     tuple(seeds), keep_state=True)
+                                     tuple(seeds), keep_state=True,
+                                     prompts=(True,) * (chunks is not None) + (False,) * (decodes is not None))
     ctok = dtok = None
     if chunks is not None:
         ctok, state = _first_tokens(params, cfg, state, chunks, xs[0], states[0])

@@ -150,48 +150,63 @@ def attention_kernel(cfg: ModelConfig, mode: KVMode | None = None) -> str:
 
 
 def block(x: jax.Array, blk, cfg: ModelConfig, groups: tuple, store: dict, index, window: int,
-          mode: KVMode | None = None, slot_of: jax.Array | None = None):
+          mode: KVMode | None = None, slot_of: jax.Array | None = None, routes: tuple | None = None):
     """One transformer block on the step's streams x [N, D] (the groups' tokens one after
     another): the step's K/V written into the pages, then each row's queries attend to the row's
     pages. mode: the pool's (default the model's; a call's working pool of an h mode holds
     float32 K/V, written as the model's mode would give them when read back). slot_of: a local
-    layer's page -> slot map (`local_map`). Returns (x', store)."""
+    layer's page -> slot map (`local_map`). routes: per group, which of several stores it reads
+    and writes — `store` is then a tuple of (store, index, slot_of) (an engine's compact pool in
+    a mixed step: the prompt chunk on the pass slots, the decode rows on the compact layers).
+    Returns (x', store) (with routes: the tuple of stores)."""
+    single = routes is None
+    parts = ((store, index, slot_of),) if single else tuple(store)
+    routes = (0,) * len(groups) if routes is None else tuple(routes)
     pos = jnp.concatenate([g.pos.reshape(-1) for g in groups])
     window = layers.layer_window(window, blk)
     h, q, k, v = layers.qkv_heads(x, blk, cfg, pos)
-    page = local_map(slot_of, jnp.concatenate([g.page for g in groups]), layer_slots(store), write=True)
-    off = jnp.concatenate([g.off for g in groups])
     mode = cfg.storage if mode is None else mode
     fresh = cfg.storage.pack(h, k, v)
     if mode != cfg.storage:  # results must not depend on where a token is kept
         fresh = mode.pack(h, *layers.read_kv(cfg, fresh, blk, cfg.storage, pos))
-    store = write(store, fresh, page, off, index)
+    spans = np.cumsum([0] + [g.size for g in groups])  # each group's tokens in the stream
+    stores = []
+    for s_, (st, idx, m) in enumerate(parts):  # each store written with its groups' tokens
+        mine = [i for i, r in enumerate(routes) if r == s_]
+        if mine:
+            take = (lambda a: a) if len(mine) == len(groups) else (lambda a: jnp.concatenate(
+                [a[:, spans[i]:spans[i + 1]] for i in mine], axis=1))
+            page = local_map(m, jnp.concatenate([groups[i].page for i in mine]), layer_slots(st), write=True)
+            st = write(st, {n: take(a) for n, a in fresh.items()}, page,
+                       jnp.concatenate([groups[i].off for i in mine]), idx)
+        stores.append(st)
     H, _, hd = q.shape
     q = q.astype(jnp.float32)
     kernel = attention_kernel(cfg, mode)
-    layer = None if kernel != "xla" else read(store, index)
-    outs, at = [], 0
-    for g in groups:
+    layer = [None if kernel != "xla" else read(st, idx) for st, (_, idx, _) in zip(stores, parts)]
+    outs = []
+    for g, r, lo in zip(groups, routes, spans):
+        st, (_, idx, m) = stores[r], parts[r]
         b, T = g.pos.shape
-        table = local_map(slot_of, g.rows.pages, 0)
-        qg = q[:, at:at + b * T].reshape(H, b, T, hd).transpose(1, 0, 2, 3)  # [b, H, T, hd]
+        table = local_map(m, g.rows.pages, 0)
+        qg = q[:, lo:lo + b * T].reshape(H, b, T, hd).transpose(1, 0, 2, 3)  # [b, H, T, hd]
         rows_window = None if g.rows.window is None else layers.layer_window(g.rows.window, blk)
         win = jnp.full((b,), window, jnp.int32) if rows_window is None else rows_window  # [b]
         if kernel != "xla":  # the stack itself and the layer's index: no copy of the layer
-            i = 0 if index is None else index[0] * len(cfg_loop(store)) + index[1]
+            i = 0 if idx is None else idx[0] * len(cfg_loop(st)) + idx[1]
             run = (native.paged_attention if kernel == "native" else
                    functools.partial(paged_pallas.paged_attention, interpret=kernel == "interpret"))
-            a = run((qg * hd ** -0.5).transpose(0, 2, 1, 3), store["k"], store["v"], store.get("ks"),
-                    store.get("vs"), table, g.rows.start, g.rows.n_new, jnp.asarray(i, jnp.int32),
+            a = run((qg * hd ** -0.5).transpose(0, 2, 1, 3), st["k"], st["v"], st.get("ks"),
+                    st.get("vs"), table, g.rows.start, g.rows.n_new, jnp.asarray(i, jnp.int32),
                     mode.format.name, win, cfg.n_kv_heads).transpose(0, 2, 1, 3)
         else:  # each row's own window (traced), or the step's
             w = win if rows_window is not None else jnp.full((b,), -1, jnp.int32)
-            a = jax.vmap(lambda q_, p_, t_, n_, w_: row_attention(
-                cfg, blk, layer, q_, p_, t_, n_, window if rows_window is None else w_, mode))(
+            a = jax.vmap(lambda q_, p_, t_, n_, w_, lay=layer[r]: row_attention(
+                cfg, blk, lay, q_, p_, t_, n_, window if rows_window is None else w_, mode))(
                     qg, g.pos, table, g.length, w)
         outs.append(a.transpose(1, 0, 2, 3).reshape(H, b * T, hd))
-        at += b * T
-    return layers.block_out(x, jnp.concatenate(outs, axis=1), blk, cfg), store
+    y = layers.block_out(x, jnp.concatenate(outs, axis=1), blk, cfg)
+    return y, (stores[0] if single else tuple(stores))
 
 
 def cfg_loop(store: dict) -> range:
@@ -219,14 +234,16 @@ def as_groups(rows, tokens) -> tuple[tuple, tuple]:
 
 @exact
 def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops: int, window: int,
-            exit: exits.Exit | None = None, seeds=None, keep_state: bool = False):
+            exit: exits.Exit | None = None, seeds=None, keep_state: bool = False, prompts: tuple = ()):
     """One step: groups of rows, each `Rows` [b, R] with its tokens [b, T] (row i's first
     n_new[i] real, at positions start[i] + t), through every layer at depth `loops` (static, or
     traced: a speculative draft's), their K/V written into the rows' pages. `rows`, `tokens` (and
     `seeds`: [b] uint32 each, the injection models' initial states; None: 0) are one group or
     tuples of groups. Returns (the streams the
     logits come from, [b, T, D] per group (a tuple for tuples), the pool); keep_state: also the
-    streams after the last pass (before the coda; injection models: the loop state), the same way."""
+    streams after the last pass (before the coda; injection models: the loop state), the same way.
+    prompts: per group, whether it is a prompt chunk — on an engine's compact pool (`kv_share`)
+    a prompt group's loop layers are its pass slots (every pass), the others' the compact ones."""
     single = isinstance(rows, Rows)
     rows, tokens = as_groups(rows, tokens)
     share = pool.share
@@ -265,12 +282,40 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
     def post_block(y, blk, store, j):
         return block(y, blk, cfg, groups, store, None, window, pool.kv_mode)
 
-    x, loop, _, pick = tf.run_passes(params, cfg, x, e, loops, pool.loop, loop_block, exit if gated else None,
-                                     slot=share.slot, settle=settle(share, pool.kv_mode, groups, loops, pool.loop))
+    if any(prompts) and pool.aside is not None and pool.loop_of is None:  # a mixed step on a compact pool
+        x, (loop, aside), pick = mixed_passes(params, cfg, pool, groups, tuple(prompts), x, e, loops, window,
+                                              exit if gated else None)
+        pool = pool.replace(aside=aside)
+    else:
+        x, loop, _, pick = tf.run_passes(params, cfg, x, e, loops, pool.loop, loop_block, exit if gated else None,
+                                         slot=share.slot, settle=settle(share, pool.kv_mode, groups, loops, pool.loop))
     y, post = tf.coda(params, cfg, x, pool.post, post_block)
     pool = placed(pool.replace(pre=tuple(pre), loop=loop, post=tuple(post)), cfg.mesh)
     out = split(pick if gated else y, groups, single)
     return (out, pool, split(x, groups, single)) if keep_state else (out, pool)
+
+
+def mixed_passes(params: Params, cfg: ModelConfig, pool: PagedKV, groups: tuple, prompts: tuple, x, e, loops: int,
+                 window: int, exit):
+    """The passes of a step mixing prompt chunks with decode rows on an engine's compact pool:
+    a prompt group reads and writes pass t of its pass slots (`aside`, every pass kept until
+    its prompt ends), a decode group the compact layers (slot(t), settled after the last pass
+    as `forward`'s). Returns (x, (compact stack, pass stack), the exit's pick)."""
+    share = pool.share
+    routes = tuple(1 if p else 0 for p in prompts)
+    decoding = tuple(g for g, p in zip(groups, prompts) if not p)
+
+    def loop_block(x, blk, stacks, index):
+        i, j = index
+        parts = ((stacks[0], (share.slot(i), j), None), (stacks[1], (i, j), pool.aside_of))
+        return block(x, blk, cfg, groups, parts, None, window, pool.kv_mode, routes=routes)
+
+    last = settle(share, pool.kv_mode, decoding, loops, pool.loop) if decoding else None
+    both = None if last is None else tf.Settle(last.start, lambda i, st, acc: last.after(i, st[0], acc),
+                                               lambda st, acc: (last.end(st[0], acc), st[1]))
+    x, stacks, _, pick = tf.run_passes(params, cfg, x, e, loops, (pool.loop, pool.aside), loop_block, exit,
+                                       settle=both)
+    return x, stacks, pick
 
 
 def settle(share, mode: KVMode, groups: tuple, loops: int, stack0: dict) -> tf.Settle | None:

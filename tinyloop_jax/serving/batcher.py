@@ -237,7 +237,7 @@ class Batcher(Budget, Admission, Reading, Plan):
             # a prompt chunk beside decode rows always takes them (one program set, grammar or not)
             masked = any(r.handle.matcher is not None for r in decoding) or (
                 chunk is not None and chunk[2] and chunk[0].handle.matcher is not None) or (
-                chunk is not None and not (d.adaptive or d.compact) and not chunk[0].handle.in_prefill)
+                chunk is not None and not d.adaptive and not chunk[0].handle.in_prefill)
             burst = chunk is None  # decode rows alone: 1 step or a burst (nothing to admit: n in one program)
             many = self.decode_steps if burst and not self.waiting and not masked else 1
             R = self.table_len(max(lengths) + many - 1)
@@ -249,8 +249,7 @@ class Batcher(Budget, Admission, Reading, Plan):
                 chunks = S.make_chunks([r.pages], [r.handle.prompt[r.fed:r.fed + n]], [r.fed], [r.slot], [final], T,
                                        R, 1, [r.handle.cache_window],
                                        self._masks([r.handle.matcher if final else None], 1) if masked else None)
-            if decoding or not (d.adaptive or d.compact):  # (a chunk alone: beside one filler decode row, one
-                # program fewer)
+            if decoding or not d.adaptive:  # (a chunk alone: beside one filler decode row, one program fewer)
                 bd = next(b for b in batch_buckets(self.max_batch) if b >= len(decoding))
                 starts = [r.fed + len(r.handle.tokens) + r.ahead - 1 for r in decoding]
                 left = [r.handle.params.max_tokens - len(r.handle.tokens) - r.ahead for r in decoding]
@@ -267,7 +266,7 @@ class Batcher(Budget, Admission, Reading, Plan):
             w, jits = self.model.weights, self.jits(d.loops)
             dtok = passes = cdepth = None
             exits = chunk is not None and chunk[0].handle.in_prefill
-            if chunk is not None and (d.adaptive or exits or d.compact):  # the prompt's chunk alone
+            if chunk is not None and (d.adaptive or exits):  # the prompt's chunk alone
                 pool = page_pool.swap(d.pool) if d.compact else d.pool  # (a compact kv_share: on the pass slots)
                 if exits:  # the prompt exits as a whole: its passes read now (once a request)
                     ctok, cdepth, pool, d.state = self._run(("chunk_adaptive", d.loops, T, R) + masked * ("masked",),

@@ -62,7 +62,7 @@ class Plan:
         w, c, P = self.model.weights, self.cfg, self.page_size
         n_pages = self.pool_pages(loops)
         pool = jax.eval_shape(lambda: self.empty_pool(loops, n_pages))
-        compact = not c.share.full  # prompts on the pass slots, alone (`page_pool.swap`), then collapsed
+        compact = not c.share.full  # prompts on the pass slots (a chunk alone: `page_pool.swap`), then collapsed
         prompts = page_pool.swap(pool) if compact else pool
         state = jax.eval_shape(self._empty_rows)
         jits, exit = self.jits(loops), self.model.exit_for(loops)
@@ -77,8 +77,7 @@ class Plan:
         W = words(c.vocab_size)
         masks = (None, "masked") if grammar else (None,)
         mask = lambda rows, m: None if m is None else np.zeros((rows, W), np.int32)  # noqa: E731
-        alone = [(0, T, R) for R in tables for T in self.chunk_sizes()] if adaptive or compact else []  # a chunk
-        # alone
+        alone = [(0, T, R) for R in tables for T in self.chunk_sizes()] if adaptive else []  # a chunk alone
         for bd, T, R in self.step_shapes(loops) + alone:
             if bd and not T:  # decode rows alone: `decode_steps` (plain; adaptive: each row's passes stop at its exit)
                 for kind in (False, True) if adaptive else (False,):
@@ -102,7 +101,7 @@ class Plan:
                                  c, pool, state, decodes, np.int32(1), loops=loops, n_max=k + 1, exit=exit,
                                  draft_loops=np.int32(d), lookahead=k, grammar=np.int32(0) if m else None)
                 continue
-            if not T or (bd and compact):
+            if not T:
                 continue
             for m in masks if not bd else ("masked",):  # (a chunk beside decode rows: always masks)
                 chunks = S.make_chunks([], [], [], [], [], T, R, 1, mask=mask(1, m))
