@@ -165,14 +165,16 @@ def save_load(single: tl.Model, m: tl.Model) -> None:
         ok("model saved from the mesh", tl.Model.load(os.path.join(d, "model")).fingerprint == single.fingerprint)
 
 
-def engines(tag: str, single: tl.Model, m: tl.Model) -> None:
+def engines(tag: str, single: tl.Model, m: tl.Model, speculative: bool = True) -> None:
     """The serving engine on the mesh (pages split by KV heads over 'model', the step's rows
     over 'data') gives the single-device engine's tokens: shared-prefix requests in flight
-    together, a sampled one and a speculative one among them."""
+    together, a sampled one and a speculative one among them (not under a compact kv_share:
+    its pass slots and compact layers placed alike)."""
     work = [(np.concatenate([PROMPT, np.asarray(s, np.int32)]), dict(max_tokens=5 + i, seed=i))
             for i, s in enumerate(SUFFIXES * 2)]
     work[1][1].update(temperature=0.7)
-    work[3][1].update(draft_loops=1, lookahead=2)
+    if speculative:
+        work[3][1].update(draft_loops=1, lookahead=2)
     out = []
     for model in (single, m):
         with tl.Engine(model, max_batch=4, prefill_chunk=16) as eng:
@@ -214,6 +216,8 @@ def kv_modes_and_weights() -> None:
         a, b = many.build_prefix_cache(PROMPT[:12]), one.build_prefix_cache(PROMPT[:12])
         ok(f"gpt2 2x4 kv_share {share}", many.generate_batch_from_prefix_cache(a, SUFFIXES, max_tokens=5)
            == one.generate_batch_from_prefix_cache(b, SUFFIXES, max_tokens=5))
+        if share == "avg":  # the engine: prompts on pass slots beside decode rows on the compact layers
+            engines(f"gpt2 2x4 kv_share {share}", one, many, speculative=False)
     # packed int4 weights (qarray): placed by their fields' specs, dequantized whole on the mesh
     q_one = tl.Model.random(PACKED, seed=0, quantize_weights="int4")
     q_many = tl.Model.random(PACKED, seed=0, quantize_weights="int4", mesh=sharding.make_mesh(2, 4))
