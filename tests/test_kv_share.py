@@ -217,6 +217,26 @@ def test_adaptive_rows_of_a_batch_equal_each_alone(base, name):
     assert len({tuple(x) for x in passes}) > 1 and min(map(min, passes)) < loops  # (the rows exit apart)
 
 
+@pytest.mark.parametrize("criterion,threshold", [("entropy-diff", 0.05), ("latent-diff", 0.2), ("cosine", 0.05),
+                                                 ("argmax-stability", 1), ("gate", 0.7)])
+def test_each_exit_criterion_on_the_compact_store(base, criterion, threshold):
+    """Every exit criterion (kl above) on a compact store under avg, the mode whose settle is
+    the most work: rows of a batch exiting at different passes == each alone, and the engine's
+    rows == `generate`'s (the gate on an Ouro-layout model, which has one)."""
+    from conftest import OURO
+
+    model, loops = shared(base, "avg"), 8
+    if criterion == "gate":
+        model, loops = tl.Model.random(tl.ModelConfig(**{**OURO, "kv_share": "avg"}), seed=0), 3
+    kw = dict(max_tokens=10, loops=loops, exit_criterion=criterion, exit_threshold=threshold)
+    alone = [model.generate(p, **kw) for p in PROMPTS]
+    passes = [model.generate(p, **kw) and model.last_passes for p in PROMPTS]
+    assert model.generate_batch(PROMPTS, **kw) == alone
+    assert min(map(min, passes)) < loops and len({tuple(x) for x in passes}) > 1  # (they exit, apart)
+    with tl.Engine(model, max_batch=2, prefill_chunk=16) as engine:
+        assert [h.result() for h in [engine.submit(p, **kw) for p in PROMPTS]] == alone
+
+
 def test_the_modes_change_what_later_tokens_read(base):
     """(so the equality above can fail: the naive store differs from kv_share full's tokens)"""
     n, loops = 16, 8
