@@ -96,3 +96,13 @@ def test_every_request_field_the_parsers_read_is_in_the_fields_table():
     rows = [line for line in doc("serving.md").splitlines() if line.startswith("| `")]
     missing = sorted(f for f in seen if not any(f"`{f}`" in r.split("|")[1] for r in rows))
     assert len(seen) > 30 and not missing, missing
+
+
+def test_user_docs_speak_of_the_product_not_its_history():
+    """The pages a user reads name no issue, session or seed document (those live in
+    docs/engine-plan.md, docs/benchmarks*.md and git)."""
+    history = re.compile(r"\b(?:issues?|sessions?) \d+|\bseed 000|\bthe seed's\b", re.I)
+    for name in ("../README.md", "reference.md", "serving.md", "formats.md", "ouro.md", "guide.md",
+                 "architecture.md", "cli.md"):
+        found = history.findall(doc(name))
+        assert not found, (name, found)
