@@ -61,6 +61,18 @@ def fits(share: str, loops: int) -> bool:
         return False
 
 
+def each_mode(model, loops: int, modes=MODES):
+    """(mode, the model under it) for each of `modes` that serves `loops` ("first" warns: quiet here)."""
+    import warnings
+
+    c = model.weights.config
+    for m in modes:
+        if fits(m, loops):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                yield m, tl.Model(model.weights.params, c.replace(kv_share=m))
+
+
 def bytes_table(cfg, name: str, loops_list) -> list[str]:
     rows = [f"| {name} | " + " | ".join(str(n) for n in loops_list) + " |", "|---" * (len(loops_list) + 1) + "|"]
     for m in MODES:
@@ -157,20 +169,13 @@ def quality(model, loops_list, windows: int, prompt_len: int, follow_len: int, g
 
 
 def decode_speed(model, repeats: int) -> list[str]:
-    import warnings
-
     c = model.weights.config
     loops, ctx, new = c.default_loops, c.max_seq_len, 64
     budget = 4 * ctx * KS.bytes_per_token(c, loops, "full")
     val = pydoc_split()[1].astype(np.int32)
     rows = ["| mode | bytes a token | rows the budget fits | tok/s at 1 row | tok/s at those rows |",
             "|---|---|---|---|---|"]
-    for m in MODES:
-        if not fits(m, loops):
-            continue
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            mm = tl.Model(model.weights.params, c.replace(kv_share=m))
+    for m, mm in each_mode(model, loops):
         bpt = KS.bytes_per_token(c, loops, m)
         n = min(64, budget // (ctx * bpt))
         speeds = []
@@ -190,8 +195,6 @@ def decode_speed(model, repeats: int) -> list[str]:
 
 def engine_table(model, repeats: int, n_requests: int = 24, new: int = 128) -> tuple[list[str], int]:
     """Each mode's engine at the budget of 4 full-mode rows of the whole context."""
-    import warnings
-
     c = model.weights.config
     loops, P = c.default_loops, 16
     val = pydoc_split()[1].astype(np.int32)
@@ -199,12 +202,7 @@ def engine_table(model, repeats: int, n_requests: int = 24, new: int = 128) -> t
     budget = None
     rows = ["| mode | pages (KiB each) | pass slots (KiB each) | whole-context rows the pages hold | "
             "tok/s greedy | tok/s t=0.8 | mean rows a step (greedy) |", "|---|---|---|---|---|---|---|"]
-    for m in ("full", "last", "ring:2", "avg"):
-        if not fits(m, loops):
-            continue
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            mm = tl.Model(model.weights.params, c.replace(kv_share=m))
+    for m, mm in each_mode(model, loops, ("full", "last", "ring:2", "avg")):
         if budget is None:  # (the full mode's: 4 rows of the whole context beside the request rows)
             with tl.Engine(mm, max_batch=n_requests, memory_budget=None) as probe:
                 b = probe.batcher
@@ -260,21 +258,14 @@ def exits_table(model, loops: int, windows: int, prompt_len: int, n: int, thresh
     """Adaptive exits (exit_criterion kl) on each mode's compact store (`generate`, which equals
     the naive store with exits: tests/test_kv_share.py): passes per token and the greedy tokens
     against full's with the same exits."""
-    import warnings
 
-    c = model.weights.config
     val = pydoc_split()[1].astype(np.int32)
     starts = [i * (len(val) // windows) for i in range(windows)]
     kw = dict(max_tokens=n, loops=loops, exit_criterion="kl", exit_threshold=threshold)
     rows = [f"| mode | passes a token (of {loops}) | tokens = full's (all {n}) | first difference at (mean) |",
             "|---|---|---|---|"]
     ref = None
-    for m in MODES:
-        if not fits(m, loops):
-            continue
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            mm = tl.Model(model.weights.params, c.replace(kv_share=m))
+    for m, mm in each_mode(model, loops):
         got, passes = [], []
         for s in starts:
             prompt = val[s:s + prompt_len].tolist()
