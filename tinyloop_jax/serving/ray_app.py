@@ -76,11 +76,15 @@ class Engines:
         """The served model's config (for an ingress that loads no weights)."""
         return self.engine.model.weights.config
 
-    def score(self, tokens: list, loops, top_logprobs: int):
-        """`Model.score` here (best_of and logprobs for an ingress that loads no weights), as numpy."""
+    async def score(self, tokens: list, loops, top_logprobs: int):
+        """`Model.score` here (best_of and logprobs for an ingress that loads no weights), as
+        numpy; on a thread, so this replica's event loop keeps answering (its streams, Ray's
+        queue-length probes) while it runs."""
+        import asyncio
+
         import numpy as np
 
-        s = self.engine.model.score(tokens, loops=loops, top_logprobs=top_logprobs)
+        s = await asyncio.to_thread(self.engine.model.score, tokens, loops=loops, top_logprobs=top_logprobs)
         return type(s)(*(np.asarray(a) for a in s))
 
     def stats(self, probe: Probe) -> dict:
@@ -100,7 +104,7 @@ class Ingress:
         else:  # no weights here: the config asked of a replica, best_of and logprobs scored there
             self.tokenizer = tokenizer()
             self.model = RemoteModel(lambda: engines.describe.remote(Probe(0)).result(timeout_s=10),
-                                     lambda t, loops, top: engines.score.remote(t, loops, top).result())
+                                     lambda t, loops, top: engines.score.remote(t, loops, top))
         self.name, self.eos, self.max_loops, self.app_kwargs = name, list(eos), max_loops, app_kwargs
         self.replicas, self.polled, self.running = replicas, {}, 0  # polled: replica -> its engine's counters
         threading.Thread(target=self._poll, daemon=True, name="tinyloop-replica-stats").start()

@@ -53,6 +53,10 @@ class TinyloopRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        if pending_request is not None:  # a retry (every ranked replica full or slow to say) sleeps first:
+            # without this Ray retries at once, and the spinning router thread starves the process's
+            # other threads (its queue-length probes time out, so it spins on: seen as a hung request)
+            pending_request.routing_context.should_backoff = True
         probe = probe_of(pending_request)
         if probe is not None:
             ordered = sorted(candidate_replicas, key=lambda r: str(r.replica_id))

@@ -117,8 +117,11 @@ async def whole(r: Reply) -> tuple[int, dict]:
         picked = [(j, None) for j in range(req.n)]
         if req.logprobs is not None or req.best_of > req.n:
             top, loops = req.logprobs or 0, req.submit.get("loops")
-            scores = await asyncio.gather(*(asyncio.to_thread(model.score, prompt + list(t.ids), loops=loops,
-                                                              top_logprobs=top) for t, _ in answers))
+            remote = getattr(model, "ascore", None)  # (replicas: scored on one, one call at a time — Ray
+            # Serve loses a second call made at once from one request's context: seen hanging)
+            scores = ([await remote(prompt + list(t.ids), loops, top) for t, _ in answers] if remote else
+                      await asyncio.gather(*(asyncio.to_thread(model.score, prompt + list(t.ids), loops=loops,
+                                                               top_logprobs=top) for t, _ in answers)))
             picked = [(j, scores[j]) for j in range(len(answers))]
             if req.best_of > req.n:  # the likeliest per token (OpenAI's best_of)
                 picked = sorted(picked, key=lambda js: -mean_logprob(js[1], len(prompt)))[:req.n]

@@ -174,9 +174,10 @@ class RemoteModel:
             raise ReplicaUnavailable("no engine replica has described the model yet (the server is starting)")
         return types.SimpleNamespace(config=self._config)
 
-    def score(self, tokens, loops=None, top_logprobs: int = 0):
-        """`Model.score` on a replica (blocking: call it from a thread)."""
-        return self._score([int(t) for t in tokens], loops, int(top_logprobs))
+    async def ascore(self, tokens, loops=None, top_logprobs: int = 0):
+        """`Model.score` on a replica, awaited on the event loop (`score(...)`: an awaitable, a
+        Ray Serve response)."""
+        return await self._score([int(t) for t in tokens], loops, int(top_logprobs))
 
 
 class RemoteEngine:
