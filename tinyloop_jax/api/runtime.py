@@ -106,8 +106,7 @@ class Model:
         what later tokens read of a finished token's loop passes (`ModelConfig.kv_share`)."""
         path = hub.resolve(path)  # a known name ("smollm2") -> its local file
         if gguf.find_file(path) is not None:
-            keep = check_weight_mode(quantize_weights) is None
-            params, config = gguf.load(path, kv_mode, dtype, keep_packed=keep)
+            params, config = gguf.load(path, kv_mode, dtype, keep_packed=check_weight_mode(quantize_weights) is None)
         else:
             params, config = hf_import.load(path, kv_mode, dtype)
         config = config if kv_share is None else config.replace(kv_share=kv_share)
