@@ -41,7 +41,7 @@ def test_every_environment_variable_the_code_reads_has_its_line():
 
 
 def test_every_route_and_metrics_family_is_in_serving_md():
-    pytest.importorskip("starlette")
+    pytest.importorskip("starlette", reason="the serve extra installs starlette")
     from tinyloop_jax.serving.app import make_app
     from tinyloop_jax.serving.metrics import Collector
 
