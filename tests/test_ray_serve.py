@@ -11,6 +11,7 @@ import urllib.request
 
 import numpy as np
 import pytest
+from conftest import tiny_model
 from test_server import Server
 
 import tinyloop_jax as tl
@@ -187,3 +188,20 @@ def test_a_killed_replica_fails_its_request_with_503_then_the_deployment_serves_
         return {k for k in _metrics(url) if k.startswith("tinyloop_replica_queue_depth{") and victim not in k}
 
     assert len(_until(lambda: len(live()) == 2 and live())) == 2
+
+
+def test_a_replica_whose_engine_no_longer_serves_fails_rays_health_check():
+    """`Engines.check_health` (Ray calls it every HEALTH_PERIOD_S and replaces a replica that
+    raises): quiet while the engine serves, a RuntimeError naming the replica once its loop has
+    stopped."""
+    from types import SimpleNamespace
+
+    from tinyloop_jax.serving.ray_app import Engines
+
+    r = Engines.__new__(Engines)  # (its fields alone: no Ray replica context here)
+    r.engine = tl.Engine(tiny_model("fp32"), max_batch=1)
+    r.replica = SimpleNamespace(name="r0")
+    r.check_health()
+    r.engine.close()
+    with pytest.raises(RuntimeError, match="r0: the engine's loop has stopped"):
+        r.check_health()

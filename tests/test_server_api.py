@@ -515,3 +515,33 @@ def test_health_is_503_while_warming_then_200(model):
         assert seen[0] == (503, "warming") and seen[-1] == (200, "ok") and not s.engine.warming
     finally:
         s.close()
+
+
+def test_health_says_stalled_when_the_engine_stops_stepping(model, monkeypatch):
+    """A liveness probe's cue: with a request waiting and no loop iteration for longer than the
+    bound, `Engine.stalled` names it and /health is 503 {"status": "stalled"}; once the loop
+    steps again, 200; a closed engine's loop has stopped. (The loop is held by a job of its own.)"""
+    import threading
+
+    s = Server(model, max_batch=1)
+    try:
+        gate = threading.Event()
+        with s.engine._cv:  # the loop's next iteration runs this job first, and waits in it
+            s.engine._jobs.append(gate.wait)
+            s.engine._cv.notify_all()
+        h = s.engine.submit([1, 2, 3], max_tokens=2)
+        time.sleep(0.3)
+        assert s.engine.stalled() is None  # (under the default bound)
+        why = s.engine.stalled(after_s=0.1)
+        assert why is not None and "no step" in why, why
+        with monkeypatch.context() as m:
+            m.setattr("tinyloop_jax.serving.engine.STALL_S", 0.1)
+            status, _, body = s.call("/health", key=None)
+            assert (status, body["status"]) == (503, "stalled") and "no step" in body["reason"], body
+        gate.set()
+        assert len(h.result(timeout=60)) == 5
+        status, _, body = s.call("/health", key=None)
+        assert status == 200 and s.engine.stalled() is None, body
+    finally:
+        s.close()
+    assert "stopped" in s.engine.stalled()

@@ -337,12 +337,13 @@ def test_the_auto_budget_scales_with_what_is_free(monkeypatch):
     2,048-token request at the default depth; an injected 64 GiB free grows it past the old
     256 MiB, and the engine says what it holds (capacity(), stats, /metrics)."""
     from tinyloop_jax.serving import engine as E
+    from tinyloop_jax.serving.budget import auto_budget
 
     gib = 1 << 30
-    assert E.auto_budget(80 * gib, "gpu", 1 << 20) == 64 * gib
-    assert E.auto_budget(64 * gib, "cpu", 1 << 20) == 4 * gib and E.auto_budget(2 * gib, "cpu", 1 << 20) == gib // 2
-    assert E.auto_budget(1 << 20, "cpu", 5 << 20) == 5 << 20  # (one request's floor)
-    assert E.auto_budget(None, "cpu", 1 << 20) == 256 << 20
+    assert auto_budget(80 * gib, "gpu", 1 << 20) == 64 * gib
+    assert auto_budget(64 * gib, "cpu", 1 << 20) == 4 * gib and auto_budget(2 * gib, "cpu", 1 << 20) == gib // 2
+    assert auto_budget(1 << 20, "cpu", 5 << 20) == 5 << 20  # (one request's floor)
+    assert auto_budget(None, "cpu", 1 << 20) == 256 << 20
     monkeypatch.setattr(E, "free_bytes", lambda: 64 * gib)
     model = tl.Model.random(tiny_config(max_seq_len=4096), seed=0)
     with tl.Engine(model, max_batch=64) as eng:

@@ -184,10 +184,16 @@ async def models(request):
 async def health(request):
     """200 `{"status": "ok"}` once ready; 503 `{"status": "warming"}` while the programs still
     compile (requests are served meanwhile, compiling what they need first): a load balancer's
-    or Kubernetes' readiness probe sends traffic once it is 200, as llama.cpp's while loading."""
+    or Kubernetes' readiness probe sends traffic once it is 200, as llama.cpp's while loading.
+    503 `{"status": "stalled", "reason": ...}` once the engine no longer serves (`Engine.stalled`):
+    a liveness probe's cue to restart the server."""
     from starlette.responses import JSONResponse
 
-    warming = request.app.state.server.engine.warming
+    engine = request.app.state.server.engine
+    stalled = engine.stalled()
+    if stalled:
+        return JSONResponse(dict(status="stalled", warming=False, reason=stalled), status_code=503)
+    warming = engine.warming
     return JSONResponse(dict(status="warming" if warming else "ok", warming=warming),
                         status_code=503 if warming else 200)
 

@@ -12,6 +12,15 @@ from ..decoding import step as St
 from ..model import page_pool
 
 PASS_SHARE = 4  # a compact kv_share's pages per pass slot (`Budget.prompt_slots`)
+# "auto" memory_budget (`auto_budget`): a share of the memory free once the weights are loaded — on a
+# GPU 80% (vLLM's gpu_memory_utilization is 0.9 of the whole device; the rest here is the programs' and
+# XLA's working memory), on a CPU a quarter, at most 4 GiB (vLLM's CPU backend keeps 4 GiB of KV by
+# default: host memory is shared with everything else) — and never below one request of
+# `AUTO_REQUEST_TOKENS` at the model's default depth. Where nothing says what is free: 256 MiB.
+AUTO_SHARE = {"gpu": 0.8, "cpu": 0.25}
+AUTO_CPU_CAP = 4 << 30
+AUTO_REQUEST_TOKENS = 2048  # a chat request: up to 1,024 prompt tokens and the server's 1,024 answer tokens
+DEFAULT_KV_MEMORY = 256 << 20
 
 
 class Budget:
@@ -113,3 +122,13 @@ class Budget:
 
     def memory_bytes(self) -> int:
         return sum(d.pool.nbytes + self.rows_nbytes() for d in self.depths.values())
+
+
+def auto_budget(free: int | None, backend: str, floor: int) -> int:
+    """The "auto" memory budget: `AUTO_SHARE` of the `free` bytes on `backend` (a CPU's at most
+    `AUTO_CPU_CAP`), never below `floor` (one request at the default depth); `DEFAULT_KV_MEMORY`
+    where nothing says what is free."""
+    if free is None:
+        return max(floor, DEFAULT_KV_MEMORY)
+    share = int(free * AUTO_SHARE.get(backend, AUTO_SHARE["gpu"]))
+    return max(floor, min(share, AUTO_CPU_CAP) if backend == "cpu" else share)

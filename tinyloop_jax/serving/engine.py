@@ -22,10 +22,9 @@ Each iteration of the loop, per depth (requests at one `loops` share a page pool
   3. rows that hit a stop sequence, their max_tokens, a cancel or their deadline leave at once;
      their pages are free, their prompt's pages stay cached for later prompts.
 
-Stop sequences, max_tokens and the per-request bookkeeping run on the host between steps;
-token choice runs on the device with the same `select_tokens` as `generate`, so a greedy
-output equals `model.generate` token for token and a seeded sample is reproducible
-whatever else is in flight (each row draws with its own seed and token index).
+Stop tokens and max_tokens cut a row in the step, on the device, with the same token choice as
+`generate`: a greedy output equals `model.generate` token for token, and a seeded sample is
+reproducible whatever else is in flight (each row draws with its own seed and token index).
 
 The parts: this module is the driver (the thread, the queue, the public face); `batcher` places
 requests into request rows and pages (`api.pages.PageBook`) and runs an iteration; `step` holds
@@ -44,26 +43,18 @@ import jax
 from .handles import Cancelled, Handle, MemoryBudgetError, QueueFull, RequestTimeout
 from . import step as S
 from .batcher import Batcher
+from .budget import AUTO_REQUEST_TOKENS, auto_budget
 from ..api import request as R
 from ..api import validation as check
 from ..api.store import PrefixStore
 from ..decoding.sampling import StopSpec
 from ..model.cache import free_bytes
 
-# "auto" memory_budget (`auto_budget`): a share of the memory free once the weights are loaded — on a
-# GPU 80% (vLLM's gpu_memory_utilization is 0.9 of the whole device; the rest here is the programs' and
-# XLA's working memory), on a CPU a quarter, at most 4 GiB (vLLM's CPU backend keeps 4 GiB of KV by
-# default: host memory is shared with everything else) — and never below one request of
-# `AUTO_REQUEST_TOKENS` at the model's default depth. Where nothing says what is free: 256 MiB.
-AUTO_SHARE = {"gpu": 0.8, "cpu": 0.25}
-AUTO_CPU_CAP = 4 << 30
-AUTO_REQUEST_TOKENS = 2048  # a chat request: up to 1,024 prompt tokens and the server's 1,024 answer tokens
-DEFAULT_KV_MEMORY = 256 << 20
-
 __all__ = ["Engine", "Handle", "MemoryBudgetError", "QueueFull", "RequestTimeout", "Cancelled"]
 
-
 DECODE_STEPS = 4  # decode steps per dispatch when nothing waits: see docs/benchmarks.md (bench_engine)
+# with work waiting, no loop iteration for this long is a stalled engine (a cold compile takes < 1 min)
+STALL_S = 600.0
 
 
 class Engine:
@@ -139,7 +130,7 @@ class Engine:
         self._view: dict = {}
         self._programs: frozenset = frozenset()
         self._publish()
-        self._started = time.perf_counter()
+        self._started = self._beat = time.perf_counter()  # _beat: the loop's last iteration
         self._thread = threading.Thread(target=self._loop, name="tinyloop-engine", daemon=True)
         self._thread.start()
 
@@ -320,6 +311,17 @@ class Engine:
         """The PrefixStore given to the engine (its entries serve prompts, loaded into pages once)."""
         return self.batcher.store
 
+    def stalled(self, after_s: float | None = None) -> str | None:
+        """Why this engine no longer serves, or None: its loop has ended, or it has had work and
+        no iteration for `after_s` (default STALL_S) seconds — /health's 503, Ray's `check_health`."""
+        if not self._thread.is_alive():
+            return "the engine's loop has stopped" + (" (closed)" if self._closed else "")
+        with self._cv:
+            busy = bool(self._queue or self._jobs or self._view.get("running"))
+        idle_s = time.perf_counter() - self._beat
+        late = idle_s > (STALL_S if after_s is None else after_s)
+        return f"the engine has had work and no step for {idle_s:.0f} s" if busy and late else None
+
     def close(self) -> None:
         """Stop the loop; queued and running requests fail with RuntimeError."""
         with self._cv:
@@ -370,6 +372,7 @@ class Engine:
                 if self._closed:
                     break
                 jobs, self._jobs = self._jobs, []
+            self._beat = time.perf_counter()
             for job in jobs:
                 job()
             try:
@@ -382,6 +385,7 @@ class Engine:
                 self.batcher.fail_all(e)
             self._publish()
             self._finish()
+            self._beat = time.perf_counter()
         err = RuntimeError("engine is closed")
         with self._cv:
             pending, self._queue = list(self._queue), collections.deque()
@@ -428,12 +432,3 @@ class Engine:
                 with self._cv:
                     self._stats["requests_failed"] += 1
 
-
-def auto_budget(free: int | None, backend: str, floor: int) -> int:
-    """The "auto" memory budget: `AUTO_SHARE` of the `free` bytes on `backend` (a CPU's at most
-    `AUTO_CPU_CAP`), never below `floor` (one request at the default depth); `DEFAULT_KV_MEMORY`
-    where nothing says what is free."""
-    if free is None:
-        return max(floor, DEFAULT_KV_MEMORY)
-    share = int(free * AUTO_SHARE.get(backend, AUTO_SHARE["gpu"]))
-    return max(floor, min(share, AUTO_CPU_CAP) if backend == "cpu" else share)

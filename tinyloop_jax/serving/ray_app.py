@@ -25,6 +25,7 @@ from .ray_router import Probe
 from .replica import EngineReplica, RemoteEngine, RemoteModel
 
 POLL_S = 1.0  # how often the ingress asks each replica for its engine's counters
+HEALTH_PERIOD_S, HEALTH_TIMEOUT_S = 10.0, 60.0  # Ray's health checks of a replica (`Engines.check_health`)
 
 
 def replica_cores(rank: int, per: int, available: list[int]) -> list[int]:
@@ -86,6 +87,13 @@ class Engines:
 
         s = await asyncio.to_thread(self.engine.model.score, tokens, loops=loops, top_logprobs=top_logprobs)
         return type(s)(*(np.asarray(a) for a in s))
+
+    def check_health(self) -> None:
+        """Ray Serve's health check (every HEALTH_PERIOD_S): an engine that no longer serves
+        raises, and Ray replaces this replica."""
+        why = self.engine.stalled()
+        if why:
+            raise RuntimeError(f"replica {self.replica.name}: {why}")
 
     def stats(self, probe: Probe) -> dict:
         """This replica's engine counters (`probe` routed the call here), its name and cores."""
@@ -167,7 +175,8 @@ def build_app(load, replicas: int = 2, router: str = "prefix", cores_per_replica
                                   request_router_kwargs=dict(router_kwargs or {}, policy=router))
     engines = serve.deployment(Engines, name="engines", num_replicas=replicas,
                                ray_actor_options=dict(num_cpus=cores_per_replica),
-                               request_router_config=routing, max_ongoing_requests=64)
+                               request_router_config=routing, max_ongoing_requests=64,
+                               health_check_period_s=HEALTH_PERIOD_S, health_check_timeout_s=HEALTH_TIMEOUT_S)
     ingress = serve.deployment(serve.ingress()(Ingress), name="ingress", ray_actor_options=dict(num_cpus=0))
     cores = int(cores_per_replica) if float(cores_per_replica).is_integer() else None
     return ingress.bind(engines.bind(load, engine_kwargs, warmup, cores), load, name, list(eos), max_loops,

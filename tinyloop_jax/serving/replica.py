@@ -222,6 +222,9 @@ class RemoteEngine:
     def warming(self) -> bool:
         return self._warming()
 
+    def stalled(self) -> str | None:  # (each replica's own: Ray's `check_health` restarts it)
+        return None
+
     def stats(self) -> dict:
         s: dict = {}
         replicas = {r: dict(c) for r, c in self._counts.items()}
