@@ -69,6 +69,21 @@ def trace(n_systems: int, per_system: int, seed: int = 0) -> list[tuple[int, int
     return [pairs[i] for i in np.random.default_rng(seed).permutation(len(pairs))]
 
 
+def ceiling(tok, prompts: list[str], order: list) -> float:
+    """The trace's best hit rate, whatever the router and however large the pools: each request
+    reads its longest common prefix with any request before it (the engine shares a page's
+    leading tokens too; the chat template rendered as the server renders it)."""
+    ids = [tok.apply_chat_template([dict(role="system", content=prompts[s]),
+                                    dict(role="user", content=_load.question(s, q))],
+                                   add_generation_prompt=True, tokenize=True).tolist() for s, q in order]
+
+    def common(x, y):
+        return next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+
+    cached = sum(max((common(x, y) for y in ids[:i]), default=0) for i, x in enumerate(ids))
+    return cached / sum(len(x) for x in ids)
+
+
 @dataclass
 class Answer:
     ttft: float
@@ -176,6 +191,8 @@ def main() -> None:
     ap.add_argument("--no-single", action="store_true", help="skip one replica on one core")
     ap.add_argument("--no-startup", action="store_true", help="skip the single process's start-up and memory")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--imbalance", type=int, default=None, help="the prefix router's load bound (default: its own)")
+    ap.add_argument("--ceiling", action="store_true", help="print the trace's ceiling hit rate and stop")
     args = ap.parse_args()
 
     import ray
@@ -194,8 +211,11 @@ def main() -> None:
     clients = [int(c) for c in args.clients.split(",")]
     budget, pages = pool_pages_for(model, args.max_batch, prompt_pages, tail_pages, -(-max(clients) // args.replicas))
     order = trace(len(prompts), args.per_system)
+    best = ceiling(tok, prompts, order)
     print(f"system prompts {min(lens)}-{max(lens)} tokens; {len(order)} requests; a replica's pool {pages} pages "
-          f"({budget / 2**20:.0f} MiB)", flush=True)
+          f"({budget / 2**20:.0f} MiB); the trace's ceiling hit rate {100 * best:.1f}%", flush=True)
+    if args.ceiling:
+        return
 
     port = _load.free_port()
     url = f"http://127.0.0.1:{port}"
@@ -211,7 +231,8 @@ def main() -> None:
             app = build_app(load, replicas=n, router=router, cores_per_replica=1, name="smollm2", max_loops=64,
                             eos=eos_ids("smollm2", tok, model.config()["vocab_size"]),
                             engine_kwargs=dict(max_batch=args.max_batch, memory_budget=budget),
-                            router_kwargs=dict(capacity_pages=pages), warmup={})
+                            router_kwargs=dict(capacity_pages=pages, **({} if args.imbalance is None else
+                                                                         dict(imbalance=args.imbalance))), warmup={})
             serve.run(app, route_prefix="/", blocking=False)
             starts[n] = wait_ready(url, t0)
             print(f"{router} x{n}: ready in {starts[n]:.0f} s", flush=True)
@@ -228,7 +249,7 @@ def main() -> None:
         ray.shutdown()
     single = None if args.no_startup else single_process(budget, args.max_batch)
     if not args.no_write:
-        report(args, runs, starts, rss, single, lens, pages, budget)
+        report(args, runs, starts, rss, single, lens, pages, budget, best)
 
 
 def summary(router, n, label, clients, answers, wall) -> dict:
@@ -266,7 +287,7 @@ def single_process(budget: int, max_batch: int) -> tuple[float, float]:
         proc.wait()
 
 
-def report(args, runs, starts, rss, single, lens, pages, budget) -> None:
+def report(args, runs, starts, rss, single, lens, pages, budget, best) -> None:
     rows = ["| router | replicas | sampling | clients | hit rate | prefill tokens | TTFT p50 / p99 (s) | tok/s "
             "| requests per replica | errors |", "|---|---|---|---|---|---|---|---|---|---|"]
     rows += [f"| {r['router']} | {r['replicas']} | {r['sampling']} | {r['clients']} | {100 * r['hit']:.1f}% | "
@@ -279,7 +300,9 @@ def report(args, runs, starts, rss, single, lens, pages, budget) -> None:
         f"a fresh deployment (empty caches), replicas pinned to a core each; each replica's pool {pages} pages "
         f"({budget / 2**20:.0f} MiB: 5 of the 8 prompts beside the pages past their prompts of the rows a "
         f"replica serves at {max(r['clients'] for r in runs)} clients over {args.replicas} replicas), the router told "
-        f"the same capacity. Hit rate: cached / prompt tokens from the answers' usage.", "", *rows, "",
+        f"the same capacity. Hit rate: cached / prompt tokens from the answers' usage; the trace's ceiling (each "
+        f"request reading its longest common prefix with any request before it: any router, any pool) is "
+        f"{100 * best:.1f}%.", "", *rows, "",
         "Start-up to ready (/health without `warming`, a warm compilation cache): "
         + ", ".join(f"{n} replica{'s' * (n > 1)} {s:.0f} s" for n, s in sorted(starts.items()))
         + (f"; one `tinyloop serve` process {single[0]:.0f} s" if single else "") + ".  ",

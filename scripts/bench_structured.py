@@ -12,11 +12,18 @@ counted, so answers of different lengths compare.
 
     python scripts/bench_structured.py [--repeats 3] [--no-write]
     python scripts/bench_structured.py --memory [--tree DIR]   # warmup's programs and peak RSS
+    python scripts/bench_structured.py --profile                # where a constrained step's time goes
 
 `--memory`: the server's engine (the bundled model, max_batch 16) warmed with and without
 `grammar=True`, each in a fresh process with an empty compilation cache: programs compiled,
 seconds, peak RSS (VmHWM). `--tree` runs another checkout's package (a `git worktree`: before
 and after, back to back).
+
+`--profile`: the engine at 16 in flight, one driver change at a time, in milliseconds a step
+(16 rows, one token each): free decoding in bursts (several tokens a dispatch, the default),
+free one token a dispatch, an `Unconstrained` grammar (every token allowed: the constrained
+path's two dispatches a token and its reading, no llguidance work), then the regex and the
+JSON schema; beside each, the host's llguidance time a step (masks filled, tokens taken).
 """
 
 from __future__ import annotations
@@ -44,9 +51,12 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--memory", action="store_true")
     ap.add_argument("--tree", default=None)
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     if args.memory:
         return memory(args.tree)
+    if args.profile:
+        return profile(args.repeats, args.no_write)
     import _report
     import tinyloop_jax as tl
     from tinyloop_jax.decoding import grammar as G
@@ -82,10 +92,10 @@ def main() -> None:
         return decode_rate(lambda k: len(model.generate(ids, max_tokens=k, temperature=temperature, seed=1,
                                                         response_format=grammars[kind])) - len(ids))
 
-    def engine_rate(eng, kind: str, temperature: float, clients: int) -> float:
-        def run(k):
-            hs = [eng.submit(ids, max_tokens=k, temperature=temperature, seed=i, response_format=grammars[kind])
-                  for i in range(clients)]
+    def engine_rate(eng, kind: str, temperature: float, clients: int, lengths=None) -> float:
+        def run(k):  # (lengths: each row's own max_tokens, the JSON answers' lengths)
+            hs = [eng.submit(ids, max_tokens=k if lengths is None else min(k, lengths[i]), temperature=temperature,
+                             seed=i, response_format=grammars[kind]) for i in range(clients)]
             return sum(len(h.result()) - len(ids) for h in hs)
         return decode_rate(run)
 
@@ -111,6 +121,13 @@ def main() -> None:
                 base = None
                 for kind in FORMATS:
                     r = engine_rate(eng, kind, temperature, clients)
+                    if kind == "json_schema":  # its answers end with the object, each row at its own length: the
+                        # free rows of the same lengths are its baseline (a batch drains alike)
+                        lengths = answer_lengths(eng, ids, grammars[kind], temperature, clients)
+                        base = engine_rate(eng, "free", temperature, clients, lengths)
+                        print(f"engine {clients} in flight, free (JSON lengths), {label}: {base:.1f} tok/s")
+                        rows_out.append(f"| engine, {clients} in flight | {label} | free, the JSON answers' lengths "
+                                        f"| {base:.1f} | 1.00x |")
                     base = r if kind == "free" else base
                     print(f"engine {clients} in flight, {kind}, {label}: {r:.1f} tok/s")
                     rows_out.append(f"| engine, {clients} in flight | {label} | {kind} | {r:.1f} | {r / base:.2f}x |")
@@ -127,6 +144,13 @@ def main() -> None:
     _report.write_section("bench_structured", body)
 
 
+def answer_lengths(eng, ids, grammar, temperature: float, clients: int) -> list[int]:
+    """Each row's answer length (seed i) under `grammar` at MAX_TOKENS."""
+    hs = [eng.submit(ids, max_tokens=MAX_TOKENS, temperature=temperature, seed=i, response_format=grammar)
+          for i in range(clients)]
+    return [len(h.result()) - len(ids) for h in hs]
+
+
 WARM = """
 import os, sys, tempfile, time
 os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="tinyloop-xla-")
@@ -139,6 +163,91 @@ n = eng.warmup(grammar=sys.argv[1] == "1")
 hwm = next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM:"))
 print(n, time.perf_counter() - t0, hwm / 2**20)
 """
+
+
+def profile(repeats: int, no_write: bool) -> None:
+    """Where a constrained step's time goes (see the docstring): ms a 16-row step, medians."""
+    import collections
+
+    import _report
+    import tinyloop_jax as tl
+    from tinyloop_jax.decoding import grammar as G
+    from tinyloop_jax.serving import reading
+
+    class Anything:  # a matcher that allows every token and never ends
+        def consume_token(self, t):
+            return True
+
+        def is_stopped(self):
+            return False
+
+        def get_error(self):
+            return ""
+
+    class Unconstrained(G.Grammar):
+        def matcher(self):
+            return Anything()
+
+    host = collections.Counter()
+
+    def timed(name, f):
+        def g(*a):
+            t0 = time.perf_counter()
+            try:
+                return f(*a)
+            finally:
+                host[name] += time.perf_counter() - t0
+        return g
+
+    fill = G.fill_masks
+    G.fill_masks = timed("fill", lambda ms, V: fill([None if isinstance(m, Anything) else m for m in ms], V))
+    reading.take = timed("take", reading.take)
+    model, tok = tl.Model.from_pretrained("smollm2"), tl.load_tokenizer("smollm2")
+    V = model.config()["vocab_size"]
+    ids = tok.apply_chat_template([dict(role="user", content="Describe a large city in one line.")], tokenize=True)
+    grammars = dict(unconstrained=Unconstrained("unconstrained", "", None, V),
+                    **{k: tl.Grammar.of(f, tok, V) for k, f in FORMATS.items() if f is not None})
+    rows = ["| sampling | driver | ms per 16 tokens | / free in bursts | host llguidance ms |", "|---|---|---|---|---|"]
+    engines = {n: tl.Engine(model, max_batch=16, decode_steps=n) for n in (4, 1)}
+    try:
+        for temperature in (0.0, 0.8):
+            label = "greedy" if temperature == 0 else "t0.8"
+            base = None
+            lengths = answer_lengths(engines[4], ids, grammars["json_schema"], temperature, 16)
+            arms = [("free, bursts of 4", 4, None, None), ("free, 1 token a dispatch", 1, None, None)]
+            arms += [(f"{k}", 4, g, None) for k, g in grammars.items()]
+            arms.insert(-1, ("free, the JSON answers' lengths", 4, None, lengths))
+            for name, n, g, cut in arms:
+                eng = engines[n]
+
+                def run(k):
+                    hs = [eng.submit(ids, max_tokens=k if cut is None else min(k, cut[i]), temperature=temperature,
+                                     seed=i, response_format=g) for i in range(16)]
+                    return sum(len(h.result()) - len(ids) for h in hs)
+                run(MAX_TOKENS), run(1)
+                per, spent = [], []
+                for _ in range(repeats):
+                    t0 = time.perf_counter(); first = run(1); t1 = time.perf_counter()  # noqa: E702
+                    host.clear()
+                    n_tok = run(MAX_TOKENS)
+                    steps = (n_tok - first) / 16
+                    per.append(((time.perf_counter() - t1) - (t1 - t0)) / steps * 1e3)
+                    spent.append(sum(host.values()) / steps * 1e3)
+                ms, hms = statistics.median(per), statistics.median(spent)
+                base = ms if base is None else base
+                print(f"{label} {name}: {ms:.2f} ms ({base / ms:.2f}x), llguidance {hms:.2f} ms", flush=True)
+                rows.append(f"| {label} | {name} | {ms:.2f} | {base / ms:.2f}x | {hms:.2f} |")
+    finally:
+        for e in engines.values():
+            e.close()
+    if not no_write:
+        _report.write_section("bench_structured_profile", "\n".join([
+            *_report.heading("Where a constrained step's time goes (`scripts/bench_structured.py --profile`)"),
+            f"SmolLM2 (Q4_1 kept packed), the engine, 16 requests in flight of up to {MAX_TOKENS} tokens, a step = "
+            f"16 tokens (one a row), medians of {repeats}; the time of 16 tokens is the call's less the same call's "
+            "with max_tokens 1, over the tokens past the first, times 16. `unconstrained`: a grammar allowing "
+            "every token (the constrained driver without llguidance's work). Host llguidance: masks filled and "
+            "tokens taken, per 16 tokens.", "", *rows, ""]))
 
 
 def memory(tree: str | None) -> None:
