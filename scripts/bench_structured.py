@@ -212,29 +212,30 @@ def profile(repeats: int, no_write: bool) -> None:
     try:
         for temperature in (0.0, 0.8):
             label = "greedy" if temperature == 0 else "t0.8"
-            base = None
             lengths = answer_lengths(engines[4], ids, grammars["json_schema"], temperature, 16)
             arms = [("free, bursts of 4", 4, None, None), ("free, 1 token a dispatch", 1, None, None)]
             arms += [(f"{k}", 4, g, None) for k, g in grammars.items()]
             arms.insert(-1, ("free, the JSON answers' lengths", 4, None, lengths))
-            for name, n, g, cut in arms:
-                eng = engines[n]
 
-                def run(k):
-                    hs = [eng.submit(ids, max_tokens=k if cut is None else min(k, cut[i]), temperature=temperature,
-                                     seed=i, response_format=g) for i in range(16)]
-                    return sum(len(h.result()) - len(ids) for h in hs)
-                run(MAX_TOKENS), run(1)
-                per, spent = [], []
-                for _ in range(repeats):
-                    t0 = time.perf_counter(); first = run(1); t1 = time.perf_counter()  # noqa: E702
+            def run(arm, k):
+                _, n, g, cut = arm
+                hs = [engines[n].submit(ids, max_tokens=k if cut is None else min(k, cut[i]),
+                                        temperature=temperature, seed=i, response_format=g) for i in range(16)]
+                return sum(len(h.result()) - len(ids) for h in hs)
+            for arm in arms:
+                run(arm, MAX_TOKENS), run(arm, 1)
+            per, spent = {a[0]: [] for a in arms}, {a[0]: [] for a in arms}
+            for _ in range(repeats):  # (the arms in turn, a round at a time: the machine's drift shared)
+                for arm in arms:
+                    t0 = time.perf_counter(); first = run(arm, 1); t1 = time.perf_counter()  # noqa: E702
                     host.clear()
-                    n_tok = run(MAX_TOKENS)
+                    n_tok = run(arm, MAX_TOKENS)
                     steps = (n_tok - first) / 16
-                    per.append(((time.perf_counter() - t1) - (t1 - t0)) / steps * 1e3)
-                    spent.append(sum(host.values()) / steps * 1e3)
-                ms, hms = statistics.median(per), statistics.median(spent)
-                base = ms if base is None else base
+                    per[arm[0]].append(((time.perf_counter() - t1) - (t1 - t0)) / steps * 1e3)
+                    spent[arm[0]].append(sum(host.values()) / steps * 1e3)
+            base = statistics.median(per[arms[0][0]])
+            for name, *_ in arms:
+                ms, hms = statistics.median(per[name]), statistics.median(spent[name])
                 print(f"{label} {name}: {ms:.2f} ms ({base / ms:.2f}x), llguidance {hms:.2f} ms", flush=True)
                 rows.append(f"| {label} | {name} | {ms:.2f} | {base / ms:.2f}x | {hms:.2f} |")
     finally:
@@ -244,10 +245,10 @@ def profile(repeats: int, no_write: bool) -> None:
         _report.write_section("bench_structured_profile", "\n".join([
             *_report.heading("Where a constrained step's time goes (`scripts/bench_structured.py --profile`)"),
             f"SmolLM2 (Q4_1 kept packed), the engine, 16 requests in flight of up to {MAX_TOKENS} tokens, a step = "
-            f"16 tokens (one a row), medians of {repeats}; the time of 16 tokens is the call's less the same call's "
-            "with max_tokens 1, over the tokens past the first, times 16. `unconstrained`: a grammar allowing "
-            "every token (the constrained driver without llguidance's work). Host llguidance: masks filled and "
-            "tokens taken, per 16 tokens.", "", *rows, ""]))
+            f"16 tokens (one a row), medians of {repeats} rounds (the arms in turn); the time of 16 tokens is the "
+            "call's less the same call's with max_tokens 1, over the tokens past the first, times 16. "
+            "`unconstrained`: a grammar allowing every token (the constrained driver without llguidance's work). "
+            "Host llguidance: masks filled and tokens taken, per 16 tokens.", "", *rows, ""]))
 
 
 def memory(tree: str | None) -> None:

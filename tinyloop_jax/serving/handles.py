@@ -68,8 +68,11 @@ class Handle:
         self.replica: str | None = None  # the replica that serves it (`replica.RemoteHandle`; None: this process)
         self._on_cancel = on_cancel  # the engine frees a queued request's place at once
         self.cancel_requested = False
-        self._cv = threading.Condition()
-        self._wakers: list = []
+        lock = threading.RLock()
+        self._cv = threading.Condition(lock)  # (every token and the end: streams)
+        self._ended = threading.Condition(lock)  # (the end alone: `result()`, never woken a token)
+        self._wakers: list = []  # asyncio readers': every token and the end
+        self._end_wakers: list = []  # the end alone
         g = request.params.response_format  # structured output: the grammar's matcher, fed each token
         self.matcher = None if g is None else g.matcher()
 
@@ -129,7 +132,8 @@ class Handle:
             self.finish_reason, self.error = reason, error
             self.finished_at = time.perf_counter()
             self._cv.notify_all()
-            wakers = list(self._wakers)
+            self._ended.notify_all()
+            wakers = self._wakers + self._end_wakers
         for w in wakers:
             w()
 
@@ -140,8 +144,8 @@ class Handle:
     # caller side
     def result(self, timeout: float | None = None) -> list[int]:
         """prompt + emitted tokens; raises the request's error (Cancelled, RequestTimeout, ...)."""
-        with self._cv:
-            if not self._cv.wait_for(lambda: self.done, timeout):
+        with self._ended:
+            if not self._ended.wait_for(lambda: self.done, timeout):
                 raise TimeoutError(f"request {self.id} is still running after {timeout} s")
         self._raise()
         return self.prompt.tolist() + list(self.tokens)
@@ -162,20 +166,22 @@ class Handle:
                 return
 
     @contextlib.contextmanager
-    def _woken(self):
-        """An asyncio.Event the engine sets whenever it emits or finishes (for the loop's readers)."""
+    def _woken(self, end_only: bool = False):
+        """An asyncio.Event the engine sets whenever it emits or finishes (end_only: when it
+        finishes) — for the loop's readers."""
         loop, event = asyncio.get_running_loop(), asyncio.Event()
+        wakers = self._end_wakers if end_only else self._wakers
 
         def wake():
             loop.call_soon_threadsafe(event.set)
 
         with self._cv:
-            self._wakers.append(wake)
+            wakers.append(wake)
         try:
             yield event
         finally:
             with self._cv:
-                self._wakers.remove(wake)
+                wakers.remove(wake)
 
     async def astream(self):
         """`stream()` for asyncio: never blocks the event loop."""
@@ -218,6 +224,9 @@ class Handle:
                 await event.wait()
 
     async def aresult(self) -> list[int]:
-        async for _ in self.astream():
-            pass
+        """`result()` for asyncio (woken once, at the end)."""
+        with self._woken(end_only=True) as event:
+            while not self.done:
+                await event.wait()
+                event.clear()
         return self.result()
