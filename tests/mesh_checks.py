@@ -165,12 +165,13 @@ def save_load(single: tl.Model, m: tl.Model) -> None:
         ok("model saved from the mesh", tl.Model.load(os.path.join(d, "model")).fingerprint == single.fingerprint)
 
 
-def engines(tag: str, single: tl.Model, m: tl.Model, speculative: bool = True) -> None:
+def engines(tag: str, single: tl.Model, m: tl.Model, speculative: bool = True, staggered: bool = True) -> None:
     """The serving engine on the mesh (pages split by KV heads over 'model', the step's rows
     over 'data') gives the single-device engine's tokens: shared-prefix requests in flight
     together, a sampled one and a speculative one among them (not under a compact kv_share:
-    its pass slots and compact layers placed alike)."""
-    work = [(np.concatenate([PROMPT, np.asarray(s, np.int32)]), dict(max_tokens=5 + i, seed=i))
+    its pass slots and compact layers placed alike). staggered: the requests end one by one
+    (each batch bucket's programs); else together (one bucket: a storage's placement alone)."""
+    work = [(np.concatenate([PROMPT, np.asarray(s, np.int32)]), dict(max_tokens=5 + i * staggered, seed=i))
             for i, s in enumerate(SUFFIXES * 2)]
     work[1][1].update(temperature=0.7)
     if speculative:
@@ -209,15 +210,15 @@ def kv_modes_and_weights() -> None:
         a, b = many.build_prefix_cache(PROMPT[:12]), one.build_prefix_cache(PROMPT[:12])
         ok(f"gpt2 2x4 {mode}", many.generate_batch_from_prefix_cache(a, SUFFIXES[:2], max_tokens=5)
            == one.generate_batch_from_prefix_cache(b, SUFFIXES[:2], max_tokens=5))
-        if mode == "int4-h":
-            engines(f"gpt2 2x4 {mode}", one, many)
+        if mode == "int4-h":  # (the speculative round and the batch buckets: fp32's and Ouro's engines)
+            engines(f"gpt2 2x4 {mode}", one, many, speculative=False, staggered=False)
     for share in ("last", "avg"):  # kv_share: the call's pool collapsed on the mesh, decode steps on the compact store
         one, many = (tl.Model.random(GPT2.replace(kv_share=share), seed=0, mesh=m) for m in (None, mesh))
         a, b = many.build_prefix_cache(PROMPT[:12]), one.build_prefix_cache(PROMPT[:12])
         ok(f"gpt2 2x4 kv_share {share}", many.generate_batch_from_prefix_cache(a, SUFFIXES, max_tokens=5)
            == one.generate_batch_from_prefix_cache(b, SUFFIXES, max_tokens=5))
         if share == "avg":  # the engine: prompts on pass slots beside decode rows on the compact layers
-            engines(f"gpt2 2x4 kv_share {share}", one, many, speculative=False)
+            engines(f"gpt2 2x4 kv_share {share}", one, many, speculative=False, staggered=False)
     # packed int4 weights (qarray): placed by their fields' specs, dequantized whole on the mesh
     q_one = tl.Model.random(PACKED, seed=0, quantize_weights="int4")
     q_many = tl.Model.random(PACKED, seed=0, quantize_weights="int4", mesh=sharding.make_mesh(2, 4))
