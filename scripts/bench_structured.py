@@ -23,7 +23,8 @@ and after, back to back).
 (16 rows, one token each): free decoding in bursts (several tokens a dispatch, the default),
 free one token a dispatch, an `Unconstrained` grammar (every token allowed: the constrained
 path's two dispatches a token and its reading, no llguidance work), then the regex and the
-JSON schema; beside each, the host's llguidance time a step (masks filled, tokens taken).
+JSON schema; beside each, the host's llguidance time a step (masks filled, tokens taken) and
+how often the device waited for the masks (the forward done before them).
 """
 
 from __future__ import annotations
@@ -173,6 +174,7 @@ def profile(repeats: int, no_write: bool) -> None:
     import tinyloop_jax as tl
     from tinyloop_jax.decoding import grammar as G
     from tinyloop_jax.serving import reading
+    from tinyloop_jax.serving.batcher import Batcher
 
     class Anything:  # a matcher that allows every token and never ends
         def consume_token(self, t):
@@ -202,12 +204,22 @@ def profile(repeats: int, no_write: bool) -> None:
     fill = G.fill_masks
     G.fill_masks = timed("fill", lambda ms, V: fill([None if isinstance(m, Anything) else m for m in ms], V))
     reading.take = timed("take", reading.take)
+    waits = collections.Counter()  # the device's idle gap: was the forward done before the masks?
+    run_program = Batcher._run
+
+    def watched(self, key, program, *args, **kw):
+        if key[0] == "choose":  # (its last argument: the forward's logits)
+            waits["steps"] += 1
+            waits["idle"] += bool(args[-1].is_ready())
+        return run_program(self, key, program, *args, **kw)
+    Batcher._run = watched
     model, tok = tl.Model.from_pretrained("smollm2"), tl.load_tokenizer("smollm2")
     V = model.config()["vocab_size"]
     ids = tok.apply_chat_template([dict(role="user", content="Describe a large city in one line.")], tokenize=True)
     grammars = dict(unconstrained=Unconstrained("unconstrained", "", None, V),
                     **{k: tl.Grammar.of(f, tok, V) for k, f in FORMATS.items() if f is not None})
-    rows = ["| sampling | driver | ms per 16 tokens | / free in bursts | host llguidance ms |", "|---|---|---|---|---|"]
+    rows = ["| sampling | driver | ms per 16 tokens | / free in bursts | host llguidance ms | device idle |",
+            "|---|---|---|---|---|---|"]
     engines = {n: tl.Engine(model, max_batch=16, decode_steps=n) for n in (4, 1)}
     try:
         for temperature in (0.0, 0.8):
@@ -224,20 +236,22 @@ def profile(repeats: int, no_write: bool) -> None:
                 return sum(len(h.result()) - len(ids) for h in hs)
             for arm in arms:
                 run(arm, MAX_TOKENS), run(arm, 1)
-            per, spent = {a[0]: [] for a in arms}, {a[0]: [] for a in arms}
+            per, spent, idle = ({a[0]: [] for a in arms} for _ in range(3))
             for _ in range(repeats):  # (the arms in turn, a round at a time: the machine's drift shared)
                 for arm in arms:
                     t0 = time.perf_counter(); first = run(arm, 1); t1 = time.perf_counter()  # noqa: E702
-                    host.clear()
+                    host.clear(), waits.clear()
                     n_tok = run(arm, MAX_TOKENS)
+                    idle[arm[0]].append(waits["idle"] / max(1, waits["steps"]))
                     steps = (n_tok - first) / 16
                     per[arm[0]].append(((time.perf_counter() - t1) - (t1 - t0)) / steps * 1e3)
                     spent[arm[0]].append(sum(host.values()) / steps * 1e3)
             base = statistics.median(per[arms[0][0]])
             for name, *_ in arms:
-                ms, hms = statistics.median(per[name]), statistics.median(spent[name])
-                print(f"{label} {name}: {ms:.2f} ms ({base / ms:.2f}x), llguidance {hms:.2f} ms", flush=True)
-                rows.append(f"| {label} | {name} | {ms:.2f} | {base / ms:.2f}x | {hms:.2f} |")
+                ms, hms, gap = (statistics.median(x[name]) for x in (per, spent, idle))
+                gap = f"{100 * gap:.0f}%" if name in grammars else ""
+                print(f"{label} {name}: {ms:.2f} ms ({base / ms:.2f}x), llguidance {hms:.2f} ms, idle {gap}")
+                rows.append(f"| {label} | {name} | {ms:.2f} | {base / ms:.2f}x | {hms:.2f} | {gap} |")
     finally:
         for e in engines.values():
             e.close()
@@ -248,7 +262,9 @@ def profile(repeats: int, no_write: bool) -> None:
             f"16 tokens (one a row), medians of {repeats} rounds (the arms in turn); the time of 16 tokens is the "
             "call's less the same call's with max_tokens 1, over the tokens past the first, times 16. "
             "`unconstrained`: a grammar allowing every token (the constrained driver without llguidance's work). "
-            "Host llguidance: masks filled and tokens taken, per 16 tokens.", "", *rows, ""]))
+            "Host llguidance: masks filled and tokens taken, per 16 tokens. Device idle: the share of constrained "
+            "steps whose forward had finished when their masks were ready (the device waited on the host).", "",
+            *rows, ""]))
 
 
 def memory(tree: str | None) -> None:
