@@ -205,10 +205,10 @@ def engine_table(model, repeats: int, n_requests: int = 24, new: int = 128) -> t
     for m, mm in each_mode(model, loops, ("full", "last", "ring:2", "avg")):
         if budget is None:  # (the full mode's: 4 rows of the whole context beside the request rows)
             with tl.Engine(mm, max_batch=n_requests, memory_budget=None) as probe:
-                b = probe.batcher
+                b = probe.budget
                 budget = b.rows_nbytes() + 4 * -(-c.max_seq_len // P) * b.page_nbytes(loops)
         with tl.Engine(mm, max_batch=n_requests, memory_budget=budget, prefill_chunk=64) as engine:
-            b = engine.batcher
+            b = engine.budget
             n = b.pool_pages(loops)
             speeds, mean_rows = [], 0.0
             for temperature in (0.0, 0.8):

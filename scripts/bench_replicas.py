@@ -174,7 +174,7 @@ def pool_pages_for(model, max_batch: int, prompt_pages: int, tail_pages: int, ro
     try:
         loops = model.weights.config.default_loops
         pages = keep * prompt_pages + rows * tail_pages
-        return e.batcher.rows_nbytes() + pages * e.batcher.page_nbytes(loops), pages
+        return e.budget.rows_nbytes() + pages * e.budget.page_nbytes(loops), pages
     finally:
         e.close()
 

@@ -251,8 +251,8 @@ def test_engine_keeps_local_layers_to_their_window(golden, monkeypatch):
     answer, another that takes back the first one's idle slots, a chat's next turn (its last
     window still held) and a prompt sharing the first one's start (whose window lost its slots:
     recomputed) equal `generate`."""
-    from tinyloop_jax.serving.batcher import Batcher
-    monkeypatch.setattr(Batcher, "local_slots", lambda self, n: min(n, self.max_batch * self.credits(n) + 2))
+    from tinyloop_jax.serving.budget import Budget
+    monkeypatch.setattr(Budget, "local_slots", lambda self, n: min(n, self.max_batch * self.credits(n) + 2))
     m = tl.Model.from_pretrained(TINY, kv_mode="fp16", dtype="float32")
     p = golden["prompt_40"]
     with tl.Engine(m, max_batch=2, prefill_chunk=16) as eng:
@@ -294,8 +294,8 @@ def test_local_slots_under_speculation_and_exits(monkeypatch):
     """A looped Gemma's local layer (its pre block, window 6) in scarce local slots: speculative
     rounds (written ahead, rolled back) and adaptive exits beside a plain row, past the window
     many times over, equal `generate`."""
-    from tinyloop_jax.serving.batcher import Batcher
-    monkeypatch.setattr(Batcher, "local_slots", lambda self, n: min(n, self.max_batch * self.credits(n, 3) + 2))
+    from tinyloop_jax.serving.budget import Budget
+    monkeypatch.setattr(Budget, "local_slots", lambda self, n: min(n, self.max_batch * self.credits(n, 3) + 2))
     m = tl.Model.random(tl.ModelConfig(**LOOPED, kv_mode="fp32"), seed=3)
     rng = np.random.default_rng(6)
     work = [(rng.integers(0, 96, 21), dict(max_tokens=80, draft_loops=1, lookahead=3)),

@@ -328,14 +328,14 @@ def test_pass_slots_taken_back_leave_the_pages_compact_and_prompts_recomputed(ba
     than a budget holds is refused with the numbers."""
     model, share = shared(base, "last"), KS.parse("last")
     with tl.Engine(model, max_batch=4, memory_budget=None) as probe:
-        b = probe.batcher
+        b = probe.budget
         budget = b.rows_nbytes() + b.pages_nbytes(4, 24)  # 24 pages, 9 pass slots (one 128-token prompt's + 1)
         small = b.rows_nbytes() + b.pages_nbytes(4, 6)  # 6 pages, 6 pass slots
     others = [[int(x) for x in np.random.default_rng(s).integers(1, 120, 60)] for s in (1, 2)]
     order = [LONG] + others + [LONG[:40] + [3, 4, 5]]
     want = [naive(base, share, p, 4, 8) for p in order]
     with tl.Engine(model, prefill_chunk=16, max_batch=4, memory_budget=budget) as engine:
-        assert engine.batcher.pool_pages(4) == 24 and engine.batcher.prompt_slots(24) == 9
+        assert engine.budget.pool_pages(4) == 24 and engine.budget.prompt_slots(24) == 9
         got = [engine.generate(p, max_tokens=8, loops=4)[len(p):] for p in order]
         s = engine.stats()
         assert got == want
@@ -351,7 +351,7 @@ def test_a_compact_budget_holds_more_pages(base):
     whole-context prompt's)."""
     budget = 1 << 20
     with tl.Engine(base, memory_budget=budget) as full, tl.Engine(shared(base, "last"), memory_budget=budget) as last:
-        f, c = full.batcher, last.batcher
+        f, c = full.budget, last.budget
         room = budget - f.rows_nbytes()
         assert f.pool_pages(4) == room // f.page_nbytes(4)
         n = c.pool_pages(4)

@@ -349,7 +349,7 @@ def test_the_auto_budget_scales_with_what_is_free(monkeypatch):
     with tl.Engine(model, max_batch=64) as eng:
         assert eng.memory_budget == 4 * gib > 256 << 20
         cap = eng.capacity()
-        b = eng.batcher
+        b = eng.budget
         assert cap["pages"] == b.pool_pages(3) == b.max_pages() and cap["tokens"] == cap["pages"] * 16
         assert cap["rows"] == 64 and eng.stats()["budget_tokens"] == cap["tokens"]
     monkeypatch.setattr(E, "free_bytes", lambda: 1 << 20)  # (nearly nothing free: still one request)

@@ -252,7 +252,7 @@ def _serve_replicas(args, edge: dict) -> None:
     from .serving.engine import Engine
 
     sized = Engine(model, max_batch=args.max_batch, memory_budget=args.memory_budget, max_loops=max_loops)
-    pages = sized.batcher.pool_pages(c["default_loops"])  # (what each replica's pool holds: the router's bound)
+    pages = sized.budget.pool_pages(c["default_loops"])  # (what each replica's pool holds: the router's bound)
     _say_budget(sized, args, "each replica's ")  # (auto: as this process measures what is free)
     sized.close()
     ray.init(address=args.ray_address, include_dashboard=False)

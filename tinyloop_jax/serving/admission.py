@@ -30,14 +30,15 @@ class Admission:
         slot = next((i for i in range(self.max_batch) if i not in d.rows), None)
         if slot is None:
             return False
-        need = self.need_pages(n, max_tokens + (h.speculation.lookahead if h.speculation else 0))
-        credits = self.credits(need, h.speculation.lookahead if h.speculation else 0, n if h.in_prefill else None)
+        ahead = h.speculation.lookahead if h.speculation else 0
+        need = self.budget.need_pages(n, max_tokens + ahead)
+        credits = self.budget.credits(need, ahead, n if h.in_prefill else None)
         if need > d.book.n_pages or (d.book.local is not None and credits + 1 > d.book.local.n_slots):
             if d.rows:
                 return False
             raise MemoryBudgetError(f"a request of {n} + {max_tokens} tokens needs {need} pages; the pool at "
                                     f"loops={h.loops} holds {d.book.n_pages} within memory_budget="
-                                    f"{self.memory_budget} bytes")
+                                    f"{self.budget.memory_budget} bytes")
         # at least the last token is computed (its logits); a prompt that may exit is computed whole
         # (one chunk exiting as a whole) and shares no pages: its K/V depend on where it exited
         share = self.prefix_cache and not h.in_prefill
@@ -83,14 +84,14 @@ class Admission:
         if d.book.local is not None:  # the tail's slot first (its copy's source), then the first window
             if tail is not None:
                 d.book.local.hold(tail[0])
-            self._window(d, row, len(shared) * self.page_size + (tail[1] if tail else 0), 1)
+            d.window(row, len(shared) * self.page_size + (tail[1] if tail else 0), 1)
         if d.compact:  # the tail's pass slot first (its copy's source), then the prompt's pages'
             if tail is not None:
                 d.book.prompts.hold(tail[0])
-            self._hold_passes(d, row, row.pages[:n_prompt])
+            d.hold_passes(row, row.pages[:n_prompt])
         if tail is not None:  # a partial page that begins the rest: copied, then continued
             try:
-                self._sync(d)
+                d.sync()
                 d.pool = self._run(("copy", d.loops), self.jits(d.loops)["copy_pages"], d.pool,
                                    np.asarray([tail[0]], np.int32), np.asarray([own[0]], np.int32))
             except Exception as e:
@@ -170,7 +171,7 @@ class Admission:
         full = min(k, len(prompt) - 1) // self.page_size
         if entry is None or full <= len(shared) or entry.cache.kv_mode != self.cfg.storage:
             return shared
-        P, W = self.page_size, self.local_window
+        P, W = self.page_size, self.budget.local_window
         if entry.cache.rings and (d.book.local is None or not kvc.holds(entry.cache, full * P, 0, W)):
             return shared  # its local layers hold only the last window of a longer prompt
         first = max(0, full * P - W + 1) // P  # the first page the first query's window reads
@@ -196,7 +197,7 @@ class Admission:
         R = pow2(len(pages), MIN_TABLE)
         table = np.zeros((R,), np.int32)
         table[:len(pages)] = pages
-        self._sync(d)
+        d.sync()
         d.pool = self._run(("load", d.loops, entry.cache.capacity, R), self.jits(d.loops)["load_segment"], d.pool,
                            entry.cache, table, np.int32(len(shared) * P), np.int32(full * P))
         for p in window:  # idle now, their K/V kept: the request holds them again at once

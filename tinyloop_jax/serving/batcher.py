@@ -16,10 +16,11 @@ Memory: every depth's pool and request rows count against one `memory_budget`; a
 first evicts idle depths (least recently used), and a request waits while busy depths hold
 the room (or fails with `MemoryBudgetError` when nothing can free it).
 
-Its rooms, one module each over the batcher's one state: `budget` (sizes and memory),
-`admission` (`place`), `reading` (a step's tokens back, the stop the step found; speculative
-rounds), `plan` (the programs' shapes and warmup), `depth` (`Depth`, `Row`); here the depths,
-local slots, one iteration's dispatch and leaving.
+Its rooms: `Budget` (sizes and memory, a value) and `Plan` (the programs' shapes and warmup, over
+the budget), objects it holds; `Depth` (a depth's pool, book and rows, and the local and pass
+slots its rows hold) and `Row`; `admission` (`place`) and `reading` (a step's tokens back, the
+stop the step found; speculative rounds), modules over its state. Here: the depths, one
+iteration's dispatch and leaving.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import collections
 from typing import Callable
 
-import jax
 import numpy as np
 
 from . import step as S
@@ -38,12 +38,11 @@ from .depth import Depth, Row
 from .handles import Handle, MemoryBudgetError
 from .plan import MIN_TABLE, Plan, batch_buckets, pow2
 from .reading import Reading
-from ..api.pages import PageBook
 from ..model import page_pool
 from ..model.cache import bucket
 
 
-class Batcher(Budget, Admission, Reading, Plan):
+class Batcher(Admission, Reading):
     """Request rows of every depth over one model. max_batch: request rows per depth (and the
     decode group's largest bucket); chunk: prompt tokens per step; page_size: tokens per page;
     memory_budget: bytes for every depth's pool and rows (None: each pool holds max_batch rows
@@ -55,13 +54,15 @@ class Batcher(Budget, Admission, Reading, Plan):
                  on_first_token: Callable[[Handle], None], memory_budget: int | None = None, overlap: bool = True,
                  max_depths: int = 8, page_size: int = page_pool.PAGE_SIZE, prefix_cache: bool = True, store=None,
                  decode_steps: int = 1):
-        self.model, self.max_batch, self.chunk = model, max_batch, bucket(chunk)
+        self.model, self.cfg, self.max_batch, self.chunk = model, model.weights.config, max_batch, bucket(chunk)
         self.decode_steps = decode_steps  # decode steps per dispatch when no prompt waits
+        self.budget = Budget(self.cfg, max_batch, self.chunk, page_size, memory_budget, decode_steps)
+        self.plan = Plan(model, self.budget)
         self.waiting = False  # requests wait in the engine's queue (set by the engine each iteration)
         self.prefix_cache = prefix_cache  # False: no prompt reads another's pages
         self.store = store  # a PrefixStore whose entries are loaded into pages when they serve a prompt
         self.stats, self._on_first_token = stats, on_first_token
-        self.memory_budget, self.overlap, self.page_size = memory_budget, overlap, page_size
+        self.overlap, self.page_size = overlap, page_size
         self.max_depths = max_depths
         self.depths: dict[int, Depth] = {}
         self._jits: dict[int, compiled.Programs] = {}  # loops -> its programs (`compiled.programs`), dropped with it
@@ -85,7 +86,8 @@ class Batcher(Budget, Admission, Reading, Plan):
         depths fit. False: they do not, with every idle depth gone."""
         def full():
             over = len(self.depths) + depths > self.max_depths
-            return over or (self.memory_budget is not None and self.memory_bytes() + extra > self.memory_budget)
+            budget = self.budget.memory_budget
+            return over or (budget is not None and self.budget.memory_bytes(self.depths.values()) + extra > budget)
         while full():
             idle = [d for d in self.depths.values() if not d.rows and d.loops != keep]
             if not idle:
@@ -112,77 +114,22 @@ class Batcher(Budget, Admission, Reading, Plan):
         d = self.depths.get(loops)
         if d is not None:
             return d
-        need = self.depth_nbytes(loops)
+        b = self.budget
+        need = b.depth_nbytes(loops)
         if not self._evict_idle(need, None, 1):
             if not self.busy():
                 raise MemoryBudgetError(f"a pool at loops={loops} ({need / 2**20:.2f} MiB) does not fit "
-                                        f"memory_budget={self.memory_budget} bytes beside the depths that stay; lower "
+                                        f"memory_budget={b.memory_budget} bytes beside the depths that stay; lower "
                                         "loops, or raise the budget")
             self.stats["memory_waits"] += 1
             return None
-        n_pages = self.pool_pages(loops)
-        jits = self.jits(loops)
-        pool = self.empty_pool(loops, n_pages, jits.empty_pool)
-        book = PageBook(n_pages, self.page_size, self.local_slots(n_pages) if self.local else None, self.local_window,
-                        self.prompt_slots(n_pages))
-        d = Depth(loops, self.model.exit_for(loops), pool, book, self._empty_rows(jits.requests_of))
+        n_pages, jits = b.pool_pages(loops), self.jits(loops)
+        d = Depth(loops, self.model.exit_for(loops), b.empty_pool(loops, n_pages, jits.empty_pool), b.book(n_pages),
+                  b.empty_rows(jits.requests_of))
         self.depths[loops] = d
         return d
 
-    # ---- local slots ---------------------------------------------------------------------------
-
-    def _window(self, d: Depth, r: Row, q0: int, T: int) -> None:
-        """Row r's next program queries positions q0 .. q0 + T - 1: its local slots follow its
-        window there (pages wholly before it are dropped: no later query of the row reads them)."""
-        if d.book.local is None:
-            return
-        P = self.page_size
-        first, last = max(0, q0 - self.local_window + 1) // P, min((q0 + T - 1) // P, len(r.pages) - 1)
-        for i in sorted(i for i in r.held if i < first):
-            d.book.local.drop(r.pages[i])
-            r.held.discard(i)
-        for i in range(first, last + 1):
-            if i not in r.held:
-                d.book.local.hold(r.pages[i])
-                r.held.add(i)
-
-    def _unhold(self, d: Depth, r: Row) -> None:
-        """Row r's slots and credits back (it leaves)."""
-        if d.book.local is None or r.credits == 0:
-            return
-        for i in r.held:
-            d.book.local.drop(r.pages[i])
-        r.held.clear()
-        d.book.local.unpromise(r.credits)
-        r.credits = 0
-
-    def _sync(self, d: Depth) -> None:
-        """The device's page -> slot maps brought up to the book's (local and pass slots)."""
-        local, prompts = d.book.local, d.book.prompts
-        if local is not None and local.changed:
-            d.pool = d.pool.replace(slot_of=jax.device_put(np.asarray(local.slot, np.int32)))
-            local.changed = False
-        if prompts is not None and prompts.changed:
-            d.pool = d.pool.replace(aside_of=jax.device_put(np.asarray(prompts.slot, np.int32)))
-            prompts.changed = False
-
     # ---- pass slots (a compact kv_share) -----------------------------------------------------
-
-    def _hold_passes(self, d: Depth, r: Row, pages: list) -> None:
-        """Row r's prompt pages get pass slots (against credits promised at admission)."""
-        for p in pages:
-            d.book.prompts.hold(p)
-        r.passes = list(pages)
-
-    def _drop_passes(self, d: Depth, r: Row) -> None:
-        """Row r's pass slots back (its prompt ended, or it left): idle, their K/V kept for
-        later prompts that read its pages, until another prompt needs the slot."""
-        if not r.passes:
-            return
-        for p in r.passes:
-            d.book.prompts.drop(p)
-        d.book.prompts.unpromise(len(r.passes))
-        r.passes = []
 
     def _collapse(self, d: Depth, r: Row) -> None:
         """Row r's prompt is done: its pages' compact loop layers filled from their pass slots
@@ -192,7 +139,15 @@ class Batcher(Budget, Admission, Reading, Plan):
         pages[:n] = r.passes
         d.pool = self._run(("collapse", d.loops, len(pages)), self.jits(d.loops)["collapse_pages"], d.pool, pages,
                            loops=d.loops)
-        self._drop_passes(d, r)
+        d.drop_passes(r)
+
+    def warmup(self, loops: int, adaptive: bool = False, speculation=(), grammar: bool = False) -> int:
+        """Compile every program of a depth's steps (`Plan.warmup`); returns how many were new."""
+        new = self.plan.warmup(loops, self.jits(loops), self.programs, self.store, loops not in self.depths, adaptive,
+                               speculation, grammar)
+        self.programs |= new
+        self.warm = True
+        return len(new)
 
     def _run(self, key: tuple, program, *args, **kw):
         if key not in self.programs:
@@ -240,12 +195,12 @@ class Batcher(Budget, Admission, Reading, Plan):
                 chunk is not None and not d.adaptive and not chunk[0].handle.in_prefill)
             burst = chunk is None  # decode rows alone: 1 step or a burst (nothing to admit: n in one program)
             many = self.decode_steps if burst and not self.waiting and not masked else 1
-            R = self.table_len(max(lengths) + many - 1)
+            R = self.plan.table_len(max(lengths) + many - 1)
             chunks = decodes = None
             T = bd = 0
             if chunk is not None:
                 r, n, final = chunk
-                T = bucket(n) if r.handle.in_prefill else next(t for t in self.chunk_sizes() if t >= n)
+                T = bucket(n) if r.handle.in_prefill else next(t for t in self.plan.chunk_sizes() if t >= n)
                 chunks = S.make_chunks([r.pages], [r.handle.prompt[r.fed:r.fed + n]], [r.fed], [r.slot], [final], T,
                                        R, 1, [r.handle.cache_window],
                                        self._masks([r.handle.matcher if final else None], 1) if masked else None)
@@ -259,10 +214,10 @@ class Batcher(Budget, Admission, Reading, Plan):
                                          self._masks([r.handle.matcher for r in decoding], bd)
                                          if masked and not (piped and chunk is None) else None)
             if chunk is not None:
-                self._window(d, chunk[0], chunk[0].fed, chunk[1])
+                d.window(chunk[0], chunk[0].fed, chunk[1])
             for r, q in zip(decoding, starts if decodes is not None else ()):
-                self._window(d, r, q, many)
-            self._sync(d)
+                d.window(r, q, many)
+            d.sync()
             w, jits = self.model.weights, self.jits(d.loops)
             dtok = passes = cdepth = None
             exits = chunk is not None and chunk[0].handle.in_prefill
@@ -376,9 +331,9 @@ class Batcher(Budget, Admission, Reading, Plan):
                 # them (a compact kv_share keeps output compact only, which no prompt reads: its prompt alone)
                 d.book.insert(list(r.handle.prompt) + r.handle.tokens[:-1], r.pages, partial=True,
                               ns=self.namespace(r.handle))
-            self._unhold(d, r)
+            d.unhold(r)
             if d.compact:
-                self._drop_passes(d, r)
+                d.drop_passes(r)
             d.book.release(r.pages)
         if r in d.prefilling:
             d.prefilling.remove(r)
@@ -417,7 +372,8 @@ class Batcher(Budget, Admission, Reading, Plan):
         self._jits.clear()
 
     def snapshot(self) -> dict:
-        return dict(self.stats, running=self.running(), depths_held=len(self.depths), memory_bytes=self.memory_bytes(),
+        return dict(self.stats, running=self.running(), depths_held=len(self.depths),
+                    memory_bytes=self.budget.memory_bytes(self.depths.values()),
                     programs=len(self.programs), compiles_after_warmup=self.compiles_after_warmup,
                     depths={loops: dict(c) for loops, c in self.depth_counts.items()},
                     pages={loops: dict(total=d.book.n_pages, free=d.book.free, cached=d.book.cached(),

@@ -1,6 +1,6 @@
 """The engine's sizes and memory: a page's and a depth's bytes, the pages a depth's pool holds
-within the memory budget, a request's pages, the local slots and pass slots beside them. A base of `Batcher`
-(its fields: model, max_batch, chunk, page_size, memory_budget, decode_steps, depths).
+within the memory budget, a request's pages, the local slots and pass slots beside them
+(`Budget`, a value of the engine's sizes; the `Batcher` holds one).
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import jax
 
 from . import step as S
 from ..decoding import step as St
+from ..api.pages import PageBook
 from ..model import page_pool
 
 PASS_SHARE = 4  # a compact kv_share's pages per pass slot (`Budget.prompt_slots`)
@@ -24,11 +25,15 @@ DEFAULT_KV_MEMORY = 256 << 20
 
 
 class Budget:
-    """Sizes of the engine's pools and rows (`Batcher` holds the fields it reads)."""
+    """Sizes of the engine's pools and rows, from the model's config and the engine's sizes:
+    max_batch request rows per depth, chunk prompt tokens a step, page_size tokens a page,
+    memory_budget bytes for every depth's pool and rows (None: each pool holds max_batch rows at
+    the whole context; "auto" is resolved before: `auto_budget`), decode_steps steps a burst."""
 
-    @property
-    def cfg(self):
-        return self.model.weights.config
+    def __init__(self, cfg, max_batch: int, chunk: int, page_size: int, memory_budget: int | None,
+                 decode_steps: int = 1):
+        self.cfg, self.max_batch, self.chunk, self.page_size = cfg, max_batch, chunk, page_size
+        self.memory_budget, self.decode_steps = memory_budget, decode_steps
 
     def page_nbytes(self, loops: int, layers: int | None = None) -> int:
         """Bytes of a page (of `layers` of its cache layers; default every layer on the pages: a
@@ -72,7 +77,7 @@ class Budget:
         """Local slots beside n_pages pages: half as many, and at least every row's window."""
         return min(n_pages, max(n_pages // 2, self.max_batch * self.credits(n_pages)))
 
-    def _empty_rows(self, make=None) -> S.Requests:
+    def empty_rows(self, make=None) -> S.Requests:
         """A depth's request rows, by `make` (a depth's `requests_of` program; None: the function,
         for shapes)."""
         c = self.cfg
@@ -81,7 +86,7 @@ class Budget:
     def rows_nbytes(self) -> int:
         """Bytes of a depth's request rows (`step.Requests`)."""
         if not hasattr(self, "_rows_nbytes"):
-            shapes = jax.eval_shape(self._empty_rows)
+            shapes = jax.eval_shape(self.empty_rows)
             self._rows_nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
         return self._rows_nbytes
 
@@ -120,8 +125,14 @@ class Budget:
         return make(self.cfg, loops, n_pages, self.page_size, None, self.local_slots(n_pages) if self.local else None,
                     self.prompt_slots(n_pages))
 
-    def memory_bytes(self) -> int:
-        return sum(d.pool.nbytes + self.rows_nbytes() for d in self.depths.values())
+    def book(self, n_pages: int) -> PageBook:
+        """The `PageBook` of a depth's pool of n_pages pages, with its local and pass slots."""
+        return PageBook(n_pages, self.page_size, self.local_slots(n_pages) if self.local else None, self.local_window,
+                        self.prompt_slots(n_pages))
+
+    def memory_bytes(self, depths) -> int:
+        """Bytes the depths (`Depth`s) hold: their pools and rows."""
+        return sum(d.pool.nbytes + self.rows_nbytes() for d in depths)
 
 
 def auto_budget(free: int | None, backend: str, floor: int) -> int:

@@ -1,10 +1,13 @@
-"""What the batcher keeps per depth (`Depth`: its pool, `PageBook`, request rows) and per
-request (`Row`: its request row, pages and progress)."""
+"""What the batcher keeps per depth (`Depth`: its pool, `PageBook`, request rows, and the local
+and pass slots its rows hold) and per request (`Row`: its request row, pages and progress)."""
 
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
+
+import jax
+import numpy as np
 
 from . import step as S
 from .handles import Handle
@@ -46,3 +49,59 @@ class Depth:
     def compact(self) -> bool:
         """Its pool keeps the loop layers compact (a `kv_share` other than full), prompts in pass slots."""
         return self.book.prompts is not None
+
+    # ---- local slots (a model with windowed layers: `PagedKV.local`) ----------------------------
+
+    def window(self, r: Row, q0: int, T: int) -> None:
+        """Row r's next program queries positions q0 .. q0 + T - 1: its local slots follow its
+        window there (pages wholly before it are dropped: no later query of the row reads them)."""
+        local = self.book.local
+        if local is None:
+            return
+        P = self.book.page_size
+        first, last = max(0, q0 - self.book.window + 1) // P, min((q0 + T - 1) // P, len(r.pages) - 1)
+        for i in sorted(i for i in r.held if i < first):
+            local.drop(r.pages[i])
+            r.held.discard(i)
+        for i in range(first, last + 1):
+            if i not in r.held:
+                local.hold(r.pages[i])
+                r.held.add(i)
+
+    def unhold(self, r: Row) -> None:
+        """Row r's slots and credits back (it leaves)."""
+        if self.book.local is None or r.credits == 0:
+            return
+        for i in r.held:
+            self.book.local.drop(r.pages[i])
+        r.held.clear()
+        self.book.local.unpromise(r.credits)
+        r.credits = 0
+
+    def sync(self) -> None:
+        """The device's page -> slot maps brought up to the book's (local and pass slots)."""
+        local, prompts = self.book.local, self.book.prompts
+        if local is not None and local.changed:
+            self.pool = self.pool.replace(slot_of=jax.device_put(np.asarray(local.slot, np.int32)))
+            local.changed = False
+        if prompts is not None and prompts.changed:
+            self.pool = self.pool.replace(aside_of=jax.device_put(np.asarray(prompts.slot, np.int32)))
+            prompts.changed = False
+
+    # ---- pass slots (a compact kv_share) -----------------------------------------------------
+
+    def hold_passes(self, r: Row, pages: list) -> None:
+        """Row r's prompt pages get pass slots (against credits promised at admission)."""
+        for p in pages:
+            self.book.prompts.hold(p)
+        r.passes = list(pages)
+
+    def drop_passes(self, r: Row) -> None:
+        """Row r's pass slots back (its prompt ended, or it left): idle, their K/V kept for
+        later prompts that read its pages, until another prompt needs the slot."""
+        if not r.passes:
+            return
+        for p in r.passes:
+            self.book.prompts.drop(p)
+        self.book.prompts.unpromise(len(r.passes))
+        r.passes = []

@@ -122,8 +122,9 @@ class Engine:
         # the batch side, on the loop thread only (other threads read its published `_view`)
         self.batcher = Batcher(model, max_batch, prefill_chunk, collections.Counter(), self._first_token,
                                memory_budget, overlap, max_depths, page_size, prefix_cache, store, decode_steps)
+        self.budget = self.batcher.budget  # the sizes (`Budget`): pages, bytes, what fits
         if auto:
-            b = self.batcher
+            b = self.budget
             one = b.need_pages(min(AUTO_REQUEST_TOKENS, c.max_seq_len), 0)
             floor = b.rows_nbytes() + b.pages_nbytes(c.default_loops, one)
             self.memory_budget = b.memory_budget = auto_budget(free_bytes(), jax.default_backend(), floor)
@@ -182,7 +183,7 @@ class Engine:
             raise RuntimeError(f"prompt + max_tokens{' + lookahead' if ahead else ''} is "
                                f"{len(prompt) + params.max_tokens + ahead} tokens, longer than "
                                f"max_seq_len={c.max_seq_len}")
-        b = self.batcher
+        b = self.budget
         need, have = b.need_pages(len(prompt), params.max_tokens + ahead), b.pool_pages(loops)
         slots = b.prompt_slots(have)  # (a compact kv_share: the prompt's pages in pass slots, + a partial page)
         if slots is not None and b.need_pages(len(prompt), 0) + 1 > slots:
@@ -218,7 +219,7 @@ class Engine:
         """What the memory budget holds at `loops` (default: the model's depth): the budget's
         bytes, the pages and tokens of that depth's pool, and how many requests of
         `AUTO_REQUEST_TOKENS` tokens fit at once (at most max_batch)."""
-        b, loops = self.batcher, self.model.weights.config.default_loops if loops is None else loops
+        b, loops = self.budget, self.model.weights.config.default_loops if loops is None else loops
         pages = b.pool_pages(loops)
         one = b.need_pages(min(AUTO_REQUEST_TOKENS, self.model.weights.config.max_seq_len), 0)
         return dict(memory_budget=self.memory_budget, loops=loops, pages=pages, tokens=pages * b.page_size,

@@ -1,5 +1,6 @@
 """The step plan: the shapes a depth's step programs take (decode rows, chunk length, page-table
-length), from which warmup compiles every program ahead of time. A base of `Batcher`.
+length), from which warmup compiles every program ahead of time (`Plan`, over the engine's
+`Budget`; the `Batcher` holds one and picks its steps' shapes from it).
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class Plan:
-    """The shapes of a depth's programs and their warmup (`Batcher`'s base)."""
+    """The shapes of a depth's programs and their warmup, for `model` within `budget`."""
+
+    def __init__(self, model, budget):
+        self.model, self.budget = model, budget
+        self.cfg, self.page_size, self.max_batch = budget.cfg, budget.page_size, budget.max_batch
 
     def table_len(self, positions: int) -> int:
         """Page-table entries of a step whose longest row holds `positions`: the whole context's
@@ -49,27 +54,31 @@ class Plan:
         """A prompt chunk's padded lengths: 32 and the whole chunk (a question after a cached
         system prompt pays for 32 tokens, a longer rest for the chunk: each length is a program
         for every decode bucket, so few lengths keep warmup short)."""
-        return sorted({min(32, self.chunk), self.chunk})
+        chunk = self.budget.chunk
+        return sorted({min(32, chunk), chunk})
 
-    def warmup(self, loops: int, adaptive: bool = False, speculation=(), grammar: bool = False) -> int:
-        """Compile every program of a depth's steps (ahead of time: nothing is allocated or run,
-        so any thread may call it while the loop serves); returns how many were new. adaptive:
+    def warmup(self, loops: int, jits, known: set, store=None, fresh: bool = True, adaptive: bool = False,
+               speculation=(), grammar: bool = False) -> set:
+        """Compile every program of a depth's steps by its `jits` (ahead of time: nothing is
+        allocated or run, so any thread may call it while the loop serves); returns the keys of
+        those not in `known` (compiled now). fresh: also the depth's pool and rows (made on its
+        first request); store: the loads of its entries at this depth. adaptive:
         also the adaptive-depth programs (a prompt's chunk alone, the decode rows' adaptive
         steps, a prompt exiting in prefill at every length bucket); speculation: also the
         speculative rounds of these (draft_loops, lookahead) pairs; grammar: also the programs
         a decode-only step with a structured-output row runs (its forward and choice apart;
         adaptive: one masked step). A prompt chunk beside decode rows always takes masks."""
-        w, c, P = self.model.weights, self.cfg, self.page_size
-        n_pages = self.pool_pages(loops)
-        pool = jax.eval_shape(lambda: self.empty_pool(loops, n_pages))
+        w, c, P, b = self.model.weights, self.cfg, self.page_size, self.budget
+        n_pages = b.pool_pages(loops)
+        pool = jax.eval_shape(lambda: b.empty_pool(loops, n_pages))
         compact = not c.share.full  # prompts on the pass slots (a chunk alone: `page_pool.swap`), then collapsed
         prompts = page_pool.swap(pool) if compact else pool
-        state = jax.eval_shape(self._empty_rows)
-        jits, exit = self.jits(loops), self.model.exit_for(loops)
+        state = jax.eval_shape(b.empty_rows)
+        exit = self.model.exit_for(loops)
         new = set()
 
         def compile_(key, program, *args, **kw):
-            if key not in self.programs and key not in new:
+            if key not in known and key not in new:
                 program.lower(*args, **kw).compile()
                 new.add(key)
 
@@ -93,7 +102,7 @@ class Plan:
                         decodes = S.make_decodes([], [], [], [], R, bd, left=[], mask=mask(bd, m))
                         compile_(("steps", loops, bd, R, kind) + ((m,) if m else ()), jits["decode_steps"], w.params,
                                  c, pool, state, decodes, np.int32(1), loops=loops,
-                                 n_max=1 if m else self.decode_steps, exit=exit, adaptive=kind)
+                                 n_max=1 if m else b.decode_steps, exit=exit, adaptive=kind)
                 for d, k in speculation:  # a speculative round (one program per lookahead: the draft depth is traced)
                     for m in masks:  # (with a grammar: the drafts' masks asked of the host, `Reading._speculate`)
                         decodes = S.make_decodes([], [], [], [], R, bd, left=[], mask=mask(bd, m))
@@ -122,15 +131,13 @@ class Plan:
         whole = -(-c.max_seq_len // P)
         for n in sorted({pow2(k, MIN_TABLE) for k in range(1, whole + 1)}) if compact else ():  # a prompt's end
             compile_(("collapse", loops, n), jits["collapse_pages"], pool, np.zeros((n,), np.int32), loops=loops)
-        if loops not in self.depths:  # the depth's pool and rows, made on its first request
+        if fresh:  # the depth's pool and rows, made on its first request
             compile_(("pool", loops, n_pages), jits["empty_pool"], c, loops, n_pages, P, None,
-                     self.local_slots(n_pages) if self.local else None, self.prompt_slots(n_pages))
-            self._empty_rows(lambda *a, **kw: compile_(("rows", loops), jits["requests_of"], *a, **kw))
-        if self.store is not None and self.store.loops == loops:  # loads of the store's entries
-            for e in (e for e in self.store.entries() if self.local or not e.cache.rings):
+                     b.local_slots(n_pages) if b.local else None, b.prompt_slots(n_pages))
+            b.empty_rows(lambda *a, **kw: compile_(("rows", loops), jits["requests_of"], *a, **kw))
+        if store is not None and store.loops == loops:  # loads of the store's entries
+            for e in (e for e in store.entries() if b.local or not e.cache.rings):
                 R = pow2(-(-len(e.prompt) // P), MIN_TABLE)
                 compile_(("load", loops, e.cache.capacity, R), jits["load_segment"], pool, e.cache,
                          np.zeros((R,), np.int32), np.int32(0), np.int32(0))
-        self.programs |= new
-        self.warm = True
-        return len(new)
+        return new

@@ -32,7 +32,7 @@ class Reading:
         for spec, rows in groups.items():
             k = spec.lookahead
             starts = [r.fed + len(r.handle.tokens) - 1 for r in rows]  # where the last token is fed
-            R = self.table_len(max(starts) + k + 1)
+            R = self.plan.table_len(max(starts) + k + 1)
             bd = next(b for b in batch_buckets(self.max_batch) if b >= len(rows))
             left = [r.handle.params.max_tokens - len(r.handle.tokens) for r in rows]
             # structured output: the first position's masks from the matchers (which took every token
@@ -43,8 +43,8 @@ class Reading:
                                      [len(r.handle.tokens) for r in rows], R, bd, [r.handle.cache_window for r in rows],
                                      left, None if call is None else G.fill_masks(matchers, self.cfg.vocab_size))
             for r, q in zip(rows, starts):
-                self._window(d, r, q, k + 1)
-            self._sync(d)
+                d.window(r, q, k + 1)
+            d.sync()
             w = self.model.weights
             try:
                 got, d.pool, d.state = self._run(
