@@ -7,7 +7,7 @@ engine's programs (`compiled.SHARED`: the step body of `step.py`) over the call'
                 after it); the pool holds nothing else and lives for the call
     rows        the call's request rows (`step.requests_of`: knobs, seen tokens, exit rules)
     prefill     the suffixes as the step's chunk group [N, T] (`prefill`: `step.step`, or with
-                exit_in_prefill `step.chunk_adaptive`, each prompt exiting as a whole); each
+                exit_in_prefill `step.step(in_prefill=True)`, each prompt exiting as a whole); each
                 row's first token chosen in the step that ends its prompt
     decode      `decode`: the engine's step body's `step.decode_steps` over the call's rows in
                 order, one `lax.while_loop` of decode steps [N, 1] (plain or adaptive) or of
@@ -144,7 +144,7 @@ def prefill(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: St
     `chunk` tokens of each a step (0: each whole); their first tokens chosen in the step that
     ends them (a row with no suffix: from the prefix's prior_logits [V]). adaptive: the passes
     each prompt ran are kept (every pass, or with `exits` each prompt one chunk exiting as a
-    whole at its row's exit rule, `step.chunk_adaptive`); windows [N]: each row's cache_window;
+    whole at its row's exit rule, `step.step(in_prefill=True)`); windows [N]: each row's cache_window;
     masks [N, W]: the tokens each row's first may be (structured output; None: any)."""
     N = len(suffixes)
     lens = np.array([len(x) for x in suffixes], np.int32)
@@ -163,12 +163,11 @@ def prefill(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: St
             tokens[i, :n_new[i]] = x[at:at + n_new[i]]
         chunks = St.Chunks(paged.Rows(tables, np.full((N,), prefix_len + at, np.int32), n_new, windows), tokens, None,
                            final, masks)
+        got, _, pool, state = (SHARED.step(params, cfg, pool, state, chunks, None, loops=loops, in_prefill=True)
+                               if exits else SHARED.step(params, cfg, pool, state, chunks, None, loops=loops, exit=exit,
+                                                         window=window))
         if exits:
-            got, d, pool, state = SHARED.chunk_adaptive(params, cfg, pool, state, chunks, loops=loops)
-            depth = jnp.where(jnp.asarray(final), d, depth)
-        else:
-            got, _, pool, state = SHARED.step(params, cfg, pool, state, chunks, None, loops=loops, exit=exit,
-                                              window=window)
+            depth = jnp.where(jnp.asarray(final), got.passes, depth)
         live = jnp.asarray(final)
         first = got.tokens if first is None else jnp.where(live, got.tokens, first)
         stop = got.stops if stop is None else jnp.where(live, got.stops, stop)

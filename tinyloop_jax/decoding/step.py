@@ -56,10 +56,11 @@ class Requests:
 @struct.dataclass
 class Emitted:
     """Tokens a program chose, and for each the stop sequence it ended (an index into its
-    request's stop_sequences; -1: none)."""
+    request's stop_sequences; -1: none); a prompt that exited as a whole: the passes it ran."""
 
     tokens: Annotated[jax.Array, "int32[b] | int32[b, n]"]
     stops: Annotated[jax.Array, "int32[b] | int32[b, n]"]
+    passes: Annotated[jax.Array, "int32[b]"] | None = None
 
 
 def empty_rows(rows: int, vocab: int, d_model: int, dtype=jnp.float32, make=None) -> Requests:
@@ -138,11 +139,23 @@ def _record(state: Requests, slot: jax.Array, tok: jax.Array, live: jax.Array) -
 
 
 def step(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Requests, chunks: Chunks | None,
-         decodes: Decodes | None, loops: int, exit: exits.Exit | None = None, window: int = 0):
+         decodes: Decodes | None, loops: int, exit: exits.Exit | None = None, window: int = 0,
+         in_prefill: bool = False):
     """One step: the chunks' tokens and each decode row's last token through the model at depth
     `loops`, written into the pages; then a token for every decode row and every final chunk.
-    window: a static cache_window for every row (else each row's, rows.window). Returns (the
-    chunks' `Emitted` [b], the decode rows' [b'] (None for an absent group), pool, state)."""
+    window: a static cache_window for every row (else each row's, rows.window). in_prefill (static;
+    chunks alone): prompts that may exit (`exit_in_prefill`), each one chunk exiting as a whole
+    at its request's exit rule (`paged_adaptive.forward`: the passes it ran in `Emitted.passes`,
+    its last state the request's warm state). Returns (the chunks' `Emitted` [b], the decode
+    rows' [b'] (None for an absent group), pool, state)."""
+    if in_prefill:
+        if decodes is not None:
+            raise ValueError("a prompt exiting as a whole runs alone (decodes must be None)")
+        s = chunks.slot
+        out = pa.forward(params, cfg, pool, chunks.rows, chunks.tokens, loops, _take(state.pol, s),
+                         _take(state.req.seed, s))
+        got, state = start_rows(state, s, out.logits, chunks.final, out.state, chunks.mask)
+        return got.replace(passes=out.depth), None, out.pool, state
     groups, tokens, seeds = [], [], []
     if chunks is not None:
         groups.append(chunks.rows)
@@ -340,18 +353,6 @@ def step_adaptive(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, sta
                             _take(state.req.seed, s), _take(state.rows.warm, s))
     tok, state = _next_tokens(state, decodes, out.logits, out.state, live)
     return tok, out.depth, out.pool, state
-
-
-def chunk_adaptive(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Requests, chunks: Chunks,
-                   loops: int):
-    """Prompts that may exit (`exit_in_prefill`), each one chunk exiting as a whole at its
-    request's exit rule: their first tokens, the passes each ran, and the last state as the
-    request's warm state. Returns (`Emitted` [b], passes [b], pool, state)."""
-    s = chunks.slot
-    out = pa.forward(params, cfg, pool, chunks.rows, chunks.tokens, loops, _take(state.pol, s),
-                     _take(state.req.seed, s))
-    got, state = start_rows(state, s, out.logits, chunks.final, out.state, chunks.mask)
-    return got, out.depth, out.pool, state
 
 
 def step_speculative(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Requests, decodes: Decodes,

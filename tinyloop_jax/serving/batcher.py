@@ -224,10 +224,10 @@ class Batcher(Admission, Reading):
             if chunk is not None and (d.adaptive or exits):  # the prompt's chunk alone
                 pool = page_pool.swap(d.pool) if d.compact else d.pool  # (a compact kv_share: on the pass slots)
                 if exits:  # the prompt exits as a whole: its passes read now (once a request)
-                    ctok, cdepth, pool, d.state = self._run(("chunk_adaptive", d.loops, T, R) + masked * ("masked",),
-                                                            jits["chunk_adaptive"], w.params, w.config, pool,
-                                                            d.state, chunks, loops=d.loops)
-                    cdepth = int(np.asarray(cdepth)[0])
+                    ctok, _, pool, d.state = self._run(("in_prefill", d.loops, T, R) + masked * ("masked",),
+                                                       jits["step"], w.params, w.config, pool, d.state, chunks, None,
+                                                       loops=d.loops, in_prefill=True)
+                    cdepth = int(np.asarray(ctok.passes)[0])
                 else:
                     ctok, _, pool, d.state = self._run(("step", d.loops, 0, T, R) + masked * ("masked",),
                                                        jits["step"], w.params, w.config, pool, d.state, chunks,

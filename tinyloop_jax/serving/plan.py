@@ -121,8 +121,8 @@ class Plan:
             for T in sorted({bucket(n) for n in range(1, c.max_seq_len + 1)}):
                 for m in masks:
                     chunks = S.make_chunks([], [], [], [], [], T, R, 1, mask=mask(1, m))
-                    compile_(("chunk_adaptive", loops, T, R) + ((m,) if m else ()), jits["chunk_adaptive"], w.params,
-                             c, prompts, state, chunks, loops=loops)
+                    compile_(("in_prefill", loops, T, R) + ((m,) if m else ()), jits["step"], w.params, c,
+                             prompts, state, chunks, None, loops=loops, in_prefill=True)
         req = Knobs.from_params([SamplingParams()], logit_bias=True, sampled=True, stop_shape=S.STOPS)
         compile_(("admit", loops), jits["admit"], state, np.int32(0), np.zeros((c.vocab_size,), bool), req,
                  jax.tree.map(np.asarray, ad.EVERY_PASS))
