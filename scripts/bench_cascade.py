@@ -61,7 +61,7 @@ def step_ms(model) -> float:
     c, P = model.weights.config, page_pool.PAGE_SIZE
     loops = c.default_loops
     pool = jax.jit(lambda: page_pool.empty(c, loops, GROUPS * SHARED + ROWS * (OWN + 1), P))()
-    state = St.empty_rows(ROWS, c.vocab_size, c.d_model, c.compute_dtype, compiled.SHARED.requests_of)
+    state = St.empty_rows(ROWS, c.vocab_size, c.d_model, c.compute_dtype)
     program, R = compiled.programs().step, -(-c.max_seq_len // P)
     rows = [t + [GROUPS * SHARED + ROWS * OWN + r] for r, t in enumerate(tables())]
     box = [pool, state]

@@ -135,7 +135,7 @@ def paged_step_time(model, rows: int, live: int, steps: int) -> float:
     loops = c.default_loops
     per_row = -(-(live + steps + 2) // P)
     pool = jax.jit(lambda: page_pool.empty(c, loops, rows * per_row, P))()
-    state = St.empty_rows(16, c.vocab_size, c.d_model, c.compute_dtype, compiled.SHARED.requests_of)
+    state = St.empty_rows(16, c.vocab_size, c.d_model, c.compute_dtype)
     program = compiled.programs().step
     bd = next(b for b in batch_buckets(16) if b >= rows)
     tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]

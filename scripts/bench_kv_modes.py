@@ -29,7 +29,7 @@ import _report  # noqa: E402
 
 import tinyloop_jax as tl  # noqa: E402
 from tinyloop_jax.decoding import paged_decode  # noqa: E402
-from tinyloop_jax.decoding.compiled import SHARED  # noqa: E402
+from tinyloop_jax.decoding import step as St  # noqa: E402
 from tinyloop_jax.model import paged  # noqa: E402
 from tinyloop_jax.model import page_pool
 from tinyloop_jax.model import cache as kvc  # noqa: E402
@@ -86,7 +86,7 @@ def h_rebuild(model, prompt, suffix, repeats):
         empty = page_pool.empty(cfg, loops, lay.n_pages, kv_mode=mode)
         pool = paged_decode.load_prefix(w.params, cfg, empty, pre.cache, len(prompt), lay)
         seen = jnp.asarray(engine.token_mask([suffix], cfg.vocab_size)) | pre.seen
-        state = SHARED.requests_of(seen, req, d_model=cfg.d_model, dtype=cfg.compute_dtype)
+        state = St.requests_of(seen, req, d_model=cfg.d_model, dtype=cfg.compute_dtype)
         fill = paged_decode.prefill(w.params, cfg, pool, state, lay.tables, len(prompt), [suffix], pre.logits, loops, 0)
         rows = paged.Rows(lay.tables, np.int32([len(prompt) + len(suffix)]), np.int32([1]))
         return pool, rows, fill

@@ -133,7 +133,7 @@ def step_floor(model, kw, rows: int = 16, n: int = 48, live: int = 64) -> tuple[
     out = []
     for sync in (False, True):
         pool = jax.jit(lambda: page_pool.empty(c, loops, rows * per_row, P))()
-        state = St.empty_rows(rows, c.vocab_size, c.d_model, c.compute_dtype, compiled.SHARED.requests_of)
+        state = St.empty_rows(rows, c.vocab_size, c.d_model, c.compute_dtype)
         program = compiled.programs().step
         tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]
         R = pow2(per_row, MIN_TABLE)

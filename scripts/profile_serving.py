@@ -50,7 +50,7 @@ def main() -> None:
     from tinyloop_jax import native
     from tinyloop_jax.model import qarray
     from tinyloop_jax.serving import step as S
-    from tinyloop_jax.decoding import compiled, step as St
+    from tinyloop_jax.decoding import step as St
 
     model = tl.Model.from_pretrained("smollm2", activations=args.activations)
     gc.collect()
@@ -92,7 +92,7 @@ def main() -> None:
                                                               KV))
     attn = median_time(lambda: fa(q, k, table, start, n_new).block_until_ready(), 21) * layers
     # the token choice of 16 rows (greedy requests, penalties' arrays kept)
-    state = St.empty_rows(b, c.vocab_size, c.d_model, c.compute_dtype, compiled.SHARED.requests_of)
+    state = St.empty_rows(b, c.vocab_size, c.d_model, c.compute_dtype)
     dec = S.make_decodes([[0]] * b, [10] * b, list(range(b)), [3] * b, 4, b)
     logits = jnp.asarray(rng.normal(size=(b, c.vocab_size)), jnp.float32)
     fc = jax.jit(S._next_tokens)

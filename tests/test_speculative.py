@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import tinyloop_jax as tl
-from tinyloop_jax.decoding.compiled import SHARED
+from tinyloop_jax.decoding import step as St
 from tinyloop_jax.decoding import paged_decode, speculative
 from tinyloop_jax.model import paged
 from conftest import prompt_of
@@ -53,7 +53,7 @@ def test_pages_after_run_equal_plain_decoding_pages(models):
         pool = paged_decode.load_prefix(w.params, cfg, paged_decode.empty_pool(cfg, 3, lay.n_pages), prefix.cache,
                                         16, lay)
         req = tl.Knobs.make(1, max_tokens=15)
-        state = SHARED.requests_of(prefix.seen[None], req, d_model=cfg.d_model, dtype=cfg.compute_dtype)
+        state = St.requests_of(prefix.seen[None], req, d_model=cfg.d_model, dtype=cfg.compute_dtype)
         fill = paged_decode.prefill(w.params, cfg, pool, state, lay.tables, 16, [np.zeros((0,), np.int32)],
                                     prefix.logits, 3, 0)
         kw = dict(draft_loops=1, lookahead=3) if name == "spec" else {}

@@ -245,7 +245,7 @@ class Conversation:
         matcher = None if g is None else g.matcher()  # every answer follows the grammar from its start
         try:
             new = ids[k:]
-            state = SHARED.requests_of(seen, req, d_model=c.d_model, dtype=c.compute_dtype)
+            state = St.requests_of(seen, req, d_model=c.d_model, dtype=c.compute_dtype)
             chunks = St.Chunks(paged.Rows(table, np.int32([k]), np.int32([len(new)])),
                                F.pad(new, max(MIN_CHUNK, kvc.bucket(len(new))))[None], None, np.ones((1,), bool),
                                None if matcher is None else fill_masks([matcher], c.vocab_size))

@@ -27,7 +27,7 @@ import numpy as np
 from ..model import adaptive as ad
 from ..model import cache as kvc
 from ..decoding import paged_decode, programs
-from ..decoding.compiled import SHARED
+from ..decoding import step as St
 from ..model import paged, sharding
 from ..model import page_pool
 from ..model.cache import KVCache
@@ -236,7 +236,7 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
     if prefix is not None:
         pool = paged_decode.load_prefix(weights.params, c, pool, prefix.cache, P, lay)
     seen = jnp.asarray(programs.token_mask(suffixes, c.vocab_size)) | prior_seen
-    state = SHARED.requests_of(seen, request, d_model=c.d_model, dtype=c.compute_dtype, pol=pol, warm=warm)
+    state = St.requests_of(seen, request, d_model=c.d_model, dtype=c.compute_dtype, pol=pol, warm=warm)
     chunk = PREFILL_CHUNK if lay.slot_of is not None else 0  # (a ring: chunks it holds)
     matchers = masks = None
     if grammars is not None and any(g is not None for g in grammars):

@@ -26,8 +26,7 @@ JIT_OPTIONS = dict(
     copy_pages=(page_pool.copy_pages, dict(donate_argnames=POOL)),
     grow=(page_pool.grow, dict(static_argnames=("n_pages",))),
     to_segment=(page_pool.to_segment, dict(static_argnames=("capacity",))),
-    # request rows
-    requests_of=(St.requests_of, dict(static_argnames=("d_model", "dtype"))),
+    # request rows (made on the host: `step.requests_of`)
     admit=(St.admit, dict(donate_argnames=("state",))),
     start_rows=(St.start_rows, dict(donate_argnames=("state",))),
     # the step body and its loop

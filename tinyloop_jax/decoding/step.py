@@ -63,12 +63,11 @@ class Emitted:
     passes: Annotated[jax.Array, "int32[b]"] | None = None
 
 
-def empty_rows(rows: int, vocab: int, d_model: int, dtype=jnp.float32, make=None) -> Requests:
+def empty_rows(rows: int, vocab: int, d_model: int, dtype=jnp.float32) -> Requests:
     """A depth's `rows` request rows, none in use (knobs at their defaults, stop sequences at the
-    fixed shape STOPS), by `make` (`requests_of` or a program of it; None: the function)."""
+    fixed shape STOPS)."""
     req = Knobs.make(rows, 0.0, 0, 1.0, 1.0, max_tokens=1, carry_bias=True, sampled=True, stop_shape=STOPS)
-    return (make or requests_of)(np.zeros((rows, vocab), bool), jax.tree.map(np.asarray, req), d_model=d_model,
-                                 dtype=dtype)
+    return requests_of(np.zeros((rows, vocab), bool), jax.tree.map(np.asarray, req), d_model=d_model, dtype=dtype)
 
 
 @struct.dataclass
@@ -334,13 +333,15 @@ def requests_of(seen: jax.Array, req: Knobs, d_model: int, dtype, pol: ad.Policy
                 warm: jax.Array | None = None) -> Requests:
     """N request rows (slots 0..N-1) of one call, before their first tokens (`start_rows`, or a
     step's final chunks): prompts seen [N, V], knobs req [N], exit rules pol [N] (None: every
-    pass) and warm [N, D] the loop states they start from (adaptive depth; a prefix's)."""
+    pass) and warm [N, D] the loop states they start from (adaptive depth; a prefix's). Built
+    on the host and put on the device as they are: zeros and what the caller gave, no program."""
     N = seen.shape[0]
     if pol is None:
-        pol = jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (N,)), ad.EVERY_PASS)
-    warm = jnp.zeros((N, d_model), dtype) if warm is None else jnp.broadcast_to(warm, (N, d_model)).astype(dtype)
-    tail = jnp.full((N, req.stop.tokens.shape[-1]), -1, jnp.int32)
-    return Requests(RowState.start(seen, jnp.zeros((N,), jnp.int32), warm), req, pol, tail)
+        pol = jax.tree.map(lambda a: np.broadcast_to(np.asarray(a), (N,)), ad.EVERY_PASS)
+    warm = np.zeros((N, d_model), dtype) if warm is None else np.broadcast_to(np.asarray(warm, dtype), (N, d_model))
+    tail = np.full((N, req.stop.tokens.shape[-1]), -1, np.int32)
+    rows = RowState(seen, np.zeros(seen.shape, np.int32), np.zeros((N,), np.int32), warm)
+    return jax.device_put(Requests(rows, req, pol, tail))
 
 
 def step_adaptive(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Requests, decodes: Decodes,

@@ -125,7 +125,7 @@ class Batcher(Admission, Reading):
             return None
         n_pages, jits = b.pool_pages(loops), self.jits(loops)
         d = Depth(loops, self.model.exit_for(loops), b.empty_pool(loops, n_pages, jits.empty_pool), b.book(n_pages),
-                  b.empty_rows(jits.requests_of))
+                  b.empty_rows())
         self.depths[loops] = d
         return d
 

@@ -77,11 +77,10 @@ class Budget:
         """Local slots beside n_pages pages: half as many, and at least every row's window."""
         return min(n_pages, max(n_pages // 2, self.max_batch * self.credits(n_pages)))
 
-    def empty_rows(self, make=None) -> S.Requests:
-        """A depth's request rows, by `make` (a depth's `requests_of` program; None: the function,
-        for shapes)."""
+    def empty_rows(self) -> S.Requests:
+        """A depth's request rows (`step.empty_rows`)."""
         c = self.cfg
-        return St.empty_rows(self.max_batch, c.vocab_size, c.d_model, c.compute_dtype, make)
+        return St.empty_rows(self.max_batch, c.vocab_size, c.d_model, c.compute_dtype)
 
     def rows_nbytes(self) -> int:
         """Bytes of a depth's request rows (`step.Requests`)."""

@@ -61,7 +61,7 @@ class Plan:
                speculation=(), grammar: bool = False) -> set:
         """Compile every program of a depth's steps by its `jits` (ahead of time: nothing is
         allocated or run, so any thread may call it while the loop serves); returns the keys of
-        those not in `known` (compiled now). fresh: also the depth's pool and rows (made on its
+        those not in `known` (compiled now). fresh: also the program of the depth's pool (made on its
         first request); store: the loads of its entries at this depth. adaptive:
         also the adaptive-depth programs (a prompt's chunk alone, the decode rows' adaptive
         steps, a prompt exiting in prefill at every length bucket); speculation: also the
@@ -134,7 +134,6 @@ class Plan:
         if fresh:  # the depth's pool and rows, made on its first request
             compile_(("pool", loops, n_pages), jits["empty_pool"], c, loops, n_pages, P, None,
                      b.local_slots(n_pages) if b.local else None, b.prompt_slots(n_pages))
-            b.empty_rows(lambda *a, **kw: compile_(("rows", loops), jits["requests_of"], *a, **kw))
         if store is not None and store.loops == loops:  # loads of the store's entries
             for e in (e for e in store.entries() if b.local or not e.cache.rings):
                 R = pow2(-(-len(e.prompt) // P), MIN_TABLE)
