@@ -12,9 +12,8 @@ from . import step as S
 from .handles import Handle, MemoryBudgetError
 from ..decoding.sampling import Knobs
 from ..model import adaptive as ad
-from ..model import recurrence as rec
 from ..model import cache as kvc
-from .depth import Depth, Row
+from .depth import Depth, Row, namespace
 from .plan import MIN_TABLE, pow2
 
 
@@ -149,12 +148,7 @@ class Admission:
         return False
 
     def namespace(self, h: Handle):
-        """Under which name a request's pages are indexed: what its K/V depend on beside the
-        tokens — its seed (Huginn's initial loop states are drawn from it) and its cache_window
-        (the attention every layer's input went through) — or None (shared by all)."""
-        c = self.cfg
-        seed = h.params.seed if rec.injected(c) and rec.state_std(c) > 0 else None
-        return (seed, h.cache_window) if h.cache_window else seed
+        return namespace(self.cfg, h)
 
     def _from_store(self, d: Depth, h: Handle, shared: list) -> list:
         """`shared` (retained pages of the prompt's first full pages), extended with pages loaded

@@ -16,11 +16,11 @@ Memory: every depth's pool and request rows count against one `memory_budget`; a
 first evicts idle depths (least recently used), and a request waits while busy depths hold
 the room (or fails with `MemoryBudgetError` when nothing can free it).
 
-Its rooms: `Budget` (sizes and memory, a value) and `Plan` (the programs' shapes and warmup, over
-the budget), objects it holds; `Depth` (a depth's pool, book and rows, and the local and pass
-slots its rows hold) and `Row`; `admission` (`place`) and `reading` (a step's tokens back, the
-stop the step found; speculative rounds), modules over its state. Here: the depths, one
-iteration's dispatch and leaving.
+Its rooms, objects it holds: `Budget` (sizes and memory, a value), `Plan` (the programs' shapes
+and warmup, over the budget), a `Depth` per depth (its pool, book and rows, and the local and
+pass slots its rows hold), `Output` (`reading.py`: a step's tokens back, the stop the step
+found, rows leaving). `admission.py` (`place`) is a module over its state. Here: the depths, one
+iteration's dispatch (steps and speculative rounds) and failures.
 """
 
 from __future__ import annotations
@@ -28,21 +28,23 @@ from __future__ import annotations
 import collections
 from typing import Callable
 
+import jax
 import numpy as np
 
 from . import step as S
 from ..decoding import compiled
+from ..decoding import grammar as G
 from .admission import Admission
 from .budget import Budget
-from .depth import Depth, Row
+from .depth import Depth, Row, namespace
 from .handles import Handle, MemoryBudgetError
 from .plan import MIN_TABLE, Plan, batch_buckets, pow2
-from .reading import Reading
+from .reading import Output
 from ..model import page_pool
 from ..model.cache import bucket
 
 
-class Batcher(Admission, Reading):
+class Batcher(Admission):
     """Request rows of every depth over one model. max_batch: request rows per depth (and the
     decode group's largest bucket); chunk: prompt tokens per step; page_size: tokens per page;
     memory_budget: bytes for every depth's pool and rows (None: each pool holds max_batch rows
@@ -61,7 +63,7 @@ class Batcher(Admission, Reading):
         self.waiting = False  # requests wait in the engine's queue (set by the engine each iteration)
         self.prefix_cache = prefix_cache  # False: no prompt reads another's pages
         self.store = store  # a PrefixStore whose entries are loaded into pages when they serve a prompt
-        self.stats, self._on_first_token = stats, on_first_token
+        self.stats = stats
         self.overlap, self.page_size = overlap, page_size
         self.max_depths = max_depths
         self.depths: dict[int, Depth] = {}
@@ -71,7 +73,7 @@ class Batcher(Admission, Reading):
         self.compiles_after_warmup = 0
         self._tick = 0
         self.depth_counts: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
-        self.finished: list = []
+        self.output = Output(self.cfg, stats, self.depth_counts, on_first_token, prefix_cache)  # tokens back, rows out
 
     # ---- depths ------------------------------------------------------------------------------
 
@@ -173,7 +175,7 @@ class Batcher(Admission, Reading):
         # forward first and reads the step before while it runs (`_choose`); any other step reads it now
         piped = not d.prefilling and not d.adaptive
         if prev is not None and not piped and any(r.handle.matcher is not None for r, *_ in prev):
-            self._read(d, prev)
+            self.output.read(d, prev)
             prev = None
         chunk = None
         if d.prefilling:
@@ -253,7 +255,7 @@ class Batcher(Admission, Reading):
                 r.fed += n
                 if self.prefix_cache and not exits:  # its full pages (and at its end its partial last one):
                     # shareable now
-                    d.book.insert(r.handle.prompt[:r.fed], r.pages, partial=final, ns=self.namespace(r.handle))
+                    d.book.insert(r.handle.prompt[:r.fed], r.pages, partial=final, ns=namespace(self.cfg, r.handle))
                 self.stats["prefill_chunks"] += 1
                 counts["tokens_computed"] += n
                 counts["passes"] += n * (d.loops if cdepth is None else cdepth)
@@ -285,10 +287,58 @@ class Batcher(Admission, Reading):
             if self.overlap:
                 d.inflight = ran
             else:
-                self._read(d, ran)
+                self.output.read(d, ran)
         self._speculate(d)
         if prev is not None:
-            self._read(d, prev)
+            self.output.read(d, prev)
+
+    def _speculate(self, d: Depth) -> None:
+        """One speculative round for every speculating row whose last token is read (rows with the
+        same draft depth and lookahead in one program), read at once: how many tokens a round
+        emits decides where the next one starts."""
+        groups = collections.defaultdict(list)
+        for r in d.rows.values():
+            if r.decoding and r.handle.speculation is not None and r.ahead == 0 and not r.left:
+                groups[r.handle.speculation].append(r)
+        counts = self.depth_counts[d.loops]
+        for spec, rows in groups.items():
+            k = spec.lookahead
+            starts = [r.fed + len(r.handle.tokens) - 1 for r in rows]  # where the last token is fed
+            R = self.plan.table_len(max(starts) + k + 1)
+            bd = next(b for b in batch_buckets(self.max_batch) if b >= len(rows))
+            left = [r.handle.params.max_tokens - len(r.handle.tokens) for r in rows]
+            # structured output: the first position's masks from the matchers (which took every token
+            # read), the drafts' asked of them in the round (`grammar.draft_masks`), rolled back after
+            matchers = [r.handle.matcher for r in rows] + [None] * (bd - len(rows))
+            call = G.register(matchers, reads=True) if any(m is not None for m in matchers) else None
+            decodes = S.make_decodes([r.pages for r in rows], starts, [r.slot for r in rows],
+                                     [len(r.handle.tokens) for r in rows], R, bd, [r.handle.cache_window for r in rows],
+                                     left, None if call is None else G.fill_masks(matchers, self.cfg.vocab_size))
+            for r, q in zip(rows, starts):
+                d.window(r, q, k + 1)
+            d.sync()
+            w = self.model.weights
+            try:
+                got, d.pool, d.state = self._run(
+                    ("speculate", d.loops, k, bd, R) + ("masked",) * (call is not None),
+                    self.jits(d.loops)["decode_steps"], w.params, w.config, d.pool, d.state, decodes, np.int32(1),
+                    loops=d.loops, n_max=k + 1, exit=d.exit, draft_loops=np.int32(spec.draft_loops), lookahead=k,
+                    grammar=None if call is None else np.int32(call))
+                got = jax.tree.map(np.asarray, got)
+            finally:
+                if call is not None:
+                    G.release(call)
+            self.stats["speculative_rounds"] += 1
+            self.stats["batch_rows"] += len(rows)
+            counts["tokens_computed"] += len(rows) * (k + 1)
+            counts["passes"] += len(rows) * (k * spec.draft_loops + (k + 1) * d.loops)
+            for i, r in enumerate(rows):  # d_1 .. d_a and the next token, cut at a stop, at max_tokens and
+                # where the grammar ends
+                r.handle.drafted += k
+                r.handle.accepted += int(got.accepted[i])
+                for t, stop in zip(got.out.tokens[i, :got.n[i]], got.out.stops[i]):
+                    if not r.left:
+                        self.output.emit(d, r, int(t), int(stop))
 
     def _choose(self, d: Depth, decoding: list, decodes, R: int, bd: int, prev: list | None):
         """A decode-only step with grammar rows, in two dispatches: the forward
@@ -300,7 +350,7 @@ class Batcher(Admission, Reading):
         logits, d.pool = self._run(("forward", d.loops, bd, R), jits["decode_forward"], w.params, w.config, d.pool,
                                    d.state, decodes, loops=d.loops, exit=d.exit)
         if prev is not None:
-            self._read(d, prev)
+            self.output.read(d, prev)
         kept = np.pad(np.array([not r.left for r in decoding], bool), (0, bd - len(decoding)))
         choice = decodes.replace(rows=decodes.rows.replace(pages=decodes.rows.pages[:, :1]),  # (the choice reads
                                  # no pages: one program per row bucket)
@@ -312,37 +362,15 @@ class Batcher(Admission, Reading):
 
     def _masks(self, matchers: list, rows: int) -> np.ndarray:
         """Grammar masks [rows, W] of a step's rows (None or padding: every token)."""
-        from ..decoding.grammar import fill_masks
-
-        return fill_masks(list(matchers) + [None] * (rows - len(matchers)), self.cfg.vocab_size)
+        return G.fill_masks(list(matchers) + [None] * (rows - len(matchers)), self.cfg.vocab_size)
 
     # ---- leaving -----------------------------------------------------------------------------
 
     def release(self, d: Depth, r: Row, reason: str, error: BaseException | None = None) -> None:
-        """Row r leaves (its request finishes with `reason`): its pages and request row are free
-        (its prompt's pages stay cached in the index)."""
-        if r.left:
-            return
-        r.left = True
-        if d.rows.get(r.slot) is r:
-            del d.rows[r.slot]
-            if r.decoding and self.prefix_cache and not r.handle.in_prefill and not d.compact:  # prompt and output
-                # whose K/V are written (each emitted token but the last was fed): a later turn of the chat reads
-                # them (a compact kv_share keeps output compact only, which no prompt reads: its prompt alone)
-                d.book.insert(list(r.handle.prompt) + r.handle.tokens[:-1], r.pages, partial=True,
-                              ns=self.namespace(r.handle))
-            d.unhold(r)
-            if d.compact:
-                d.drop_passes(r)
-            d.book.release(r.pages)
-        if r in d.prefilling:
-            d.prefilling.remove(r)
-        self.finished.append((r.handle, reason, error))
-        self.stats[f"finished_{reason}"] += 1
+        self.output.release(d, r, reason, error)
 
     def take_finished(self) -> list:
-        out, self.finished = self.finished, []
-        return out
+        return self.output.take_finished()
 
     def expire(self, now: float) -> None:
         for d in self.depths.values():

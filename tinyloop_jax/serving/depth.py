@@ -13,6 +13,15 @@ from . import step as S
 from .handles import Handle
 from ..api.pages import PageBook
 from ..model import page_pool
+from ..model import recurrence as rec
+
+
+def namespace(cfg, h: Handle):
+    """Under which name a request's pages are indexed: what its K/V depend on beside the tokens
+    — its seed (Huginn's initial loop states are drawn from it) and its cache_window (the
+    attention every layer's input went through) — or None (shared by all)."""
+    seed = h.params.seed if rec.injected(cfg) and rec.state_std(cfg) > 0 else None
+    return (seed, h.cache_window) if h.cache_window else seed
 
 
 @dataclass
@@ -49,6 +58,22 @@ class Depth:
     def compact(self) -> bool:
         """Its pool keeps the loop layers compact (a `kv_share` other than full), prompts in pass slots."""
         return self.book.prompts is not None
+
+    def leave(self, r: Row, index: bool, ns) -> None:
+        """Row r's request row, pages and slots back (it leaves). index: the full pages of its
+        prompt and output stay indexed under ns (a later turn of the chat reads them; a compact
+        kv_share keeps output compact only, which no prompt reads: its prompt's alone)."""
+        if self.rows.get(r.slot) is r:
+            del self.rows[r.slot]
+            if index and r.decoding and not r.handle.in_prefill and not self.compact:  # (each emitted token
+                # but the last was fed: its K/V are written)
+                self.book.insert(list(r.handle.prompt) + r.handle.tokens[:-1], r.pages, partial=True, ns=ns)
+            self.unhold(r)
+            if self.compact:
+                self.drop_passes(r)
+            self.book.release(r.pages)
+        if r in self.prefilling:
+            self.prefilling.remove(r)
 
     # ---- local slots (a model with windowed layers: `PagedKV.local`) ----------------------------
 

@@ -104,7 +104,7 @@ class Plan:
                                  c, pool, state, decodes, np.int32(1), loops=loops,
                                  n_max=1 if m else b.decode_steps, exit=exit, adaptive=kind)
                 for d, k in speculation:  # a speculative round (one program per lookahead: the draft depth is traced)
-                    for m in masks:  # (with a grammar: the drafts' masks asked of the host, `Reading._speculate`)
+                    for m in masks:  # (with a grammar: the drafts' masks asked of the host, `Batcher._speculate`)
                         decodes = S.make_decodes([], [], [], [], R, bd, left=[], mask=mask(bd, m))
                         compile_(("speculate", loops, k, bd, R) + ((m,) if m else ()), jits["decode_steps"], w.params,
                                  c, pool, state, decodes, np.int32(1), loops=loops, n_max=k + 1, exit=exit,
