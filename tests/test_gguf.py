@@ -20,6 +20,8 @@ import os
 import zipfile
 
 import gguf
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -577,10 +579,12 @@ def test_smollm2_multiple_choice_loglikelihoods_match_transformers(smollm2):
 def test_tinyloop_eval_scores_smollm2_tokens_per_byte(smollm2, monkeypatch, capsys):
     """`tinyloop eval --model smollm2`: the held-out text in SmolLM2's tokens (not its bytes as
     ids), every token predicted once in windows that each begin with the previous window's last
-    token; bits per byte equal `Model.score`'s log-probabilities over the same windows, at the
-    model's one depth, and are those of a language model (uniform guessing: ~4 bits a byte)."""
+    token; bits per byte equal the cache-free forward's log-probabilities (`forward_seq`) over
+    the same windows, at the model's one depth, and are those of a language model (uniform
+    guessing: ~4 bits a byte)."""
     from tinyloop_jax import cli
     from tinyloop_jax.data import pydoc_split
+    from tinyloop_jax.model import transformer as tf
 
     model, tok = smollm2
     # the session's model
@@ -590,7 +594,14 @@ def test_tinyloop_eval_scores_smollm2_tokens_per_byte(smollm2, monkeypatch, caps
     assert len(rows) == 1 and rows[0][2] == "1"  # not a looped model: its one depth only
     text = bytes(pydoc_split()[1][:400]).decode("utf-8", errors="ignore")
     seq = [tok.info()["bos_token_id"]] + tok.encode(text, special=False).tolist()
-    nats = -sum(model.score(seq[s:s + 32]).logprobs[1:].sum() for s in range(0, len(seq) - 1, 31))
+    w = model.weights
+
+    def logprob(x):  # log p(x[1:] | the tokens before each)
+        x = np.asarray(x, np.int32)
+        lp = jax.nn.log_softmax(tf.forward_seq(w.params, w.config, jnp.asarray(x), w.config.default_loops), axis=-1)
+        return float(np.asarray(lp)[np.arange(len(x) - 1), x[1:]].sum())
+
+    nats = -sum(logprob(seq[s:s + 32]) for s in range(0, len(seq) - 1, 31))
     want = nats / np.log(2) / len(text.encode())
     assert abs(float(rows[0][3]) - want) <= 1e-3 * want and want < 2.0, (rows, want)
 

@@ -2,35 +2,33 @@
 
 from __future__ import annotations
 
-from functools import partial
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..model import transformer as tf
+from . import functional as F
+from ..decoding import programs
 from ..model.config import ModelConfig
-from ..model.params import Params
+from ..model.params import Params, Weights
 
 
-@partial(jax.jit, static_argnames=("cfg", "loops", "window"))
-def _nll_bits(params: Params, cfg: ModelConfig, seqs: jax.Array, loops: int, window: int,
-              n_valid: jax.Array | None = None) -> jax.Array:
-    """seqs [B, T] -> per-sequence next-token negative log-likelihood [B], in bits, summed over
-    positions 1..n_valid-1 (n_valid [B]: each row's real tokens; None: all T)."""
-    logits = jax.vmap(lambda s: tf.forward_seq(params, cfg, s, loops, window))(seqs)[:, :-1]
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, seqs[:, 1:, None], axis=-1)[..., 0]  # [B, T-1]
-    if n_valid is not None:
-        nll = jnp.where(jnp.arange(1, seqs.shape[1])[None, :] < n_valid[:, None], nll, 0.0)
-    return jnp.sum(nll, axis=1) / jnp.log(2.0)
+def _nll_bits(params: Params, cfg: ModelConfig, seqs: np.ndarray, loops: int, window: int,
+              n_valid: np.ndarray) -> np.ndarray:
+    """Each sequence's next-token negative log-likelihood in bits, summed over positions
+    1..n_valid[b]-1 of seqs [B, T] (padded past n_valid [B]), by `programs.score` (the
+    log-probabilities `Model.score` gives) at depth `loops` under a cache_window `window`."""
+    B, T = seqs.shape
+    own = F.empty_cache(Weights.create(params, cfg), T, loops, batch=B)
+    lp = np.asarray(programs.score(params, cfg, jnp.asarray(seqs), jnp.asarray(n_valid, jnp.int32), own, loops=loops,
+                                   top=0, window=window).logprobs, np.float64)
+    real = (np.arange(T)[None, :] >= 1) & (np.arange(T)[None, :] < np.asarray(n_valid)[:, None])
+    return -(lp * real).sum(axis=1) / np.log(2.0)
 
 
 def bits_per_byte(params: Params, cfg: ModelConfig, data: np.ndarray, loops: int, window: int = 0,
                   seq_len: int | None = None, batch: int = 8, max_bytes: int | None = None,
                   progress=None) -> float:
     """Mean bits per predicted byte over non-overlapping windows of `seq_len` bytes of `data`
-    (the first byte of each window is context only)."""
+    (the first byte of each window is context only), `batch` windows a program."""
     T = seq_len or cfg.max_seq_len
     cfg.check_positions(T, f"seq_len={T}")
     data = np.asarray(data[:max_bytes] if max_bytes else data, np.int32)
@@ -44,7 +42,7 @@ def bits_per_byte(params: Params, cfg: ModelConfig, data: np.ndarray, loops: int
         real = len(chunk)
         if real < batch:  # pad the last batch (one compiled shape), count only the real rows
             chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch - real, 0)])
-        total += float(np.asarray(_nll_bits(params, cfg, jnp.asarray(chunk), loops, window))[:real].sum())
+        total += float(_nll_bits(params, cfg, chunk, loops, window, np.full((batch,), T))[:real].sum())
         if progress:
             progress(min(i + batch, n), n)
     return total / (n * (T - 1))
@@ -67,8 +65,7 @@ def bits_per_byte_of_text(params: Params, cfg: ModelConfig, ids, n_bytes: int, f
     for k, s in enumerate(starts):
         row = seq[s:s + T]
         n = len(row)  # the last window may be short: padded to one compiled shape, its padding not counted
-        padded = np.pad(row, (0, T - n))[None]
-        total += float(_nll_bits(params, cfg, jnp.asarray(padded), loops, window, jnp.asarray([n], jnp.int32))[0])
+        total += float(_nll_bits(params, cfg, np.pad(row, (0, T - n))[None], loops, window, np.array([n]))[0])
         if progress:
             progress(k + 1, len(starts))
     return total / n_bytes

@@ -280,11 +280,11 @@ class Model:
             raise ValueError(f"top_logprobs must be an int in [0, vocab_size={w.config.vocab_size}], "
                              f"got {top_logprobs!r}")
         self._check_length(len(tokens), "tokens")
-        out = programs.score(w.params, w.config, jnp.asarray(F.pad(tokens)), jnp.int32(len(tokens)),
-                             F.empty_cache(w, len(tokens), loops), loops=loops, top=int(top_logprobs),
+        out = programs.score(w.params, w.config, jnp.asarray(F.pad(tokens))[None], jnp.int32([len(tokens)]),
+                             F.empty_cache(w, len(tokens), loops, batch=1), loops=loops, top=int(top_logprobs),
                              exit=self.exit_for(loops), seed=jnp.uint32(check.seed(seed)))
         n = len(tokens)
-        return programs.Scores(*(sharding.to_host(a)[:n] for a in out))
+        return programs.Scores(*(sharding.to_host(a)[0, :n] for a in out))
 
     def generate(self, prompt, max_tokens: int = 32, loops: int | None = None, temperature: float = 0.0,
                  top_k: int = 50, top_p: float = 1.0, cache_window: int = 0, repetition_penalty: float = 1.0,
