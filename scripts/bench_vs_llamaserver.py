@@ -128,6 +128,14 @@ def ours_ready(body: str) -> bool:
     return not json.loads(body).get("warming", False)
 
 
+def llama_ready(body: str) -> bool:
+    """llama.cpp's /health: 503 "Loading model" until its model is in, then {"status": "ok"}."""
+    try:
+        return json.loads(body).get("status") == "ok"
+    except ValueError:
+        return False
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--clients", default="1,4,16")
@@ -140,6 +148,9 @@ def main() -> None:
                     + " (comma-separated; top_k 0 and top_p 1 are our server's defaults, llama.cpp's are 40 and "
                     "0.95 with min_p 0.05)")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--kv-memory", default="auto",
+                    help="our server's KV budget (`tinyloop serve --kv-memory`; a fixed one compares peak RSS "
+                         "with llama.cpp's at a like KV: its defaults hold 8,192 tokens, 16 slots 16,384)")
     ap.add_argument("--activations", default="float32,int8",
                     help="our server once per entry: the packed weights multiplying float32 or 8-bit inputs "
                          "(`--activations`; llama.cpp multiplies 8-bit ones)")
@@ -173,13 +184,14 @@ def main() -> None:
         print(name, flush=True)
         served[name] = serve([sys.executable, "-m", "tinyloop_jax.cli", "serve", "--model", "smollm2",
                               "--port", str(port), "--log-level", "warning", "--activations", act,
+                              "--kv-memory", args.kv_memory,
                               *(["--warmup-grammar"] if any(n.endswith("+json") for n in picked) else [])],
                              dict(os.environ), url, works, clients, ours_ready)
     for name, extra in LLAMA_CONFIGS.items():
         print(name, flush=True)
         served[name] = serve([os.path.join(bindir, "llama-server"), "-m", gguf, "-t", str(args.threads), "-tb",
                               str(args.threads), "--port", str(port), "--no-webui", *extra], dict(os.environ), url,
-                             works, clients, lambda body: True)
+                             works, clients, llama_ready)
     report(args, served, batched, batches)
 
 
