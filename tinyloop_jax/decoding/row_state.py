@@ -12,6 +12,7 @@ from typing import Annotated
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from .sampling import Knobs, select_tokens
@@ -26,8 +27,9 @@ class RowState:
 
     @classmethod
     def start(cls, seen: jax.Array, first: jax.Array, warm: jax.Array | None = None) -> "RowState":
-        """Rows whose prompts are seen [N, V] and whose first tokens are first [N]."""
-        return cls(seen, jnp.zeros(seen.shape, jnp.int32), first, warm)
+        """Rows whose prompts are seen [N, V] and whose first tokens are first [N], nothing
+        emitted yet (the counts made on the host: `step.requests_of` puts the rows on the device)."""
+        return cls(seen, np.zeros(seen.shape, np.int32), first, warm)
 
 
 def feed(rows: RowState, slot: jax.Array | None = None) -> RowState:

@@ -340,8 +340,7 @@ def requests_of(seen: jax.Array, req: Knobs, d_model: int, dtype, pol: ad.Policy
         pol = jax.tree.map(lambda a: np.broadcast_to(np.asarray(a), (N,)), ad.EVERY_PASS)
     warm = np.zeros((N, d_model), dtype) if warm is None else np.broadcast_to(np.asarray(warm, dtype), (N, d_model))
     tail = np.full((N, req.stop.tokens.shape[-1]), -1, np.int32)
-    rows = RowState(seen, np.zeros(seen.shape, np.int32), np.zeros((N,), np.int32), warm)
-    return jax.device_put(Requests(rows, req, pol, tail))
+    return jax.device_put(Requests(RowState.start(seen, np.zeros((N,), np.int32), warm), req, pol, tail))
 
 
 def step_adaptive(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Requests, decodes: Decodes,
