@@ -9,7 +9,10 @@
    pass): the adaptive program with every row's rule "every pass" against the plain one, on
    SmolLM2 at 1, 4 and 16 rows.
 
-    python scripts/profile_warmup.py [--parts warmup,rows,adaptive]
+    python scripts/profile_warmup.py [--parts warmup,rows,adaptive] [--model smollm2] [--plain]
+
+(--model: the warmup's model, default the bundled one; --plain: the default warmup only, as
+`tinyloop serve` runs it. The resident memory after it is printed too.)
 """
 
 from __future__ import annotations
@@ -26,13 +29,21 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def warmup_by_kind() -> None:
+def rss() -> str:
+    """This process's resident memory now and at its peak (/proc/self/status)."""
+    with open("/proc/self/status") as f:
+        kb = dict(ln.split(":", 1) for ln in f if ln.startswith(("VmRSS", "VmHWM")))
+    return ", ".join(f"{k} {int(v.split()[0]) / 2**20:.2f} GiB" for k, v in sorted(kb.items()))
+
+
+def warmup_by_kind(model: str | None = None, every: bool = True) -> None:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="tinyloop-xla-")
     from tinyloop_jax.cli import _load, persistent_compile_cache
     from tinyloop_jax.serving.engine import Engine
 
     persistent_compile_cache()
-    eng = Engine(_load(None, None), max_batch=16)
+    eng = Engine(_load(model, None), max_batch=16, memory_budget=256 << 20)
+    print(f"loaded: {rss()}")
     made, spent = collections.Counter(), collections.Counter()
     programs = eng.batcher.jits
 
@@ -57,9 +68,9 @@ def warmup_by_kind() -> None:
 
     eng.batcher.jits = timed
     t0, c0 = time.perf_counter(), time.process_time()
-    n = eng.warmup(adaptive=True, speculation=((1, 4),))
-    print(f"warmup, every kind, bundled model: {time.perf_counter() - t0:.1f} s ({n} programs, "
-          f"{time.process_time() - c0:.1f} s of CPU)")
+    n = eng.warmup(adaptive=True, speculation=((1, 4),)) if every else eng.warmup()
+    print(f"warmup, {'every kind' if every else 'plain'}, {model or 'bundled model'}: "
+          f"{time.perf_counter() - t0:.1f} s ({n} programs, {time.process_time() - c0:.1f} s of CPU); {rss()}")
     for kind, s in spent.most_common():
         print(f"  {kind} x {made[kind]}: {s:.1f} s")
 
@@ -112,9 +123,14 @@ def adaptive_cost() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="warmup,rows,adaptive")
+    ap.add_argument("--model", default=None, help="the warmup's model (default: the bundled one)")
+    ap.add_argument("--plain", action="store_true", help="the default warmup only (as tinyloop serve's)")
     ap.add_argument("--no-write", action="store_true", help="(prints only; accepted for bench.py ab)")
-    parts = ap.parse_args().parts.split(",")
-    for name, fn in (("warmup", warmup_by_kind), ("rows", rows_cost), ("adaptive", adaptive_cost)):
+    args = ap.parse_args()
+    parts = args.parts.split(",")
+    if "warmup" in parts:
+        warmup_by_kind(args.model, not args.plain)
+    for name, fn in (("rows", rows_cost), ("adaptive", adaptive_cost)):
         if name in parts:
             fn()
 

@@ -21,7 +21,7 @@ from ..decoding import programs
 from ..formats import hf_gpt2
 from ..formats import gguf, hf_import, hub
 from .. import native
-from ..model import qarray, sharding
+from ..model import qarray, sharding, stack
 from . import functional as F
 from . import request as R
 from . import validation as check
@@ -52,6 +52,7 @@ class Model:
         rounded to 8 bits per 32 and, on a CPU with AVX-512 VNNI, multiplied as integers:
         llama.cpp's arithmetic, about 1.4-1.7x faster products and logits within ~1% of
         float32's; `qarray.round_activations`); None keeps what the weights say (float32)."""
+        params = params.replace(pre=stack.unstacked(params.pre))  # (another model's may be stacked)
         check_shapes(params, config)
         if activations is not None:
             params = qarray.with_activations(params, activations)
@@ -63,8 +64,10 @@ class Model:
             sharding.check(mesh, config)
             config = config.replace(mesh=mesh)
             params = sharding.place_params(params, config, mesh)
-        elif native.available():  # packed weights in the native kernel's layout, once
-            params = qarray.tile_params(params)
+        else:
+            if native.available():  # packed weights in the native kernel's layout, once
+                params = qarray.tile_params(params)
+            params = params.replace(pre=stack.stack(params.pre))  # one program runs them in a loop
         self._weights: Weights | None = Weights.create(params, config)
         self._config = config
         self.last_speculation: dict | None = None  # rounds / drafted / accepted of the last speculative call

@@ -213,8 +213,8 @@ def read(store: dict, index=None) -> dict:
     """The arrays of one layer: [lead, C, w] each."""
     if index is None:
         return store
-    t, j = index
-    return {n: jax.lax.dynamic_index_in_dim(a, t, axis=0, keepdims=False)[j] for n, a in store.items()}
+    t, *j = index  # (pass, loop block) of a loop stack; (layer,) of a stack of layers
+    return {n: jax.lax.dynamic_index_in_dim(a, t, axis=0, keepdims=False)[tuple(j)] for n, a in store.items()}
 
 
 def by_slot(new: jax.Array, old: jax.Array, src: jax.Array, axis: int = -2) -> jax.Array:

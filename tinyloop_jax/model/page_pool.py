@@ -6,6 +6,7 @@ layer of one depth — pre blocks, the L x k loop passes, the coda — so a row'
 list of page ids (its page table), the same for every layer:
 
     pre[j]  = {"k": [KV, NP, P, hd], "v": ...}              one per pre block   (layout: kv_modes)
+              or Stacked({"k": [n_pre, KV, NP, P, hd]})     one stack (`model.stack`: a layer loop)
     loop    = {"k": [L, k, KV, NP, P, hd], "v": ...}        L passes of the k loop blocks
     post[j] = like pre[j]                                    one per coda block
     page table of a row: [R] int32; its position p lives in page table[p // P], offset p % P
@@ -34,6 +35,7 @@ from flax import struct
 
 from . import cache as kvc
 from .config import ModelConfig
+from .stack import Stacked, is_stacked
 from .kv_modes import KVMode, kv_mode as parse_mode
 from .. import settings
 
@@ -46,7 +48,9 @@ class PagedKV:
     """A pool of pages (see the module doc): every cache layer of one depth, page-major inside
     each head, in `kv_mode`'s stored arrays."""
 
-    pre: tuple  # tuple[dict[str, Array [lead, NP, P, w]], ...] (local layers: [lead, NL, P, w])
+    # tuple[dict[str, Array [lead, NP, P, w]], ...] (local layers: [lead, NL, P, w]), or one
+    # Stacked({name: [n_pre, lead, NP, P, w]}) that a step runs in a layer loop (index (i,))
+    pre: tuple | Stacked
     loop: dict  # dict[str, Array [L, k, lead, NP, P, w]]
     kv_mode: KVMode = struct.field(pytree_node=False)
     post: tuple = ()
@@ -163,7 +167,10 @@ def empty(cfg: ModelConfig, passes: int, n_pages: int, page_size: int = PAGE_SIZ
     shapes = page_shapes(mode, cfg.n_kv_heads, n_pages, page_size, cfg.head_dim, cfg.d_model)
     slots = page_shapes(mode, cfg.n_kv_heads, n_local, page_size, cfg.head_dim, cfg.d_model) if local else shapes
     layer = lambda lead=(), sh=shapes: {n: jnp.zeros(lead + s, d) for n, (s, d) in sh.items()}  # noqa: E731
-    pre = tuple(layer(sh=slots if j in local else shapes) for j in range(cfg.n_pre_blocks))
+    if not local and cfg.mesh is None and cfg.n_pre_blocks > 1:  # one stack: a step runs it in a loop
+        pre = Stacked(layer((cfg.n_pre_blocks,)))
+    else:
+        pre = tuple(layer(sh=slots if j in local else shapes) for j in range(cfg.n_pre_blocks))
     aside = {} if share is None else dict(
         aside=layer((passes, cfg.loop_blocks), page_shapes(mode, cfg.n_kv_heads, n_prompt, page_size, cfg.head_dim,
                                                            cfg.d_model)),
@@ -226,6 +233,8 @@ def placed(pool: PagedKV, mesh) -> PagedKV:
     def put(a, head_axis):
         spec = sharding.cache_spec(a.shape, False, head_axis if heads else None, mesh)
         return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
+    if is_stacked(pool.pre):
+        raise ValueError("a pool with stacked pre layers is for one device")
     layer = lambda e: {n: put(a, 0) for n, a in e.items()}  # noqa: E731
     stack = lambda e: None if e is None else {n: put(a, 2) for n, a in e.items()}  # noqa: E731
     return pool.replace(pre=tuple(map(layer, pool.pre)), post=tuple(map(layer, pool.post)),
@@ -251,7 +260,8 @@ def copy_pages(pool: PagedKV, src: jax.Array, dst: jax.Array) -> PagedKV:
     def cp(layer, m=None):  # [.., lead, NP, P, w]
         s, d = local_map(m, src, 0), local_map(m, dst, layer_slots(layer), write=True)
         return {n: a.at[..., d, :, :].set(a[..., s, :, :], mode="drop") for n, a in layer.items()}
-    return pool.replace(pre=tuple(cp(e, pool.map_of(j)) for j, e in enumerate(pool.pre)),
+    return pool.replace(pre=Stacked(cp(pool.pre.tree)) if is_stacked(pool.pre) else
+                        tuple(cp(e, pool.map_of(j)) for j, e in enumerate(pool.pre)),
                         loop=cp(pool.loop, pool.loop_of), post=tuple(map(cp, pool.post)),
                         aside=None if pool.aside is None else cp(pool.aside, pool.aside_of))
 
@@ -261,16 +271,17 @@ def layer_slots(layer: dict) -> int:
 
 
 # ---- reading and writing one layer ------------------------------------------------------------
-# A layer's store is a pre/coda layer ({name: [lead, NP, P, w]}, index None) or the loop stack
-# ({name: [L, k, lead, NP, P, w]}) at index (pass t, traced; loop block j, static).
+# A layer's store is a pre/coda layer ({name: [lead, NP, P, w]}, index None), the loop stack
+# ({name: [L, k, lead, NP, P, w]}) at index (pass t, traced; loop block j, static), or the pre
+# blocks' stack ({name: [n, lead, NP, P, w]}) at index (layer i,).
 
 def write(store: dict, fresh: dict, page: jax.Array, off: jax.Array, index=None) -> dict:
     """The step's stored arrays fresh {name: [lead, N, w]} written at (page [N], off [N]) of one
     layer (page >= NP: dropped). One scatter per array, in place."""
     if index is None:
         return {n: a.at[:, page, off].set(fresh[n].astype(a.dtype), mode="drop") for n, a in store.items()}
-    t, j = index  # advanced indices split by the head slice: the update is [N, lead, w]
-    return {n: a.at[t, j, :, page, off].set(fresh[n].astype(a.dtype).transpose(1, 0, 2), mode="drop")
+    # advanced indices split by the head slice: the update is [N, lead, w]
+    return {n: a.at[(*index, slice(None), page, off)].set(fresh[n].astype(a.dtype).transpose(1, 0, 2), mode="drop")
             for n, a in store.items()}
 
 
@@ -309,9 +320,15 @@ def load_segment(pool: PagedKV, seg, pages: jax.Array, start: jax.Array, n: jax.
     lp = local_map(pool.loop_of, page, layer_slots(pool.loop), write=True)
     loop = {k: a.at[:, :, :, lp, off].set(seg.loop[k][:a.shape[0]].astype(a.dtype), mode="drop")
             for k, a in pool.loop.items()}
-    return pool.replace(pre=tuple(put(a, b, ring if j in seg.rings else (page, off), pool.map_of(j))
-                                  for j, (a, b) in enumerate(zip(pool.pre, seg.pre))), loop=loop,
-                        post=tuple(put(a, b) for a, b in zip(pool.post, seg.post)))
+    if is_stacked(pool.pre):  # (no local slots: every layer on the pages)
+        pre = pool.pre.tree
+        for j, b in enumerate(seg.pre):
+            pre = write(pre, b, *(ring if j in seg.rings else (page, off)), (j,))
+        pre = Stacked(pre)
+    else:
+        pre = tuple(put(a, b, ring if j in seg.rings else (page, off), pool.map_of(j))
+                    for j, (a, b) in enumerate(zip(pool.pre, seg.pre)))
+    return pool.replace(pre=pre, loop=loop, post=tuple(put(a, b) for a, b in zip(pool.post, seg.post)))
 
 
 @jax.jit
@@ -330,7 +347,9 @@ def to_segment(pool: PagedKV, pages: jax.Array, n: jax.Array, capacity: int) -> 
     def take(layer, m=None):  # [.., lead, C, w]
         at = local_map(m, page, 0)
         return {k: a[..., at, off, :] for k, a in layer.items()}
-    return kvc.KVCache(pre=tuple(take(s, pool.map_of(j)) for j, s in enumerate(pool.pre)), loop=take(pool.loop),
+    pre = (tuple(Stacked(take(pool.pre.tree))) if is_stacked(pool.pre) else
+           tuple(take(s, pool.map_of(j)) for j, s in enumerate(pool.pre)))
+    return kvc.KVCache(pre=pre, loop=take(pool.loop),
                        pos=jnp.where(slot < n, slot, -1), length=jnp.asarray(n, jnp.int32), kv_mode=pool.kv_mode,
                        post=tuple(take(s) for s in pool.post))
 

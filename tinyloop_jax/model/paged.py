@@ -38,6 +38,7 @@ from .config import ModelConfig
 from .kv_modes import KVMode
 from .page_pool import PagedKV, gather, layer_slots, local_map, placed, read, write
 from .params import Params
+from .stack import Stacked, is_stacked
 from .. import settings
 
 @struct.dataclass
@@ -193,7 +194,7 @@ def block(x: jax.Array, blk, cfg: ModelConfig, groups: tuple, store: dict, index
         rows_window = None if g.rows.window is None else layers.layer_window(g.rows.window, blk)
         win = jnp.full((b,), window, jnp.int32) if rows_window is None else rows_window  # [b]
         if kernel != "xla":  # the stack itself and the layer's index: no copy of the layer
-            i = 0 if idx is None else idx[0] * len(cfg_loop(st)) + idx[1]
+            i = 0 if idx is None else idx[0] if len(idx) == 1 else idx[0] * len(cfg_loop(st)) + idx[1]
             run = (native.paged_attention if kernel == "native" else
                    functools.partial(paged_pallas.paged_attention, interpret=kernel == "interpret"))
             a = run((qg * hd ** -0.5).transpose(0, 2, 1, 3), st["k"], st["v"], st.get("ks"),
@@ -207,6 +208,27 @@ def block(x: jax.Array, blk, cfg: ModelConfig, groups: tuple, store: dict, index
         outs.append(a.transpose(1, 0, 2, 3).reshape(H, b * T, hd))
     y = layers.block_out(x, jnp.concatenate(outs, axis=1), blk, cfg)
     return y, (stores[0] if single else tuple(stores))
+
+
+def run_pre(params: Params, cfg: ModelConfig, x: jax.Array, groups: tuple, pool: PagedKV, window: int):
+    """The step's streams x [N, D] through the pre blocks, their K/V written into the pool's
+    pre layers. Returns (x, pool). Blocks stacked (`model.stack`) over a stacked pool run in a
+    layer loop: one block in the program, whatever the depth."""
+    if is_stacked(params.pre) and is_stacked(pool.pre):
+        def body(i, carry):
+            return block(carry[0], params.pre.at(i), cfg, groups, carry[1], (i,), window, pool.kv_mode)
+        x, tree = jax.lax.fori_loop(0, len(params.pre), body, (x, pool.pre.tree))
+        return x, pool.replace(pre=Stacked(tree))
+    if is_stacked(pool.pre):  # blocks that differ (packed formats) over a stack: unrolled
+        tree = pool.pre.tree
+        for j, blk in enumerate(params.pre):
+            x, tree = block(x, blk, cfg, groups, tree, (j,), window, pool.kv_mode)
+        return x, pool.replace(pre=Stacked(tree))
+    pre = []
+    for j, (blk, store) in enumerate(zip(params.pre, pool.pre)):
+        x, store = block(x, blk, cfg, groups, store, None, window, pool.kv_mode, pool.map_of(j))
+        pre.append(store)
+    return x, pool.replace(pre=tuple(pre))
 
 
 def cfg_loop(store: dict) -> range:
@@ -262,10 +284,7 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
     if inject and cfg.embed_scale != 1.0:
         x = x * cfg.embed_scale
 
-    pre = []
-    for j, (blk, store) in enumerate(zip(params.pre, pool.pre)):
-        x, store = block(x, blk, cfg, groups, store, None, window, pool.kv_mode, pool.map_of(j))
-        pre.append(store)
+    x, pool = run_pre(params, cfg, x, groups, pool, window)
     e = None
     if inject:
         seeds = (seeds,) if single else (seeds or (None,) * len(groups))
@@ -290,7 +309,7 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
         x, loop, _, pick = tf.run_passes(params, cfg, x, e, loops, pool.loop, loop_block, exit if gated else None,
                                          slot=share.slot, settle=settle(share, pool.kv_mode, groups, loops, pool.loop))
     y, post = tf.coda(params, cfg, x, pool.post, post_block)
-    pool = placed(pool.replace(pre=tuple(pre), loop=loop, post=tuple(post)), cfg.mesh)
+    pool = placed(pool.replace(loop=loop, post=tuple(post)), cfg.mesh)
     out = split(pick if gated else y, groups, single)
     return (out, pool, split(x, groups, single)) if keep_state else (out, pool)
 

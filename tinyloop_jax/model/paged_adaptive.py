@@ -94,10 +94,7 @@ def forward(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, rows: pag
     inject = rec.injected(cfg)
     if inject and cfg.embed_scale != 1.0:
         x = x * cfg.embed_scale
-    pre = []
-    for j, (blk, store) in enumerate(zip(params.pre, pool.pre)):
-        x, store = paged.block(x, blk, cfg, groups, store, None, 0, pool.kv_mode, pool.map_of(j))
-        pre.append(store)
+    x, pool = paged.run_pre(params, cfg, x, groups, pool, 0)
     e, s = None, x
     if inject:
         e, s = x, jax.vmap(lambda sd, p: rec.initial_state(cfg, sd, p))(seeds, g.pos).reshape(b * T, -1)
@@ -178,7 +175,7 @@ def forward(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, rows: pag
         stack = fill_skipped(c.stack, at, g.off, by_token(c.depth), loops)
     else:
         stack = settle_exits(c.stack, share, x, by_token(c.depth), loops, g, pool.kv_mode)
-    return Out(logits, pool.replace(pre=tuple(pre), loop=stack, post=post), c.depth, at_last(c.s))
+    return Out(logits, pool.replace(loop=stack, post=post), c.depth, at_last(c.s))
 
 
 def forward_decode(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, rows: paged.Rows, tokens: jax.Array,

@@ -38,6 +38,7 @@ from .config import ModelConfig
 from . import qarray
 from . import qpack
 from .qarray import Fused, QuantArray, is_fused, is_quant
+from .stack import is_stacked, unstacked
 
 LAYOUT = 2  # the weight layout checkpoints record (1: flat fused projections, converted on load)
 
@@ -312,7 +313,9 @@ def _key(k) -> str:
 
 def flatten(params: Params) -> dict:
     """{tree path: array} of a model's parameters (or of `param_shapes`' tuples); a packed
-    weight is one entry (a `QuantArray`)."""
+    weight is one entry (a `QuantArray`); stacked layers (`stack.Stacked`) one entry a layer."""
+    if is_stacked(params.pre):
+        params = params.replace(pre=unstacked(params.pre))
     return named_leaves(params, is_leaf=_is_shape)
 
 

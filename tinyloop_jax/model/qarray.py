@@ -82,14 +82,22 @@ class QuantArray:
     # what a product multiplies it by (`ACTIVATIONS`): the inputs as given, or rounded to 8 bits
     # per 32 (`round_activations`; llama.cpp's arithmetic), a load-time choice (`with_activations`)
     act: str = struct.field(pytree_node=False, default="float32")
+    # one layer of a stack (`params.Stacked`): q, scale and min then hold every layer's fields
+    # ([L, ...]) and this int32 [] picks one; the native kernel reads it in place, the rest
+    # slices it out (`own`). None: the fields are this weight's.
+    layer: jax.Array | None = None
+
+    @property
+    def _lead(self) -> int:
+        return 0 if self.layer is None else 1
 
     @property
     def out_shape(self) -> tuple:
-        return tuple(self.q.shape[2:]) if self.tiled is None else self.tiled
+        return tuple(self.q.shape[2 + self._lead:]) if self.tiled is None else self.tiled
 
     @property
     def k(self) -> int:
-        return self.q.shape[0 if self.tiled is None else 1] * block_values(self.fmt)
+        return self.q.shape[(0 if self.tiled is None else 1) + self._lead] * block_values(self.fmt)
 
     @property
     def shape(self) -> tuple:
@@ -106,6 +114,14 @@ class QuantArray:
     @property
     def T(self) -> "QuantArray":  # noqa: N802  (numpy's name)
         return self.replace(transposed=not self.transposed)
+
+    def own(self) -> "QuantArray":
+        """This weight with fields of its own: a stack's layer (`layer`) sliced out (a copy)."""
+        if self.layer is None:
+            return self
+        pick = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(  # noqa: E731
+            a, jnp.asarray(self.layer, jnp.int32), 0, keepdims=False)
+        return self.replace(q=pick(self.q), scale=pick(self.scale), min=pick(self.min), layer=None)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """The logical float array ([K, *out], or [*out, K] when transposed)."""
@@ -126,6 +142,7 @@ def tile(w: QuantArray) -> QuantArray:
     tile as one sequential stream (tinyloop_jax/native/qmatmul.cc)."""
     if w.tiled is not None:
         return w
+    w = w.own()
     n = int(np.prod(w.out_shape, dtype=np.int64))
     c = -(-n // TILE)
     flat = pad_out(reshape_out(w, n), c * TILE - n)
@@ -135,7 +152,10 @@ def tile(w: QuantArray) -> QuantArray:
 def canonical(w):
     """A packed weight in GGUF's own order (fields [K/32, ..., *out]), from either layout;
     anything else as it is."""
-    if not is_quant(w) or w.tiled is None:
+    if not is_quant(w):
+        return w
+    w = w.own()
+    if w.tiled is None:
         return w
     n = int(np.prod(w.tiled, dtype=np.int64))
 
@@ -358,10 +378,12 @@ def _product(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array, fmt: str) -
     return jnp.einsum("...k,kn->...n", x, _dequantize(q, d, m, fmt).astype(x.dtype))
 
 
-def _tiled_product(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array, fmt: str, n: int,
+def _tiled_product(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array, layer: jax.Array, fmt: str, n: int,
                    act: str = "float32") -> jax.Array:
-    """`_product` of a weight in the kernel's layout (flattened to n columns)."""
-    w = canonical(QuantArray(q=q, scale=d, min=m, fmt=fmt, tiled=(n,)))
+    """`_product` of a weight in the kernel's layout (flattened to n columns; q, d, m a stack
+    of them when their rank says so, `layer` picking one)."""
+    stacked = q.ndim == 5
+    w = canonical(QuantArray(q=q, scale=d, min=m, fmt=fmt, tiled=(n,), layer=layer if stacked else None))
     return _product(_inputs(x, act), w.q, w.scale, w.min, fmt)
 
 
@@ -370,9 +392,9 @@ def _kernel(x: jax.Array, w: QuantArray) -> jax.Array:
     kernel, which reads the packed bytes once (`tinyloop_jax.native`; callers check
     `native.available()`). A weight in GGUF's order is tiled here, inside the program: models
     hold theirs tiled already (`tile_params`)."""
-    t, n = tile(w), int(np.prod(w.out_shape, dtype=np.int64))
+    t, n = tile(w), int(np.prod(w.out_shape, dtype=np.int64))  # (a stack's layer is tiled: its models')
     return native.qmatmul(x, t.q, t.scale, t.min, w.fmt, n, partial(_tiled_product, fmt=w.fmt, n=n, act=w.act),
-                          act=w.act)
+                          act=w.act, layer=t.layer)
 
 
 def matmul(x: jax.Array, w, tile: int | None = None) -> jax.Array:
@@ -386,7 +408,7 @@ def matmul(x: jax.Array, w, tile: int | None = None) -> jax.Array:
         return jnp.tensordot(x, w, axes=1)
     if tile is None and native.available():
         return _kernel(x, w).astype(x.dtype).reshape(*x.shape[:-1], *w.out_shape)
-    x = _inputs(x, w.act)
+    w, x = w.own(), _inputs(x, w.act)
     parts = [jnp.einsum("...k,kn->...n", x, t.astype(x.dtype)) for t in _columns(w, x, tile)]
     y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
     return y.reshape(*x.shape[:-1], *w.out_shape)
@@ -396,6 +418,7 @@ def head(x: jax.Array, w) -> jax.Array:
     """x [..., D] against w [V, D] (the embedding or the head) -> float32 [..., V]."""
     if not is_quant(w):
         return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
+    w = w.own()
     if native.available():  # w's blocks run along D: the kernel's [K, N] weight with N = V
         return _kernel(x, w)
     x = _inputs(x, w.act)
@@ -407,6 +430,7 @@ def take(w, rows: jax.Array) -> jax.Array:
     """Rows of w [V, D] (an embedding lookup) -> [T, D] float32 for packed, as stored otherwise."""
     if not is_quant(w):
         return w[rows]
+    w = w.own()
     if w.tiled is not None:  # row r is column r % 64 of tile r // 64
         c, lane = rows // TILE, rows % TILE
         pick = lambda a: jnp.moveaxis(a[c, ..., lane], 0, -1)  # noqa: E731  [T, nb, (R)] -> [nb, (R,) T]

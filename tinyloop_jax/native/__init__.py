@@ -112,9 +112,11 @@ def available() -> bool:
         return _state["ok"]
 
 
-def _call(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array, fmt: str, n: int, act: str) -> jax.Array:
+def _call(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array, layer: jax.Array, fmt: str, n: int,
+          act: str) -> jax.Array:
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32))(
-        x.astype(jnp.float32), q, d, m, fmt=np.int32(FORMATS[fmt]), act=np.int32(ACTIVATIONS.index(act)))
+        x.astype(jnp.float32), q, d, m, jnp.asarray(layer, jnp.int32).reshape(1), fmt=np.int32(FORMATS[fmt]),
+        act=np.int32(ACTIVATIONS.index(act)))
 
 
 def _kernel(fmt: str, n: int, dense, act: str):
@@ -122,17 +124,17 @@ def _kernel(fmt: str, n: int, dense, act: str):
     rows of x (the weight is shared), so a decode step over 16 requests is one call."""
 
     @jax.custom_batching.custom_vmap
-    def f(x, q, d, m):
-        return _call(x, q, d, m, fmt, n, act)
+    def f(x, q, d, m, layer):
+        return _call(x, q, d, m, layer, fmt, n, act)
 
     @f.def_vmap
-    def rule(axis_size, in_batched, x, q, d, m):
+    def rule(axis_size, in_batched, x, q, d, m, layer):
         if any(in_batched[1:]):  # a weight per row: not this kernel's case
             axes = [0 if b else None for b in in_batched]
-            return jax.vmap(dense, in_axes=axes)(x, q, d, m), True
+            return jax.vmap(dense, in_axes=axes)(x, q, d, m, layer), True
         if not in_batched[0]:
             x = jnp.broadcast_to(x, (axis_size, *x.shape))
-        return f(x, q, d, m), True
+        return f(x, q, d, m, layer), True
 
     return f
 
@@ -141,16 +143,18 @@ _kernels: dict = {}
 
 
 def qmatmul(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array | None, fmt: str, n: int, dense,
-            act: str = "float32") -> jax.Array:
+            act: str = "float32", layer: jax.Array | int | None = None) -> jax.Array:
     """x [..., K] @ a packed [K, n] weight in qarray's kernel layout (`qarray.tile`: q [C, K/S,
     R, 64], d and m [C, K/S, 64], C = ceil(n / 64); m None for formats without one) -> float32 [..., n].
-    `dense(x, q, d, m)`: the same product through XLA, for a vmap that batches the weight itself
-    (it rounds x itself where act is "int8"). `act`: "float32", or "int8": each row's inputs
-    rounded to 8 bits per 32 (`qarray.round_activations`) and, where the CPU has AVX-512 VNNI,
-    multiplied as integers (Q8_0, Q4_0, Q4_1)."""
+    `layer`: q, d and m are a stack of L such weights ([L, C, ...]) and the product is with entry
+    `layer` (int32 [], traced in a layer loop), read in place. `dense(x, q, d, m, layer)`: the
+    same product through XLA, for a vmap that batches the weight itself (it rounds x itself
+    where act is "int8"). `act`: "float32", or "int8": each row's inputs rounded to 8 bits per
+    32 (`qarray.round_activations`) and, where the CPU has AVX-512 VNNI, multiplied as integers
+    (Q8_0, Q4_0, Q4_1)."""
     if (fmt, n, act) not in _kernels:
         _kernels[fmt, n, act] = _kernel(fmt, n, dense, act)
-    return _kernels[fmt, n, act](x, q, d, d if m is None else m)
+    return _kernels[fmt, n, act](x, q, d, d if m is None else m, jnp.int32(0) if layer is None else layer)
 
 
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, ks: jax.Array | None, vs: jax.Array | None,

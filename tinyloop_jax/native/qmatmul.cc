@@ -587,18 +587,25 @@ Act8 round_inputs(const float* x, int64_t M, int64_t K) {
 }
 
 ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> d,
-                   ffi::Buffer<ffi::F16> m, ffi::ResultBuffer<ffi::F32> y, int32_t fmt, int32_t act) {
+                   ffi::Buffer<ffi::F16> m, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int32_t fmt,
+                   int32_t act) {
   if (fmt < kQ8_0 || fmt > kQ6_K) return ffi::Error::InvalidArgument("qmatmul: unknown format");
   if (act != 0 && act != 1) return ffi::Error::InvalidArgument("qmatmul: act is 0 (float) or 1 (8-bit)");
-  const auto xd = x.dimensions(), qd = q.dimensions(), yd = y->dimensions();
-  if (xd.size() < 1 || qd.size() != 4 || yd.size() < 1)
-    return ffi::Error::InvalidArgument("qmatmul: x [..., K], q [N/64, K/S, R, 64], y [..., N]");
-  const int64_t K = xd.back(), N = yd.back(), C = qd[0], nb = qd[1];
+  const auto xd = x.dimensions(), qd0 = q.dimensions(), yd = y->dimensions();
+  // q [N/64, K/S, R, 64], or a stack of L such weights [L, ...] of which `layer` picks one (a
+  // layer loop's weights, read where they lie: no copy of the layer)
+  const size_t lead = qd0.size() == 5 ? 1 : 0;
+  if (xd.size() < 1 || qd0.size() != 4 + lead || yd.size() < 1 || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("qmatmul: x [..., K], q [(L,) N/64, K/S, R, 64], layer [1], y [..., N]");
+  const int64_t L = lead ? qd0[0] : 1, at = layer.typed_data()[0];
+  const int64_t K = xd.back(), N = yd.back(), C = qd0[lead], nb = qd0[lead + 1];
   const int64_t R = rows_of(fmt), sub = sub_of(fmt), ns = K / sub;
-  if (K != nb * values_of(fmt) || qd[2] != R || qd[3] != kW || C != (N + kW - 1) / kW
-      || static_cast<int64_t>(d.element_count()) != C * nb * kW) {
+  if (K != nb * values_of(fmt) || qd0[lead + 2] != R || qd0[lead + 3] != kW || C != (N + kW - 1) / kW
+      || static_cast<int64_t>(d.element_count()) != L * C * nb * kW
+      || static_cast<int64_t>(m.element_count()) != L * C * nb * kW) {
     return ffi::Error::InvalidArgument("qmatmul: x, q, d and y do not describe one [K, N] weight");
   }
+  if (at < 0 || at >= L) return ffi::Error::InvalidArgument("qmatmul: layer outside the stack");
   const int64_t M = K ? static_cast<int64_t>(x.element_count()) / K : 0;
   if (static_cast<int64_t>(y->element_count()) != M * N) return ffi::Error::InvalidArgument("qmatmul: y is not [M, N]");
   const float* xs = x.typed_data();
@@ -616,8 +623,10 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
       sx[t * ns + b] = s;
     }
   auto sh = std::make_shared<Shared>();
-  sh->p = Problem{xs, static_cast<const uint8_t*>(q.untyped_data()),
-                  reinterpret_cast<const uint16_t*>(d.typed_data()), reinterpret_cast<const uint16_t*>(m.typed_data()),
+  const int64_t per = C * nb * kW;  // scales of one weight; its bytes: per * R
+  sh->p = Problem{xs, static_cast<const uint8_t*>(q.untyped_data()) + at * per * R,
+                  reinterpret_cast<const uint16_t*>(d.typed_data()) + at * per,
+                  reinterpret_cast<const uint16_t*>(m.typed_data()) + at * per,
                   sx.get(), y->typed_data(), M, K, N, nb, ns, fmt, a8.q.get(), a8.d.get(), a8.s.get()};
   // as many workers as XLA's pool has threads (one per core), this thread one of them
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -674,6 +683,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TinyloopQMatmul, QMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("fmt")
                                   .Attr<int32_t>("act"));
