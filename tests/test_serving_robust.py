@@ -355,3 +355,22 @@ def test_the_auto_budget_scales_with_what_is_free(monkeypatch):
     monkeypatch.setattr(E, "free_bytes", lambda: 1 << 20)  # (nearly nothing free: still one request)
     with tl.Engine(model, max_batch=64) as eng:
         assert eng.capacity()["rows"] == 1 and eng.capacity()["row_tokens"] == 2048
+
+
+def test_warmup_stops_with_a_clear_error_short_of_the_mapping_limit(monkeypatch):
+    """Each compiled program takes hundreds of memory mappings and XLA:CPU's compiler dies past
+    the kernel's vm.max_map_count: warmup refuses (a RuntimeError naming the limit) before
+    compiling a program without room for it, and the engine still serves."""
+    from tinyloop_jax import settings
+    from tinyloop_jax.serving import plan
+
+    room = settings.mapping_headroom()
+    assert room is None or room > plan.MAPPINGS_A_PROGRAM  # this process (Linux: a number)
+    model = tiny_model("fp32")
+    with tl.Engine(model, max_batch=1, prefill_chunk=16) as eng:
+        monkeypatch.setattr(settings, "mapping_headroom", lambda: plan.MAPPINGS_A_PROGRAM - 1)
+        with pytest.raises(RuntimeError, match="vm.max_map_count"):
+            eng.warmup()
+        monkeypatch.undo()
+        p = np.arange(12, dtype=np.int32) * 5 % 128
+        assert eng.submit(p, max_tokens=4).result() == model.generate(p, max_tokens=4)

@@ -55,3 +55,17 @@ def free_bytes() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return None
+
+
+def mapping_headroom() -> int | None:
+    """Memory mappings this process may still make under the kernel's `vm.max_map_count`
+    (Linux's default 65,530; None where unknown). Each program XLA:CPU compiles maps its kernels'
+    code and data, 590-1,125 mappings for a served model's step; past the limit its compiler
+    fails ("LLVM compilation error: Cannot allocate memory") and the process dies."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps") as f:
+            return limit - sum(1 for _ in f)
+    except (OSError, ValueError):
+        return None

@@ -48,26 +48,23 @@ class Model:
     def __init__(self, params: Params, config: ModelConfig, mesh=None, activations: str | None = None):
         """params shaped as `param_shapes(config)`; with `mesh` (a ('data', 'model') Mesh, see
         `sharding`) they are placed on it and every call runs on it. `activations`: what packed
-        weights multiply, "float32" (the inputs as computed) or "int8" (each row's inputs
-        rounded to 8 bits per 32 and, on a CPU with AVX-512 VNNI, multiplied as integers:
-        llama.cpp's arithmetic, about 1.4-1.7x faster products and logits within ~1% of
-        float32's; `qarray.round_activations`); None keeps what the weights say (float32)."""
+        weights multiply, "float32" (the inputs as computed) or "int8" (each row's inputs rounded
+        to 8 bits per 32, with AVX-512 VNNI multiplied as integers: llama.cpp's arithmetic, 1.4-1.7x
+        faster products, logits within ~1% of float32's; `qarray.round_activations`); None: float32."""
         params = params.replace(pre=stack.unstacked(params.pre))  # (another model's may be stacked)
         check_shapes(params, config)
         if activations is not None:
             params = qarray.with_activations(params, activations)
-        dt = config.compute_dtype
-        params = jax.tree.map(lambda a: a if qarray.is_quant(a) else jnp.asarray(a, dt), params,
+        params = jax.tree.map(lambda a: a if qarray.is_quant(a) else jnp.asarray(a, config.compute_dtype), params,
                               is_leaf=qarray.is_quant)  # packed weights stay packed
         params = with_layers(params, config)  # each block's window and RoPE base, from the config
         if mesh is not None:
             sharding.check(mesh, config)
             config = config.replace(mesh=mesh)
             params = sharding.place_params(params, config, mesh)
-        else:
-            if native.available():  # packed weights in the native kernel's layout, once
-                params = qarray.tile_params(params)
-            params = params.replace(pre=stack.stack(params.pre))  # one program runs them in a loop
+        elif native.available():  # packed weights in the native kernel's layout, once
+            params = qarray.tile_params(params)
+        params = params if mesh is not None else params.replace(pre=stack.stack(params.pre))  # a layer loop
         self._weights: Weights | None = Weights.create(params, config)
         self._config = config
         self.last_speculation: dict | None = None  # rounds / drafted / accepted of the last speculative call

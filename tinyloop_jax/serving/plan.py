@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from . import step as S
+from .. import settings
 from ..decoding.grammar import words
 from ..decoding.sampling import Knobs, SamplingParams
 from ..model import adaptive as ad
@@ -16,6 +17,7 @@ from ..model import page_pool, paged
 from ..model.cache import bucket
 
 
+MAPPINGS_A_PROGRAM = 2_500  # warmup stops short of vm.max_map_count by two of the largest programs
 MIN_TABLE = 4  # page-table entries of the smallest program (64 tokens at P = 16)
 
 
@@ -79,6 +81,13 @@ class Plan:
 
         def compile_(key, program, *args, **kw):
             if key not in known and key not in new:
+                room = settings.mapping_headroom()
+                if room is not None and room < MAPPINGS_A_PROGRAM:  # a refusal, not the compiler's crash
+                    raise RuntimeError(
+                        f"warmup stopped before program {key}: this process may make {room} more memory mappings "
+                        f"under vm.max_map_count, and a compiled program takes up to ~{MAPPINGS_A_PROGRAM // 2} "
+                        f"(XLA:CPU's compiler fails past the limit): warm fewer kinds (adaptive, speculation, "
+                        f"grammar) or depths, or raise vm.max_map_count (sysctl)")
                 program.lower(*args, **kw).compile()
                 new.add(key)
 
