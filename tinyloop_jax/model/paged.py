@@ -214,16 +214,16 @@ def run_pre(params: Params, cfg: ModelConfig, x: jax.Array, groups: tuple, pool:
     """The step's streams x [N, D] through the pre blocks, their K/V written into the pool's
     pre layers. Returns (x, pool). Blocks stacked (`model.stack`) over a stacked pool run in a
     layer loop: one block in the program, whatever the depth."""
-    if is_stacked(params.pre) and is_stacked(pool.pre):
-        def body(i, carry):
-            return block(carry[0], params.pre.at(i), cfg, groups, carry[1], (i,), window, pool.kv_mode)
-        x, tree = jax.lax.fori_loop(0, len(params.pre), body, (x, pool.pre.tree))
-        return x, pool.replace(pre=Stacked(tree))
-    if is_stacked(pool.pre):  # blocks that differ (packed formats) over a stack: unrolled
-        tree = pool.pre.tree
-        for j, blk in enumerate(params.pre):
-            x, tree = block(x, blk, cfg, groups, tree, (j,), window, pool.kv_mode)
-        return x, pool.replace(pre=Stacked(tree))
+    if is_stacked(pool.pre):  # the pool's pre layers one stack, layer i at index (i,)
+        def one(i, blk, carry):
+            return block(carry[0], blk, cfg, groups, carry[1], (i,), window, pool.kv_mode)
+        carry = (x, pool.pre.tree)
+        if is_stacked(params.pre):  # the blocks stacked too: a layer loop
+            carry = jax.lax.fori_loop(0, len(params.pre), lambda i, c: one(i, params.pre.at(i), c), carry)
+        else:  # blocks that differ (packed formats): unrolled
+            for j, blk in enumerate(params.pre):
+                carry = one(j, blk, carry)
+        return carry[0], pool.replace(pre=Stacked(carry[1]))
     pre = []
     for j, (blk, store) in enumerate(zip(params.pre, pool.pre)):
         x, store = block(x, blk, cfg, groups, store, None, window, pool.kv_mode, pool.map_of(j))

@@ -82,7 +82,7 @@ class QuantArray:
     # what a product multiplies it by (`ACTIVATIONS`): the inputs as given, or rounded to 8 bits
     # per 32 (`round_activations`; llama.cpp's arithmetic), a load-time choice (`with_activations`)
     act: str = struct.field(pytree_node=False, default="float32")
-    # one layer of a stack (`params.Stacked`): q, scale and min then hold every layer's fields
+    # one layer of a stack (`stack.Stacked`): q, scale and min then hold every layer's fields
     # ([L, ...]) and this int32 [] picks one; the native kernel reads it in place, the rest
     # slices it out (`own`). None: the fields are this weight's.
     layer: jax.Array | None = None
