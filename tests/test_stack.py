@@ -90,3 +90,32 @@ def test_a_stacked_model_is_the_same_model():
     assert np.abs(np.asarray(pool1.pre[2]["k"])).max() > 0  # the last layer's K/V were written
     hlo = step.lower(p, pool).as_text()
     assert hlo.count("stablehlo.while") >= 2  # the layer loop beside the passes' loop
+
+
+def test_the_dense_path_runs_stacked_blocks_in_a_loop():
+    """On dense segments too (a prefix, `score`, the cache-free `forward_seq`), stacked pre blocks
+    run in one layer loop and answer as the unstacked blocks unrolled: logits, scores and the
+    tokens from a prefix, within the equivalence bound."""
+    from tinyloop_jax.decoding import programs
+    from tinyloop_jax.model import transformer as tf
+
+    cfg = tl.ModelConfig(vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, block="llama", n_pre_blocks=3,
+                         loop_blocks=1, default_loops=2, max_seq_len=128)
+    model = tl.Model.random(cfg, seed=3, quantize_weights="int4")
+    p = model.weights.params
+    flat = p.replace(pre=stack.unstacked(p.pre))
+    prompt = [5, 9, 2, 7, 1, 3, 3, 8]
+    want = np.asarray(tf.forward_seq(flat, cfg, jnp.asarray(prompt), 2))  # unrolled: the reference
+    bound = dict(atol=1e-3, rtol=1e-2)
+    np.testing.assert_allclose(np.asarray(tf.forward_seq(p, cfg, jnp.asarray(prompt), 2)), want, **bound)
+    np.testing.assert_allclose(model.next_token_logits(prompt), want[-1], **bound)
+    lp = np.asarray(jax.nn.log_softmax(want, axis=-1))[np.arange(len(prompt) - 1), prompt[1:]]
+    np.testing.assert_allclose(model.score(prompt).logprobs[1:], lp, **bound)
+    prefix = model.build_prefix_cache(prompt[:5])
+    assert stack.is_stacked(model.weights.params.pre)
+    assert model.generate_from_prefix_cache(prefix, 6, suffix=prompt[5:]) == model.generate(prompt, max_tokens=6)
+
+    own = tl.functional.empty_cache(model.weights, 16)
+    args = (cfg, jnp.zeros(16, jnp.int32), jnp.int32(5), jnp.int32(0), (), own, 2, 0)
+    loops = [programs.prefill.lower(prm, *args).as_text().count("stablehlo.while") for prm in (p, flat)]
+    assert loops[0] == loops[1] + 1, loops  # the layer loop beside the passes' loop

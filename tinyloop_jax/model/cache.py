@@ -207,7 +207,8 @@ def empty(kv_mode: str | KVMode, n_pre: int, passes: int, n_kv_heads: int, capac
 
 # ---- reading and writing one layer ------------------------------------------------------------
 # A layer's store is either a pre layer ({name: [lead, C, w]}, index None) or the loop stack
-# ({name: [L, k, lead, C, w]}) at index (pass t, traced inside the pass loop; block j, static).
+# ({name: [L, k, lead, C, w]}) at index (pass t, traced inside the pass loop; block j, static),
+# or a stack of layers ({name: [n, lead, C, w]}) at index (layer,) (a layer loop's, traced).
 
 def read(store: dict, index=None) -> dict:
     """The arrays of one layer: [lead, C, w] each."""
@@ -233,14 +234,12 @@ def write(store: dict, fresh: dict, slots: jax.Array, src: jax.Array, index=None
     if slots.shape[0] == 1:
         if index is None:
             return {n: jax.lax.dynamic_update_slice_in_dim(a, fresh[n], slots[0], axis=1) for n, a in store.items()}
-        t, j = index
-        return {n: jax.lax.dynamic_update_slice(a, fresh[n][None, None], (t, j, 0, slots[0], 0))
+        return {n: jax.lax.dynamic_update_slice(a, fresh[n][(None,) * len(index)], (*index, 0, slots[0], 0))
                 for n, a in store.items()}
     if index is None:
         return {n: by_slot(fresh[n], a, src) for n, a in store.items()}
-    t, j = index
-    return {n: jax.lax.dynamic_update_slice(a, by_slot(fresh[n], read({n: a}, index)[n], src)[None, None],
-                                            (t, j, 0, 0, 0))
+    return {n: jax.lax.dynamic_update_slice(a, by_slot(fresh[n], read({n: a}, index)[n], src)[(None,) * len(index)],
+                                            (*index, 0, 0, 0))
             for n, a in store.items()}
 
 
