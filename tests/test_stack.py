@@ -56,12 +56,21 @@ def test_blocks_that_differ_stay_a_tuple():
     assert stack.is_stacked(stack.stack(({"w": a}, {"w": a})))
 
 
+def needs_native():
+    if not native.available():
+        pytest.skip("the native kernel is not built on this machine (no compiler or another backend): "
+                    "a model stacks only what the kernel reads in place")
+
+
 def test_a_stacked_model_is_the_same_model():
-    """A llama with several pre blocks holds them stacked; its fingerprint, its saved tensors and
+    """A llama with several packed pre blocks holds them stacked (float ones stay a tuple: a loop
+    would copy each layer's matrices out of the stack); its fingerprint, its saved tensors and
     its tokens are those of the same weights unstacked (a model built from its tuple of views);
     a step over a pool of stacked pre layers equals the per-layer pool's step."""
+    needs_native()
     cfg = tl.ModelConfig(vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, block="llama", n_pre_blocks=3,
                          loop_blocks=1, default_loops=2, max_seq_len=128)
+    assert not stack.is_stacked(tl.Model.random(cfg, seed=3).weights.params.pre)
     model = tl.Model.random(cfg, seed=3, quantize_weights="int4")
     p = model.weights.params
     assert stack.is_stacked(p.pre) and len(p.pre) == 3 and qarray.is_quant(p.pre[0].w_down)
@@ -99,6 +108,7 @@ def test_the_dense_path_runs_stacked_blocks_in_a_loop():
     from tinyloop_jax.decoding import programs
     from tinyloop_jax.model import transformer as tf
 
+    needs_native()
     cfg = tl.ModelConfig(vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, block="llama", n_pre_blocks=3,
                          loop_blocks=1, default_loops=2, max_seq_len=128)
     model = tl.Model.random(cfg, seed=3, quantize_weights="int4")

@@ -62,9 +62,9 @@ class Model:
             sharding.check(mesh, config)
             config = config.replace(mesh=mesh)
             params = sharding.place_params(params, config, mesh)
-        elif native.available():  # packed weights in the native kernel's layout, once
-            params = qarray.tile_params(params)
-        params = params if mesh is not None else params.replace(pre=stack.stack(params.pre))  # a layer loop
+        elif native.available():  # packed weights in the native kernel's layout, once; pre blocks whose
+            params = qarray.tile_params(params)  # matrices it reads in place stacked (a layer loop)
+            params = params.replace(pre=stack.stack(params.pre)) if stack.read_in_place(params.pre) else params
         self._weights: Weights | None = Weights.create(params, config)
         self._config = config
         self.last_speculation: dict | None = None  # rounds / drafted / accepted of the last speculative call

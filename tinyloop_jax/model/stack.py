@@ -61,6 +61,17 @@ def stack(blocks: tuple):
     return Stacked(jax.tree.map(lambda *a: jnp.stack(a), *blocks))
 
 
+def read_in_place(blocks) -> bool:
+    """Would a layer loop read these blocks' matrices where they lie? Packed weights, yes (the
+    native kernel takes the stack and a layer index); a float matrix is copied out of the stack
+    at every layer (XLA:CPU slices a dot's operand): SmolLM2 dequantized to float32 decoded at
+    42.8 ms a token stacked against 28.6 unrolled, and 6.7x slower under the suite's
+    unoptimized XLA flags (docs/benchmarks.md, "Which blocks loop"). Vectors (norms) are cheap
+    to slice either way."""
+    leaves = jax.tree.leaves(tuple(blocks), is_leaf=is_quant)
+    return all(is_quant(a) for a in leaves if a.ndim >= 2)
+
+
 def unstacked(blocks) -> tuple:
     """Blocks as a tuple of blocks with arrays of their own (a stack's layers sliced out, a
     view's packed weights too)."""
