@@ -238,8 +238,8 @@ def test_bad_quantize_weights_is_a_value_error(tiny_float):
 
 
 def test_smollm2_kept_packed_equals_dequantized(smollm2):
-    floats, _ = smollm2  # the session's float32 load
-    model = tl.Model.from_pretrained("smollm2", kv_mode="fp32", dtype="float32")  # as stored
+    model, _ = smollm2  # the session's load, packed as stored
+    floats = tl.Model.from_pretrained("smollm2", kv_mode="fp32", dtype="float32", quantize_weights="float")
     assert qarray.is_quant(model.weights.params.wte) and model.weights.params.wte.fmt == "q8_0"
     assert model.weights.params.pre[0].w_down.fmt == "q4_1"
     prompt = np.arange(100, 140, dtype=np.int32)
