@@ -232,8 +232,9 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
         pol, windows = adaptive.policy, np.full((N,), window, np.int32) if window else None
         warm = (prefix.depth_states[c.n_pre_blocks + loops - 1] if prefix is not None
                 else jnp.zeros((c.d_model,), c.compute_dtype))  # the loop state a prompt starts from
-    pool = paged_decode.empty_pool(c, loops, lay.n_pages, lay)
-    if prefix is not None:
+    compact = not c.share.full  # the prompts on pass slots, collapsed after them
+    pool = paged_decode.empty_pool(c, loops, lay.n_pages, lay, compact=compact)
+    if prefix is not None:  # (a compact pool: into its pass slots)
         pool = paged_decode.load_prefix(weights.params, c, pool, prefix.cache, P, lay)
     seen = jnp.asarray(programs.token_mask(suffixes, c.vocab_size)) | prior_seen
     state = St.requests_of(seen, request, d_model=c.d_model, dtype=c.compute_dtype, pol=pol, warm=warm)
@@ -246,11 +247,12 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
             raise ValueError("response_format does not go with draft_loops (speculative decoding) on a mesh yet")
         matchers = [None if g is None else g.matcher() for g in grammars] + [None] * extra
         masks = fill_masks(matchers, c.vocab_size)
-    fill = paged_decode.prefill(weights.params, c, pool, state, lay.tables, P, suffixes, prior_logits, loops,
+    fill = paged_decode.prefill(weights.params, c, page_pool.swap(pool) if compact else pool, state, lay.tables, P,
+                                suffixes, prior_logits, loops,
                                 0 if windows is not None else window, exit, chunk, adaptive=adaptive is not None,
                                 exits=adaptive is not None and adaptive.in_prefill, windows=windows, masks=masks)
-    if not c.share.full:
-        fill = fill._replace(pool=paged_decode.collapse(fill.pool, c.share, loops))
+    if compact:
+        fill = fill._replace(pool=paged_decode.collapse(page_pool.swap(fill.pool), loops))
     rows = paged.Rows(lay.tables, P + lens, np.ones((N,), np.int32), windows)  # where each first token is fed
     if matchers is not None and ((paged_decode.GRAMMAR_LOOP == "host" and adaptive is None and speculation is None)
                                  or c.mesh is not None):  # (no host callback inside a program split over devices)

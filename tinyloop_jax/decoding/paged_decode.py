@@ -96,14 +96,19 @@ def pool_nbytes(cfg: ModelConfig, loops: int, lay: Layout) -> int:
     return size(lay.n_pages, cfg.n_cache_layers(loops) - local) + size(lay.n_local, local)
 
 
-def empty_pool(cfg: ModelConfig, loops: int, n_pages: int, lay: Layout | None = None) -> page_pool.PagedKV:
+def empty_pool(cfg: ModelConfig, loops: int, n_pages: int, lay: Layout | None = None,
+               compact: bool = False) -> page_pool.PagedKV:
     """A call's pool, in the model's working mode: an h mode's call holds float32 K/V (rebuilt
     from h once, when the prefix is loaded, not at every step; as the model stores them); with
-    a layout's local slots, its local layers in them."""
-    if lay is None or lay.slot_of is None:
-        return SHARED.empty_pool(cfg, loops, n_pages, page_pool.PAGE_SIZE, cfg.storage.working, None)
-    pool = SHARED.empty_pool(cfg, loops, n_pages, page_pool.PAGE_SIZE, cfg.storage.working, lay.n_local)
-    return pool.replace(slot_of=jnp.asarray(lay.slot_of))
+    a layout's local slots, its local layers in them. compact (a compact `kv_share`): an
+    engine's compact pool whose every page has its pass slot, which the call's prompts fill
+    (`page_pool.swap`) before `collapse` turns them into the compact layers its decode reads."""
+    local = None if lay is None or lay.slot_of is None else lay.n_local
+    pool = SHARED.empty_pool(cfg, loops, n_pages, page_pool.PAGE_SIZE, cfg.storage.working, local,
+                             n_pages if compact else None)
+    if compact:
+        pool = pool.replace(aside_of=jnp.arange(n_pages, dtype=jnp.int32))
+    return pool if local is None else pool.replace(slot_of=jnp.asarray(lay.slot_of))
 
 
 def load_prefix(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, seg, prefix_len: int,
@@ -111,8 +116,8 @@ def load_prefix(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, seg, 
     """The prefix's positions into the call's pages: its full pages once, its partial last page
     into every row's first own page (row 0's written, then copied). A prefix stored in another
     mode than the pool's (h) is rebuilt into it first (`programs.materialize`)."""
-    if seg.kv_mode != pool.kv_mode:
-        seg = materialize(params, cfg, seg, passes=pool.passes)
+    if seg.kv_mode != pool.kv_mode:  # (a compact pool: the passes of its pass slots)
+        seg = materialize(params, cfg, seg, passes=(pool if pool.aside is None else page_pool.swap(pool)).passes)
     pool = SHARED.load_segment(pool, seg, jnp.asarray(lay.tables[0]), jnp.int32(0), jnp.int32(prefix_len))
     rows = lay.tables.shape[0]
     if prefix_len % pool.page_size and rows > 1:
@@ -121,8 +126,12 @@ def load_prefix(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, seg, 
     return pool
 
 
-# the call's pool once its prompts are done, as `kv_share`'s compact store (decode steps read it)
-collapse = partial(jax.jit, static_argnames=("share", "loops"))(page_pool.collapse)
+def collapse(pool: page_pool.PagedKV, loops: int) -> page_pool.PagedKV:
+    """A compact call's pool (`empty_pool(compact=True)`) once its prompts are done: every page's
+    passes into its compact layers (the engine's `collapse_pages`), the pass slots dropped; the
+    decode steps read the compact store."""
+    pool = SHARED.collapse_pages(pool, jnp.arange(pool.n_pages, dtype=jnp.int32), loops=loops)
+    return pool.replace(aside=None, aside_of=None, aside_share="full")
 
 
 class Prefilled(NamedTuple):

@@ -241,19 +241,6 @@ def placed(pool: PagedKV, mesh) -> PagedKV:
                         loop=stack(pool.loop), aside=stack(pool.aside))
 
 
-def collapse(pool: PagedKV, share, loops: int) -> PagedKV:
-    """Every page's loop stack at depth `loops` as `kv_share`'s compact store (`kv_share.collapse`):
-    the pool of a call whose prompts are done, for its decode steps."""
-    from . import kv_share
-
-    share = kv_share.parse(share)
-    if not pool.share.full or pool.aside is not None:
-        raise ValueError(f"the pool is already compact (kv_share={pool.share})")
-    if pool.passes < loops:
-        raise ValueError(f"a pool of {pool.passes} passes cannot collapse loops={loops}")
-    return pool.replace(loop=kv_share.collapse(pool.loop, share, loops, pool.kv_mode), share=share)
-
-
 def copy_pages(pool: PagedKV, src: jax.Array, dst: jax.Array) -> PagedKV:
     """Pages dst [n] <- pages src [n], every layer (copy-on-write of a shared partial page; a
     local layer copies their slots, an engine's compact pool its pass slots too)."""
