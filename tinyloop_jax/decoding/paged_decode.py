@@ -93,7 +93,8 @@ def pool_nbytes(cfg: ModelConfig, loops: int, lay: Layout) -> int:
     size = lambda n, layers: n * page_pool.page_nbytes(cfg.storage.working, layers, cfg.n_kv_heads,  # noqa: E731
                                                    page_pool.PAGE_SIZE, cfg.head_dim, cfg.d_model)
     local = len(page_pool.local_layers(cfg)) if lay.slot_of is not None else 0
-    return size(lay.n_pages, cfg.n_cache_layers(loops) - local) + size(lay.n_local, local)
+    compact = 0 if cfg.share.full else cfg.share.slots(loops) * cfg.loop_blocks  # beside the pass slots
+    return size(lay.n_pages, cfg.n_cache_layers(loops) - local + compact) + size(lay.n_local, local)
 
 
 def empty_pool(cfg: ModelConfig, loops: int, n_pages: int, lay: Layout | None = None,
