@@ -5,6 +5,7 @@ docs/benchmarks.md, and one A/B runner for two trees.
     python scripts/bench.py run sampling               # the suite's script (writes its section)
     python scripts/bench.py run engine -- --rows 1,16  # arguments after -- go to the script
     python scripts/bench.py ab engine --tree /tmp/before [--runs 2]
+    python scripts/bench.py ab kv-share --tree /tmp/before -- --quick   # the script's own flags
 
 `ab` runs the suite's script of each tree in turn (`--tree` against this checkout, or `--tree A
 --tree B`), alternated `--runs` times, each a fresh process with that tree's package first on
@@ -116,19 +117,27 @@ def ab_table(labels: list[str], runs: dict[str, list[dict]]) -> str:
     return "\n".join(rows)
 
 
-def main(argv=None) -> None:
+def parse(argv=None) -> argparse.Namespace:
+    """The command line; `ns.args` are the script's arguments: what follows the suite that
+    bench.py does not take itself (`run decode --no-write`; `ab kv-share --tree T -- --quick`)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list")
     r = sub.add_parser("run")
     r.add_argument("suite", choices=sorted(SUITES))
-    r.add_argument("args", nargs="*")
     a = sub.add_parser("ab")
     a.add_argument("suite", choices=sorted(SUITES))
     a.add_argument("--tree", action="append", required=True, help="a checkout (twice: A and B; once: it and this one)")
     a.add_argument("--runs", type=int, default=2, help="alternations")
-    a.add_argument("args", nargs="*", help="the script's arguments (default: the suite's A/B ones)")
-    ns = ap.parse_args(argv)
+    ns, rest = ap.parse_known_args(argv)  # (a script's own flags are unknown here: they are the script's)
+    if ns.cmd == "ab" and ns.runs < 1:
+        a.error(f"--runs must be at least 1, got {ns.runs}")
+    ns.args = rest[1:] if rest[:1] == ["--"] else rest
+    return ns
+
+
+def main(argv=None) -> None:
+    ns = parse(argv)
     if ns.cmd == "list":
         for name, s in SUITES.items():
             print(f"{name:16} scripts/{s.script:26} {s.what}")

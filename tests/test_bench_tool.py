@@ -23,3 +23,14 @@ def test_ab_reads_metric_lines_and_tables_medians():
             "after": [{"x": (99.0, "tok/s")}, {"x": (121.0, "tok/s")}, {"x": (200.0, "tok/s")}]}
     table = bench.ab_table(["before", "after"], runs).splitlines()
     assert table[2] == "| x (tok/s) | 100, 110 | 99, 121, 200 | 1.15 |"  # medians 105 and 121
+
+
+def test_a_scripts_own_flags_pass_through():
+    """What follows the suite and is not bench.py's own goes to the script, flags included, with
+    or without a `--` before it."""
+    assert bench.parse(["run", "decode", "--no-write", "--new", "8"]).args == ["--no-write", "--new", "8"]
+    ns = bench.parse(["ab", "kv-share", "--tree", "/tmp/a", "--runs", "3", "--", "--quick"])
+    assert (ns.tree, ns.runs, ns.args) == (["/tmp/a"], 3, ["--quick"])
+    ns = bench.parse(["ab", "decode", "--tree", "/tmp/a", "--no-write"])
+    assert (ns.tree, ns.runs, ns.args) == (["/tmp/a"], 2, ["--no-write"])
+    assert bench.parse(["ab", "decode", "--tree", "/tmp/a"]).args == []  # then the suite's A/B ones
