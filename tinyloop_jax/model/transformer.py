@@ -261,7 +261,7 @@ def pre_loop(blocks: Stacked, cfg: ModelConfig, x: jax.Array, chunk: Chunk, ro: 
 
     states = jnp.zeros((len(blocks), x.shape[-1]), x.dtype)
     x, store, states = jax.lax.fori_loop(0, len(blocks), body, (x, stacked(own.pre), states))
-    return x, [jax.tree.map(lambda a, j=j: a[j], store) for j in range(len(blocks))], list(states)
+    return x, list(Stacked(store)), list(states)  # (a stack's layers as views: sliced)
 
 
 def one_pass(params: Params, cfg: ModelConfig, i, x: jax.Array, e: jax.Array | None, stack, loop_block,
