@@ -14,6 +14,9 @@ matmuls at 16 rows):
                                      and the draw hashes those 64 noises alone (`gumbel_at`)
     its 1,024, then 4,096 largest    a row the 64 do not settle (a flat distribution, or
     then a sort of the row           64 < top_k < V), alone, in a loop over such rows
+    a vocabulary of <= 1,024         every filtered row sorted whole (`_settle_whole`): the ladder
+                                     would reach the row anyway, and one sort compiles to a
+                                     third of the ladder's regions
 
 A batch runs batch-level conds and a loop over its unsettled rows, never a vmapped cond (which
 would run every branch for every row). `Cut.path` says which way each row went: how often each
@@ -174,10 +177,27 @@ def _settle_row(scaled: jax.Array, k: jax.Array, top_p: jax.Array, total: jax.Ar
                         lambda: _settle_row(scaled, k, top_p, total, key, step + 1))
 
 
+def _settle_whole(scaled: jax.Array, k: jax.Array, top_p: jax.Array, keys: jax.Array | None):
+    """`_settle` for a vocabulary no larger than the first rung: every row sorted whole, with
+    no conds and no loop (the ladder would reach the whole row anyway, and its regions tripled
+    a small model's step programs' compile time)."""
+    N, V = scaled.shape
+    iota = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
+    neg, ids = jax.lax.sort((-scaled, iota), dimension=-1, num_keys=2)
+    value, last, _ = jax.vmap(_candidate_cut, (0, 0, 0, 0, None, None))(-neg, ids, k, top_p, jnp.ones(()), V)
+    none = (k >= V) & (top_p >= 1)
+    value, last = jnp.where(none, -jnp.inf, value), jnp.where(none, V - 1, last)
+    tok = (jnp.zeros((N,), jnp.int32) if keys is None
+           else jax.vmap(_draw_among, (0, 0, 0, 0, 0, None))(-neg, ids, value, last, keys, V))
+    return Cut(value, last, jnp.where(none, 0, len(PATHS) - 1).astype(jnp.int32)), tok
+
+
 def _settle(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, keys: jax.Array | None):
     """Every row's cut, and its token when keys [N] are given (else zeros). scaled [N, V]."""
     N, V = scaled.shape
     k, top_p = _k(jnp.asarray(top_k), V), jnp.asarray(top_p)
+    if V <= LADDER[0]:
+        return _settle_whole(scaled, k, top_p, keys)
     none = (k >= V) & (top_p >= 1)
     plain = lambda: argmax(scaled + jax.vmap(lambda key: jax.random.gumbel(key, (V,)))(keys))  # noqa: E731
 
