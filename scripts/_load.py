@@ -236,6 +236,13 @@ def summary(ld: Load, rss_bytes: float = float("nan")) -> Row:
                per_chunk=sum(r.tokens for r in res) / max(1, sum(r.chunks for r in res)))
 
 
+def metric_lines(label: str, r: Row) -> str:
+    """A row as `bench.py`'s metric lines ("name: value unit"), so `bench.py ab` tabulates it."""
+    name = f"{label} {r.clients} clients"
+    return (f"{name} tok/s: {r.tps:.1f} tok/s\n{name} TTFT p99: {r.ttft99:.3f} s\n"
+            f"{name} peak RSS: {r.rss:.3f} GiB")
+
+
 def line(r: Row) -> str:
     return (f"{r.clients} clients: {r.tps:.1f} tok/s, TTFT p50 {r.ttft50:.2f} p99 {r.ttft99:.2f} s, between chunks "
             f"p50 {r.itl50:.0f} p99 {r.itl99:.0f} ms ({r.per_chunk:.1f} tokens a chunk), latency p50 {r.lat50:.2f} s, "

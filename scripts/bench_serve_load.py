@@ -63,7 +63,7 @@ def main() -> None:
         for n in [int(x) for x in args.clients.split(",")]:
             row = _load.summary(_load.load(url, work, n, seed=n), _load.peak_rss(proc.pid))
             rows.append(row)
-            print(_load.line(row), flush=True)
+            print(_load.line(row) + "\n" + _load.metric_lines("tinyloop serve", row), flush=True)
         compiles = metric(url, "tinyloop_compiles_after_warmup_total")
         batch = metric(url, "tinyloop_mean_batch_size")
     finally:

@@ -106,8 +106,9 @@ JSON = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
     "required": ["topic", "points"], "additionalProperties": False}}}
 
 
-def serve(cmd: list[str], env: dict, url: str, works: dict, clients: list[int], ready) -> dict:
-    """One server process, each workload's load at each client count: {workload name: [Row]}."""
+def serve(cmd: list[str], env: dict, url: str, works: dict, clients: list[int], ready, label: str = "") -> dict:
+    """One server process (`label`, its name), each workload's load at each client count:
+    {workload name: [Row]}."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = {}
     try:
@@ -117,7 +118,7 @@ def serve(cmd: list[str], env: dict, url: str, works: dict, clients: list[int], 
             for n in clients:
                 row = _load.summary(_load.load(url, work, n, seed=n), _load.peak_rss(proc.pid))
                 rows.setdefault(name, []).append(row)
-                print(f"  {name}: {_load.line(row)}", flush=True)
+                print(f"  {name}: {_load.line(row)}\n{_load.metric_lines(f'{label} {name}', row)}", flush=True)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -186,12 +187,12 @@ def main() -> None:
                               "--port", str(port), "--log-level", "warning", "--activations", act,
                               "--kv-memory", args.kv_memory,
                               *(["--warmup-grammar"] if any(n.endswith("+json") for n in picked) else [])],
-                             dict(os.environ), url, works, clients, ours_ready)
+                             dict(os.environ), url, works, clients, ours_ready, name)
     for name, extra in LLAMA_CONFIGS.items():
         print(name, flush=True)
         served[name] = serve([os.path.join(bindir, "llama-server"), "-m", gguf, "-t", str(args.threads), "-tb",
                               str(args.threads), "--port", str(port), "--no-webui", *extra], dict(os.environ), url,
-                             works, clients, llama_ready)
+                             works, clients, llama_ready, name)
     report(args, served, batched, batches)
 
 

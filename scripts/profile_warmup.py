@@ -29,11 +29,14 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def rss() -> str:
-    """This process's resident memory now and at its peak (/proc/self/status)."""
+def rss_kib() -> dict:
+    """This process's resident memory now (VmRSS) and at its peak (VmHWM), KiB (/proc/self/status)."""
     with open("/proc/self/status") as f:
-        kb = dict(ln.split(":", 1) for ln in f if ln.startswith(("VmRSS", "VmHWM")))
-    return ", ".join(f"{k} {int(v.split()[0]) / 2**20:.2f} GiB" for k, v in sorted(kb.items()))
+        return {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in f if ln.startswith(("VmRSS", "VmHWM")))}
+
+
+def rss() -> str:
+    return ", ".join(f"{k} {v / 2**20:.2f} GiB" for k, v in sorted(rss_kib().items()))
 
 
 def warmup_by_kind(model: str | None = None, every: bool = True) -> None:
@@ -69,8 +72,12 @@ def warmup_by_kind(model: str | None = None, every: bool = True) -> None:
     eng.batcher.jits = timed
     t0, c0 = time.perf_counter(), time.process_time()
     n = eng.warmup(adaptive=True, speculation=((1, 4),)) if every else eng.warmup()
+    wall = time.perf_counter() - t0
     print(f"warmup, {'every kind' if every else 'plain'}, {model or 'bundled model'}: "
-          f"{time.perf_counter() - t0:.1f} s ({n} programs, {time.process_time() - c0:.1f} s of CPU); {rss()}")
+          f"{wall:.1f} s ({n} programs, {time.process_time() - c0:.1f} s of CPU); {rss()}")
+    kb = rss_kib()  # (as metric lines: `bench.py ab profile-warmup` tabulates them)
+    print(f"warmup: {wall:.1f} s\nresident after warmup: {kb['VmRSS'] / 2**20:.3f} GiB\n"
+          f"peak resident during warmup: {kb['VmHWM'] / 2**20:.3f} GiB")
     for kind, s in spent.most_common():
         print(f"  {kind} x {made[kind]}: {s:.1f} s")
 
