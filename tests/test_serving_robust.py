@@ -259,17 +259,12 @@ def test_a_user_store_is_read_through_pages_and_compiles_nothing_after_warmup():
     np.testing.assert_array_equal(np.asarray(entry.cache.loop["k"]), before)  # the entry is never written
 
 
-def test_warmup_of_every_kind_leaves_nothing_to_trace(monkeypatch):
+def test_warmup_of_every_kind_leaves_nothing_to_trace():
     """After `warmup(adaptive=True, speculation=[(1, 3)])` the first plain, sampled, windowed,
     adaptive, exiting-in-prefill and speculative requests trace none of the engine's programs
     (JAX's own trace events, counted by program name: a persistent compilation cache cannot hide
-    one), and each equals `generate`; a draft pair it was not asked for traces its round. The
-    compiler's freed memory is handed back after the warmup and after that program."""
-    from tinyloop_jax.serving import batcher
-
+    one), and each equals `generate`; a draft pair it was not asked for traces its round."""
     model = tiny_model("fp32")
-    trims = []
-    monkeypatch.setattr(batcher, "release_free_memory", lambda: trims.append(len(traced)))
     names = {fn.__name__ for fn, _ in compiled.JIT_OPTIONS.values()}  # (trace events name the function)
     traced = []
 
@@ -292,7 +287,6 @@ def test_warmup_of_every_kind_leaves_nothing_to_trace(monkeypatch):
         finally:
             jax.monitoring.unregister_event_duration_listener(listen)
     assert traced == ["decode_steps"] and eng.stats()["compiles_after_warmup"] == 1
-    assert trims == [0, 1], trims  # after the warmup (before the listener), after the new round
     with pytest.raises(ValueError, match="draft_loops=9 must not exceed"):
         tl.Engine(model).warmup(speculation=[(9, 2)])
 
@@ -380,34 +374,3 @@ def test_warmup_stops_with_a_clear_error_short_of_the_mapping_limit(monkeypatch)
         monkeypatch.undo()
         p = np.arange(12, dtype=np.int32) * 5 % 128
         assert eng.submit(p, max_tokens=4).result() == model.generate(p, max_tokens=4)
-
-
-def test_released_memory_leaves_the_process():
-    """`release_free_memory` returns the C heap's free pages to the system, as a compile leaves
-    them: 200 MB of small blocks freed below one still held (so free() alone cannot shrink the
-    heap) stay resident until it runs, and most of them leave then."""
-    import ctypes
-    import ctypes.util
-
-    from tinyloop_jax.serving.plan import release_free_memory
-
-    libc = ctypes.util.find_library("c")
-    if not libc or not hasattr(ctypes.CDLL(libc), "malloc_trim"):
-        pytest.skip("no glibc malloc_trim on this system: release_free_memory does nothing here")
-    libc = ctypes.CDLL(libc)
-    libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
-
-    def resident() -> int:
-        with open("/proc/self/status") as f:
-            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmRSS:"))
-
-    blocks = [libc.malloc(2000) for _ in range(100_000)]
-    for b in blocks:
-        ctypes.memset(b, 1, 2000)
-    for b in blocks[:-1]:
-        libc.free(b)
-    before = resident()
-    assert release_free_memory()
-    freed = before - resident()
-    libc.free(blocks[-1])
-    assert freed > 100e6, freed

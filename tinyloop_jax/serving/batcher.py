@@ -38,7 +38,7 @@ from .admission import Admission
 from .budget import Budget
 from .depth import Depth, Row, namespace
 from .handles import Handle, MemoryBudgetError
-from .plan import MIN_TABLE, Plan, batch_buckets, pow2, release_free_memory
+from .plan import MIN_TABLE, Plan, batch_buckets, pow2
 from .reading import Output
 from ..model import page_pool
 from ..model.cache import bucket
@@ -149,19 +149,14 @@ class Batcher(Admission):
                                speculation, grammar)
         self.programs |= new
         self.warm = True
-        if new:
-            release_free_memory()
         return len(new)
 
     def _run(self, key: tuple, program, *args, **kw):
-        if key in self.programs:
-            return program(*args, **kw)
-        self.programs.add(key)
-        if self.warm:
-            self.compiles_after_warmup += 1
-        out = program(*args, **kw)  # (compiled before it is dispatched)
-        release_free_memory()
-        return out
+        if key not in self.programs:
+            self.programs.add(key)
+            if self.warm:
+                self.compiles_after_warmup += 1
+        return program(*args, **kw)
 
     # ---- one iteration -----------------------------------------------------------------------
 

@@ -5,10 +5,6 @@ length), from which warmup compiles every program ahead of time (`Plan`, over th
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
-
 import jax
 import numpy as np
 
@@ -23,24 +19,6 @@ from ..model.cache import bucket
 
 MAPPINGS_A_PROGRAM = 2_500  # warmup stops short of vm.max_map_count by two of the largest programs
 MIN_TABLE = 4  # page-table entries of the smallest program (64 tokens at P = 16)
-
-
-@functools.lru_cache(maxsize=1)
-def _malloc_trim():
-    libc = ctypes.util.find_library("c")
-    return getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
-
-
-def release_free_memory() -> bool:
-    """Hand the C heap's free pages back to the system (glibc's `malloc_trim`; False where there
-    is none). XLA:CPU's compile of a served model's program works in ~0.25 GiB that it frees when
-    done, but the allocator keeps those pages: SmolLM2's 18 warmed programs left 1.33 GiB resident,
-    1.04 once trimmed (docs/benchmarks.md, "Memory after a compile"). Called after compiles."""
-    trim = _malloc_trim()
-    if trim is None:
-        return False
-    trim(0)
-    return True
 
 
 def pow2(n: int, minimum: int = 1) -> int:
