@@ -167,22 +167,22 @@ def save_load(single: tl.Model, m: tl.Model) -> None:
 
 def engines(tag: str, single: tl.Model, m: tl.Model, speculative: bool = True, staggered: bool = True) -> None:
     """The serving engine on the mesh (pages split by KV heads over 'model', the step's rows
-    over 'data') gives the single-device engine's tokens: shared-prefix requests in flight
-    together, a sampled one and a speculative one among them (not under a compact kv_share:
-    its pass slots and compact layers placed alike). staggered: the requests end one by one
-    (each batch bucket's programs); else together (one bucket: a storage's placement alone)."""
+    over 'data') gives the single-device model's tokens (`generate`, which the engine equals on
+    one device: tests/test_random_requests.py): shared-prefix requests in flight together, a
+    sampled one and a speculative one among them (not under a compact kv_share: its pass slots
+    and compact layers placed alike). staggered: the requests end one by one (each batch
+    bucket's programs); else together (one bucket: a storage's placement alone)."""
     work = [(np.concatenate([PROMPT, np.asarray(s, np.int32)]), dict(max_tokens=5 + i * staggered, seed=i))
             for i, s in enumerate(SUFFIXES * 2)]
     work[1][1].update(temperature=0.7)
     if speculative:
         work[3][1].update(draft_loops=1, lookahead=2)
-    out = []
-    for model in (single, m):
-        with tl.Engine(model, max_batch=4, prefill_chunk=16) as eng:
-            out.append([h.result() for h in [eng.submit(p, **kw) for p, kw in work]])
-            pool = eng.batcher.depths[model.weights.config.default_loops].pool
+    want = [single.generate(p, **kw) for p, kw in work]
+    with tl.Engine(m, max_batch=4, prefill_chunk=16) as eng:
+        got = [h.result() for h in [eng.submit(p, **kw) for p, kw in work]]
+        pool = eng.batcher.depths[m.weights.config.default_loops].pool
     split = not m.weights.config.storage.splits_heads or "model" in str(next(iter(pool.loop.values())).sharding.spec)
-    ok(f"{tag} engine", out[0] == out[1] and split, (out, next(iter(pool.loop.values())).sharding))
+    ok(f"{tag} engine", got == want and split, (got, want, next(iter(pool.loop.values())).sharding))
 
 
 def gpt2_meshes(shapes: list) -> None:
