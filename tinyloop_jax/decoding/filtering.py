@@ -14,9 +14,9 @@ matmuls at 16 rows):
                                      and the draw hashes those 64 noises alone (`gumbel_at`)
     its 1,024, then 4,096 largest    a row the 64 do not settle (a flat distribution, or
     then a sort of the row           64 < top_k < V), alone, in a loop over such rows
-    a vocabulary of <= 1,024         every filtered row sorted whole (`_settle_whole`): the ladder
-                                     would reach the row anyway, and one sort compiles to a
-                                     third of the ladder's regions
+    a vocabulary of <= 128 (`WHOLE`)  a filtered batch's rows sorted whole (`_settle_whole`): the
+                                     ladder would reach the row at its first rung, and one sort
+                                     compiles to a fraction of its regions
 
 A batch runs batch-level conds and a loop over its unsettled rows, never a vmapped cond (which
 would run every branch for every row). `Cut.path` says which way each row went: how often each
@@ -34,6 +34,9 @@ from flax import struct
 CANDIDATES = 64  # the largest logits every filtered row looks at first
 LADDER = (1024, 4096)  # then, for a row they do not settle, these many, then a sort
 PATHS = ("none", "top 64", "top 1,024", "top 4,096", "sort")
+# a vocabulary of at most this many sorts a filtered row whole (`_settle_whole`): XLA:CPU's sort
+# runs ~150 ns an element, so a wider row is cheaper through the 64 candidates first
+WHOLE = 2 * CANDIDATES
 
 
 @struct.dataclass
@@ -178,17 +181,28 @@ def _settle_row(scaled: jax.Array, k: jax.Array, top_p: jax.Array, total: jax.Ar
 
 
 def _settle_whole(scaled: jax.Array, k: jax.Array, top_p: jax.Array, keys: jax.Array | None):
-    """`_settle` for a vocabulary no larger than the first rung: every row sorted whole, with
-    no conds and no loop (the ladder would reach the whole row anyway, and its regions tripled
-    a small model's step programs' compile time)."""
+    """`_settle` for a vocabulary of at most two candidate lists (`WHOLE`): a filtered batch
+    sorts its rows whole, with no ladder and no row loop (whose regions were half a small
+    model's step program: 0.74 -> 0.50 s to compile its pair under the suite's flags); an
+    unfiltered one draws over the row as the ladder's does."""
     N, V = scaled.shape
-    iota = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
-    neg, ids = jax.lax.sort((-scaled, iota), dimension=-1, num_keys=2)
-    value, last, _ = jax.vmap(_candidate_cut, (0, 0, 0, 0, None, None))(-neg, ids, k, top_p, jnp.ones(()), V)
     none = (k >= V) & (top_p >= 1)
-    value, last = jnp.where(none, -jnp.inf, value), jnp.where(none, V - 1, last)
-    tok = (jnp.zeros((N,), jnp.int32) if keys is None
-           else jax.vmap(_draw_among, (0, 0, 0, 0, 0, None))(-neg, ids, value, last, keys, V))
+
+    def unfiltered():
+        tok = jnp.zeros((N,), jnp.int32) if keys is None else argmax(
+            scaled + jax.vmap(lambda key: jax.random.gumbel(key, (V,)))(keys))
+        return jnp.full((N,), -jnp.inf, scaled.dtype), jnp.full((N,), V - 1, jnp.int32), tok
+
+    def filtered():
+        iota = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
+        neg, ids = jax.lax.sort((-scaled, iota), dimension=-1, num_keys=2)
+        value, last, _ = jax.vmap(_candidate_cut, (0, 0, 0, 0, None, None))(-neg, ids, k, top_p, jnp.ones(()), V)
+        value, last = jnp.where(none, -jnp.inf, value), jnp.where(none, V - 1, last)
+        tok = (jnp.zeros((N,), jnp.int32) if keys is None
+               else jax.vmap(_draw_among, (0, 0, 0, 0, 0, None))(-neg, ids, value, last, keys, V))
+        return value, last, tok
+
+    value, last, tok = jax.lax.cond(jnp.all(none), unfiltered, filtered)
     return Cut(value, last, jnp.where(none, 0, len(PATHS) - 1).astype(jnp.int32)), tok
 
 
@@ -196,7 +210,7 @@ def _settle(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, keys: jax.Arr
     """Every row's cut, and its token when keys [N] are given (else zeros). scaled [N, V]."""
     N, V = scaled.shape
     k, top_p = _k(jnp.asarray(top_k), V), jnp.asarray(top_p)
-    if V <= LADDER[0]:
+    if V <= WHOLE:
         return _settle_whole(scaled, k, top_p, keys)
     none = (k >= V) & (top_p >= 1)
     plain = lambda: argmax(scaled + jax.vmap(lambda key: jax.random.gumbel(key, (V,)))(keys))  # noqa: E731
