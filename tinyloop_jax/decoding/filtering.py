@@ -180,18 +180,22 @@ def _settle_row(scaled: jax.Array, k: jax.Array, top_p: jax.Array, total: jax.Ar
                         lambda: _settle_row(scaled, k, top_p, total, key, step + 1))
 
 
+def _unfiltered(scaled: jax.Array, keys: jax.Array | None):
+    """Every row of scaled [N, V] keeping every token -> (value -inf, last V - 1, its token by
+    Gumbel-max over the row; zeros without keys)."""
+    N, V = scaled.shape
+    tok = jnp.zeros((N,), jnp.int32) if keys is None else argmax(
+        scaled + jax.vmap(lambda key: jax.random.gumbel(key, (V,)))(keys))
+    return jnp.full((N,), -jnp.inf, scaled.dtype), jnp.full((N,), V - 1, jnp.int32), tok
+
+
 def _settle_whole(scaled: jax.Array, k: jax.Array, top_p: jax.Array, keys: jax.Array | None):
     """`_settle` for a vocabulary of at most two candidate lists (`WHOLE`): a filtered batch
     sorts its rows whole, with no ladder and no row loop (whose regions were half a small
-    model's step program: 0.74 -> 0.50 s to compile its pair under the suite's flags); an
+    model's step program: 0.74 -> 0.53-0.59 s to compile its pair under the suite's flags); an
     unfiltered one draws over the row as the ladder's does."""
     N, V = scaled.shape
     none = (k >= V) & (top_p >= 1)
-
-    def unfiltered():
-        tok = jnp.zeros((N,), jnp.int32) if keys is None else argmax(
-            scaled + jax.vmap(lambda key: jax.random.gumbel(key, (V,)))(keys))
-        return jnp.full((N,), -jnp.inf, scaled.dtype), jnp.full((N,), V - 1, jnp.int32), tok
 
     def filtered():
         iota = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
@@ -202,7 +206,7 @@ def _settle_whole(scaled: jax.Array, k: jax.Array, top_p: jax.Array, keys: jax.A
                else jax.vmap(_draw_among, (0, 0, 0, 0, 0, None))(-neg, ids, value, last, keys, V))
         return value, last, tok
 
-    value, last, tok = jax.lax.cond(jnp.all(none), unfiltered, filtered)
+    value, last, tok = jax.lax.cond(jnp.all(none), lambda: _unfiltered(scaled, keys), filtered)
     return Cut(value, last, jnp.where(none, 0, len(PATHS) - 1).astype(jnp.int32)), tok
 
 
@@ -213,11 +217,11 @@ def _settle(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, keys: jax.Arr
     if V <= WHOLE:
         return _settle_whole(scaled, k, top_p, keys)
     none = (k >= V) & (top_p >= 1)
-    plain = lambda: argmax(scaled + jax.vmap(lambda key: jax.random.gumbel(key, (V,)))(keys))  # noqa: E731
+    plain = lambda: _unfiltered(scaled, keys)[2]  # noqa: E731
 
     def unfiltered():
-        tok = jnp.zeros((N,), jnp.int32) if keys is None else plain()
-        return jnp.full((N,), -jnp.inf, scaled.dtype), jnp.full((N,), V - 1, jnp.int32), jnp.zeros((N,), jnp.int32), tok
+        value, last, tok = _unfiltered(scaled, keys)
+        return value, last, jnp.zeros((N,), jnp.int32), tok
 
     def filtered():
         K = min(CANDIDATES, V)
