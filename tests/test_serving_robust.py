@@ -16,6 +16,7 @@ from conftest import tiny_config, tiny_model
 
 import tinyloop_jax as tl
 from tinyloop_jax.serving import MemoryBudgetError
+from tinyloop_jax.serving.plan import chunk_buckets
 from tinyloop_jax.decoding.sampling import MAX_LOGIT_BIAS
 from tinyloop_jax.decoding import compiled
 from tinyloop_jax.serving.step import STOPS
@@ -300,8 +301,10 @@ def test_decode_steps_are_sized_to_the_rows(model):
         handles = [eng.submit(p, **kw) for p, kw in work]
         for (p, kw), h in zip(work, handles):
             assert h.result() == model.generate(p, **kw)
-        decode_rows = {k[2] for k in eng.programs if k[0] == "step"}
+        decode_rows = {k[2] for k in eng.programs if k[0] == "steps"}
         assert 1 in decode_rows and max(decode_rows) >= 2, eng.programs
+        # (rows beside a prompt chunk are padded to the coarser chunk buckets: 2, then max_batch)
+        assert {k[2] for k in eng.programs if k[0] == "step"} <= set(chunk_buckets(ENGINE["max_batch"])), eng.programs
 
 
 # ---- counters ----------------------------------------------------------------------------------

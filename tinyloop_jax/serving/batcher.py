@@ -38,7 +38,7 @@ from .admission import Admission
 from .budget import Budget
 from .depth import Depth, Row, namespace
 from .handles import Handle, MemoryBudgetError
-from .plan import MIN_TABLE, Plan, batch_buckets, pow2
+from .plan import MIN_TABLE, Plan, batch_buckets, chunk_buckets, pow2
 from .reading import Output
 from ..model import page_pool
 from ..model.cache import bucket
@@ -207,7 +207,8 @@ class Batcher(Admission):
                                        R, 1, [r.handle.cache_window],
                                        self._masks([r.handle.matcher if final else None], 1) if masked else None)
             if decoding or not d.adaptive:  # (a chunk alone: beside one filler decode row, one program fewer)
-                bd = next(b for b in batch_buckets(self.max_batch) if b >= len(decoding))
+                joint = chunk is not None and not d.adaptive and not chunk[0].handle.in_prefill  # one forward
+                bd = next(b for b in (chunk_buckets if joint else batch_buckets)(self.max_batch) if b >= len(decoding))
                 starts = [r.fed + len(r.handle.tokens) + r.ahead - 1 for r in decoding]
                 left = [r.handle.params.max_tokens - len(r.handle.tokens) - r.ahead for r in decoding]
                 decodes = S.make_decodes([r.pages for r in decoding], starts, [r.slot for r in decoding],

@@ -30,6 +30,15 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch} | {max_batch})
 
 
+def chunk_buckets(max_batch: int) -> list[int]:
+    """Decode row counts of a step beside a prompt chunk: 2, then 16, 128, ... below max_batch,
+    and max_batch. The chunk's T >= 32 tokens set such a step's cost, so padding the rows beside
+    it costs little (SmolLM2 as served, T = 32: 1 row 48.0 ms, 2 47.7, 4 53.0, 8 58.2, 16 68.5;
+    T = 64: 81.9 / 84.0 / 84.8 / 89.1 / 99.0), while each bucket is a program for every chunk
+    length (~30 MiB kept and ~3 s of warmup each on SmolLM2: docs/benchmarks.md)."""
+    return sorted({min(2, max_batch), max_batch} | {2 << 3 * i for i in range(1, 8) if 2 << 3 * i < max_batch})
+
+
 class Plan:
     """The shapes of a depth's programs and their warmup, for `model` within `budget`."""
 
@@ -50,7 +59,8 @@ class Plan:
         """Every (decode rows, chunk length, page-table length) a depth's steps can have."""
         whole = -(-self.cfg.max_seq_len // self.page_size)
         tables = sorted({self.table_len(n * self.page_size) for n in range(1, whole + 1)})
-        return [(bd, T, R) for R in tables for bd in batch_buckets(self.max_batch) for T in [0] + self.chunk_sizes()]
+        return ([(bd, 0, R) for R in tables for bd in batch_buckets(self.max_batch)]
+                + [(bd, T, R) for R in tables for bd in chunk_buckets(self.max_batch) for T in self.chunk_sizes()])
 
     def chunk_sizes(self) -> list[int]:
         """A prompt chunk's padded lengths: 32 and the whole chunk (a question after a cached
