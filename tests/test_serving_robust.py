@@ -260,12 +260,17 @@ def test_a_user_store_is_read_through_pages_and_compiles_nothing_after_warmup():
     np.testing.assert_array_equal(np.asarray(entry.cache.loop["k"]), before)  # the entry is never written
 
 
-def test_warmup_of_every_kind_leaves_nothing_to_trace():
+def test_warmup_of_every_kind_leaves_nothing_to_trace(monkeypatch):
     """After `warmup(adaptive=True, speculation=[(1, 3)])` the first plain, sampled, windowed,
     adaptive, exiting-in-prefill and speculative requests trace none of the engine's programs
     (JAX's own trace events, counted by program name: a persistent compilation cache cannot hide
-    one), and each equals `generate`; a draft pair it was not asked for traces its round."""
+    one), and each equals `generate`; a draft pair it was not asked for traces its round. The
+    compiler's freed memory is handed back after the warmup and after that program."""
+    from tinyloop_jax import settings
+
     model = tiny_model("fp32")
+    trims = []
+    monkeypatch.setattr(settings, "release_free_memory", lambda: trims.append(len(traced)))
     names = {fn.__name__ for fn, _ in compiled.JIT_OPTIONS.values()}  # (trace events name the function)
     traced = []
 
@@ -288,6 +293,7 @@ def test_warmup_of_every_kind_leaves_nothing_to_trace():
         finally:
             jax.monitoring.unregister_event_duration_listener(listen)
     assert traced == ["decode_steps"] and eng.stats()["compiles_after_warmup"] == 1
+    assert trims == [0, 1], trims  # after the warmup (before the listener), after the new round
     with pytest.raises(ValueError, match="draft_loops=9 must not exceed"):
         tl.Engine(model).warmup(speculation=[(9, 2)])
 
@@ -377,3 +383,4 @@ def test_warmup_stops_with_a_clear_error_short_of_the_mapping_limit(monkeypatch)
         monkeypatch.undo()
         p = np.arange(12, dtype=np.int32) * 5 % 128
         assert eng.submit(p, max_tokens=4).result() == model.generate(p, max_tokens=4)
+

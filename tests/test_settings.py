@@ -1,7 +1,12 @@
-"""The package's environment variables: read in one place (`settings.py`), each in the docs."""
+"""The package's surroundings, read in one place (`settings.py`): its environment variables, each in
+the docs, and the C heap's free memory handed back."""
 
+import ctypes
+import ctypes.util
 import pathlib
 import re
+
+import pytest
 
 from tinyloop_jax import settings
 
@@ -34,3 +39,29 @@ def test_a_variable_reads_its_default_and_refuses_unknown_names(monkeypatch):
         assert "TINYLOOP_NO_SUCH" in str(e)
     else:
         raise AssertionError("an unknown variable was read")
+
+
+def test_released_memory_leaves_the_process():
+    """`release_free_memory` returns the C heap's free pages to the system, as a compile leaves
+    them: 200 MB of small blocks freed below one still held (so free() alone cannot shrink the
+    heap) stay resident until it runs, and most of them leave then."""
+    libc = ctypes.util.find_library("c")
+    if not libc or not hasattr(ctypes.CDLL(libc), "malloc_trim"):
+        pytest.skip("no glibc malloc_trim on this system: release_free_memory does nothing here")
+    libc = ctypes.CDLL(libc)
+    libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+
+    def resident() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmRSS:"))
+
+    blocks = [libc.malloc(2000) for _ in range(100_000)]
+    for b in blocks:
+        ctypes.memset(b, 1, 2000)
+    for b in blocks[:-1]:
+        libc.free(b)
+    before = resident()
+    assert settings.release_free_memory()
+    freed = before - resident()
+    libc.free(blocks[-1])
+    assert freed > 100e6, freed
