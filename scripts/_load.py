@@ -239,7 +239,7 @@ def summary(ld: Load, rss_bytes: float = float("nan")) -> Row:
 def metric_lines(label: str, r: Row) -> str:
     """A row as `bench.py`'s metric lines ("name: value unit"), so `bench.py ab` tabulates it."""
     name = f"{label} {r.clients} clients"
-    return (f"{name} tok/s: {r.tps:.1f} tok/s\n{name} TTFT p99: {r.ttft99:.3f} s\n"
+    return (f"{name} tok/s: {r.tps:.1f} tok/s\n{name} TTFT p50: {r.ttft50:.3f} s\n{name} TTFT p99: {r.ttft99:.3f} s\n"
             f"{name} peak RSS: {r.rss:.3f} GiB")
 
 

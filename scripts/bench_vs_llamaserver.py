@@ -149,6 +149,8 @@ def main() -> None:
                     + " (comma-separated; top_k 0 and top_p 1 are our server's defaults, llama.cpp's are 40 and "
                     "0.95 with min_p 0.05)")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--ours-only", action="store_true",
+                    help="no llama.cpp servers (an A/B of two trees of ours: `bench.py ab vs-llamaserver`)")
     ap.add_argument("--kv-memory", default="auto",
                     help="our server's KV budget (`tinyloop serve --kv-memory`; a fixed one compares peak RSS "
                          "with llama.cpp's at a like KV: its defaults hold 8,192 tokens, 16 slots 16,384)")
@@ -159,7 +161,7 @@ def main() -> None:
     import tinyloop_jax as tl
 
     gguf = tl.model_path("smollm2")
-    bindir = binaries()
+    bindir = None if args.ours_only and args.skip_batched else binaries()
     clients = [int(x) for x in args.clients.split(",")]
     acts = args.activations.split(",")
     batches = [1, 4, 16]
@@ -188,7 +190,7 @@ def main() -> None:
                               "--kv-memory", args.kv_memory,
                               *(["--warmup-grammar"] if any(n.endswith("+json") for n in picked) else [])],
                              dict(os.environ), url, works, clients, ours_ready, name)
-    for name, extra in LLAMA_CONFIGS.items():
+    for name, extra in () if args.ours_only else LLAMA_CONFIGS.items():
         print(name, flush=True)
         served[name] = serve([os.path.join(bindir, "llama-server"), "-m", gguf, "-t", str(args.threads), "-tb",
                               str(args.threads), "--port", str(port), "--no-webui", *extra], dict(os.environ), url,
