@@ -16,7 +16,13 @@ matmuls at 16 rows):
     then a sort of the row           64 < top_k < V), alone, in a loop over such rows
     a vocabulary of <= 128 (`WHOLE`)  a filtered batch's rows sorted whole (`_settle_whole`): the
                                      ladder would reach the row at its first rung, and one sort
-                                     compiles to a fraction of its regions
+                                     compiles to a fraction of its regions; each row drawn over
+                                     its row
+
+The rows drawn over their whole row (those keeping every token; every row of a small vocabulary)
+share one draw (`_draw_rows`). (The rungs past 64 keep their draws among their candidates: one
+draw over the row for them too made the program 20-23% smaller, but a 16-row step with a
+nucleus alone 12% slower, as the row's draw then ran for every row of the batch.)
 
 A batch runs batch-level conds and a loop over its unsettled rows, never a vmapped cond (which
 would run every branch for every row). `Cut.path` says which way each row went: how often each
@@ -180,20 +186,23 @@ def _settle_row(scaled: jax.Array, k: jax.Array, top_p: jax.Array, total: jax.Ar
                         lambda: _settle_row(scaled, k, top_p, total, key, step + 1))
 
 
-def _unfiltered(scaled: jax.Array, keys: jax.Array | None):
-    """Every row of scaled [N, V] keeping every token -> (value -inf, last V - 1, its token by
-    Gumbel-max over the row; zeros without keys)."""
+def _draw_rows(scaled: jax.Array, keys: jax.Array, value: jax.Array | None = None,
+               last: jax.Array | None = None) -> jax.Array:
+    """Each row's token by Gumbel-max over its whole row of scaled [N, V]: the definition's draw,
+    outside the rows' cut (value, last [N]) -inf if given (else every token kept: the mask over
+    the batch's N x V would cost a fifth of the draw). Equal scores go to the lowest id."""
     N, V = scaled.shape
-    tok = jnp.zeros((N,), jnp.int32) if keys is None else argmax(
-        scaled + jax.vmap(lambda key: jax.random.gumbel(key, (V,)))(keys))
-    return jnp.full((N,), -jnp.inf, scaled.dtype), jnp.full((N,), V - 1, jnp.int32), tok
+    if value is not None:
+        iota = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
+        scaled = jnp.where(_kept(scaled, iota, value[:, None], last[:, None]), scaled, -jnp.inf)
+    return argmax(scaled + jax.vmap(lambda key: jax.random.gumbel(key, (V,)))(keys))
 
 
-def _settle_whole(scaled: jax.Array, k: jax.Array, top_p: jax.Array, keys: jax.Array | None):
-    """`_settle` for a vocabulary of at most two candidate lists (`WHOLE`): a filtered batch
-    sorts its rows whole, with no ladder and no row loop (whose regions were half a small
-    model's step program: 0.74 -> 0.53-0.59 s to compile its pair under the suite's flags); an
-    unfiltered one draws over the row as the ladder's does."""
+def _settle_whole(scaled: jax.Array, k: jax.Array, top_p: jax.Array):
+    """`_settle`'s cut for a vocabulary of at most two candidate lists (`WHOLE`): a filtered batch
+    sorts its rows whole, with no ladder and no row loop (whose regions were half a small model's
+    step program: 0.74 -> 0.53-0.59 s to compile its pair under the suite's flags); each row's
+    draw is then one over its row (`_draw_rows`). -> (value, last, path)."""
     N, V = scaled.shape
     none = (k >= V) & (top_p >= 1)
 
@@ -201,27 +210,23 @@ def _settle_whole(scaled: jax.Array, k: jax.Array, top_p: jax.Array, keys: jax.A
         iota = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
         neg, ids = jax.lax.sort((-scaled, iota), dimension=-1, num_keys=2)
         value, last, _ = jax.vmap(_candidate_cut, (0, 0, 0, 0, None, None))(-neg, ids, k, top_p, jnp.ones(()), V)
-        value, last = jnp.where(none, -jnp.inf, value), jnp.where(none, V - 1, last)
-        tok = (jnp.zeros((N,), jnp.int32) if keys is None
-               else jax.vmap(_draw_among, (0, 0, 0, 0, 0, None))(-neg, ids, value, last, keys, V))
-        return value, last, tok
+        return jnp.where(none, -jnp.inf, value), jnp.where(none, V - 1, last)
 
-    value, last, tok = jax.lax.cond(jnp.all(none), lambda: _unfiltered(scaled, keys), filtered)
-    return Cut(value, last, jnp.where(none, 0, len(PATHS) - 1).astype(jnp.int32)), tok
+    value, last = jax.lax.cond(jnp.all(none), lambda: (jnp.full((N,), -jnp.inf, scaled.dtype),
+                                                      jnp.full((N,), V - 1, jnp.int32)), filtered)
+    return value, last, jnp.where(none, 0, len(PATHS) - 1).astype(jnp.int32)
 
 
-def _settle(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, keys: jax.Array | None):
-    """Every row's cut, and its token when keys [N] are given (else zeros). scaled [N, V]."""
+def _settle_ladder(scaled: jax.Array, k: jax.Array, top_p: jax.Array, keys: jax.Array | None):
+    """`_settle`'s cut for a larger vocabulary, by the ladder, with the token of every row its
+    candidates settled. -> (value, last, path, token, the rows still to draw over the row: those
+    keeping every token)."""
     N, V = scaled.shape
-    k, top_p = _k(jnp.asarray(top_k), V), jnp.asarray(top_p)
-    if V <= WHOLE:
-        return _settle_whole(scaled, k, top_p, keys)
     none = (k >= V) & (top_p >= 1)
-    plain = lambda: _unfiltered(scaled, keys)[2]  # noqa: E731
 
     def unfiltered():
-        value, last, tok = _unfiltered(scaled, keys)
-        return value, last, jnp.zeros((N,), jnp.int32), tok
+        return (jnp.full((N,), -jnp.inf, scaled.dtype), jnp.full((N,), V - 1, jnp.int32), jnp.zeros((N,), jnp.int32),
+                jnp.zeros((N,), jnp.int32))
 
     def filtered():
         K = min(CANDIDATES, V)
@@ -237,7 +242,6 @@ def _settle(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, keys: jax.Arr
         tok = jnp.zeros((N,), jnp.int32)
         if keys is not None:
             tok = jax.vmap(_draw_among, (0, 0, 0, 0, 0, None))(vals, ids, value, last, keys, V)
-            tok = jax.lax.cond(jnp.any(none), lambda: jnp.where(none, plain(), tok), lambda: tok)
 
         def again(c):
             def row(i, c):
@@ -253,6 +257,22 @@ def _settle(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, keys: jax.Arr
         return jax.lax.cond(jnp.any(path == 2), again, lambda c: c, c)
 
     value, last, path, tok = jax.lax.cond(jnp.all(none), unfiltered, filtered)
+    return value, last, path, tok, none
+
+
+def _settle(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, keys: jax.Array | None):
+    """Every row's cut, and its token when keys [N] are given (else zeros). scaled [N, V]. The
+    rows drawn over their whole row share one draw (one hash of the row's noise in the program)."""
+    N, V = scaled.shape
+    k, top_p = _k(jnp.asarray(top_k), V), jnp.asarray(top_p)
+    if V <= WHOLE:
+        value, last, path = _settle_whole(scaled, k, top_p)
+        tok = jnp.zeros((N,), jnp.int32) if keys is None else _draw_rows(scaled, keys, value, last)
+        return Cut(value, last, path), tok
+    value, last, path, tok, full = _settle_ladder(scaled, k, top_p, keys)
+    if keys is not None:
+        tok = jax.lax.cond(jnp.any(full), lambda: jnp.where(full, _draw_rows(scaled, keys), tok),
+                           lambda: tok)
     return Cut(value, last, path), tok
 
 
