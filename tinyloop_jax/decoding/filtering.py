@@ -13,16 +13,18 @@ matmuls at 16 rows):
     its 64 largest (`candidates`)    a top_k <= 64, or a nucleus reached within them, ends here,
                                      and the draw hashes those 64 noises alone (`gumbel_at`)
     its 1,024, then 4,096 largest    a row the 64 do not settle (a flat distribution, or
-    then a sort of the row           64 < top_k < V), alone, in a loop over such rows
+    then a sort of the row           64 < top_k < V), alone, in a loop over such rows; its
+                                     draw hashes the row's V noises
     a vocabulary of <= 128 (`WHOLE`)  a filtered batch's rows sorted whole (`_settle_whole`): the
                                      ladder would reach the row at its first rung, and one sort
                                      compiles to a fraction of its regions; each row drawn over
                                      its row
 
 The rows drawn over their whole row (those keeping every token; every row of a small vocabulary)
-share one draw (`_draw_rows`). (The rungs past 64 keep their draws among their candidates: one
-draw over the row for them too made the program 20-23% smaller, but a 16-row step with a
-nucleus alone 12% slower, as the row's draw then ran for every row of the batch.)
+share one draw (`_draw_rows`), and a row past its 64 candidates is drawn over its row in the
+loop, whichever rung found its cut: one copy of the draw a rung made SmolLM2's step programs
+15-17% larger (docs/benchmarks.md, "A smaller sampler"). (Drawn by the batch's draw instead,
+a row past 64 made every row of its batch hash V noises: a nucleus alone 12% slower.)
 
 A batch runs batch-level conds and a loop over its unsettled rows, never a vmapped cond (which
 would run every branch for every row). `Cut.path` says which way each row went: how often each
@@ -160,30 +162,19 @@ def _draw_among(vals: jax.Array, ids: jax.Array, value: jax.Array, last: jax.Arr
     return jnp.min(jnp.where(score == jnp.max(score), ids, V))
 
 
-def _draw_full(scaled: jax.Array, value: jax.Array, last: jax.Array, key: jax.Array) -> jax.Array:
-    """One row's token over all V (its kept set reaches past every candidate list)."""
-    iota = jnp.arange(scaled.shape[0], dtype=jnp.int32)
-    return argmax(jnp.where(_kept(scaled, iota, value, last), scaled, -jnp.inf)
-                  + jax.random.gumbel(key, scaled.shape))
-
-
-def _settle_row(scaled: jax.Array, k: jax.Array, top_p: jax.Array, total: jax.Array, key: jax.Array | None,
-                step: int = 0):
-    """One row its 64 candidates did not settle: its cut (and its token, given a key) from its
-    LADDER[step] largest, else the next rung, else a sort. -> (value, last, path, token)."""
+def _settle_row(scaled: jax.Array, k: jax.Array, top_p: jax.Array, total: jax.Array, step: int = 0):
+    """One row its 64 candidates did not settle: its cut from its LADDER[step] largest, else the
+    next rung, else a sort. -> (value, last, path)."""
     V = scaled.shape[0]
     if step == len(LADDER):
-        v, l = _sorted_cut(scaled, k, top_p)
-        return v, l, jnp.int32(2 + step), jnp.int32(0) if key is None else _draw_full(scaled, v, l, key)
+        return *_sorted_cut(scaled, k, top_p), jnp.int32(2 + step)
     W = min(LADDER[step], V)
     vals, ids = candidates(scaled, W)
     v, l, ok = _candidate_cut(vals, ids, k, top_p, total, V)
-    settled = lambda: (v, l, jnp.int32(2 + step),  # noqa: E731
-                       jnp.int32(0) if key is None else _draw_among(vals, ids, v, l, key, V))
     if W == V:  # every token a candidate: settled
-        return settled()
-    return jax.lax.cond(ok & _whole_ties(scaled, vals, v), settled,
-                        lambda: _settle_row(scaled, k, top_p, total, key, step + 1))
+        return v, l, jnp.int32(2 + step)
+    return jax.lax.cond(ok & _whole_ties(scaled, vals, v), lambda: (v, l, jnp.int32(2 + step)),
+                        lambda: _settle_row(scaled, k, top_p, total, step + 1))
 
 
 def _draw_rows(scaled: jax.Array, keys: jax.Array, value: jax.Array | None = None,
@@ -245,8 +236,10 @@ def _settle_ladder(scaled: jax.Array, k: jax.Array, top_p: jax.Array, keys: jax.
 
         def again(c):
             def row(i, c):
-                def settle():
-                    return _settle_row(scaled[i], k[i], top_p[i], total[i], None if keys is None else keys[i])
+                def settle():  # (its draw over its row: one copy of the draw for every rung)
+                    v, l, p = _settle_row(scaled[i], k[i], top_p[i], total[i])
+                    return v, l, p, (jnp.int32(0) if keys is None
+                                     else _draw_rows(scaled[i][None], keys[i][None], v[None], l[None])[0])
 
                 got = jax.lax.cond(c[2][i] == 2, settle, lambda: tuple(a[i] for a in c))
                 return tuple(a.at[i].set(g) for a, g in zip(c, got))
