@@ -14,7 +14,7 @@ from ..decoding.grammar import words
 from ..decoding.sampling import Knobs, SamplingParams
 from ..model import adaptive as ad
 from ..model import page_pool, paged
-from ..model.cache import bucket
+from ..model.cache import whole_bucket
 
 
 MAPPINGS_A_PROGRAM = 2_500  # warmup stops short of vm.max_map_count by two of the largest programs
@@ -137,7 +137,7 @@ class Plan:
                 compile_(("step", loops, bd, T, R) + ((m,) if m and not bd else ()), jits["step"], w.params, c,
                          pool if bd else prompts, state, chunks, decodes, loops=loops, exit=exit)
         for R in tables if adaptive else ():
-            for T in sorted({bucket(n) for n in range(1, c.max_seq_len + 1)}):
+            for T in sorted({whole_bucket(n) for n in range(1, c.max_seq_len + 1)}):
                 for m in masks:
                     chunks = S.make_chunks([], [], [], [], [], T, R, 1, mask=mask(1, m))
                     compile_(("in_prefill", loops, T, R) + ((m,) if m else ()), jits["step"], w.params, c,
