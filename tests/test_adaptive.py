@@ -196,3 +196,17 @@ def test_engine_prompts_that_exit_in_prefill_equal_generate():
         assert tokens == m.generate(q, max_tokens=8, loops=loops, **kw), kw
         assert depths == (m.last_passes or []), kw
     assert min(got[0][1][0], got[2][1][0]) < loops
+
+
+def test_an_exiting_prompt_pads_to_few_lengths():
+    """A prompt exiting in prefill runs whole, padded to `cache.whole_bucket`: at least its length,
+    16 lengths up to 8,192 tokens (each a program a server warms, against `bucket`'s 67), at most
+    1.5x a prompt past 128 tokens, and no longer than `bucket` up to 512."""
+    from tinyloop_jax.model.cache import bucket, whole_bucket
+
+    n = np.arange(1, 8193)
+    padded = np.array([whole_bucket(int(k)) for k in n])
+    assert (padded >= n).all() and (np.diff(padded) >= 0).all()
+    assert len(set(padded.tolist())) == 16 and len({bucket(int(k)) for k in n}) == 67
+    assert (padded[128:] <= 1.5 * n[128:]).all()
+    assert all(whole_bucket(int(k)) <= bucket(int(k)) for k in n[:512])
