@@ -1,7 +1,7 @@
 """What the package reads from its surroundings, read here only: the environment variables (each
 with its default and meaning) and the memory the host or device can still hand out (and the C
-heap's free pages, handed back). The model's
-code (`model/`) asks this module; it never reads the environment or `/proc` itself.
+heap's free pages, handed back). The model's code (`model/`) asks this module; it never reads
+the environment or `/proc` itself.
 """
 
 from __future__ import annotations
@@ -85,8 +85,9 @@ def release_free_memory() -> bool:
     """Hand the C heap's free pages back to the system (glibc's `malloc_trim`; False where there
     is none). A model's load and XLA:CPU's compiles free hundreds of MiB that the allocator keeps,
     and the pages a server then writes are new mappings that do not reuse them: handed back after
-    the warmup, SmolLM2's server peaks at 1.09-1.13 GiB under 16 clients instead of 1.23-1.26
-    (docs/benchmarks.md, "The server's memory"). Called after compiles (`Batcher`)."""
+    the warmup, SmolLM2's server peaks at 1.08-1.13 GiB under 16 clients instead of 1.20-1.26
+    (docs/benchmarks.md, "Fewer programs, the heap handed back"). Called after compiles
+    (`Batcher`)."""
     trim = _malloc_trim()
     if trim is None:
         return False

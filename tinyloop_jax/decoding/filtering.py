@@ -209,9 +209,9 @@ def _settle_whole(scaled: jax.Array, k: jax.Array, top_p: jax.Array):
 
 
 def _settle_ladder(scaled: jax.Array, k: jax.Array, top_p: jax.Array, keys: jax.Array | None):
-    """`_settle`'s cut for a larger vocabulary, by the ladder, with the token of every row its
-    candidates settled. -> (value, last, path, token, the rows still to draw over the row: those
-    keeping every token)."""
+    """`_settle`'s cut for a larger vocabulary, by the ladder, with the token of every filtered
+    row (among its 64 candidates, or over its row in the loop past them). -> (value, last, path,
+    token, the rows still to draw over the row: those keeping every token)."""
     N, V = scaled.shape
     none = (k >= V) & (top_p >= 1)
 
@@ -255,7 +255,7 @@ def _settle_ladder(scaled: jax.Array, k: jax.Array, top_p: jax.Array, keys: jax.
 
 def _settle(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, keys: jax.Array | None):
     """Every row's cut, and its token when keys [N] are given (else zeros). scaled [N, V]. The
-    rows drawn over their whole row share one draw (one hash of the row's noise in the program)."""
+    rows keeping every token (every row of a small vocabulary) share one draw over the row."""
     N, V = scaled.shape
     k, top_p = _k(jnp.asarray(top_k), V), jnp.asarray(top_p)
     if V <= WHOLE:

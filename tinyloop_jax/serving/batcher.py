@@ -155,14 +155,12 @@ class Batcher(Admission):
         return len(new)
 
     def _run(self, key: tuple, program, *args, **kw):
-        if key in self.programs:
-            return program(*args, **kw)
+        late = self.warm and key not in self.programs  # a compile past the warmup
         self.programs.add(key)
-        if not self.warm:
-            return program(*args, **kw)
-        self.compiles_after_warmup += 1
+        self.compiles_after_warmup += late
         out = program(*args, **kw)  # (compiled before it is dispatched)
-        settings.release_free_memory()  # (after the warmup's: a served model's compile frees ~0.25 GiB)
+        if late:  # (a served model's compile frees ~0.25 GiB)
+            settings.release_free_memory()
         return out
 
     # ---- one iteration -----------------------------------------------------------------------
