@@ -5,6 +5,8 @@ import ctypes
 import ctypes.util
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -65,3 +67,29 @@ def test_released_memory_leaves_the_process():
     freed = before - resident()
     libc.free(blocks[-1])
     assert freed > 100e6, freed
+
+
+def test_forgotten_programs_leave_and_orbax_waits_for_a_checkpoint():
+    """`forget_programs` drops what JAX holds compiled (the next call compiles again), and
+    importing the package, its server included, loads no orbax (~25 MiB) until a checkpoint is
+    read or written: what `tinyloop serve` of a GGUF file keeps out of its peak. In a process of
+    its own, so the suite's caches are left alone."""
+    code = """
+import sys
+import jax, jax.numpy as jnp
+import tinyloop_jax
+from tinyloop_jax.serving import app, engine
+from tinyloop_jax import settings
+assert "orbax" not in sys.modules and "orbax.checkpoint" not in sys.modules
+f = jax.jit(lambda x: x * 2)
+f(jnp.ones(3))
+assert f._cache_size() == 1
+settings.forget_programs()
+assert f._cache_size() == 0
+from tinyloop_jax.formats import checkpoint
+checkpoint._checkpointer()
+assert "orbax.checkpoint" in sys.modules
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

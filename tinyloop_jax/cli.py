@@ -208,6 +208,7 @@ def cmd_serve(args) -> None:
     if args.replicas != 1:
         return _serve_replicas(args, edge)
     model, tok = _model_and_tokenizer(args)
+    settings.forget_programs()  # (the load's layout programs: a server never runs them again)
     name = args.name or os.path.basename(os.path.normpath(args.model or BUNDLED))
     engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue, timeout=args.timeout,
                     max_loops=args.max_loops, memory_budget=args.memory_budget, max_depths=args.max_depths)

@@ -22,7 +22,6 @@ import shutil
 import tempfile
 
 import numpy as np
-import orbax.checkpoint as ocp
 
 from ..model.config import ModelConfig
 from ..model.params import (LAYOUT, Params, from_flat_layout, host_leaves, named_leaves, pack_arrays, quant_formats,
@@ -38,6 +37,15 @@ def _digest(a: np.ndarray) -> str:
     return h.hexdigest()
 
 
+
+def _checkpointer():
+    """orbax's checkpointer, imported on first use: orbax holds ~25 MiB once imported, which a
+    process that never reads or writes a checkpoint (a server of a GGUF file) need not pay."""
+    import orbax.checkpoint as ocp
+
+    return ocp.PyTreeCheckpointer()
+
+
 def save(path: str, kind: str, arrays: dict[str, np.ndarray], meta: dict) -> None:
     path = os.path.abspath(os.fspath(path))
     if os.path.exists(path):
@@ -47,7 +55,7 @@ def save(path: str, kind: str, arrays: dict[str, np.ndarray], meta: dict) -> Non
     tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=parent)
     try:
         arrays = {k: np.asarray(v) for k, v in arrays.items()}
-        ocp.PyTreeCheckpointer().save(os.path.join(tmp, "arrays"), arrays)
+        _checkpointer().save(os.path.join(tmp, "arrays"), arrays)
         record = dict(meta, kind=kind, format=FORMAT,
                       shapes={k: [list(a.shape), a.dtype.str] for k, a in arrays.items()},
                       digests={k: _digest(a) for k, a in arrays.items()})
@@ -82,7 +90,7 @@ def load(path: str, kind: str) -> tuple[dict[str, np.ndarray], dict]:
     meta = read_meta(path, kind)
     path = os.path.abspath(os.fspath(path))
     try:
-        restored = ocp.PyTreeCheckpointer().restore(os.path.join(path, "arrays"))
+        restored = _checkpointer().restore(os.path.join(path, "arrays"))
     except Exception as e:  # noqa: BLE001 - orbax raises many types for damaged folders
         raise RuntimeError(f"{path}: arrays could not be read (truncated or corrupted checkpoint): {e}") from e
     arrays = {}

@@ -21,6 +21,7 @@ import threading
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from .. import settings
 from .ray_router import Probe
 from .replica import EngineReplica, RemoteEngine, RemoteModel
 
@@ -64,6 +65,7 @@ class Engines:
         if cores:  # (a whole number of cores: this replica's own, by its rank on the node)
             pin(replica_cores(ctx.rank.local_rank, cores, sorted(os.sched_getaffinity(0))))
         model, tok = load()
+        settings.forget_programs()  # (the load's layout programs, as `tinyloop serve`)
         self.engine = Engine(model, **engine_kwargs)
         if warmup is not None:  # (as `tinyloop serve`: in the background, each request compiling what it needs first)
             self.engine.warmup(background=True, **warmup)
