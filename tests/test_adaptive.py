@@ -198,15 +198,39 @@ def test_engine_prompts_that_exit_in_prefill_equal_generate():
     assert min(got[0][1][0], got[2][1][0]) < loops
 
 
-def test_an_exiting_prompt_pads_to_few_lengths():
-    """A prompt exiting in prefill runs whole, padded to `cache.whole_bucket`: at least its length,
-    16 lengths up to 8,192 tokens (each a program a server warms, against `bucket`'s 67), at most
-    1.5x a prompt past 128 tokens, and no longer than `bucket` up to 512."""
-    from tinyloop_jax.model.cache import bucket, whole_bucket
+@pytest.mark.parametrize("family, criterion, threshold, warm", [("huginn", "kl", 1e-2, False),
+                                                                ("huginn", "latent-diff", 0.5, True),
+                                                                ("ouro", "gate", 0.5, False)])
+def test_a_prompt_exiting_in_prefill_runs_in_blocks_as_it_would_whole(family, criterion, threshold, warm):
+    """A prompt exiting in prefill runs each pass a block of positions at a time
+    (`paged_adaptive.forward(block=...)`: one program for every length) and gives what the
+    same chunk run whole gives: two rows of 150 and 37 tokens in a chunk of 192 (3 blocks of
+    64 and 1), against the chunk as one block: the same passes, and within the equivalence
+    bound the logits, the last states and every page the pool holds, under a logit criterion
+    (the coda run over every block), a latent one (its mean summed over blocks, continuous
+    compute) and Ouro's gate; a row exits before the last pass."""
+    import jax
 
-    n = np.arange(1, 8193)
-    padded = np.array([whole_bucket(int(k)) for k in n])
-    assert (padded >= n).all() and (np.diff(padded) >= 0).all()
-    assert len(set(padded.tolist())) == 16 and len({bucket(int(k)) for k in n}) == 67
-    assert (padded[128:] <= 1.5 * n[128:]).all()
-    assert all(whole_bucket(int(k)) <= bucket(int(k)) for k in n[:512])
+    from tinyloop_jax.decoding import paged_decode
+    from tinyloop_jax.model import adaptive as ad
+    from tinyloop_jax.model import paged
+    from tinyloop_jax.model import paged_adaptive as pa
+
+    m, loops, lens, T = (huginn() if family == "huginn" else ouro()), 6, [150, 37], 192
+    c = m.weights.config
+    lay = paged_decode.layout(0, T, len(lens))
+    pool = paged_decode.empty_pool(c, loops, lay.n_pages, lay)
+    tokens = np.zeros((len(lens), T), np.int32)
+    for i, n in enumerate(lens):
+        tokens[i, :n] = prompt_of(n, seed=80 + i)
+    rows = paged.Rows(lay.tables, np.zeros(len(lens), np.int32), np.array(lens, np.int32))
+    pol = ad.Policy.stack([ad.make_policy(c, loops, criterion, threshold, continuous_compute=warm)] * len(lens))
+    state = jnp.asarray(np.random.default_rng(3).normal(size=(len(lens), c.d_model)), c.compute_dtype)
+    run = jax.jit(pa.forward, static_argnames=("cfg", "loops", "block"))
+    blocked, whole = (run(m.weights.params, c, pool, rows, jnp.asarray(tokens), loops, pol,
+                          jnp.zeros(len(lens), jnp.uint32), state if warm else None, block=k) for k in (64, None))
+    assert np.array_equal(blocked.depth, whole.depth) and int(np.min(whole.depth)) < loops, whole.depth
+    np.testing.assert_allclose(blocked.logits, whole.logits, atol=1e-3, rtol=1e-2)
+    np.testing.assert_allclose(blocked.state, whole.state, atol=1e-3, rtol=1e-2)
+    for x, y in zip(jax.tree.leaves(blocked.pool), jax.tree.leaves(whole.pool)):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), atol=1e-3, rtol=1e-2)

@@ -168,7 +168,7 @@ def prefill(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: St
     for at in range(0, int(lens.max()), step):
         n_new = np.clip(lens - at, 0, step).astype(np.int32)
         final = (lens > at) & (lens <= at + step)
-        tokens = np.zeros((N, (kvc.whole_bucket if exits else kvc.bucket)(int(n_new.max()))), np.int32)
+        tokens = np.zeros((N, (kvc.exit_length if exits else kvc.bucket)(int(n_new.max()))), np.int32)
         for i, x in enumerate(suffixes):
             tokens[i, :n_new[i]] = x[at:at + n_new[i]]
         chunks = St.Chunks(paged.Rows(tables, np.full((N,), prefix_len + at, np.int32), n_new, windows), tokens, None,

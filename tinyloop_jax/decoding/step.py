@@ -30,6 +30,7 @@ from .row_state import RowState
 from .sampling import Knobs, select_tokens, stop_match
 from .speculative import DRAFT_STREAM, fold_in, round_paged
 from ..model import adaptive as ad
+from ..model import cache as kvc
 from ..model import paged
 from ..model import page_pool
 from ..model import paged_adaptive as pa
@@ -145,14 +146,17 @@ def step(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Reque
     window: a static cache_window for every row (else each row's, rows.window). in_prefill (static;
     chunks alone): prompts that may exit (`exit_in_prefill`), each one chunk exiting as a whole
     at its request's exit rule (`paged_adaptive.forward`: the passes it ran in `Emitted.passes`,
-    its last state the request's warm state). Returns (the chunks' `Emitted` [b], the decode
-    rows' [b'] (None for an absent group), pool, state)."""
+    its last state the request's warm state), each pass run `cache.EXIT_BLOCK` positions at a
+    time over as many blocks as the prompts fill, so one chunk length serves every prompt.
+    Returns (the chunks' `Emitted` [b], the decode rows' [b'] (None for an absent group), pool,
+    state)."""
     if in_prefill:
         if decodes is not None:
             raise ValueError("a prompt exiting as a whole runs alone (decodes must be None)")
         s = chunks.slot
+        T = chunks.tokens.shape[1]
         out = pa.forward(params, cfg, pool, chunks.rows, chunks.tokens, loops, _take(state.pol, s),
-                         _take(state.req.seed, s))
+                         _take(state.req.seed, s), block=kvc.EXIT_BLOCK if T > kvc.EXIT_BLOCK else None)
         got, state = start_rows(state, s, out.logits, chunks.final, out.state, chunks.mask)
         return got.replace(passes=out.depth), None, out.pool, state
     groups, tokens, seeds = [], [], []

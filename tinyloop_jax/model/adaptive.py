@@ -122,15 +122,20 @@ def is_check(pol: Policy, i) -> jax.Array:
     return (pol.kind != NONE) & (i >= pol.min_steps) & ((i - pol.min_steps) % pol.check_every == 0)
 
 
-def latent_value(pol: Policy, judge: Judge, s: jax.Array, valid: jax.Array) -> jax.Array:
-    """latent-diff or cosine of the state s [T, D] against the last check's, averaged over the
-    chunk's real positions (valid [T] bool)."""
-    s, prev = s.astype(jnp.float32), judge.latent.astype(jnp.float32)
+def latent_sums(s: jax.Array, prev: jax.Array, valid: jax.Array) -> jax.Array:
+    """float32 [2]: the sums over real positions (valid [T] bool) of |s - s_prev| / |s| and of
+    cos(s, s_prev), the state s [T, D] against prev, the last check's: a chunk's latent criteria
+    are their means (`latent_value`), summed a block at a time over a long prompt."""
+    s, prev = s.astype(jnp.float32), prev.astype(jnp.float32)
     norm = jnp.linalg.norm(s, axis=-1)
     diff = jnp.linalg.norm(s - prev, axis=-1) / norm
     cos = jnp.sum(s * prev, axis=-1) / norm / jnp.linalg.norm(prev, axis=-1)
-    mean = lambda v: jnp.sum(jnp.where(valid, v, 0.0)) / jnp.sum(valid)  # noqa: E731
-    return jnp.where(pol.kind == LATENT, mean(diff), 1.0 - mean(cos))
+    return jnp.stack([jnp.sum(jnp.where(valid, diff, 0.0)), jnp.sum(jnp.where(valid, cos, 0.0))])
+
+
+def latent_value(pol: Policy, sums: jax.Array, count: jax.Array) -> jax.Array:
+    """latent-diff or cosine from `latent_sums` over `count` real positions: the mean over them."""
+    return jnp.where(pol.kind == LATENT, sums[0] / count, 1.0 - sums[1] / count)
 
 
 def logit_values(judge: Judge, logits: jax.Array):
@@ -146,14 +151,14 @@ def logit_values(judge: Judge, logits: jax.Array):
     return kl, jnp.abs(entropy - judge.entropy), stable, logp, entropy, top
 
 
-def judge_pass(pol: Policy, judge: Judge, i, last, s: jax.Array, valid: jax.Array, gate_prob: jax.Array,
+def judge_pass(pol: Policy, judge: Judge, i, last, lat: jax.Array, gate_prob: jax.Array,
                logits: jax.Array | None, check: jax.Array):
-    """Fold pass i's state s [T, D] (and, when computed, the logits [V] of this check) into the
-    evaluator. Returns (exit now, new judge). The gate accumulates at every pass; the rest
-    move only on a check."""
+    """Fold pass i (its latent value `lat`, `latent_value`, and when computed the logits [V] of
+    this check) into the evaluator. Returns (exit now, new judge). The gate accumulates at every
+    pass; the rest move only on a check. The state a check keeps (`Judge.latent`) is the
+    caller's to update: the pass loop writes it a block of positions at a time."""
     p, remaining = exits.exit_prob(gate_prob, judge.remaining, last)
     cumulative = judge.cumulative + p
-    lat = latent_value(pol, judge, s, valid)
     if logits is None:
         kl = dent = jnp.float32(jnp.inf)
         stable, logp, entropy, top = judge.stable, judge.logp, judge.entropy, judge.argmax
@@ -164,16 +169,14 @@ def judge_pass(pol: Policy, judge: Judge, i, last, s: jax.Array, valid: jax.Arra
                                                                            cumulative], lat)
     leave = jnp.where((k == ARGMAX) | (k == GATE), value >= pol.threshold, value < pol.threshold)
     on = lambda new, old: jnp.where(check, new, old)  # noqa: E731
-    judge = Judge(on(s, judge.latent), on(logp, judge.logp), on(entropy, judge.entropy), on(top, judge.argmax),
+    judge = Judge(judge.latent, on(logp, judge.logp), on(entropy, judge.entropy), on(top, judge.argmax),
                   on(stable, judge.stable), remaining, cumulative)
     return check & leave, judge
 
 
-def quick_exit(pol: Policy, judge: Judge, last, s: jax.Array, valid: jax.Array, gate_prob: jax.Array,
-               check: jax.Array) -> jax.Array:
+def quick_exit(pol: Policy, judge: Judge, last, lat: jax.Array, gate_prob: jax.Array, check: jax.Array) -> jax.Array:
     """Does a criterion that needs no logits (latent-diff, cosine, gate) exit after this pass?
     (It decides whether the coda runs: those criteria read the logits only when they exit.)"""
-    lat = latent_value(pol, judge, s, valid)
     cumulative = judge.cumulative + exits.exit_prob(gate_prob, judge.remaining, last)[0]
     k = pol.kind
     return check & ((((k == LATENT) | (k == COSINE)) & (lat < pol.threshold))

@@ -117,16 +117,15 @@ def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
 
-def whole_bucket(n: int) -> int:
-    """The padded length of a prompt prefilled as one chunk that exits as a whole
-    (exit_in_prefill): `bucket` up to 128, then powers of two and the points halfway in their
-    steps (192, 256, 384, 512, ...). Each length is a program a server warms: 16 up to 8,192
-    tokens, not `bucket`'s 67, for at most 1.5x a prompt's positions."""
-    n = max(int(n), 1)
-    if n <= 128:
-        return bucket(n)
-    p = 1 << (n - 1).bit_length()
-    return 3 * p // 4 if n <= 3 * p // 4 else p
+EXIT_BLOCK = 64  # positions of a prompt exiting in prefill that a pass runs at once
+
+
+def exit_length(n: int) -> int:
+    """The padded length of a prompt of n tokens that exits as a whole (exit_in_prefill) in a
+    `generate` call: whole blocks of EXIT_BLOCK positions (`paged_adaptive.forward(block=...)`),
+    a power of two of them up to 128 blocks, then multiples of 128. The engine pads every such
+    prompt to its whole context instead: one program for every length."""
+    return EXIT_BLOCK * bucket(-(-max(int(n), 1) // EXIT_BLOCK), minimum=1)
 
 
 def segment_capacity(n_tokens: int, cache_window: int) -> int:

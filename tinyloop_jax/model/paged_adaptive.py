@@ -76,59 +76,101 @@ def settle_exits(stack: dict, share, x: tuple, depth: jax.Array, loops: int, g: 
 
 @exact
 def forward(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, rows: paged.Rows, tokens: jax.Array,
-            loops: int, pol: ad.Policy, seeds: jax.Array, warm: jax.Array | None = None) -> Out:
+            loops: int, pol: ad.Policy, seeds: jax.Array, warm: jax.Array | None = None,
+            block: int | None = None) -> Out:
     """Rows' chunks tokens [b, T] (row i's first rows.n_new[i] real, at rows.start[i]; 0: a
     filler row) with adaptive depth: pol [b] each row's exit rule (kind NONE: every pass), seeds
     [b] uint32 (initial states), warm [b, D]: the state a continuous-compute row starts from.
-    Logits and states are each row's last real token's."""
+    Logits and states are each row's last real token's. block (static; T a multiple of it): each
+    pass runs over the chunk a block of positions at a time, as many blocks as the longest row
+    fills (a `while_loop`), so one program serves every length up to T: pass i of block k reads
+    pass i of the blocks before it from the pages, as the whole chunk would (a prompt exiting
+    in prefill, `step.step(in_prefill=True)`); the pages must hold every pass (not a compact
+    kv_share store). None: the chunk as one block."""
     b, T = tokens.shape
+    T0 = T if block is None else block
+    n_blocks = T // T0  # (static: the most a row may fill)
+    if T % T0 or (n_blocks > 1 and not pool.share.full):
+        raise ValueError(f"a chunk of {T} positions in blocks of {block} (on pages that hold every pass)")
     V = cfg.vocab_size
-    g = paged.Group.of(rows, T, pool)
-    groups, pos = (g,), g.pos.reshape(-1)
-    per_row = lambda a: a.reshape((b, T) + a.shape[1:])  # noqa: E731 - [b T, ..] -> [b, T, ..]
-    by_token = lambda a: jnp.repeat(a, T, axis=0)  # noqa: E731 - [b, ..] -> [b T, ..]
-    last = jnp.maximum(rows.n_new - 1, 0)
-    at_last = lambda a: per_row(a)[jnp.arange(b), last]  # noqa: E731 - [b T, ..] -> [b, ..]
-    valid = jnp.arange(T)[None] < jnp.maximum(rows.n_new, 1)[:, None]  # [b, T]
-    x = paged.embed(params, tokens.reshape(-1), pos, cfg)
+    n = rows.n_new
+    last = jnp.maximum(n - 1, 0)
+    count = jnp.maximum(n, 1).astype(jnp.float32)  # positions a latent criterion averages over
     inject = rec.injected(cfg)
-    if inject and cfg.embed_scale != 1.0:
-        x = x * cfg.embed_scale
-    x, pool = paged.run_pre(params, cfg, x, groups, pool, 0)
-    e, s = None, x
-    if inject:
-        e, s = x, jax.vmap(lambda sd, p: rec.initial_state(cfg, sd, p))(seeds, g.pos).reshape(b * T, -1)
-        if warm is not None:
-            s = jnp.where(by_token(pol.warm)[:, None], by_token(warm).astype(s.dtype), s)
-    judge = jax.vmap(lambda a: ad.Judge.start(a, V))(per_row(s))
     vm = jax.vmap
 
-    def coda_logits(x, post, need):
-        """The coda (its K/V kept only where `need`) and the logits [b, V]."""
-        old = [{n: a[:, g.page, g.off] for n, a in store.items()} for store in post]
-        y, new = tf.coda(params, cfg, x, post, lambda y, blk, store, j: paged.block(y, blk, cfg, groups, store, None,
-                                                                                     0, pool.kv_mode))
-        keep = lambda n, o: jnp.where(by_token(need)[None, :, None], n, o)  # noqa: E731
-        new = [page_pool.write(store, {n: keep(store[n][:, g.page, g.off], o[n]) for n in store}, g.page, g.off)
-               for store, o in zip(new, old)]
-        return tf.lm_head(params, cfg, at_last(y)), tuple(new)
+    def part(k):  # block k's rows: the Group its tokens make
+        if n_blocks == 1:
+            return paged.Group.of(rows, T, pool)
+        return paged.Group.of(rows.replace(start=rows.start + k * T0, n_new=jnp.clip(n - k * T0, 0, T0)), T0, pool)
 
-    def gate_prob(x):
-        return exits.gate(params, at_last(x)) if cfg.early_exit_gate else jnp.zeros((b,), jnp.float32)
+    def blk(a, k):  # [b, T, ...] -> block k, [b, T0, ...]
+        return a if n_blocks == 1 else jax.lax.dynamic_slice_in_dim(a, k * T0, T0, axis=1)
 
-    def loop_block(x, blk, stack, index):
-        return paged.block(x, blk, cfg, groups, stack, index, 0, pool.kv_mode, pool.loop_of)
+    def put(a, k, v):  # block k of a [b, T, ...] set to v [b, T0, ...]
+        return v if n_blocks == 1 else jax.lax.dynamic_update_slice_in_dim(a, v.astype(a.dtype), k * T0, axis=1)
 
-    share, k = pool.share, len(params.loop)
+    nb = jnp.maximum(1, (jnp.max(n) + T0 - 1) // T0)
 
-    def now(stack, i):  # [k] the K/V pass i wrote for the step's tokens (a compact pool)
-        return [kv_share.take_at(stack, j, g.page, g.off, share.slot(i)) for j in range(k)]
+    def blocks(fn, carry, first: int = 0):  # fn(k, carry) over the blocks the rows fill
+        return fn(0, carry) if n_blocks == 1 else jax.lax.fori_loop(first, nb, fn, carry)
 
-    def remember(x, stack, i, active):
+    flat = lambda a: a.reshape((-1,) + a.shape[2:])  # noqa: E731 - [b, T0, ..] -> [b T0, ..]
+    rowwise = lambda a: a.reshape((b, T0) + a.shape[1:])  # noqa: E731 - [b T0, ..] -> [b, T0, ..]
+    at_last = lambda a: a[jnp.arange(b), last]  # noqa: E731 - [b, T, ..] -> [b, ..]
+
+    def pre(k, pool):  # block k's tokens through the pre blocks: (stream, initial state) [b, T0, D]
+        g = part(k)
+        x = paged.embed(params, flat(blk(tokens, k)), g.pos.reshape(-1), cfg)
+        if inject and cfg.embed_scale != 1.0:
+            x = x * cfg.embed_scale
+        x, pool = paged.run_pre(params, cfg, x, (g,), pool, 0)
+        s0 = vm(lambda sd, p: rec.initial_state(cfg, sd, p))(seeds, g.pos) if inject else None
+        return rowwise(x), s0, pool
+
+    x, s0, pool = pre(0, pool)
+    if n_blocks > 1:  # (the buffers of every position; block 0 in place, then the rest)
+        full = lambda a: None if a is None else jnp.zeros((b, T) + a.shape[2:], a.dtype).at[:, :T0].set(a)  # noqa: E731
+
+        def more(k, carry):
+            xs, ss, pool = carry
+            x, s0, pool = pre(k, pool)
+            return put(xs, k, x), None if ss is None else put(ss, k, s0), pool
+        x, s0, pool = blocks(more, (full(x), full(s0), pool), first=1)
+    e, s = (x, s0) if inject else (None, x)
+    if inject and warm is not None:
+        s = jnp.where(pol.warm[:, None, None], warm[:, None].astype(s.dtype), s)
+    judge = vm(lambda a: ad.Judge.start(a, V))(s)
+
+    def coda_logits(s, post, need):
+        """The coda over every block (its K/V kept only where `need`) and the logits [b, V]."""
+        def one(k, carry):
+            post, y_last = carry
+            g = part(k)
+            old = [{n: a[:, g.page, g.off] for n, a in store.items()} for store in post]
+            y, new = tf.coda(params, cfg, flat(blk(s, k)), post, lambda y, bk, store, j: paged.block(
+                y, bk, cfg, (g,), store, None, 0, pool.kv_mode))
+            keep = lambda n, o: jnp.where(jnp.repeat(need, T0)[None, :, None], n, o)  # noqa: E731
+            new = tuple(page_pool.write(store, {n: keep(store[n][:, g.page, g.off], o[n]) for n in store}, g.page,
+                                        g.off) for store, o in zip(new, old))
+            mine = last // T0 == k  # rows whose last real position is in this block
+            return new, jnp.where(mine[:, None], rowwise(y)[jnp.arange(b), last % T0], y_last)
+        post, y = blocks(one, (tuple(post), jnp.zeros((b, s.shape[-1]), s.dtype)))
+        return tf.lm_head(params, cfg, y), post
+
+    def gate_prob(s):
+        return exits.gate(params, at_last(s)) if cfg.early_exit_gate else jnp.zeros((b,), jnp.float32)
+
+    share, k_loop = pool.share, len(params.loop)
+
+    def now(stack, i, g):  # [k] the K/V pass i wrote for the step's tokens (a compact pool)
+        return [kv_share.take_at(stack, j, g.page, g.off, share.slot(i)) for j in range(k_loop)]
+
+    def remember(x, stack, i, active, g):
         """A compact pool's carry after pass i: each token's last pass's K/V (kept), avg's sums
         of its passes' K/V, first's pass 0."""
         kept, acc, first = x
-        got, on = now(stack, i), active[None, :, None]
+        got, on = now(stack, i, g), active[None, :, None]
         kept = [{n: jnp.where(on, a, o[n]) for n, a in d.items()} for d, o in zip(got, kept)]
         if share.kind == "avg":
             acc = [tuple(t + jnp.where(on, u, 0) for t, u in zip(a, pool.kv_mode.unpack(d, None)))
@@ -139,30 +181,42 @@ def forward(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, rows: pag
 
     def body(carry):
         c, x = carry
-        s_new, stack = tf.one_pass(params, cfg, c.i, c.s, e, c.stack, loop_block, share.slot)
-        if not share.full:
-            x = remember(x, stack, c.i, by_token(c.active))
-        last_pass = c.i == loops - 1
         check = c.active & vm(lambda p: ad.is_check(p, c.i))(pol)
-        gp = gate_prob(s_new)
-        quick = vm(lambda p, j, a, v, q, k: ad.quick_exit(p, j, last_pass, a, v, q, k))(pol, c.judge, per_row(s_new),
-                                                                                       valid, gp, check)
-        need = check & (jnp.isin(pol.kind, jnp.array(ad.LOGIT_KINDS)) | quick)
-        logits, post = jax.lax.cond(jnp.any(need), lambda p: coda_logits(s_new, p, need), lambda p: (c.logits, p),
-                                    c.post)
-        leave, judge = vm(lambda p, j, a, v, q, lg, k: ad.judge_pass(p, j, c.i, last_pass, a, v, q, lg, k))(
-            pol, c.judge, per_row(s_new), valid, gp, logits, check)
-        judge = jax.tree.map(lambda n, o: jnp.where(c.active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o), judge,
-                             c.judge)
-        return ad.Carry(c.i + 1, jnp.where(by_token(c.active)[:, None], s_new, c.s), stack, post, c.active & ~leave,
-                        jnp.where(c.active, c.i + 1, c.depth), judge, jnp.where(need[:, None], logits, c.logits),
-                        c.have | need), x
 
-    c = ad.Carry(jnp.int32(0), s, pool.loop, pool.post, rows.n_new > 0, jnp.zeros((b,), jnp.int32), judge,
+        def one(k, carry):  # pass c.i over block k: its stream, the latent sums, the state a check keeps
+            s, stack, latent, sums, x = carry
+            g = part(k)
+            y, stack = tf.one_pass(params, cfg, c.i, flat(blk(s, k)), None if e is None else flat(blk(e, k)), stack,
+                                   lambda z, bk, st, index: paged.block(z, bk, cfg, (g,), st, index, 0, pool.kv_mode,
+                                                                        pool.loop_of), share.slot)
+            if not share.full:
+                x = remember(x, stack, c.i, jnp.repeat(c.active, T0), g)
+            y, prev = rowwise(y), blk(latent, k)
+            valid = (k * T0 + jnp.arange(T0))[None] < count[:, None]
+            sums = sums + vm(ad.latent_sums)(y, prev, valid)
+            return (put(s, k, jnp.where(c.active[:, None, None], y, blk(s, k))), stack,
+                    put(latent, k, jnp.where(check[:, None, None], y, prev)), sums, x)
+
+        s, stack, latent, sums, x = blocks(one, (c.s, c.stack, c.judge.latent, jnp.zeros((b, 2), jnp.float32), x))
+        lat = vm(ad.latent_value)(pol, sums, count)
+        last_pass = c.i == loops - 1
+        gp = gate_prob(s)
+        quick = vm(lambda p, j, a, q, k: ad.quick_exit(p, j, last_pass, a, q, k))(pol, c.judge, lat, gp, check)
+        need = check & (jnp.isin(pol.kind, jnp.array(ad.LOGIT_KINDS)) | quick)
+        logits, post = jax.lax.cond(jnp.any(need), lambda p: coda_logits(s, p, need), lambda p: (c.logits, p),
+                                    c.post)
+        leave, judge = vm(lambda p, j, a, q, lg, k: ad.judge_pass(p, j, c.i, last_pass, a, q, lg, k))(
+            pol, c.judge, lat, gp, logits, check)
+        judge = jax.tree.map(lambda n, o: jnp.where(c.active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o),
+                             judge._replace(latent=None), c.judge._replace(latent=None))._replace(latent=latent)
+        return ad.Carry(c.i + 1, s, stack, post, c.active & ~leave, jnp.where(c.active, c.i + 1, c.depth), judge,
+                        jnp.where(need[:, None], logits, c.logits), c.have | need), x
+
+    c = ad.Carry(jnp.int32(0), s, pool.loop, tuple(pool.post), n > 0, jnp.zeros((b,), jnp.int32), judge,
                  jnp.zeros((b, V), jnp.float32), jnp.zeros((b,), bool))
     x = None
     if not share.full:
-        start = now(pool.loop, 0)
+        start = now(pool.loop, 0, part(0))
         x = (start, [tuple(jnp.zeros_like(u) for u in pool.kv_mode.unpack(d, None)) for d in start]
              if share.kind == "avg" else None, start if share.kind == "first" else None)
     c, x = jax.lax.while_loop(lambda cx: (cx[0].i < loops) & jnp.any(cx[0].active), body, (c, x))
@@ -171,10 +225,13 @@ def forward(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, rows: pag
                                 c.post)
     logits = jnp.where(final[:, None], logits, c.logits)
     if share.full:
-        at = page_pool.local_map(pool.loop_of, g.page, page_pool.layer_slots(c.stack), write=True)  # (pass slots)
-        stack = fill_skipped(c.stack, at, g.off, by_token(c.depth), loops)
+        def fill(k, stack):
+            g = part(k)
+            at = page_pool.local_map(pool.loop_of, g.page, page_pool.layer_slots(stack), write=True)  # (pass slots)
+            return fill_skipped(stack, at, g.off, jnp.repeat(c.depth, T0), loops)
+        stack = blocks(fill, c.stack)
     else:
-        stack = settle_exits(c.stack, share, x, by_token(c.depth), loops, g, pool.kv_mode)
+        stack = settle_exits(c.stack, share, x, jnp.repeat(c.depth, T0), loops, part(0), pool.kv_mode)
     return Out(logits, pool.replace(loop=stack, post=post), c.depth, at_last(c.s))
 
 

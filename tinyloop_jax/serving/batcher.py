@@ -42,7 +42,7 @@ from .handles import Handle, MemoryBudgetError
 from .plan import MIN_TABLE, Plan, batch_buckets, chunk_buckets, pow2
 from .reading import Output
 from ..model import page_pool
-from ..model.cache import bucket, whole_bucket
+from ..model.cache import bucket
 
 
 class Batcher(Admission):
@@ -207,7 +207,8 @@ class Batcher(Admission):
             T = bd = 0
             if chunk is not None:
                 r, n, final = chunk
-                T = whole_bucket(n) if r.handle.in_prefill else next(t for t in self.plan.chunk_sizes() if t >= n)
+                T = next(t for t in (self.plan.exit_lengths() if r.handle.in_prefill else self.plan.chunk_sizes())
+                         if t >= n)
                 chunks = S.make_chunks([r.pages], [r.handle.prompt[r.fed:r.fed + n]], [r.fed], [r.slot], [final], T,
                                        R, 1, [r.handle.cache_window],
                                        self._masks([r.handle.matcher if final else None], 1) if masked else None)

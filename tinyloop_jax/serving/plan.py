@@ -14,7 +14,7 @@ from ..decoding.grammar import words
 from ..decoding.sampling import Knobs, SamplingParams
 from ..model import adaptive as ad
 from ..model import page_pool, paged
-from ..model.cache import whole_bucket
+from ..model.cache import EXIT_BLOCK
 
 
 MAPPINGS_A_PROGRAM = 2_500  # warmup stops short of vm.max_map_count by two of the largest programs
@@ -69,6 +69,18 @@ class Plan:
         chunk = self.budget.chunk
         return sorted({min(32, chunk), chunk})
 
+    def exit_lengths(self) -> list[int]:
+        """A prompt exiting in prefill's padded lengths: 512 positions, four times as many, ...,
+        and the whole context. Its passes run `cache.EXIT_BLOCK` positions at a time, over as
+        many blocks as it fills, so each length is one program for every prompt up to it; the
+        lengths are few only so that a short prompt's buffers are short (on SmolLM2 a 40-token
+        prompt takes 97 ms in a buffer of 8,192 positions, 76 in one of 512)."""
+        whole, lengths, n = EXIT_BLOCK * -(-self.cfg.max_seq_len // EXIT_BLOCK), [], 512
+        while n < whole:
+            lengths.append(n)
+            n *= 4
+        return lengths + [whole]
+
     def warmup(self, loops: int, jits, known: set, store=None, fresh: bool = True, adaptive: bool = False,
                speculation=(), grammar: bool = False) -> set:
         """Compile every program of a depth's steps by its `jits` (ahead of time: nothing is
@@ -76,7 +88,7 @@ class Plan:
         those not in `known` (compiled now). fresh: also the program of the depth's pool (made on its
         first request); store: the loads of its entries at this depth. adaptive:
         also the adaptive-depth programs (a prompt's chunk alone, the decode rows' adaptive
-        steps, a prompt exiting in prefill at every length bucket); speculation: also the
+        steps, a prompt exiting in prefill at each of `exit_lengths`); speculation: also the
         speculative rounds of these (draft_loops, lookahead) pairs; grammar: also the programs
         a decode-only step with a structured-output row runs (its forward and choice apart;
         adaptive: one masked step). A prompt chunk beside decode rows always takes masks."""
@@ -136,12 +148,11 @@ class Plan:
                 decodes = S.make_decodes([], [], [], [], R, bd, left=[], mask=mask(bd, m)) if bd else None
                 compile_(("step", loops, bd, T, R) + ((m,) if m and not bd else ()), jits["step"], w.params, c,
                          pool if bd else prompts, state, chunks, decodes, loops=loops, exit=exit)
-        for R in tables if adaptive else ():
-            for T in sorted({whole_bucket(n) for n in range(1, c.max_seq_len + 1)}):
-                for m in masks:
-                    chunks = S.make_chunks([], [], [], [], [], T, R, 1, mask=mask(1, m))
-                    compile_(("in_prefill", loops, T, R) + ((m,) if m else ()), jits["step"], w.params, c,
-                             prompts, state, chunks, None, loops=loops, in_prefill=True)
+        for R, T in ((R, T) for R in tables for T in self.exit_lengths()) if adaptive else ():
+            for m in masks:
+                chunks = S.make_chunks([], [], [], [], [], T, R, 1, mask=mask(1, m))
+                compile_(("in_prefill", loops, T, R) + ((m,) if m else ()), jits["step"], w.params, c,
+                         prompts, state, chunks, None, loops=loops, in_prefill=True)
         req = Knobs.from_params([SamplingParams()], logit_bias=True, sampled=True, stop_shape=S.STOPS)
         compile_(("admit", loops), jits["admit"], state, np.int32(0), np.zeros((c.vocab_size,), bool), req,
                  jax.tree.map(np.asarray, ad.EVERY_PASS))
