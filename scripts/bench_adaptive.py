@@ -26,6 +26,7 @@ CASES = (("kl 1e-2, exit in prefill", dict(exit_criterion="kl", exit_threshold=1
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--label", default="this tree")
+    ap.add_argument("--no-write", action="store_true", help="(it writes nothing; accepted for bench.py ab)")
     args = ap.parse_args()
     m = tl.Model.load(BUNDLED)
     ids = list(b"The history of the printing press begins in the fifteenth century, when Johannes Gutenberg " * 2)
