@@ -8,6 +8,11 @@ state (masked) until the last row exits; the coda runs at checks that need logit
 written only for the rows that needed it); at the end the passes a row skipped take, in its
 page, the K/V of its last computed pass of the same loop block — what a token that exited
 offers the later tokens that run deeper (the reference's rule, as `adaptive.fill_skipped`).
+
+A long chunk (a prompt exiting in prefill) may run each pass a block of positions at a time
+(`forward(block=...)`), over as many blocks as its rows fill: pass i of a block reads pass i of
+the blocks before it from the pages, so it gives what the chunk run whole gives, and one
+program serves every length up to its buffer's.
 """
 
 from __future__ import annotations
