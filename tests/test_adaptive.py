@@ -177,17 +177,18 @@ def test_engine_requests_with_mixed_criteria_equal_generate():
 
 def test_engine_prompts_that_exit_in_prefill_equal_generate():
     """exit_in_prefill in the engine: each such prompt is one chunk exiting as a whole (40 tokens
-    against the engine's chunks of 16), beside a request with the same prompt at full depth (no
-    pages shared between them) and others: tokens and passes per token equal `generate`'s, and
-    some prompt exits before the last pass."""
+    against the engine's chunks of 16; 130 tokens, three of its blocks of 64), beside a request
+    with the same prompt at full depth (no pages shared between them) and others: tokens and
+    passes per token equal `generate`'s, and some prompt exits before the last pass."""
     m, loops = huginn(), 6
     p = prompt_of(40, seed=70)
     work = [(p, dict(exit_criterion="kl", exit_threshold=1e-2, exit_in_prefill=True)),
             (p, dict(exit_criterion="kl", exit_threshold=1e-2)),
             (prompt_of(9, seed=71), dict(exit_criterion="latent-diff", exit_threshold=0.3, exit_in_prefill=True,
                                          continuous_compute=True)),
-            (prompt_of(12, seed=72), dict())]
-    with tl.Engine(m, max_batch=4, prefill_chunk=16) as eng:
+            (prompt_of(12, seed=72), dict()),
+            (prompt_of(130, seed=73), dict(exit_criterion="kl", exit_threshold=1e-2, exit_in_prefill=True))]
+    with tl.Engine(m, max_batch=5, prefill_chunk=16) as eng:
         handles = [eng.submit(q, max_tokens=8, loops=loops, **kw) for q, kw in work]
         got = [(h.result(), h.passes) for h in handles]
         with pytest.raises(ValueError, match="exit_in_prefill needs an exit_criterion"):
@@ -195,7 +196,7 @@ def test_engine_prompts_that_exit_in_prefill_equal_generate():
     for (q, kw), (tokens, depths) in zip(work, got):
         assert tokens == m.generate(q, max_tokens=8, loops=loops, **kw), kw
         assert depths == (m.last_passes or []), kw
-    assert min(got[0][1][0], got[2][1][0]) < loops
+    assert min(got[0][1][0], got[2][1][0]) < loops and got[4][1][0] < loops
 
 
 @pytest.mark.parametrize("family, criterion, threshold, warm", [("huginn", "kl", 1e-2, False),
