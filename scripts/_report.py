@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import re
@@ -12,6 +13,21 @@ import time
 import jax
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+WRITE = True  # False after a script's `--no-write` (`NoWrite`): `write_section` writes nothing
+
+
+class NoWrite(argparse.Action):
+    """A script's `--no-write` (`ap.add_argument("--no-write", action=_report.NoWrite)`): print
+    the figures, write no docs (`bench.py ab` passes it to every suite's script)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        kw.setdefault("help", "print only: write no docs (bench.py ab passes it)")
+        super().__init__(option_strings, dest, nargs=0, default=False, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        global WRITE
+        WRITE = False
+        setattr(namespace, self.dest, True)
 
 
 def median_time(fn, repeats: int = 5, warmup: int = 1) -> float:
@@ -41,7 +57,10 @@ def heading(title: str) -> list[str]:
 
 
 def write_section(name: str, body: str, path: str = "benchmarks.md") -> str:
-    """Replace (or append) the section `name` of docs/<path>, delimited by HTML comments."""
+    """Replace (or append) the section `name` of docs/<path>, delimited by HTML comments (nothing
+    after `--no-write`). Returns what it wrote."""
+    if not WRITE:
+        return "nothing (--no-write)"
     os.makedirs(DOCS, exist_ok=True)
     full = os.path.join(DOCS, path)
     text = "# Benchmarks\n\nEach section is written by the script it names.\n"

@@ -71,7 +71,7 @@ SUITES = {
     "structured": Suite("bench_structured.py", "structured output's cost: constrained against free decoding"),
     "replicas": Suite("bench_replicas.py", "replicas on Ray Serve: each router's hit rate, TTFT, tokens/s"),
     "kv-share": Suite("bench_kv_share.py", "kv_share: bytes a token, what a budget holds, decode speed, quality"),
-    "suite-time": Suite("suite_profile.py", "where the test suite's time goes"),
+    "suite-time": Suite("suite_profile.py", "where the test suite's time goes", ()),
     "suite-flags": Suite("bench_suite_flags.py", "an XLA flag's effect on the suite's compiles"),
     "house": Suite("house.py", "issue 59's structural counts (jit sites, long files, import circles)", ()),
 }

@@ -79,6 +79,7 @@ def step_ms(model) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--label", default="this tree")
+    ap.add_argument("--no-write", action="store_true", help="(it writes nothing; accepted for bench.py ab)")
     args = ap.parse_args()
     assert native.available(), "the native kernels do not run here"
     model = tl.Model.from_pretrained("smollm2")

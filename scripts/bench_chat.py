@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--turns", type=int, default=7)
     ap.add_argument("--label", default="this tree")
+    ap.add_argument("--no-write", action="store_true", help="(it writes nothing; accepted for bench.py ab)")
     args = ap.parse_args()
     model, tok = tl.Model.from_pretrained("smollm2"), tl.load_tokenizer("smollm2")
 

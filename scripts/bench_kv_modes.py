@@ -111,6 +111,7 @@ def h_rebuild(model, prompt, suffix, repeats):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-write", action=_report.NoWrite)
     args = ap.parse_args()
     modes = list(tl.KV_MODES)
     P, D, repeats, max_bytes = (64, 64, 2, 2048) if args.quick else (1024, 384, 5, None)

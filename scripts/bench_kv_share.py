@@ -306,6 +306,7 @@ def main() -> None:
     ap.add_argument("--engine", action="store_true", help="the engine part alone (its section written)")
     ap.add_argument("--ouro", default=None, metavar="PATH",
                     help="the quality and exits tables of a second looped model (trained at a fixed depth) alone")
+    ap.add_argument("--no-write", action=_report.NoWrite)
     args = ap.parse_args()
     if args.ouro:
         ouro_section(args.ouro, args.quick)

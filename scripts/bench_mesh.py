@@ -111,6 +111,7 @@ def main():
     ap.add_argument("--own", type=int, default=128, help="own positions per request")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-write", action=_report.NoWrite)
     args = ap.parse_args()
     assert jax.device_count() == 8, "needs 8 (fake) devices: JAX_NUM_CPU_DEVICES=8"
     models = QUICK if args.quick else {"gpt2-small": GPT2_SMALL, "ouro-1.4b": OURO_1_4B}

@@ -57,6 +57,7 @@ def main():
     ap.add_argument("--dtype", default="float32", help="weights and compute: float32 | bfloat16")
     ap.add_argument("--section", default="bench_ouro_shape", help="docs section to write")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-write", action=_report.NoWrite)
     args = ap.parse_args()
     shape = QUICK if args.quick else OURO_1_4B
     base = tl.ModelConfig(**shape, kv_mode="fp16", dtype=args.dtype)

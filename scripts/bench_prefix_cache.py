@@ -80,6 +80,7 @@ def main():
     ap.add_argument("--store-requests", type=int, default=200)
     ap.add_argument("--store-mode", default="fp16")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, no docs written")
+    ap.add_argument("--no-write", action=_report.NoWrite)
     args = ap.parse_args()
     if args.quick:
         args.prefix, args.n, args.d_model, args.store_requests = "64", "3", 64, 12

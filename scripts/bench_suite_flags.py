@@ -72,6 +72,7 @@ def main() -> None:
                          "tinyloop_jax); repeat it for several")
     ap.add_argument("--runs", type=int, default=3, help="runs per variant (alternating)")
     ap.add_argument("--busy", action="store_true", help="a spinning process shares the pinned core")
+    ap.add_argument("--no-write", action="store_true", help="(it writes nothing; accepted for bench.py ab)")
     args = ap.parse_args()
     spin = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", "while True: pass"]) if args.busy else None
     try:

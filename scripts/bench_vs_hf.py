@@ -59,6 +59,7 @@ def main():
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-write", action=_report.NoWrite)
     args = ap.parse_args()
     if args.quick:
         args.prefix, args.n, args.repeats = 64, 3, 1

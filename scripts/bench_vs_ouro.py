@@ -134,6 +134,7 @@ def main() -> None:
     ap.add_argument("--venv", default=os.path.expanduser("~/.cache/tinyloop-ouro-ref"), type=os.path.abspath)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
+    ap.add_argument("--no-write", action="store_true", help="(it writes nothing; accepted for bench.py ab)")
     args = ap.parse_args()
     if args.quick:
         args.prefix, args.n, args.new, args.repeats = 40, 3, 6, 1

@@ -9,6 +9,7 @@ segment, whatever the prefix length.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -35,6 +36,9 @@ def decode_memory(model, prefix, own_capacity, loops, out_len=32):
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-write", action=_report.NoWrite)
+    ap.parse_args()
     loops = 8
     rows = []
     for mode in ("fp32", "fp16"):
