@@ -123,8 +123,9 @@ EXIT_BLOCK = 64  # positions of a prompt exiting in prefill that a pass runs at 
 def exit_length(n: int) -> int:
     """The padded length of a prompt of n tokens that exits as a whole (exit_in_prefill) in a
     `generate` call: whole blocks of EXIT_BLOCK positions (`paged_adaptive.forward(block=...)`),
-    a power of two of them up to 128 blocks, then multiples of 128. The engine pads every such
-    prompt to its whole context instead: one program for every length."""
+    a power of two of them up to 128 blocks, then multiples of 128. The engine pads such a
+    prompt to one of a few lengths instead (`serving.plan.Plan.exit_lengths`), each one program
+    for every prompt up to it."""
     return EXIT_BLOCK * bucket(-(-max(int(n), 1) // EXIT_BLOCK), minimum=1)
 
 
