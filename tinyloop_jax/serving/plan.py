@@ -148,11 +148,12 @@ class Plan:
                 decodes = S.make_decodes([], [], [], [], R, bd, left=[], mask=mask(bd, m)) if bd else None
                 compile_(("step", loops, bd, T, R) + ((m,) if m and not bd else ()), jits["step"], w.params, c,
                          pool if bd else prompts, state, chunks, decodes, loops=loops, exit=exit)
-        for R, T in ((R, T) for R in tables for T in self.exit_lengths()) if adaptive else ():
-            for m in masks:
-                chunks = S.make_chunks([], [], [], [], [], T, R, 1, mask=mask(1, m))
-                compile_(("in_prefill", loops, T, R) + ((m,) if m else ()), jits["step"], w.params, c,
-                         prompts, state, chunks, None, loops=loops, in_prefill=True)
+        for R in tables if adaptive else ():
+            for T in self.exit_lengths():
+                for m in masks:
+                    chunks = S.make_chunks([], [], [], [], [], T, R, 1, mask=mask(1, m))
+                    compile_(("in_prefill", loops, T, R) + ((m,) if m else ()), jits["step"], w.params, c,
+                             prompts, state, chunks, None, loops=loops, in_prefill=True)
         req = Knobs.from_params([SamplingParams()], logit_bias=True, sampled=True, stop_shape=S.STOPS)
         compile_(("admit", loops), jits["admit"], state, np.int32(0), np.zeros((c.vocab_size,), bool), req,
                  jax.tree.map(np.asarray, ad.EVERY_PASS))
