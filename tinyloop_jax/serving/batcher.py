@@ -196,12 +196,10 @@ class Batcher(Admission):
             if chunk is not None:
                 lengths.append(chunk[0].fed + chunk[1])
             # structured output: every row of the step gets a mask (all ones for free rows), one step a dispatch;
-            # a prompt chunk runs beside decode rows (filler rows at an adaptive depth, whose decode rows step
-            # apart) and always takes them (one program set, grammar or not)
-            exits = chunk is not None and chunk[0].handle.in_prefill  # the prompt exits as a whole, alone
-            joint = chunk is not None and not exits
-            together = joint and not d.adaptive  # the decode rows in the chunk's forward
-            masked = any(r.handle.matcher is not None for r in decoding) or together
+            # a prompt chunk beside decode rows always takes them (one program set, grammar or not)
+            masked = any(r.handle.matcher is not None for r in decoding) or (
+                chunk is not None and chunk[2] and chunk[0].handle.matcher is not None) or (
+                chunk is not None and not d.adaptive and not chunk[0].handle.in_prefill)
             burst = chunk is None  # decode rows alone: 1 step or a burst (nothing to admit: n in one program)
             many = self.decode_steps if burst and not self.waiting and not masked else 1
             R = self.plan.table_len(max(lengths) + many - 1)
@@ -211,13 +209,12 @@ class Batcher(Admission):
                 r, n, final = chunk
                 T = next(t for t in (self.plan.exit_lengths() if r.handle.in_prefill else self.plan.chunk_sizes())
                          if t >= n)
-                cmasked = joint or (final and r.handle.matcher is not None)
                 chunks = S.make_chunks([r.pages], [r.handle.prompt[r.fed:r.fed + n]], [r.fed], [r.slot], [final], T,
                                        R, 1, [r.handle.cache_window],
-                                       self._masks([r.handle.matcher if final else None], 1) if cmasked else None)
-            if decoding or together:  # (a chunk alone: beside filler decode rows, one program fewer)
-                bd = next(b for b in (chunk_buckets if together else batch_buckets)(self.max_batch)
-                          if b >= len(decoding))
+                                       self._masks([r.handle.matcher if final else None], 1) if masked else None)
+            if decoding or not d.adaptive:  # (a chunk alone: beside one filler decode row, one program fewer)
+                joint = chunk is not None and not d.adaptive and not chunk[0].handle.in_prefill  # one forward
+                bd = next(b for b in (chunk_buckets if joint else batch_buckets)(self.max_batch) if b >= len(decoding))
                 starts = [r.fed + len(r.handle.tokens) + r.ahead - 1 for r in decoding]
                 left = [r.handle.params.max_tokens - len(r.handle.tokens) - r.ahead for r in decoding]
                 decodes = S.make_decodes([r.pages for r in decoding], starts, [r.slot for r in decoding],
@@ -232,19 +229,20 @@ class Batcher(Admission):
             d.sync()
             w, jits = self.model.weights, self.jits(d.loops)
             dtok = passes = cdepth = None
-            if exits:  # the prompt exits as a whole: its passes read now (once a request)
+            exits = chunk is not None and chunk[0].handle.in_prefill
+            if chunk is not None and (d.adaptive or exits):  # the prompt's chunk alone
                 pool = page_pool.swap(d.pool) if d.compact else d.pool  # (a compact kv_share: on the pass slots)
-                ctok, _, pool, d.state = self._run(("in_prefill", d.loops, T, R) + cmasked * ("masked",),
-                                                   jits["step"], w.params, w.config, pool, d.state, chunks, None,
-                                                   loops=d.loops, in_prefill=True)
-                cdepth = int(np.asarray(ctok.passes)[0])
+                if exits:  # the prompt exits as a whole: its passes read now (once a request)
+                    ctok, _, pool, d.state = self._run(("in_prefill", d.loops, T, R) + masked * ("masked",),
+                                                       jits["step"], w.params, w.config, pool, d.state, chunks, None,
+                                                       loops=d.loops, in_prefill=True)
+                    cdepth = int(np.asarray(ctok.passes)[0])
+                else:
+                    ctok, _, pool, d.state = self._run(("step", d.loops, 0, T, R) + masked * ("masked",),
+                                                       jits["step"], w.params, w.config, pool, d.state, chunks,
+                                                       None, loops=d.loops, exit=d.exit)
                 d.pool = page_pool.swap(pool) if d.compact else pool
-            elif joint and d.adaptive:  # the chunk beside filler rows: the plain depth's program
-                bf = chunk_buckets(self.max_batch)[0]
-                filler = S.make_decodes([], [], [], [], R, bf, left=[], mask=self._masks([], bf))
-                ctok, _, d.pool, d.state = self._run(("step", d.loops, bf, T, R), jits["step"], w.params, w.config,
-                                                     d.pool, d.state, chunks, filler, loops=d.loops, exit=d.exit)
-            elif joint:  # the chunk and the decode rows in one forward
+            elif chunk is not None:  # the chunk and the decode rows in one forward
                 ctok, dtok, d.pool, d.state = self._run(("step", d.loops, bd, T, R),  # (masks always)
                                                         jits["step"], w.params, w.config, d.pool, d.state, chunks,
                                                         decodes, loops=d.loops, exit=d.exit)

@@ -70,13 +70,16 @@ class Plan:
         return sorted({min(32, chunk), chunk})
 
     def exit_lengths(self) -> list[int]:
-        """A prompt exiting in prefill's padded lengths: 1,024 positions and the whole context.
-        Its passes run `cache.EXIT_BLOCK` positions at a time, over as many blocks as it fills,
-        so each length is one program for every prompt up to it; a short length only keeps a
-        short prompt's buffers short (on SmolLM2 a 40-token prompt takes 97 ms in a buffer of
-        8,192 positions, 76 in one of 512: ~2.7 us a position, ~1-2% of any prompt's time here)."""
-        whole = EXIT_BLOCK * -(-self.cfg.max_seq_len // EXIT_BLOCK)
-        return sorted({min(1024, whole), whole})
+        """A prompt exiting in prefill's padded lengths: 512 positions, four times as many, ...,
+        and the whole context. Its passes run `cache.EXIT_BLOCK` positions at a time, over as
+        many blocks as it fills, so each length is one program for every prompt up to it; the
+        lengths are few only so that a short prompt's buffers are short (on SmolLM2 a 40-token
+        prompt takes 97 ms in a buffer of 8,192 positions, 76 in one of 512)."""
+        whole, lengths, n = EXIT_BLOCK * -(-self.cfg.max_seq_len // EXIT_BLOCK), [], 512
+        while n < whole:
+            lengths.append(n)
+            n *= 4
+        return lengths + [whole]
 
     def warmup(self, loops: int, jits, known: set, store=None, fresh: bool = True, adaptive: bool = False,
                speculation=(), grammar: bool = False) -> set:
@@ -84,15 +87,15 @@ class Plan:
         allocated or run, so any thread may call it while the loop serves); returns the keys of
         those not in `known` (compiled now). fresh: also the program of the depth's pool (made on its
         first request); store: the loads of its entries at this depth. adaptive:
-        also the adaptive-depth programs (the decode rows' adaptive steps, a prompt exiting in
-        prefill at each of `exit_lengths`; its other chunks run in the plain mixed programs);
-        speculation: also the speculative rounds of these (draft_loops, lookahead) pairs; grammar: also the programs
+        also the adaptive-depth programs (a prompt's chunk alone, the decode rows' adaptive
+        steps, a prompt exiting in prefill at each of `exit_lengths`); speculation: also the
+        speculative rounds of these (draft_loops, lookahead) pairs; grammar: also the programs
         a decode-only step with a structured-output row runs (its forward and choice apart;
         adaptive: one masked step). A prompt chunk beside decode rows always takes masks."""
         w, c, P, b = self.model.weights, self.cfg, self.page_size, self.budget
         n_pages = b.pool_pages(loops)
         pool = jax.eval_shape(lambda: b.empty_pool(loops, n_pages))
-        compact = not c.share.full  # prompts on the pass slots (exiting ones: `page_pool.swap`), then collapsed
+        compact = not c.share.full  # prompts on the pass slots (a chunk alone: `page_pool.swap`), then collapsed
         prompts = page_pool.swap(pool) if compact else pool
         state = jax.eval_shape(b.empty_rows)
         exit = self.model.exit_for(loops)
@@ -114,7 +117,8 @@ class Plan:
         W = words(c.vocab_size)
         masks = (None, "masked") if grammar else (None,)
         mask = lambda rows, m: None if m is None else np.zeros((rows, W), np.int32)  # noqa: E731
-        for bd, T, R in self.step_shapes(loops):
+        alone = [(0, T, R) for R in tables for T in self.chunk_sizes()] if adaptive else []  # a chunk alone
+        for bd, T, R in self.step_shapes(loops) + alone:
             if bd and not T:  # decode rows alone: `decode_steps` (plain; adaptive: each row's passes stop at its exit)
                 for kind in (False, True) if adaptive else (False,):
                     for m in masks:  # (a masked step: one a dispatch)
@@ -137,11 +141,13 @@ class Plan:
                                  c, pool, state, decodes, np.int32(1), loops=loops, n_max=k + 1, exit=exit,
                                  draft_loops=np.int32(d), lookahead=k, grammar=np.int32(0) if m else None)
                 continue
-            # a prompt chunk beside decode rows (at an adaptive depth, filler rows): always masks
-            chunks = S.make_chunks([], [], [], [], [], T, R, 1, mask=mask(1, "masked"))
-            decodes = S.make_decodes([], [], [], [], R, bd, left=[], mask=mask(bd, "masked"))
-            compile_(("step", loops, bd, T, R), jits["step"], w.params, c, pool, state, chunks, decodes, loops=loops,
-                     exit=exit)
+            if not T:
+                continue
+            for m in masks if not bd else ("masked",):  # (a chunk beside decode rows: always masks)
+                chunks = S.make_chunks([], [], [], [], [], T, R, 1, mask=mask(1, m))
+                decodes = S.make_decodes([], [], [], [], R, bd, left=[], mask=mask(bd, m)) if bd else None
+                compile_(("step", loops, bd, T, R) + ((m,) if m and not bd else ()), jits["step"], w.params, c,
+                         pool if bd else prompts, state, chunks, decodes, loops=loops, exit=exit)
         for R in tables if adaptive else ():
             for T in self.exit_lengths():
                 for m in masks:
