@@ -76,6 +76,29 @@ def test_head_vmap_and_while_loop(fmt):
     close(jax.jit(lambda v: jax.lax.fori_loop(0, 3, step, v))(x[0]), want)
 
 
+@pytest.mark.parametrize("fmt,k,n,rows", [("q8_0", 576, 960, 16), ("q4_1", 1536, 576, 5), ("q4_k", 256, 300, 40)])
+def test_zero_rows_are_skipped_and_come_back_zero(fmt, k, n, rows):
+    """Rows of x that are all zeros (a step's filler rows, a chunk's padding) are left out of the
+    product and come back as exact zeros; the others are the same as without them (the kernel's
+    decode passes, split along K, and its panels past 16 rows); all rows zero: all zeros, and
+    8-bit activations likewise."""
+    k = width(fmt, k)
+    w = qarray.tile(packed(fmt, k, n)[0])
+    x = np.random.default_rng(2).standard_normal((rows, k)).astype(np.float32)
+    dead = np.arange(rows) % 3 == 1
+    x[dead] = 0
+    x[0, :5] = 0  # (a row with some zeros is not a zero row)
+    f = jax.jit(qarray.matmul)
+    got = np.asarray(f(x, w))
+    assert not got[dead].any()
+    np.testing.assert_array_equal(got[~dead], np.asarray(f(x[~dead], w)))
+    assert not np.asarray(f(np.zeros_like(x), w)).any()
+    w8 = qarray.tile(qarray.with_activations({"w": packed(fmt, k, n)[0]}, "int8")["w"])
+    got8 = np.asarray(f(x, w8))
+    assert not got8[dead].any()
+    np.testing.assert_array_equal(got8[~dead], np.asarray(f(x[~dead], w8)))
+
+
 def rounded(x: np.ndarray) -> np.ndarray:
     """x [.., K] rounded to 8 bits per 32 inputs, written from the definition (llama.cpp's q8_0 of
     x with a float32 scale): d = max|x| / 127, q = x / d to the nearest integer, ties to even."""

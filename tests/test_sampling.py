@@ -102,6 +102,26 @@ def test_only_the_rows_that_need_it_take_a_wider_path():
     assert np.asarray(c.path).tolist() == [0, 2, 3, 1]  # no filter; top_k 100, 2,000; peaked
 
 
+def test_top_k_one_keeps_the_argmax_of_a_flat_row_in_its_64_candidates():
+    """top_k 1 keeps the argmax, ties or not: rows of equal logits (a padded row's zero logits, a
+    greedy row in a sampled batch) and rows with more than 64 equal largest logits take no wider
+    path, keep the lowest id and draw it, as the full-sort reference does."""
+    V, N = 6000, 6
+    logits = np.random.default_rng(4).normal(0, 3, (N, V)).astype(np.float32)
+    logits[0] = 0
+    logits[1, 100:300] = logits[1].max() + 1  # 200 ties at the top, the lowest id 100
+    logits[2] = np.round(logits[2])
+    args = (jnp.asarray(logits), jnp.full((N,), 0.8), jnp.asarray([1, 1, 1, 1, 0, 40]), jnp.full((N,), 0.9))
+    c = F.cut(args[0] / args[1][:, None], args[2], args[3])
+    assert np.asarray(c.path).tolist()[:4] == [1, 1, 1, 1]
+    want = np.asarray(reference_filter(*args))
+    np.testing.assert_array_equal(np.asarray(F.filtered_logits(*args)), want)
+    keys = jax.vmap(jax.random.key)(jnp.arange(N, dtype=jnp.uint32))
+    tok = np.asarray(F.sample(*args, keys))
+    np.testing.assert_array_equal(tok, np.asarray(reference_draw(keys, want)))
+    assert tok[:2].tolist() == [0, 100]
+
+
 def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
     expected = probs * counts.sum()
     return float(np.sum((counts - expected) ** 2 / expected))

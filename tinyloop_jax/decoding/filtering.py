@@ -226,13 +226,21 @@ def _settle_ladder(scaled: jax.Array, k: jax.Array, top_p: jax.Array, keys: jax.
         total = jax.lax.cond(jnp.any((k >= V) & (top_p < 1)), lambda: jnp.sum(jnp.exp(scaled - vals[:, :1]), -1),
                              lambda: jnp.ones((N,), scaled.dtype))
         value, last, found = jax.vmap(_candidate_cut, (0, 0, 0, 0, 0, None))(vals, ids, k, top_p, total, V)
-        found &= jax.lax.cond(jnp.any(value == vals[:, -1]), lambda: _whole_ties(scaled, vals, value),
+        # top_k 1 keeps the argmax, ties or not: a row of equal logits (a padded row's zero logits)
+        # never takes the ladder; only where the 64 candidates are all equal may they miss its
+        # lowest id, looked for unless top_p is 0 (a row whose token is dropped: a greedy or filler
+        # row of a sampled batch, `sampling._sampled_knobs`)
+        one = k == 1
+        found &= jax.lax.cond(jnp.any((value == vals[:, -1]) & ~one), lambda: _whole_ties(scaled, vals, value),
                               lambda: jnp.ones((N,), bool))
+        flat = one & (top_p > 0) & (vals[:, 0] == vals[:, -1])
+        last = jax.lax.cond(jnp.any(flat), lambda: jnp.where(flat, argmax(scaled), last), lambda: last)
+        found |= one
         path = jnp.where(none, 0, jnp.where(found, 1, 2)).astype(jnp.int32)
         value, last = jnp.where(none, -jnp.inf, value), jnp.where(none, V - 1, last)
         tok = jnp.zeros((N,), jnp.int32)
         if keys is not None:
-            tok = jax.vmap(_draw_among, (0, 0, 0, 0, 0, None))(vals, ids, value, last, keys, V)
+            tok = jnp.where(one, last, jax.vmap(_draw_among, (0, 0, 0, 0, 0, None))(vals, ids, value, last, keys, V))
 
         def again(c):
             def row(i, c):

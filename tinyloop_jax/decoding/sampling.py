@@ -222,11 +222,12 @@ def adjusted_logits(logits: jax.Array, seen: jax.Array, req: Knobs, counts: jax.
 
 def _sampled_knobs(req: Knobs) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(temperature, top_k, top_p) [N] for the sampling branch: a greedy row (temperature 0) in
-    a sampled batch takes temperature 1 and top_k 1, so it costs its neighbours nothing (its
-    token is the argmax's)."""
+    a sampled batch takes temperature 1, top_k 1 and top_p 0 (no request's: the mark of a row
+    whose sampled token is dropped, `filtering`), so it costs its neighbours nothing (its token
+    is the argmax's)."""
     greedy = req.temperature <= 0
     return (jnp.where(greedy, 1.0, req.temperature), jnp.where(greedy, 1, req.top_k),
-            jnp.where(greedy, 1.0, req.top_p))
+            jnp.where(greedy, 0.0, req.top_p))
 
 
 def _choose(logits: jax.Array, req: Knobs, greedy, sampled) -> jax.Array:

@@ -123,6 +123,15 @@ class Group(struct.PyTreeNode):
         return self.rows.start + self.rows.n_new
 
 
+def unreal_zeroed(x: jax.Array, groups: tuple) -> jax.Array:
+    """x [sum of the groups' sizes, D] with the positions past each row's n_new (a chunk's
+    padding, a filler or finished decode row) at zero. Nothing reads them; zero rows stay zero
+    through a block without biases (the attention kernels give them zeros), and the packed-weight
+    kernel skips zero rows (`native.qmatmul`), so a program's padded rows cost next to nothing."""
+    real = jnp.concatenate([(jnp.arange(g.pos.shape[1])[None] < g.rows.n_new[:, None]).reshape(-1) for g in groups])
+    return jnp.where(real[:, None], x, 0)
+
+
 PAGED_KERNELS = ("auto", "native", "pallas", "interpret", "xla")
 
 
@@ -283,6 +292,7 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
     inject = rec.injected(cfg)
     if inject and cfg.embed_scale != 1.0:
         x = x * cfg.embed_scale
+    x = unreal_zeroed(x, groups)
 
     x, pool = run_pre(params, cfg, x, groups, pool, window)
     e = None

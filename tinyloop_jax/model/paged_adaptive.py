@@ -129,7 +129,7 @@ def forward(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, rows: pag
         x = paged.embed(params, flat(blk(tokens, k)), g.pos.reshape(-1), cfg)
         if inject and cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale
-        x, pool = paged.run_pre(params, cfg, x, (g,), pool, 0)
+        x, pool = paged.run_pre(params, cfg, paged.unreal_zeroed(x, (g,)), (g,), pool, 0)
         s0 = vm(lambda sd, p: rec.initial_state(cfg, sd, p))(seeds, g.pos) if inject else None
         return rowwise(x), s0, pool
 

@@ -586,6 +586,40 @@ Act8 round_inputs(const float* x, int64_t M, int64_t K) {
   return a;
 }
 
+// The rows of x [rows, K] that are not all zeros, and where their products go: x and y
+// themselves when every row is, else a compact copy of those rows and a buffer that `scatter`
+// writes into y [rows, N] (zeros in the others' rows).
+struct Live {
+  const float* x;
+  float* y;
+  int64_t m;
+  float* y_all;
+  int64_t rows, K, N;
+  std::vector<int64_t> index;
+  std::unique_ptr<float[]> xc, yc;
+
+  Live(const float* x_all, int64_t rows_, int64_t K_, int64_t N_, float* y_all_)
+      : x(x_all), y(y_all_), m(rows_), y_all(y_all_), rows(rows_), K(K_), N(N_) {
+    for (int64_t t = 0; t < rows; ++t) {
+      const float* r = x_all + t * K;
+      if (std::any_of(r, r + K, [](float v) { return v != 0.f; })) index.push_back(t);
+    }
+    if (static_cast<int64_t>(index.size()) == rows) return;
+    m = static_cast<int64_t>(index.size());
+    xc.reset(new float[std::max<int64_t>(m * K, 1)]);
+    yc.reset(new float[std::max<int64_t>(m * N, 1)]);
+    for (int64_t i = 0; i < m; ++i) std::memcpy(xc.get() + i * K, x_all + index[i] * K, K * sizeof(float));
+    x = xc.get(), y = yc.get();
+    if (m == 0) scatter();
+  }
+
+  void scatter() {
+    if (m == rows) return;
+    std::fill(y_all, y_all + rows * N, 0.f);
+    for (int64_t i = 0; i < m; ++i) std::memcpy(y_all + index[i] * N, y + i * N, N * sizeof(float));
+  }
+};
+
 ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> d,
                    ffi::Buffer<ffi::F16> m, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int32_t fmt,
                    int32_t act) {
@@ -606,9 +640,17 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
     return ffi::Error::InvalidArgument("qmatmul: x, q, d and y do not describe one [K, N] weight");
   }
   if (at < 0 || at >= L) return ffi::Error::InvalidArgument("qmatmul: layer outside the stack");
-  const int64_t M = K ? static_cast<int64_t>(x.element_count()) / K : 0;
-  if (static_cast<int64_t>(y->element_count()) != M * N) return ffi::Error::InvalidArgument("qmatmul: y is not [M, N]");
-  const float* xs = x.typed_data();
+  const int64_t rows = K ? static_cast<int64_t>(x.element_count()) / K : 0;
+  if (static_cast<int64_t>(y->element_count()) != rows * N)
+    return ffi::Error::InvalidArgument("qmatmul: y is not [M, N]");
+  // A row of x that is all zeros has a zero product: only the others are multiplied, so the rows
+  // a program pads with (a step's filler rows, a chunk's padding: `paged.forward` zeroes them)
+  // cost next to nothing and one program serves fewer rows than its shape at their cost
+  Live live(x.typed_data(), rows, K, N, y->typed_data());
+  const int64_t M = live.m;
+  if (M == 0) return ffi::Error::Success();
+  const float* xs = live.x;
+  float* const ys = live.y;
   Act8 a8;
   if (act) {
     if (K % 32) return ffi::Error::InvalidArgument("qmatmul: 8-bit activations need K a multiple of 32");
@@ -627,7 +669,7 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   sh->p = Problem{xs, static_cast<const uint8_t*>(q.untyped_data()) + at * per * R,
                   reinterpret_cast<const uint16_t*>(d.typed_data()) + at * per,
                   reinterpret_cast<const uint16_t*>(m.typed_data()) + at * per,
-                  sx.get(), y->typed_data(), M, K, N, nb, ns, fmt, a8.q.get(), a8.d.get(), a8.s.get()};
+                  sx.get(), ys, M, K, N, nb, ns, fmt, a8.q.get(), a8.d.get(), a8.s.get()};
   // as many workers as XLA's pool has threads (one per core), this thread one of them
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   static std::atomic<uint64_t> calls{0};
@@ -666,11 +708,11 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   sh->work();
   while (sh->done.load(std::memory_order_acquire) < sh->units()) std::this_thread::yield();
   if (sh->parts > 1 && !by_rows) {
-    float* out = y->typed_data();
-    std::memcpy(out, partial.get(), M * N * sizeof(float));
+    std::memcpy(ys, partial.get(), M * N * sizeof(float));
     for (int64_t r = 1; r < sh->parts; ++r)
-      for (int64_t i = 0; i < M * N; ++i) out[i] += partial[r * M * N + i];
+      for (int64_t i = 0; i < M * N; ++i) ys[i] += partial[r * M * N + i];
   }
+  live.scatter();
   return ffi::Error::Success();
 }
 
