@@ -127,7 +127,7 @@ def unreal_zeroed(x: jax.Array, groups: tuple) -> jax.Array:
     """x [sum of the groups' sizes, D] with the positions past each row's n_new (a chunk's
     padding, a filler or finished decode row) at zero. Nothing reads them; zero rows stay zero
     through a block without biases (the attention kernels give them zeros), and the packed-weight
-    kernel skips zero rows (`native.qmatmul`), so a program's padded rows cost next to nothing."""
+    kernel skips zero rows (`native.qmatmul`), so a program's padded rows cost no products."""
     real = jnp.concatenate([(jnp.arange(g.pos.shape[1])[None] < g.rows.n_new[:, None]).reshape(-1) for g in groups])
     return jnp.where(real[:, None], x, 0)
 

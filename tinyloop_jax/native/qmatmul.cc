@@ -645,7 +645,7 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
     return ffi::Error::InvalidArgument("qmatmul: y is not [M, N]");
   // A row of x that is all zeros has a zero product: only the others are multiplied, so the rows
   // a program pads with (a step's filler rows, a chunk's padding: `paged.forward` zeroes them)
-  // cost next to nothing and one program serves fewer rows than its shape at their cost
+  // cost no products
   Live live(x.typed_data(), rows, K, N, y->typed_data());
   const int64_t M = live.m;
   if (M == 0) return ffi::Error::Success();
