@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from conftest import tiny_config
+from conftest import no_suite_allocator, tiny_config
 
 import tinyloop_jax as tl
 
@@ -327,7 +327,7 @@ def test_a_loops_sweep_over_http_stays_within_the_memory_budget(model, tmp_path)
     model.save(str(tmp_path / "tiny"))
     budget = 16 << 20
     proc, port, get = start_serve(tmp_path / "tiny", "--max-batch", "1", "--memory-budget", "16M", "--max-loops", "64",
-                                  "--max-depths", "3")
+                                  "--max-depths", "3", env=no_suite_allocator())  # (glibc's malloc, as users run it)
 
     def metric(name: str) -> float:
         return float(next(line.split()[-1] for line in get("/metrics").splitlines() if line.startswith(name)))
