@@ -4,6 +4,7 @@ program set, compiled in fresh processes with and without it, alternating, media
     python scripts/bench_suite_flags.py --flag=--xla_cpu_parallel_codegen_split_count=1
     python scripts/bench_suite_flags.py --flag=... --busy      # another process on the same core
     python scripts/bench_suite_flags.py --tree ../other-checkout [--tree ...]   # code against code
+    python scripts/bench_suite_flags.py --preload jemalloc   # another allocator (LD_PRELOAD; the suite's)
 
 Each run is a new process pinned to one core (`taskset -c 0`), with the suite's flags
 (tests/conftest.py, less the flag under test) and an empty compilation cache: the tiny test
@@ -55,9 +56,12 @@ print(json.dumps(secs))
 """
 
 
-def run_once(extra: str, tree: str = ROOT) -> dict:
+def run_once(extra: str, tree: str = ROOT, preload: str = "") -> dict:
     env = {**os.environ, "XLA_FLAGS": f"{SUITE_FLAGS} {extra}".strip(),
            "JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(prefix="bench-flags-")}
+    env.pop("LD_PRELOAD", None)
+    if preload:
+        env["LD_PRELOAD"] = preload
     out = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", CHILD], env=env, check=True,
                          capture_output=True, text=True, cwd=tree)  # the tree's tinyloop_jax is imported
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -70,20 +74,34 @@ def main() -> None:
     ap.add_argument("--tree", action="append", default=[],
                     help="instead of a flag, a checkout whose code is under test (the same programs, its "
                          "tinyloop_jax); repeat it for several")
+    ap.add_argument("--preload", default="",
+                    help="instead, a shared library to preload (an allocator): a path, or 'jemalloc' for the one "
+                         "the suite uses (ray's wheel's, tests/conftest.py)")
     ap.add_argument("--runs", type=int, default=3, help="runs per variant (alternating)")
     ap.add_argument("--busy", action="store_true", help="a spinning process shares the pinned core")
     ap.add_argument("--no-write", action="store_true", help="(it writes nothing; accepted for bench.py ab)")
     args = ap.parse_args()
     spin = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", "while True: pass"]) if args.busy else None
     try:
-        if bool(args.flag) == bool(args.tree):
-            ap.error("give one of --flag, --tree")
-        variants = {"this checkout": ("", ROOT)}
-        variants.update({args.flag: (args.flag, ROOT)} if args.flag else {f"code of {t}": ("", t) for t in args.tree})
+        if sum(map(bool, (args.flag, args.tree, args.preload))) != 1:
+            ap.error("give one of --flag, --tree, --preload")
+        preload = args.preload
+        if preload == "jemalloc":
+            sys.path.insert(0, os.path.join(ROOT, "tests"))
+            from conftest import JEMALLOC as preload  # noqa: N811
+            if not preload:
+                ap.error("no jemalloc found (ray's wheel ships it: pip install -e '.[test]')")
+        variants = {"this checkout": ("", ROOT, "")}
+        if args.flag:
+            variants[args.flag] = (args.flag, ROOT, "")
+        elif preload:
+            variants[f"LD_PRELOAD={os.path.basename(preload)}"] = ("", ROOT, preload)
+        else:
+            variants.update({f"code of {t}": ("", t, "") for t in args.tree})
         rows: dict[str, list[dict]] = {name: [] for name in variants}
         for _ in range(args.runs):
-            for name, (flag, tree) in variants.items():
-                rows[name].append(run_once(flag, tree))
+            for name, (flag, tree, lib) in variants.items():
+                rows[name].append(run_once(flag, tree, lib))
     finally:
         if spin:
             spin.kill()
