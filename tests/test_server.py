@@ -16,6 +16,7 @@ import pytest
 from conftest import no_suite_allocator, tiny_config
 
 import tinyloop_jax as tl
+from tinyloop_jax import settings
 
 openai = pytest.importorskip("openai", reason="the test extra installs the openai client")
 uvicorn = pytest.importorskip("uvicorn", reason="the serve extra installs uvicorn")
@@ -327,7 +328,7 @@ def test_a_loops_sweep_over_http_stays_within_the_memory_budget(model, tmp_path)
     model.save(str(tmp_path / "tiny"))
     budget = 16 << 20
     proc, port, get = start_serve(tmp_path / "tiny", "--max-batch", "1", "--memory-budget", "16M", "--max-loops", "64",
-                                  "--max-depths", "3", env=no_suite_allocator())  # (glibc's malloc, as users run it)
+                                  "--max-depths", "3", env=no_suite_allocator())  # (its own allocator, as users')
 
     def metric(name: str) -> float:
         return float(next(line.split()[-1] for line in get("/metrics").splitlines() if line.startswith(name)))
@@ -335,6 +336,10 @@ def test_a_loops_sweep_over_http_stays_within_the_memory_budget(model, tmp_path)
     try:
         deadline = time.time() + 240
         wait_health(proc, get, deadline)
+        with open(f"/proc/{proc.pid}/maps") as f, open(f"/proc/{proc.pid}/environ", "rb") as e:
+            maps, environ = f.read(), e.read().split(b"\0")
+        if settings.jemalloc():  # started again (the same process) under jemalloc, with the server's options
+            assert "jemalloc" in maps and f"MALLOC_CONF={settings.JEMALLOC_CONF}".encode() in environ
         while json.loads(get("/health"))["warming"]:  # (its compiles would blur the RSS)
             assert proc.poll() is None and time.time() < deadline
             time.sleep(0.2)

@@ -93,3 +93,17 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_the_servers_jemalloc_is_chosen_by_its_variable(monkeypatch, tmp_path):
+    """`TINYLOOP_JEMALLOC`: 0 turns the server's allocator off, a path is taken as it is, auto
+    finds an installed libjemalloc or ray's copy (the test extra installs ray, so one is found
+    here). Whether `tinyloop serve` then runs under it: tests/test_server.py's memory sweep."""
+    monkeypatch.setenv("TINYLOOP_JEMALLOC", "0")
+    assert settings.jemalloc() is None
+    monkeypatch.setenv("TINYLOOP_JEMALLOC", str(tmp_path / "libjemalloc.so"))
+    assert settings.jemalloc() == str(tmp_path / "libjemalloc.so")
+    monkeypatch.setenv("TINYLOOP_JEMALLOC", "auto")
+    found = settings.jemalloc()
+    assert found and "jemalloc" in found
+    assert settings.loaded("libc") and not settings.loaded("no-such-library")
