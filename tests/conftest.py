@@ -21,26 +21,21 @@ SUITE_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_e
 _flags = os.environ.get("XLA_FLAGS", "").split()
 os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in SUITE_XLA_FLAGS if f not in _flags])
 
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
-def _jemalloc() -> str | None:
-    """The jemalloc that ray's wheel ships (ray is a test dependency), found without importing ray."""
-    import importlib.util
-    spec = importlib.util.find_spec("ray")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        path = os.path.join(folder, "core", "libjemalloc.so")
-        if os.path.exists(path):
-            return path
-    return None
+import tinyloop_jax as tl  # noqa: E402
+from tinyloop_jax import settings  # noqa: E402
 
-
-# The suite's workers allocate with jemalloc: XLA's compiles spent a fifth of their time in
-# glibc's malloc (a perf profile of a speculative program's compile), and three compile-heavy
-# test files took 95-109 s under jemalloc against 119-122 s (four runs each, alternating). Set
-# here, before pytest-xdist starts its workers, which inherit it, as do the subprocesses the tests
-# start (the mesh checks, `tinyloop serve`); the process reading this keeps the allocator it
-# started with. Results do not depend on the allocator; a test that measures a server's memory
-# starts it without (`NO_SUITE_ALLOCATOR`), as users run it.
-JEMALLOC = _jemalloc()
+# The suite's workers allocate with jemalloc (`settings.jemalloc`: an installed libjemalloc, else
+# the copy ray's wheel ships, ray being a test dependency): XLA's compiles spent a fifth of their
+# time in glibc's malloc (a perf profile of a speculative program's compile), and three
+# compile-heavy test files took 95-109 s under jemalloc against 119-122 s (four runs each,
+# alternating). Set here, before pytest-xdist starts its workers, which inherit it, as do the
+# subprocesses the tests start (the mesh checks, `tinyloop serve`); the process reading this keeps
+# the allocator it started with. Results do not depend on the allocator.
+JEMALLOC = settings.jemalloc()
 if JEMALLOC and JEMALLOC not in os.environ.get("LD_PRELOAD", ""):
     os.environ["LD_PRELOAD"] = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), JEMALLOC]))
 
@@ -54,11 +49,6 @@ def no_suite_allocator(env=None) -> dict:
         env["LD_PRELOAD"] = " ".join(kept)
     return env
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-import tinyloop_jax as tl  # noqa: E402
 
 # A persistent compilation cache for the suite, outside the repo (the system's temp folder,
 # one per jax version): programs compiled once are loaded, not recompiled, after the per-module
