@@ -87,8 +87,10 @@ def main() -> None:
             ap.error("give one of --flag, --tree, --preload")
         preload = args.preload
         if preload == "jemalloc":
-            sys.path.insert(0, os.path.join(ROOT, "tests"))
-            from conftest import JEMALLOC as preload  # noqa: N811
+            sys.path.insert(0, ROOT)
+            from tinyloop_jax.settings import jemalloc
+
+            preload = jemalloc()
             if not preload:
                 ap.error("no jemalloc found (ray's wheel ships it: pip install -e '.[test]')")
         variants = {"this checkout": ("", ROOT, "")}

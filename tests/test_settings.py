@@ -101,6 +101,10 @@ def test_the_servers_jemalloc_is_chosen_by_its_variable(monkeypatch, tmp_path):
     here). Whether `tinyloop serve` then runs under it: tests/test_server.py's memory sweep."""
     monkeypatch.setenv("TINYLOOP_JEMALLOC", "0")
     assert settings.jemalloc() is None
+    with pytest.raises(ValueError, match="no-such.so"):
+        monkeypatch.setenv("TINYLOOP_JEMALLOC", str(tmp_path / "no-such.so"))
+        settings.jemalloc()
+    (tmp_path / "libjemalloc.so").write_bytes(b"")
     monkeypatch.setenv("TINYLOOP_JEMALLOC", str(tmp_path / "libjemalloc.so"))
     assert settings.jemalloc() == str(tmp_path / "libjemalloc.so")
     monkeypatch.setenv("TINYLOOP_JEMALLOC", "auto")

@@ -414,10 +414,10 @@ def persistent_compile_cache() -> None:
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)  # argparse itself exits 2 on malformed arguments
-    if argv is None and args.func is cmd_serve:  # a server's process, from the command line
-        settings.restart_under_jemalloc(sys.argv[1:])
-    persistent_compile_cache()
     try:
+        if argv is None and args.func is cmd_serve:  # a server's process, from the command line
+            settings.restart_under_jemalloc(sys.argv[1:])
+        persistent_compile_cache()
         args.func(args)
     except (UsageError, ValueError, RuntimeError) as e:
         print(f"tinyloop: error: {e}", file=sys.stderr)

@@ -110,6 +110,8 @@ def jemalloc() -> str | None:
     if choice == "0":
         return None
     if choice != "auto":
+        if os.sep in choice and not os.path.isfile(choice):
+            raise ValueError(f"TINYLOOP_JEMALLOC={choice!r}: no such file (a jemalloc library's path, auto or 0)")
         return choice
     found = ctypes.util.find_library("jemalloc")  # e.g. Debian's libjemalloc2
     if found:
