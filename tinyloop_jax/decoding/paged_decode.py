@@ -62,8 +62,8 @@ def layout(prefix_len: int, room: int, n_rows: int, page_size: int = page_pool.P
            step: int = 1) -> Layout:
     """Page tables for n_rows rows of prefix_len shared positions + `room` own positions each
     (the longest suffix, max_tokens, a verify chunk). The table's length and the pool's come
-    in buckets (`cache.bucket`), so that calls of nearby lengths share programs; a row is given
-    only the pages it can write.
+    in buckets (`cache.bucket`, at least `page_pool.MIN_TABLE` pages), so that calls of nearby
+    lengths share programs; a row is given only the pages it can write.
 
     window > 0: the model's local layers (`page_pool.local_layers`, their windows at most `window`)
     get local slots when that saves some: the prefix's pages a first query's window reads, and
@@ -72,11 +72,11 @@ def layout(prefix_len: int, room: int, n_rows: int, page_size: int = page_pool.P
     overwritten only once no query reads it."""
     shared = prefix_len // page_size
     own = -(-(prefix_len + room) // page_size) - shared
-    R = -(-kvc.bucket(prefix_len + room) // page_size)
+    R = max(page_pool.MIN_TABLE, -(-kvc.bucket(prefix_len + room) // page_size))
     tables = np.zeros((n_rows, R), np.int32)
     tables[:, :shared] = np.arange(shared)
     tables[:, shared:shared + own] = shared + np.arange(n_rows * own).reshape(n_rows, own)
-    n_pages = kvc.bucket(shared + n_rows * own, 1)
+    n_pages = kvc.bucket(shared + n_rows * own, page_pool.MIN_TABLE)
     ring = min(own, -(-(window - 1) // page_size) + -(-step // page_size) + 1)
     first = max(0, prefix_len - window + 1) // page_size
     n_local = kvc.bucket(shared - first + n_rows * ring, 1)

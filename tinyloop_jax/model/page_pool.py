@@ -41,6 +41,9 @@ from .. import settings
 
 
 PAGE_SIZE = 16  # tokens per page: vLLM's and SGLang's default; see docs/engine-plan.md
+# page-table entries (and a call's pool pages) of the smallest program, 64 tokens at P = 16: a short
+# request's table costs nothing to pad so far, and calls of short prompts share one program
+MIN_TABLE = 4
 
 
 @struct.dataclass

@@ -18,7 +18,7 @@ from ..model.cache import EXIT_BLOCK
 
 
 MAPPINGS_A_PROGRAM = 2_500  # warmup stops short of vm.max_map_count by two of the largest programs
-MIN_TABLE = 4  # page-table entries of the smallest program (64 tokens at P = 16)
+MIN_TABLE = page_pool.MIN_TABLE
 
 
 def pow2(n: int, minimum: int = 1) -> int:
