@@ -171,21 +171,48 @@ def step(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Reque
     xs, pool, states = paged.forward(params, cfg, pool, tuple(groups), tuple(tokens), loops, window, exit,
                                      tuple(seeds), keep_state=True,
                                      prompts=(True,) * (chunks is not None) + (False,) * (decodes is not None))
-    ctok = dtok = None
-    if chunks is not None:
+    if decodes is None:
         ctok, state = _first_tokens(params, cfg, state, chunks, xs[0], states[0])
-    if decodes is not None:
-        dtok, state = _next_tokens(state, decodes, tf.lm_head(params, cfg, xs[-1][:, 0]))
+        return ctok, None, pool, state
+    dlogits = tf.lm_head(params, cfg, xs[-1][:, 0])
+    if chunks is None:
+        dtok, state = _next_tokens(state, decodes, dlogits)
+        return None, dtok, pool, state
+    # both groups' tokens by one sampler over their rows: a copy of it is most of a step program's
+    # compile (SmolLM2's; docs/benchmarks.md), and each row's token depends on its own row alone
+    warm, clogits = _chunk_ends(params, cfg, chunks, xs[0], states[0])
+    cseen, creq = _start_inputs(state, chunks.slot, chunks.final, chunks.mask)
+    fed, dseen, dcounts, dreq = _next_inputs(state, decodes)
+    bc, V = clogits.shape
+    full = lambda m, b: jnp.full((b, G.words(V)), -1, jnp.int32) if m is None else m  # noqa: E731 (-1: every bit)
+    if (creq.allowed is None) != (dreq.allowed is None):
+        creq, dreq = creq.replace(allowed=full(creq.allowed, bc)), dreq.replace(allowed=full(dreq.allowed, len(dseen)))
+    tok = select_tokens(jnp.concatenate([clogits, dlogits]), jnp.concatenate([cseen, dseen]),
+                        jax.tree.map(lambda a, b: jnp.concatenate([a, b]), creq, dreq),
+                        jnp.concatenate([jnp.zeros((bc,), jnp.int32), decodes.steps]),
+                        jnp.concatenate([jnp.zeros_like(dcounts, shape=(bc, V)), dcounts]))
+    dtok, state = _next_tokens_with(state, decodes, fed, tok[bc:])  # (fed from the rows before: the
+    ctok, state = _start_rows_with(state, chunks.slot, tok[:bc], chunks.final, warm)  # chunks' rows are written after)
     return ctok, dtok, pool, state
+
+
+def _chunk_ends(params, cfg, chunks: Chunks, x: jax.Array, loop_state: jax.Array):
+    """The chunks' last positions: their loop states [b, D] and next-token logits [b, V]."""
+    last = jnp.maximum(chunks.rows.n_new - 1, 0)
+    warm = jnp.take_along_axis(loop_state, last[:, None, None], axis=1)[:, 0]
+    return warm, paged.last_logits(params, cfg, x, chunks.rows)
 
 
 def _first_tokens(params, cfg, state: Requests, chunks: Chunks, x: jax.Array, loop_state: jax.Array):
     """The chunks' first tokens (meaningful for final chunks, which keep them as `last`, and
     their last loop state as `warm`), as `Emitted`."""
-    last = jnp.maximum(chunks.rows.n_new - 1, 0)
-    warm = jnp.take_along_axis(loop_state, last[:, None, None], axis=1)[:, 0]
-    return start_rows(state, chunks.slot, paged.last_logits(params, cfg, x, chunks.rows), chunks.final, warm,
-                      chunks.mask)
+    warm, logits = _chunk_ends(params, cfg, chunks, x, loop_state)
+    return start_rows(state, chunks.slot, logits, chunks.final, warm, chunks.mask)
+
+
+def _start_inputs(state: Requests, slot: jax.Array | None, live: jax.Array, mask: jax.Array | None):
+    """What the first tokens of request rows `slot` [b] are chosen with: (seen [b, V], knobs)."""
+    return _take(state.rows.seen, slot), _knobs(state, slot, live, mask)
 
 
 def start_rows(state: Requests, slot: jax.Array | None, logits: jax.Array, live: jax.Array,
@@ -194,7 +221,13 @@ def start_rows(state: Requests, slot: jax.Array | None, logits: jax.Array, live:
     their first tokens chosen from logits [b, V] (sampling step 0; mask [b, W]: the tokens each
     may choose), kept as `last` (and warm [b, D] their last loop state) and recorded. Returns
     (`Emitted` [b], state)."""
-    tok = select_tokens(logits, _take(state.rows.seen, slot), _knobs(state, slot, live, mask), jnp.int32(0))
+    seen, req = _start_inputs(state, slot, live, mask)
+    return _start_rows_with(state, slot, select_tokens(logits, seen, req, jnp.int32(0)), live, warm)
+
+
+def _start_rows_with(state: Requests, slot: jax.Array | None, tok: jax.Array, live: jax.Array,
+                     warm: jax.Array | None = None) -> tuple[Emitted, Requests]:
+    """`start_rows` once the first tokens tok [b] are chosen."""
     rows = state.rows
     new = rows.replace(last=tok) if warm is None else rows.replace(last=tok, warm=warm.astype(rows.warm.dtype))
     if slot is None:
@@ -214,16 +247,29 @@ def _next_tokens(state: Requests, decodes: Decodes, logits: jax.Array, warm: jax
     (`row_state.feed`, then `choose`); warm [b, D]: the rows' new loop states (adaptive depth).
     A filler row's slot drops its writes; a call's rows (slot None) not live [b] keep theirs.
     Returns (`Emitted` [b], state)."""
+    fed, seen, counts, req = _next_inputs(state, decodes, live)
+    return _next_tokens_with(state, decodes, fed, select_tokens(logits, seen, req, decodes.steps, counts), warm, live)
+
+
+def _next_inputs(state: Requests, decodes: Decodes, live: jax.Array | None = None):
+    """The decode rows' last tokens fed (`row_state.feed`) and what their next tokens are chosen
+    with: (the fed rows, seen [b, V], counts [b, V], knobs)."""
+    s = decodes.slot
+    live = (s != FILLER) if s is not None else live
+    fed = _where(live, R.feed(state.rows), state.rows) if s is None else R.feed(state.rows, s)
+    seen, counts = _take(fed.seen, s), _take(fed.counts, s)
+    return fed, seen, counts, _knobs(state, s, live, decodes.mask)
+
+
+def _next_tokens_with(state: Requests, decodes: Decodes, fed: R.RowState, tok: jax.Array,
+                      warm: jax.Array | None = None, live: jax.Array | None = None):
+    """`_next_tokens` once the rows are fed and their tokens tok [b] chosen."""
     s = decodes.slot
     live = (s != FILLER) if s is not None else live
     if s is None:  # a call's rows in order: one-hots and selects, no scatter
-        fed = _where(live, R.feed(state.rows), state.rows)
-        tok = R.choose(fed, logits, _knobs(state, None, live, decodes.mask), decodes.steps)
         new = fed.replace(last=tok) if warm is None else fed.replace(last=tok, warm=warm.astype(fed.warm.dtype))
         fed = _where(live, new, fed)
     else:
-        fed = R.feed(state.rows, s)
-        tok = R.choose(fed, logits, _knobs(state, s, live, decodes.mask), decodes.steps, s)
         fed = fed.replace(last=fed.last.at[s].set(tok, mode="drop"))
         if warm is not None:
             fed = fed.replace(warm=fed.warm.at[s].set(warm.astype(fed.warm.dtype), mode="drop"))
