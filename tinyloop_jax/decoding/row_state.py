@@ -49,7 +49,13 @@ def choose(rows: RowState, logits: jax.Array, req: Knobs, step: jax.Array,
            slot: jax.Array | None = None) -> jax.Array:
     """Each row's next token [N] from its logits [N, V] (after `feed`), drawn with
     req.keys(step) (step [] or [N]); slot [b]: the rows of `rows` the logits [b, V] are for."""
-    seen, counts = rows.seen, rows.counts
-    if slot is not None:
-        seen, counts = jnp.take(seen, slot, axis=0, mode="clip"), jnp.take(counts, slot, axis=0, mode="clip")
+    seen, counts = penalized(rows, slot)
     return select_tokens(logits, seen, req, step, counts)
+
+
+def penalized(rows: RowState, slot: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """What the penalties read of each row (of rows `slot` [b]): (seen [b, V], counts [b, V]).
+    `choose`'s, for a caller choosing several groups' tokens at once (`step.step`)."""
+    if slot is None:
+        return rows.seen, rows.counts
+    return jnp.take(rows.seen, slot, axis=0, mode="clip"), jnp.take(rows.counts, slot, axis=0, mode="clip")

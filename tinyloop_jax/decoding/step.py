@@ -182,7 +182,8 @@ def step(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Reque
     # compile (SmolLM2's; docs/benchmarks.md), and each row's token depends on its own row alone
     warm, clogits = _chunk_ends(params, cfg, chunks, xs[0], states[0])
     cseen, creq = _start_inputs(state, chunks.slot, chunks.final, chunks.mask)
-    fed, dseen, dcounts, dreq = _next_inputs(state, decodes)
+    fed, dreq = _next_inputs(state, decodes)
+    dseen, dcounts = R.penalized(fed, decodes.slot)
     bc, V = clogits.shape
     full = lambda m, b: jnp.full((b, G.words(V)), -1, jnp.int32) if m is None else m  # noqa: E731 (-1: every bit)
     if (creq.allowed is None) != (dreq.allowed is None):
@@ -247,18 +248,16 @@ def _next_tokens(state: Requests, decodes: Decodes, logits: jax.Array, warm: jax
     (`row_state.feed`, then `choose`); warm [b, D]: the rows' new loop states (adaptive depth).
     A filler row's slot drops its writes; a call's rows (slot None) not live [b] keep theirs.
     Returns (`Emitted` [b], state)."""
-    fed, seen, counts, req = _next_inputs(state, decodes, live)
-    return _next_tokens_with(state, decodes, fed, select_tokens(logits, seen, req, decodes.steps, counts), warm, live)
+    fed, req = _next_inputs(state, decodes, live)
+    return _next_tokens_with(state, decodes, fed, R.choose(fed, logits, req, decodes.steps, decodes.slot), warm, live)
 
 
 def _next_inputs(state: Requests, decodes: Decodes, live: jax.Array | None = None):
-    """The decode rows' last tokens fed (`row_state.feed`) and what their next tokens are chosen
-    with: (the fed rows, seen [b, V], counts [b, V], knobs)."""
+    """The decode rows' last tokens fed (`row_state.feed`), and their knobs: (the fed rows, knobs)."""
     s = decodes.slot
     live = (s != FILLER) if s is not None else live
     fed = _where(live, R.feed(state.rows), state.rows) if s is None else R.feed(state.rows, s)
-    seen, counts = _take(fed.seen, s), _take(fed.counts, s)
-    return fed, seen, counts, _knobs(state, s, live, decodes.mask)
+    return fed, _knobs(state, s, live, decodes.mask)
 
 
 def _next_tokens_with(state: Requests, decodes: Decodes, fed: R.RowState, tok: jax.Array,
