@@ -138,8 +138,9 @@ def loaded(library: str) -> bool:
 def restart_under_jemalloc(argv: list[str]) -> None:
     """Run `python -m tinyloop_jax.cli *argv` again in this process (exec: the same process id)
     with jemalloc preloaded, where one is found and this process runs without it. XLA's compiles
-    spend a fifth of their time in glibc's malloc: SmolLM2's server warms in 31-33 s under it
-    against 37.7-37.8, and peaks lower under 16 clients (`JEMALLOC_CONF`; docs/serving.md).
+    spend a fifth of their time in glibc's malloc: SmolLM2's server is warm 34.4-36.3 s after
+    launch under it against 37.7-40.4, and peaks at 0.90 GiB under 16 clients against 0.98
+    (`JEMALLOC_CONF`; docs/serving.md).
     An allocator is chosen when a process starts, hence the exec; returns where it does not."""
     lib = jemalloc()
     if lib is None or loaded("jemalloc"):
