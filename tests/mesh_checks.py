@@ -193,8 +193,11 @@ def gpt2_meshes(shapes: list) -> None:
         ok(f"{tag} fingerprint", m.fingerprint == gpt2.fingerprint)
         full = (d, mm) == (2, 4)  # (the other meshes: the calls once, their shards and warm calls)
         same_calls(tag, gpt2, m, full=full)
-        if full:
-            engines(tag, gpt2, m)
+        if full:  # the engine on an h mode's storage (heads' K/V as fp32's and int8's: Ouro's engine
+            # below), its rows bucketed, sampled and speculative
+            h = GPT2.replace(kv_mode="int4-h")
+            h_one, h_many = tl.Model.random(h, seed=0), tl.Model.random(h, seed=0, mesh=sharding.make_mesh(d, mm))
+            engines(f"{tag} int4-h", h_one, h_many)
         warm_calls(tag, m)
         shards(tag, m)
         if mm > 1 and d > 1:
@@ -210,8 +213,6 @@ def kv_modes_and_weights() -> None:
         a, b = many.build_prefix_cache(PROMPT[:12]), one.build_prefix_cache(PROMPT[:12])
         ok(f"gpt2 2x4 {mode}", many.generate_batch_from_prefix_cache(a, SUFFIXES[:2], max_tokens=5)
            == one.generate_batch_from_prefix_cache(b, SUFFIXES[:2], max_tokens=5))
-        if mode == "int4-h":  # (the speculative round and the batch buckets: fp32's and Ouro's engines)
-            engines(f"gpt2 2x4 {mode}", one, many, speculative=False, staggered=False)
     for share in ("last", "avg"):  # kv_share: the call's pool collapsed on the mesh, decode steps on the compact store
         one, many = (tl.Model.random(GPT2.replace(kv_share=share), seed=0, mesh=m) for m in (None, mesh))
         a, b = many.build_prefix_cache(PROMPT[:12]), one.build_prefix_cache(PROMPT[:12])

@@ -24,7 +24,7 @@ from tinyloop_jax.api.prefix import tree_equal
 from tinyloop_jax.formats import hub
 from tinyloop_jax.model import cache as kvc
 from tinyloop_jax.model import qarray
-from tinyloop_jax.model import transformer as tf
+from conftest import forward_seq
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 TINY = os.path.join(DATA, "gemma3-tiny")
@@ -98,7 +98,7 @@ def test_config_maps_gemma3(gemma):
 @pytest.mark.parametrize("n", [5, 17, 40])
 def test_logits_at_every_position_match_transformers(gemma, golden, n):
     w = gemma.weights
-    got = tf.forward_seq(w.params, w.config, jnp.asarray(golden[f"prompt_{n}"]), loops=1)
+    got = forward_seq(w.params, w.config, jnp.asarray(golden[f"prompt_{n}"]), loops=1)
     np.testing.assert_allclose(np.asarray(got), golden[f"logits_{n}"], **PARITY)
 
 
@@ -276,14 +276,14 @@ def test_a_looped_gemma_works_like_the_other_families():
     recomputing, a shallower depth from a deeper prefix, and the engine equals generate."""
     m = tl.Model.random(tl.ModelConfig(**LOOPED, kv_mode="fp32"), seed=3)
     w, p = m.weights, np.random.default_rng(5).integers(0, 96, 20).astype(np.int32)
-    full = np.asarray(tf.forward_seq(w.params, w.config, jnp.asarray(p), loops=3))
+    full = np.asarray(forward_seq(w.params, w.config, jnp.asarray(p), loops=3))
     cache = F.empty_cache(w, len(p))
     for t, tok in enumerate(p):
         logits, cache = F.decode_step(w, int(tok), cache)
         np.testing.assert_allclose(np.asarray(logits), full[t], atol=1e-4, rtol=0)
     prefix = m.build_prefix_cache(p[:14], loops=3)
     assert m.generate_from_prefix_cache(prefix, suffix=p[14:], max_tokens=8) == m.generate(p, max_tokens=8, loops=3)
-    shallow = np.asarray(tf.forward_seq(w.params, w.config, jnp.asarray(p[:14]), loops=2))
+    shallow = np.asarray(forward_seq(w.params, w.config, jnp.asarray(p[:14]), loops=2))
     np.testing.assert_allclose(np.asarray(prefix.at_depth(2).logits), shallow[-1], atol=1e-4, rtol=0)
     with tl.Engine(m, max_batch=2, prefill_chunk=16) as eng:
         got = [h.result() for h in [eng.submit(p, max_tokens=8), eng.submit(p[:9], max_tokens=8, loops=2)]]
@@ -365,8 +365,11 @@ def test_gemma3_270m_matches_transformers(gemma270m):
     model, tok, path = gemma270m
     g = np.load(REAL)
     w = model.weights
+    # one program for the three prompts (6, 11, 11 tokens): each padded to 11 at its end, which
+    # no earlier position attends to
     for i in range(3):
-        got = np.asarray(tf.forward_seq(w.params, w.config, jnp.asarray(g[f"prompt_{i}"]), loops=1))
+        p = g[f"prompt_{i}"]
+        got = np.asarray(forward_seq(w.params, w.config, jnp.asarray(np.pad(p, (0, 11 - len(p)))), loops=1))[:len(p)]
         np.testing.assert_allclose(np.take_along_axis(got, g[f"index_{i}"], axis=1), g[f"logits_{i}"],
                                    atol=1e-3, rtol=0)
     out = model.generate(g["greedy_prompt"], max_tokens=16)

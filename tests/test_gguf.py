@@ -31,6 +31,7 @@ from tinyloop_jax.formats import gguf_reader, hub
 from tinyloop_jax.model import qarray
 from tinyloop_jax.model import qpack
 from quant_blocks import K_QUANTS, encode
+from conftest import forward_seq
 
 T = gguf.GGMLQuantizationType
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -584,7 +585,6 @@ def test_tinyloop_eval_scores_smollm2_tokens_per_byte(smollm2, monkeypatch, caps
     guessing: ~4 bits a byte)."""
     from tinyloop_jax import cli
     from tinyloop_jax.data import pydoc_split
-    from tinyloop_jax.model import transformer as tf
 
     model, tok = smollm2
     # the session's model
@@ -598,7 +598,7 @@ def test_tinyloop_eval_scores_smollm2_tokens_per_byte(smollm2, monkeypatch, caps
 
     def logprob(x):  # log p(x[1:] | the tokens before each)
         x = np.asarray(x, np.int32)
-        lp = jax.nn.log_softmax(tf.forward_seq(w.params, w.config, jnp.asarray(x), w.config.default_loops), axis=-1)
+        lp = jax.nn.log_softmax(forward_seq(w.params, w.config, jnp.asarray(x), w.config.default_loops), axis=-1)
         return float(np.asarray(lp)[np.arange(len(x) - 1), x[1:]].sum())
 
     nats = -sum(logprob(seq[s:s + 32]) for s in range(0, len(seq) - 1, 31))

@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 import tinyloop_jax as tl
 from tinyloop_jax.api import functional as F
-from tinyloop_jax.model import transformer as tf
+from conftest import forward_seq
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "gpt2-tiny")
 PARITY = dict(atol=1e-4, rtol=1e-4)
@@ -41,7 +41,7 @@ def test_config_maps_to_a_loops_1_model(gpt2):
 def test_logits_equal_hugging_face(gpt2, golden, n):
     tokens, want = golden[f"prompt_{n}"], golden[f"logits_{n}"]
     w = gpt2.weights
-    every = np.asarray(tf.forward_seq(w.params, w.config, jnp.asarray(tokens), loops=1))  # all positions
+    every = np.asarray(forward_seq(w.params, w.config, jnp.asarray(tokens), loops=1))  # all positions
     np.testing.assert_allclose(every, want, **PARITY)
     np.testing.assert_allclose(gpt2.next_token_logits(tokens), want[-1], **PARITY)  # the cached path
 
@@ -134,6 +134,6 @@ def test_live_parity_with_transformers(tmp_path):
     ours = tl.Model.from_hf_gpt2(tmp_path, kv_mode="fp32")
     tokens = np.random.default_rng(1).integers(0, 333, 50).tolist()
     w = ours.weights
-    np.testing.assert_allclose(np.asarray(tf.forward_seq(w.params, w.config, jnp.asarray(tokens), loops=1)),
+    np.testing.assert_allclose(np.asarray(forward_seq(w.params, w.config, jnp.asarray(tokens), loops=1)),
                                mk.hf_logits(hf, tokens), **PARITY)
     assert ours.generate(tokens[:10], max_tokens=20) == mk.hf_greedy(hf, tokens[:10], 20)

@@ -14,8 +14,7 @@ import pytest
 import tinyloop_jax as tl
 from tinyloop_jax.api import functional as F
 from tinyloop_jax.model import recurrence as rec
-from tinyloop_jax.model import transformer as tf
-from conftest import prompt_of
+from conftest import forward_seq, prompt_of
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 SHAPES = {"222": (2, 2, 2, 4), "242": (2, 4, 2, 3)}  # prelude, core, coda blocks, mean_recurrence
@@ -75,9 +74,9 @@ def test_logits_at_every_position_match_the_reference(name):
     for i in range(2):
         p = jnp.asarray(g[f"prompt_{i}"])
         for s in g["steps"]:
-            got = np.asarray(tf.forward_seq(w.params, w.config, p, loops=int(s)))
+            got = np.asarray(forward_seq(w.params, w.config, p, loops=int(s)))
             np.testing.assert_allclose(got, g[f"logits_s{s}_{i}"], **PARITY)
-        np.testing.assert_allclose(np.asarray(tf.forward_seq(w.params, w.config, p, loops=w.config.default_loops)),
+        np.testing.assert_allclose(np.asarray(forward_seq(w.params, w.config, p, loops=w.config.default_loops)),
                                    g[f"logits_default_{i}"], **PARITY)
     # the depth is load-bearing: the reference's logits move between 1 and 8 steps
     assert np.abs(g["logits_s1_1"] - g["logits_s8_1"]).max() > 1e-2

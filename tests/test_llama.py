@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 import tinyloop_jax as tl
 from tinyloop_jax.api import functional as F
-from tinyloop_jax.model import transformer as tf
+from conftest import forward_seq
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "llama-tiny")
 GPT2 = os.path.join(os.path.dirname(__file__), "data", "gpt2-tiny")
@@ -42,7 +42,7 @@ def test_config_maps_to_a_plain_stack(llama):
 @pytest.mark.parametrize("n", [1, 9, 40])
 def test_logits_at_every_position_match_transformers(llama, golden, n):
     w = llama.weights
-    got = tf.forward_seq(w.params, w.config, jnp.asarray(golden[f"prompt_{n}"]), loops=1)
+    got = forward_seq(w.params, w.config, jnp.asarray(golden[f"prompt_{n}"]), loops=1)
     np.testing.assert_allclose(np.asarray(got), golden[f"logits_{n}"], **PARITY)
 
 

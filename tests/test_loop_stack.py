@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 import tinyloop_jax as tl
-from tinyloop_jax.model import transformer as tf
 from tinyloop_jax.model.init import random_params
-from conftest import prompt_of
+from conftest import forward_seq, prompt_of
 
 EXACT = dict(atol=1e-5, rtol=1e-5)
 CLOSE = dict(atol=1e-3, rtol=1e-2)
@@ -36,8 +35,8 @@ def test_stack_and_coda_equal_the_unrolled_stack(family):
     flat = unrolled(model, 3)
     p = prompt_of(21, seed=2)
     w, fw = model.weights, flat.weights
-    np.testing.assert_allclose(np.asarray(tf.forward_seq(w.params, w.config, jnp.asarray(p), loops=3)),
-                               np.asarray(tf.forward_seq(fw.params, fw.config, jnp.asarray(p), loops=1)), **EXACT)
+    np.testing.assert_allclose(np.asarray(forward_seq(w.params, w.config, jnp.asarray(p), loops=3)),
+                               np.asarray(forward_seq(fw.params, fw.config, jnp.asarray(p), loops=1)), **EXACT)
     np.testing.assert_allclose(model.next_token_logits(p), flat.next_token_logits(p), **EXACT)
     assert model.generate(p, max_tokens=10) == flat.generate(p, max_tokens=10)
     prefix = model.build_prefix_cache(p[:15])

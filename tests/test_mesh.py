@@ -24,8 +24,8 @@ def run(args, env=None, timeout=600):
 
 
 # each part's subprocess, with lines it must print (a part is one process: the suite's workers share them)
-MESH_PARTS = {"gpt2": ("ok gpt2 8x1 own K shard", "ok gpt2 2x4 warm calls trace nothing", "ok gpt2 2x4 engine"),
-              "modes": ("ok gpt2 2x4 int4-h engine", "ok gpt2 2x4 kv_share avg", "ok gpt2 2x4 kv_share avg engine",
+MESH_PARTS = {"gpt2": ("ok gpt2 8x1 own K shard", "ok gpt2 2x4 warm calls trace nothing", "ok gpt2 2x4 int4-h engine"),
+              "modes": ("ok gpt2 2x4 int4-h", "ok gpt2 2x4 kv_share avg", "ok gpt2 2x4 kv_share avg engine",
                         "ok int4 weights 2x4"),
               "ouro": ("ok ouro 2x4 collectives", "ok indivisible heads", "ok ouro 2x4 engine",
                        "ok prefix saved on the mesh, loaded on one device")}

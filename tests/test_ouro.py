@@ -17,7 +17,7 @@ from tinyloop_jax.model import transformer as tf
 from tinyloop_jax.model import exits
 from tinyloop_jax.model import layers
 from tinyloop_jax.api.prefix import tree_equal
-from conftest import check_position_reset_fails, ouro_model, prompt_of
+from conftest import check_position_reset_fails, forward_seq, ouro_model, prompt_of
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "ouro-tiny")
 PARITY = dict(atol=1e-4, rtol=0)  # the bound: max |dlogit| <= 1e-4 in float32
@@ -46,7 +46,7 @@ def test_folder_maps_to_a_looped_stack(ouro):
 @pytest.mark.parametrize("i", range(N_PROMPTS))
 def test_logits_at_every_position_match_the_reference(ouro, golden, i):
     w = ouro.weights
-    got = tf.forward_seq(w.params, w.config, jnp.asarray(golden[f"prompt_{i}"]), loops=PASSES)
+    got = forward_seq(w.params, w.config, jnp.asarray(golden[f"prompt_{i}"]), loops=PASSES)
     np.testing.assert_allclose(np.asarray(got), golden[f"logits_{i}"], **PARITY)
 
 

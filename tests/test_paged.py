@@ -20,7 +20,7 @@ from tinyloop_jax.model import page_pool
 from tinyloop_jax.model import transformer as tf
 from tinyloop_jax.model.kv_modes import KV_MODES
 
-from conftest import OURO, huginn_model, prompt_of, tiny_model
+from conftest import forward_seq, huginn_model, OURO, prompt_of, tiny_model
 
 CLOSE = dict(atol=1e-3, rtol=1e-2)
 
@@ -103,7 +103,7 @@ class Driver:
 
     def check(self, b: int, seed=None) -> None:
         """Row b's logits at every fed position == the cache-free forward of its sequence."""
-        want = tf.forward_seq(self.params, self.cfg, jnp.asarray(self.fed[b], jnp.int32), self.loops, self.window,
+        want = forward_seq(self.params, self.cfg, jnp.asarray(self.fed[b], jnp.int32), self.loops, self.window,
                               seed)
         assert_logits_close(np.stack(self.logits[b]), want)
 
@@ -173,7 +173,7 @@ def test_paged_step_huginn_layout_with_seeds(monkeypatch):
     d = _ragged_session(huginn_model(2, max_seq_len=64), loops=3, seeds=seeds)
     for b in range(3):
         d.check(b, jnp.uint32(seeds[b]))
-    other = tf.forward_seq(d.params, d.cfg, jnp.asarray(d.fed[2], jnp.int32), 3, 0, jnp.uint32(4))
+    other = forward_seq(d.params, d.cfg, jnp.asarray(d.fed[2], jnp.int32), 3, 0, jnp.uint32(4))
     assert not np.allclose(np.stack(d.logits[2]), np.asarray(other), **CLOSE)  # the seed matters
     jax.clear_caches()
 
@@ -528,7 +528,7 @@ def test_reuse_equals_recompute_and_the_position_reset_control_fails(mode):
     is) must not."""
     m = tiny_model(mode)
     prefix, suffix = prompt_of(24, seed=1), prompt_of(5, seed=2)
-    full = np.asarray(tf.forward_seq(m.weights.params, m.weights.config,
+    full = np.asarray(forward_seq(m.weights.params, m.weights.config,
                                      jnp.asarray(np.concatenate([prefix, suffix])), 3))[-1]
 
     def last_logits(start: int, table: list, d: Driver) -> np.ndarray:

@@ -14,6 +14,7 @@ from tinyloop_jax.model import page_pool, paged, qarray, stack
 from tinyloop_jax.model.params import fingerprint
 
 from quant_blocks import packed, width
+from conftest import forward_seq
 
 
 def close(got, want):
@@ -106,7 +107,6 @@ def test_the_dense_path_runs_stacked_blocks_in_a_loop():
     run in one layer loop and answer as the unstacked blocks unrolled: logits, scores and the
     tokens from a prefix, within the equivalence bound."""
     from tinyloop_jax.decoding import programs
-    from tinyloop_jax.model import transformer as tf
 
     needs_native()
     cfg = tl.ModelConfig(vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, block="llama", n_pre_blocks=3,
@@ -115,9 +115,9 @@ def test_the_dense_path_runs_stacked_blocks_in_a_loop():
     p = model.weights.params
     flat = p.replace(pre=stack.unstacked(p.pre))
     prompt = [5, 9, 2, 7, 1, 3, 3, 8]
-    want = np.asarray(tf.forward_seq(flat, cfg, jnp.asarray(prompt), 2))  # unrolled: the reference
+    want = np.asarray(forward_seq(flat, cfg, jnp.asarray(prompt), 2))  # unrolled: the reference
     bound = dict(atol=1e-3, rtol=1e-2)
-    np.testing.assert_allclose(np.asarray(tf.forward_seq(p, cfg, jnp.asarray(prompt), 2)), want, **bound)
+    np.testing.assert_allclose(np.asarray(forward_seq(p, cfg, jnp.asarray(prompt), 2)), want, **bound)
     np.testing.assert_allclose(model.next_token_logits(prompt), want[-1], **bound)
     lp = np.asarray(jax.nn.log_softmax(want, axis=-1))[np.arange(len(prompt) - 1), prompt[1:]]
     np.testing.assert_allclose(model.score(prompt).logprobs[1:], lp, **bound)

@@ -22,7 +22,7 @@ JIT_OPTIONS = dict(
     # a pool and its pages
     empty_pool=(page_pool.empty, dict(static_argnums=(0, 1, 2, 3, 4, 5, 6))),
     collapse_pages=(page_pool.collapse_pages, dict(static_argnames=("loops",), donate_argnames=POOL)),
-    load_segment=(page_pool.load_segment, dict(donate_argnames=POOL)),
+    load_segment=(page_pool.load_segment, dict(static_argnames=("cfg",), donate_argnames=POOL)),
     copy_pages=(page_pool.copy_pages, dict(donate_argnames=POOL)),
     grow=(page_pool.grow, dict(static_argnames=("n_pages",))),
     to_segment=(page_pool.to_segment, dict(static_argnames=("capacity",))),

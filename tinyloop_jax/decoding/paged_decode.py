@@ -40,7 +40,6 @@ from ..model.params import Params
 from . import grammar as G
 from . import step as St
 from .compiled import SHARED
-from .programs import materialize
 from .sampling import Knobs
 
 
@@ -116,10 +115,9 @@ def load_prefix(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, seg, 
                 lay: Layout) -> page_pool.PagedKV:
     """The prefix's positions into the call's pages: its full pages once, its partial last page
     into every row's first own page (row 0's written, then copied). A prefix stored in another
-    mode than the pool's (h) is rebuilt into it first (`programs.materialize`)."""
-    if seg.kv_mode != pool.kv_mode:  # (a compact pool: the passes of its pass slots)
-        seg = materialize(params, cfg, seg, passes=(pool if pool.aside is None else page_pool.swap(pool)).passes)
-    pool = SHARED.load_segment(pool, seg, jnp.asarray(lay.tables[0]), jnp.int32(0), jnp.int32(prefix_len))
+    mode than the pool's (h) is rebuilt on the way, by the same program."""
+    rebuilt = (params, cfg) if seg.kv_mode != pool.kv_mode else (None, None)
+    pool = SHARED.load_segment(pool, seg, jnp.asarray(lay.tables[0]), jnp.int32(0), jnp.int32(prefix_len), *rebuilt)
     rows = lay.tables.shape[0]
     if prefix_len % pool.page_size and rows > 1:
         src = np.full((rows - 1,), lay.tables[0, lay.shared], np.int32)

@@ -120,10 +120,4 @@ def prefix_logits(params: Params, cfg: ModelConfig, depth_states: jax.Array, loo
     return tf.lm_head(params, cfg, exits.exit_stream(params, cfg, depth_states[n_pre:n_pre + loops], exit))
 
 
-@partial(jax.jit, static_argnames=("cfg", "passes"))
-def materialize(params: Params, cfg: ModelConfig, seg: KVCache, passes: int) -> KVCache:
-    """A read-only segment's first `passes` passes with K/V rebuilt/dequantized to float32."""
-    return tf.materialize(params, cfg, seg, passes)
-
-
 copy_prefix = jax.jit(kvc.copy_prefix, static_argnames=("capacity", "passes", "rings", "ring_capacity"))

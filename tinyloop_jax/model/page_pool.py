@@ -36,6 +36,7 @@ from flax import struct
 from . import cache as kvc
 from .config import ModelConfig
 from .stack import Stacked, is_stacked
+from .transformer import materialize
 from .kv_modes import KVMode, kv_mode as parse_mode
 from .. import settings
 
@@ -289,14 +290,21 @@ def gather(layer: dict, pages: jax.Array) -> dict:
     return {n: take(a) for n, a in layer.items()}
 
 
-def load_segment(pool: PagedKV, seg, pages: jax.Array, start: jax.Array, n: jax.Array) -> PagedKV:
+def load_segment(pool: PagedKV, seg, pages: jax.Array, start: jax.Array, n: jax.Array, params=None,
+                 cfg: ModelConfig | None = None) -> PagedKV:
     """Positions [start, n) of a dense segment (a `PrefixCache`'s `model.cache.KVCache`: slot s
     holds position seg.pos[s], a window's ring included; a ring layer's slots seg.ring_pos[s])
     written into the pages pages [R] (position p: page pages[p // P]), every layer, stored values
     as they are. A ring layer writes only the positions it holds (the last of its window); an
-    engine's compact pool, its pass slots (a prompt's: every pass)."""
+    engine's compact pool, its pass slots (a prompt's: every pass). A segment stored in another
+    mode than the pool's (an h mode's streams into a call's float32 pool) has its K/V rebuilt on
+    the way, in the same program (`transformer.materialize`: the model's params and cfg)."""
     if pool.aside is not None and pool.loop_of is None:
-        return swap(load_segment(swap(pool), seg, pages, start, n))
+        return swap(load_segment(swap(pool), seg, pages, start, n, params, cfg))
+    if seg.kv_mode != pool.kv_mode:
+        if cfg is None:
+            raise ValueError(f"a {seg.kv_mode} segment into a {pool.kv_mode} pool is rebuilt: pass params and cfg")
+        seg = materialize(params, cfg, seg, passes=pool.passes)
     P = pool.page_size
 
     def where(p):  # the page and offset of each slot's position (outside [start, n): dropped)
