@@ -8,7 +8,7 @@ import pytest
 
 import tinyloop_jax as tl
 from tinyloop_jax.decoding import paged_decode
-from tinyloop_jax.model import paged
+from tinyloop_jax.model import page_pool, paged
 from conftest import prompt_of
 
 CLOSE = dict(atol=1e-3, rtol=1e-2)
@@ -48,6 +48,10 @@ def test_batched_logits_match_separate_prefills(mode_models, mode):
     lay = paged_decode.layout(20, 16, len(suffixes))
     pool = paged_decode.load_prefix(w.params, cfg, paged_decode.empty_pool(cfg, 2, lay.n_pages), prefix.cache,
                                     20, lay)
+    if prefix.cache.kv_mode != pool.kv_mode:  # an h mode's streams: the load rebuilds K/V, so it needs the model
+        with pytest.raises(ValueError, match=f"a {mode} segment into a .* pool is rebuilt: pass params and cfg"):
+            page_pool.load_segment(paged_decode.empty_pool(cfg, 2, lay.n_pages), prefix.cache,
+                                   jnp.asarray(lay.tables[0]), jnp.int32(0), jnp.int32(20))
     rows = paged.Rows(lay.tables, np.full(len(lens), 20, np.int32), lens)
     forward = jax.jit(lambda p, pool, t: paged.last_logits(p, cfg, paged.forward(p, cfg, pool, rows, t, 2, 0)[0], rows))
     logits = forward(w.params, pool, jnp.asarray(tokens))  # the step's chunk group, as `paged_decode.prefill` runs it
