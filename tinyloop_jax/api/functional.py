@@ -32,6 +32,7 @@ from ..model import paged, sharding
 from ..model import page_pool
 from ..model.cache import KVCache
 from ..decoding.paged_decode import Decoded
+from ..decoding.compiled import SHARED
 from ..model.params import Weights
 from .prefix import PrefixCache, prefix_at_depth  # noqa: F401 - prefix_at_depth is part of this API
 from ..decoding.sampling import Knobs
@@ -132,13 +133,38 @@ def build_prefix(weights: Weights, prompt, loops: int | None = None, cache_windo
     loops = weights.config.default_loops if loops is None else loops
     prompt = np.asarray(prompt, np.int32)
     weights.config.check_positions(len(prompt), "the prompt")
-    own = empty_cache(weights, len(prompt), loops, cache_window)
-    own, at = (own, 0) if keep_state else _prefill_head(weights, prompt, 0, own, loops, cache_window, seed)
+    if not keep_state and _pages_hold(weights.config, len(prompt), cache_window):
+        own, at = _paged_head(weights, prompt, loops, exit, seed), len(prompt) - 1
+    else:
+        own = empty_cache(weights, len(prompt), loops, cache_window)
+        own, at = (own, 0) if keep_state else _prefill_head(weights, prompt, 0, own, loops, cache_window, seed)
     tokens, n = jnp.asarray(pad(prompt[at:])), jnp.int32(len(prompt) - at)
     seen = jnp.asarray(programs.token_mask([prompt], weights.config.vocab_size)[0])
     out = programs.prefill(weights.params, weights.config, tokens, n, jnp.int32(at), (), own, loops=loops,
                            window=cache_window, exit=exit, seed=jnp.uint32(seed), keep_states=True, keep_x=keep_state)
     return _wrap(weights, out.own, prompt, loops, cache_window, out.logits, seen, out.depth_states, out.x, seed)
+
+
+def _pages_hold(c, n: int, cache_window: int) -> bool:
+    """Whether a prompt of n tokens can be built on pages: its dense segment is the pages' layout
+    (every layer whole, no ring, stored in the pool's mode: not an h mode's, nor a compact
+    `kv_share`'s) and there is a token before its last."""
+    return (n > 1 and not cache_window and not page_pool.local_layers(c) and c.share.full
+            and c.storage.working == c.storage)
+
+
+def _paged_head(weights: Weights, prompt: np.ndarray, loops: int, exit: Exit | None, seed: int) -> KVCache:
+    """All but the last token of `prompt` prefilled by the paged step into a call's pages (the
+    programs `generate` runs), gathered into the prefix's dense segment (length len(prompt) - 1):
+    its last token is then prefilled there, for its logits and depth states."""
+    c, n = weights.config, len(prompt)
+    lay = paged_decode.layout(0, n, 1)
+    state = St.requests_of(np.zeros((1, c.vocab_size), bool), Knobs.make(1, seeds=[seed], max_tokens=1),
+                           d_model=c.d_model, dtype=c.compute_dtype)
+    fill = paged_decode.prefill(weights.params, c, paged_decode.empty_pool(c, loops, lay.n_pages), state, lay.tables,
+                                0, [prompt[:-1]], None, loops, 0, exit)
+    return SHARED.to_segment(fill.pool, jnp.asarray(lay.tables[0]), jnp.int32(n - 1),
+                             capacity=kvc.segment_capacity(n, 0))
 
 
 # A long prompt's dense prefill runs in chunks of this many tokens: attention's [T, T] scores of one

@@ -337,14 +337,16 @@ def _copy_pages(pool: PagedKV, src: jax.Array, dst: jax.Array) -> PagedKV:
 def to_segment(pool: PagedKV, pages: jax.Array, n: jax.Array, capacity: int) -> kvc.KVCache:
     """`load_segment`'s inverse: positions [0, n) of the pages pages [R] (position p: page
     pages[p // P]) as a dense segment of `capacity` slots (slot p holds position p; slots >= n
-    are empty), every layer, stored values as they are."""
+    are empty: zeros, whatever the pages past the row hold), every layer, stored values as they are."""
     P = pool.page_size
     slot = jnp.arange(capacity, dtype=jnp.int32)
     page, off = pages[jnp.clip(slot // P, 0, pages.shape[0] - 1)], slot % P
 
-    def take(layer, m=None):  # [.., lead, C, w]
+    live = (slot < n)[:, None]
+
+    def take(layer, m=None):  # [.., lead, C, w]; the empty slots zeroed, as a fresh segment's
         at = local_map(m, page, 0)
-        return {k: a[..., at, off, :] for k, a in layer.items()}
+        return {k: jnp.where(live, a[..., at, off, :], jnp.zeros((), a.dtype)) for k, a in layer.items()}
     pre = (tuple(Stacked(take(pool.pre.tree))) if is_stacked(pool.pre) else
            tuple(take(s, pool.map_of(j)) for j, s in enumerate(pool.pre)))
     return kvc.KVCache(pre=pre, loop=take(pool.loop),
