@@ -13,6 +13,9 @@ Rows (medians of --repeats after a warm-up call of each):
   speculative             tokens/s of generate(draft_loops=) on the bundled looped model
   conversation            tokens/s of a 4-turn `Conversation` on SmolLM2 (answers streamed; wall
                           time of the whole chat, prefills included)
+  prefix build            ms of build_prefix_cache on SmolLM2 at 100 / 300 / 1,000 random tokens, and
+                          of extending a 900-token prefix to 1,000 (`functional.extend_prefix`, a
+                          PrefixStore's hit); `--prefixes-only` runs these rows alone
   kv modes                decode tok/s of generate_from_prefix_cache per KV mode on a random looped
                           model (D 384, 2 pre blocks, loops 8, a 1024-token prefix;
                           `bench_kv_modes.decode_speed`)
@@ -41,8 +44,11 @@ def main():
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--activations", default="float32", choices=["float32", "int8"],
                     help="what the packed weights multiply (`Model`'s activations)")
+    ap.add_argument("--prefixes-only", action="store_true", help="only the prefix-build rows")
     args = ap.parse_args()
     model = tl.Model.from_pretrained("smollm2", activations=args.activations)
+    if args.prefixes_only:
+        return report(args, prefix_rows(model, args.repeats))
     tok = tl.load_tokenizer("smollm2")
     chat = lambda q: tok.apply_chat_template([dict(role="system", content=SYSTEM),  # noqa: E731
                                                dict(role="user", content=q)], tokenize=True,
@@ -80,6 +86,24 @@ def main():
         speed, _ = decode_speed(tl.Model(params, tl.ModelConfig(**dict(base.to_dict(), kv_mode=mode))), prompt,
                                 suffix, args.repeats)
         rows.append((f"kv mode {mode}: decode tok/s", speed))
+    report(args, rows + prefix_rows(model, args.repeats))
+
+
+def prefix_rows(model, repeats: int) -> list:
+    """Building a prefix (ms) at three prompt lengths, and extending one by 100 tokens."""
+    import numpy as np
+    from tinyloop_jax.api import functional as F
+    rng, rows = np.random.default_rng(0), []
+    for n in (100, 300, 1000):
+        ids = rng.integers(10, 40000, n).astype(np.int32)
+        t = median_time(lambda: model.build_prefix_cache(ids).logits.block_until_ready(), repeats)
+        rows.append((f"build_prefix_cache, {n} tokens: ms", t * 1e3))
+    source = model.build_prefix_cache(ids[:900])
+    t = median_time(lambda: F.extend_prefix(source, 900, ids).logits.block_until_ready(), repeats)
+    return rows + [("extend a 900-token prefix to 1,000: ms", t * 1e3)]
+
+
+def report(args, rows: list) -> None:
     body = "\n".join([f"`{command()}` ({args.label}) on {machine()}.", "", "| call | value |", "|---|---|",
                       *(f"| {name} | {v:.1f} |" for name, v in rows)])
     print(body)

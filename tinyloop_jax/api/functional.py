@@ -133,11 +133,11 @@ def build_prefix(weights: Weights, prompt, loops: int | None = None, cache_windo
     loops = weights.config.default_loops if loops is None else loops
     prompt = np.asarray(prompt, np.int32)
     weights.config.check_positions(len(prompt), "the prompt")
-    if not keep_state and _pages_hold(weights.config, len(prompt), cache_window):
-        own, at = _paged_head(weights, prompt, loops, exit, seed), len(prompt) - 1
+    if keep_state:  # every position's stream after the last pass: one dense prefill of the whole prompt
+        own, at = empty_cache(weights, len(prompt), loops, cache_window), 0
     else:
-        own = empty_cache(weights, len(prompt), loops, cache_window)
-        own, at = (own, 0) if keep_state else _prefill_head(weights, prompt, 0, own, loops, cache_window, seed)
+        pool, pages = prefix_pool(weights, len(prompt), loops)
+        own, at = paged_head(weights, prompt, 0, pool, pages, loops, cache_window, seed), len(prompt) - 1
     tokens, n = jnp.asarray(pad(prompt[at:])), jnp.int32(len(prompt) - at)
     seen = jnp.asarray(programs.token_mask([prompt], weights.config.vocab_size)[0])
     out = programs.prefill(weights.params, weights.config, tokens, n, jnp.int32(at), (), own, loops=loops,
@@ -145,59 +145,54 @@ def build_prefix(weights: Weights, prompt, loops: int | None = None, cache_windo
     return _wrap(weights, out.own, prompt, loops, cache_window, out.logits, seen, out.depth_states, out.x, seed)
 
 
-def _pages_hold(c, n: int, cache_window: int) -> bool:
-    """Whether a prompt of n tokens can be built on pages: its dense segment is the pages' layout
-    (every layer whole, no ring, stored in the pool's mode: not an h mode's, nor a compact
-    `kv_share`'s) and there is a token before its last."""
-    return (n > 1 and not cache_window and not page_pool.local_layers(c) and c.share.full
-            and c.storage.working == c.storage)
-
-
-def _paged_head(weights: Weights, prompt: np.ndarray, loops: int, exit: Exit | None, seed: int) -> KVCache:
-    """All but the last token of `prompt` prefilled by the paged step into a call's pages (the
-    programs `generate` runs), gathered into the prefix's dense segment (length len(prompt) - 1):
-    its last token is then prefilled there, for its logits and depth states."""
-    c, n = weights.config, len(prompt)
-    lay = paged_decode.layout(0, n, 1)
-    state = St.requests_of(np.zeros((1, c.vocab_size), bool), Knobs.make(1, seeds=[seed], max_tokens=1),
-                           d_model=c.d_model, dtype=c.compute_dtype)
-    fill = paged_decode.prefill(weights.params, c, paged_decode.empty_pool(c, loops, lay.n_pages), state, lay.tables,
-                                0, [prompt[:-1]], None, loops, 0, exit)
-    return SHARED.to_segment(fill.pool, jnp.asarray(lay.tables[0]), jnp.int32(n - 1),
-                             capacity=kvc.segment_capacity(n, 0))
-
-
-# A long prompt's dense prefill runs in chunks of this many tokens: attention's [T, T] scores of one
+# A long prompt's prefill runs in chunks of this many tokens: attention's [T, T] scores of one
 # chunk would grow with the square of the prompt (a 32 k-token prompt: gigabytes a layer), and a
 # chunk's windowed layers read only their ring beside it.
 PREFILL_CHUNK = 512
 
 
-def _prefill_head(weights: Weights, prompt: np.ndarray, start: int, own: KVCache, loops: int, window: int,
-                  seed: int) -> tuple[KVCache, int]:
-    """All but the last (1 .. PREFILL_CHUNK) tokens of prompt[start:] appended to own at their
-    positions, a chunk at a time. Returns (own, where the rest begins)."""
-    c, end = weights.config, start + (len(prompt) - start - 1) // PREFILL_CHUNK * PREFILL_CHUNK
-    for at in range(start, end, PREFILL_CHUNK):
-        own = programs.prefill(weights.params, c, jnp.asarray(prompt[at:at + PREFILL_CHUNK]), jnp.int32(PREFILL_CHUNK),
-                               jnp.int32(at), (), own, loops=loops, window=window, seed=jnp.uint32(seed)).own
-    return own, end
+def prefix_pool(weights: Weights, n_tokens: int, loops: int) -> tuple[page_pool.PagedKV, np.ndarray]:
+    """A prefix's pages while it is built: room for its n_tokens positions, every layer on the
+    pages (no local slots: the dense segment's rings are gathered from them), stored in the
+    model's mode (an h mode's segment holds h; a compact `kv_share`'s prompts run every pass,
+    as the dense segment holds them). Returns (pool, its page table [R])."""
+    c = weights.config
+    lay = paged_decode.layout(0, n_tokens, 1)
+    return SHARED.empty_pool(c, loops, lay.n_pages, page_pool.PAGE_SIZE, c.storage, None, None), lay.tables[0]
+
+
+def paged_head(weights: Weights, prompt: np.ndarray, k: int, pool: page_pool.PagedKV, pages: np.ndarray, loops: int,
+               window: int, seed: int) -> KVCache:
+    """prompt[k:-1] prefilled by the paged step (the programs `generate` runs) into `pool`, whose
+    pages [R] hold the positions before k, then positions [0, len(prompt) - 1) gathered into the
+    prefix's dense segment (`page_pool.to_segment`: its window's ring, its local layers' rings).
+    The last token is left to a dense prefill there, for its logits and depth states."""
+    c, n = weights.config, len(prompt)
+    if n - 1 > k:
+        state = St.requests_of(np.zeros((1, c.vocab_size), bool), Knobs.make(1, seeds=[seed], max_tokens=1),
+                               d_model=c.d_model, dtype=c.compute_dtype)
+        pool = paged_decode.prefill(weights.params, c, pool, state, pages[None], k, [prompt[k:-1]], None, loops,
+                                    window, chunk=PREFILL_CHUNK).pool
+    rings, ring = ring_plan(c, n, window)
+    return SHARED.to_segment(pool, jnp.asarray(pages), jnp.int32(n - 1), capacity=kvc.segment_capacity(n, window),
+                             rings=rings, ring_capacity=ring)
 
 
 def extend_prefix(source: PrefixCache, k: int, prompt, exit: Exit | None = None) -> PrefixCache:
     """The prefix of `prompt` whose first k tokens are source's first k (0 < k < len(prompt)):
-    those positions are copied (no compute), only prompt[k:] is prefilled."""
+    those positions are loaded into the new prefix's pages (no compute), only prompt[k:] is
+    prefilled."""
     w, loops, window = source.weights, source.loops, source.cache_window
     prompt = np.asarray(prompt, np.int32)
     w.config.check_positions(len(prompt), "the prompt")
     if not 0 < k < len(prompt) or not kvc.holds(source.cache, k, window, page_pool.local_window(w.config, window)):
         raise ValueError(f"k={k}: the source does not hold what its first {k} positions need "
                          f"(a prompt of {len(prompt)} tokens, the source's ring or window is shorter)")
-    rings, ring = ring_plan(w.config, len(prompt), window)
-    own = programs.copy_prefix(source.cache, jnp.int32(k), capacity=kvc.segment_capacity(len(prompt), window),
-                               passes=loops, rings=rings, ring_capacity=ring)
-    own, k = _prefill_head(w, prompt, k, own, loops, window, source.seed)
-    out = programs.prefill(w.params, w.config, jnp.asarray(pad(prompt[k:])), jnp.int32(len(prompt) - k), jnp.int32(k),
+    pool, pages = prefix_pool(w, len(prompt), loops)
+    pool = SHARED.load_segment(pool, source.cache, jnp.asarray(pages), jnp.int32(0), jnp.int32(k))
+    own = paged_head(w, prompt, k, pool, pages, loops, window, source.seed)
+    at = len(prompt) - 1
+    out = programs.prefill(w.params, w.config, jnp.asarray(pad(prompt[at:])), jnp.int32(1), jnp.int32(at),
                            (), own, loops=loops, window=window, exit=exit, seed=jnp.uint32(source.seed),
                            keep_states=True)
     seen = jnp.asarray(programs.token_mask([prompt], w.config.vocab_size)[0])

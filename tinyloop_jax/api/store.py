@@ -7,10 +7,10 @@ A request's prompt is matched against every cached entry through a radix tree
 (`radix.RadixIndex`: edges of at most 32 token ids, the match exact to the token); of the
 entries holding the matched prefix the most recently used serves it (an entry serves every
 shorter prefix of itself). The matched positions are copied out of that entry
-(`cache.copy_prefix`, no model compute), the unmatched rest of the prompt is prefilled on top
-of them, the result is inserted as a new entry, and the request decodes from it. Entries are
-immutable; eviction is LRU by count and by bytes (`radix.Recency`), and an entry a running call
-holds (pins) is never evicted.
+(into the new prefix's pages, no model compute: `functional.extend_prefix`), the unmatched
+rest of the prompt is prefilled on top of them, the result is inserted as a new entry, and the
+request decodes from it. Entries are immutable; eviction is LRU by count and by bytes
+(`radix.Recency`), and an entry a running call holds (pins) is never evicted.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ JIT_OPTIONS = dict(
     load_segment=(page_pool.load_segment, dict(static_argnames=("cfg",), donate_argnames=POOL)),
     copy_pages=(page_pool.copy_pages, dict(donate_argnames=POOL)),
     grow=(page_pool.grow, dict(static_argnames=("n_pages",))),
-    to_segment=(page_pool.to_segment, dict(static_argnames=("capacity",))),
+    to_segment=(page_pool.to_segment, dict(static_argnames=("capacity", "rings", "ring_capacity"))),
     # request rows (made on the host: `step.requests_of`)
     admit=(St.admit, dict(donate_argnames=("state",))),
     start_rows=(St.start_rows, dict(donate_argnames=("state",))),

@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..model import cache as kvc
 from ..model import transformer as tf
 from ..model import exits
 from ..model.cache import KVCache
@@ -119,5 +118,3 @@ def prefix_logits(params: Params, cfg: ModelConfig, depth_states: jax.Array, loo
     n_pre = cfg.n_pre_blocks
     return tf.lm_head(params, cfg, exits.exit_stream(params, cfg, depth_states[n_pre:n_pre + loops], exit))
 
-
-copy_prefix = jax.jit(kvc.copy_prefix, static_argnames=("capacity", "passes", "rings", "ring_capacity"))

@@ -159,7 +159,7 @@ def ring_plan(windows, n_tokens: int, cache_window: int = 0, spare: int = 0) -> 
 
 
 def holds(seg: KVCache, k: int, cache_window: int, ring_window: int) -> bool:
-    """Host check: can seg's first k positions be continued (`copy_prefix`)? Every layer must
+    """Host check: can seg's first k positions be continued (`functional.extend_prefix`)? Every layer must
     still hold the last cache_window of them (0: all), its ring layers the last ring_window."""
     def has(pos, w):
         held = set(np.asarray(jax.device_get(pos)).reshape(-1).tolist())
@@ -297,36 +297,3 @@ def rollback(own: KVCache, length: jax.Array) -> KVCache:
     forget = lambda p: None if p is None else jnp.where(p < length, p, -1)  # noqa: E731
     return own.replace(pos=forget(own.pos), ring_pos=forget(own.ring_pos), length=length.astype(jnp.int32))
 
-
-def copy_prefix(src: KVCache, k: jax.Array, capacity: int, passes: int, rings: tuple = (),
-                ring_capacity: int = 0) -> KVCache:
-    """A new segment of `capacity` slots holding src's positions in [k - capacity, k) (those
-    src still holds) and its first `passes` passes, length k: the first k tokens of a cached
-    prompt, ready to be extended; its pre layers in `rings` hold ring_capacity slots (the last
-    ones src holds). Stored values are copied as they are (no re-quantization)."""
-    rings = tuple(rings) if ring_capacity else ()
-    if src.rings and not set(rings) <= set(src.rings):
-        raise ValueError(f"rings={rings}: the source's ring layers are {src.rings}")
-
-    def plan(src_pos: jax.Array, C: int):
-        s = jnp.arange(C)
-        p = s + C * ((k - 1 - s) // C)  # the last position < k that lands in slot s
-        src_slot = p % src_pos.shape[-1]
-        ok = (p >= 0) & (src_pos[src_slot] == p)
-        return src_slot, ok, jnp.where(ok, p, -1).astype(jnp.int32)
-
-    def take(a: jax.Array, how) -> jax.Array:  # a [..., lead, C, w]: slot axis -2
-        src_slot, ok, _ = how
-        return jnp.where(ok[:, None], jnp.take(a, src_slot, axis=-2), jnp.zeros((), a.dtype))
-
-    def layer(e: dict, how) -> dict:
-        return {n: take(a, how) for n, a in e.items()}
-
-    full = plan(src.pos, capacity)
-    pre = tuple(layer(e, plan(src.pre_pos(j), ring_capacity if j in rings else capacity))
-                for j, e in enumerate(src.pre))
-    return KVCache(pre=pre, loop={n: take(a[:passes], full) for n, a in src.loop.items()}, pos=full[2],
-                   length=jnp.asarray(k, jnp.int32), kv_mode=src.kv_mode,
-                   post=tuple(layer(e, full) for e in src.post),
-                   ring_pos=plan(src.pre_pos(rings[0]), ring_capacity)[2] if rings else None,
-                   rings=rings)

@@ -334,24 +334,34 @@ def _copy_pages(pool: PagedKV, src: jax.Array, dst: jax.Array) -> PagedKV:
     return copy_pages(pool, src, dst)
 
 
-def to_segment(pool: PagedKV, pages: jax.Array, n: jax.Array, capacity: int) -> kvc.KVCache:
+def to_segment(pool: PagedKV, pages: jax.Array, n: jax.Array, capacity: int, rings: tuple = (),
+               ring_capacity: int = 0) -> kvc.KVCache:
     """`load_segment`'s inverse: positions [0, n) of the pages pages [R] (position p: page
-    pages[p // P]) as a dense segment of `capacity` slots (slot p holds position p; slots >= n
-    are empty: zeros, whatever the pages past the row hold), every layer, stored values as they are."""
+    pages[p // P]) as a dense segment of `capacity` slots, every layer, stored values as they
+    are. Slot s holds the last position < n that lands in it (p mod capacity = s: all of them
+    when capacity >= n, else the last `capacity`, a window's ring); the pre layers `rings` hold
+    ring_capacity slots the same way (`cache.ring_plan`). Empty slots are zeros, whatever the
+    pages past the row hold."""
     P = pool.page_size
-    slot = jnp.arange(capacity, dtype=jnp.int32)
-    page, off = pages[jnp.clip(slot // P, 0, pages.shape[0] - 1)], slot % P
 
-    live = (slot < n)[:, None]
+    def plan(C: int):  # each slot's position, page and offset, and whether it holds one
+        s = jnp.arange(C, dtype=jnp.int32)
+        p = s + C * ((n - 1 - s) // C)
+        live = p >= 0
+        return pages[jnp.clip(p // P, 0, pages.shape[0] - 1)], jnp.maximum(p, 0) % P, live, jnp.where(live, p, -1)
 
-    def take(layer, m=None):  # [.., lead, C, w]; the empty slots zeroed, as a fresh segment's
+    full = plan(capacity)
+    ring = plan(ring_capacity) if rings else None
+
+    def take(layer, how, m=None):  # [.., lead, C, w]
+        page, off, live, _ = how
         at = local_map(m, page, 0)
-        return {k: jnp.where(live, a[..., at, off, :], jnp.zeros((), a.dtype)) for k, a in layer.items()}
-    pre = (tuple(Stacked(take(pool.pre.tree))) if is_stacked(pool.pre) else
-           tuple(take(s, pool.map_of(j)) for j, s in enumerate(pool.pre)))
-    return kvc.KVCache(pre=pre, loop=take(pool.loop),
-                       pos=jnp.where(slot < n, slot, -1), length=jnp.asarray(n, jnp.int32), kv_mode=pool.kv_mode,
-                       post=tuple(take(s) for s in pool.post))
+        return {k: jnp.where(live[:, None], a[..., at, off, :], jnp.zeros((), a.dtype)) for k, a in layer.items()}
+    maps = [None] * len(pool.pre) if is_stacked(pool.pre) else [pool.map_of(j) for j in range(len(pool.pre))]
+    pre = tuple(take(layer, ring if j in rings else full, m) for j, (layer, m) in enumerate(zip(pool.pre, maps)))
+    return kvc.KVCache(pre=pre, loop=take(pool.loop, full), pos=full[3], length=jnp.asarray(n, jnp.int32),
+                       kv_mode=pool.kv_mode, post=tuple(take(s, full) for s in pool.post),
+                       ring_pos=ring[3] if rings else None, rings=tuple(rings) if rings else ())
 
 
 def grow(pool: PagedKV, n_pages: int) -> PagedKV:
