@@ -133,15 +133,16 @@ def build_prefix(weights: Weights, prompt, loops: int | None = None, cache_windo
     loops = weights.config.default_loops if loops is None else loops
     prompt = np.asarray(prompt, np.int32)
     weights.config.check_positions(len(prompt), "the prompt")
-    if keep_state:  # every position's stream after the last pass: one dense prefill of the whole prompt
-        own, at = empty_cache(weights, len(prompt), loops, cache_window), 0
-    else:
-        pool, pages = prefix_pool(weights, len(prompt), loops)
-        own, at = paged_head(weights, prompt, 0, pool, pages, loops, cache_window, seed), len(prompt) - 1
-    tokens, n = jnp.asarray(pad(prompt[at:])), jnp.int32(len(prompt) - at)
     seen = jnp.asarray(programs.token_mask([prompt], weights.config.vocab_size)[0])
-    out = programs.prefill(weights.params, weights.config, tokens, n, jnp.int32(at), (), own, loops=loops,
-                           window=cache_window, exit=exit, seed=jnp.uint32(seed), keep_states=True, keep_x=keep_state)
+    if not keep_state:
+        pool, pages = prefix_pool(weights, len(prompt), loops)
+        own, logits, depths = paged_prefix(weights, prompt, 0, pool, pages, loops, cache_window, exit, seed)
+        return _wrap(weights, own, prompt, loops, cache_window, logits, seen, depths, seed=seed)
+    # every position's stream after the last pass kept too: one dense prefill of the whole prompt
+    own = empty_cache(weights, len(prompt), loops, cache_window)
+    out = programs.prefill(weights.params, weights.config, jnp.asarray(pad(prompt)), jnp.int32(len(prompt)),
+                           jnp.int32(0), (), own, loops=loops, window=cache_window, exit=exit, seed=jnp.uint32(seed),
+                           keep_states=True, keep_x=True)
     return _wrap(weights, out.own, prompt, loops, cache_window, out.logits, seen, out.depth_states, out.x, seed)
 
 
@@ -161,21 +162,21 @@ def prefix_pool(weights: Weights, n_tokens: int, loops: int) -> tuple[page_pool.
     return SHARED.empty_pool(c, loops, lay.n_pages, page_pool.PAGE_SIZE, c.storage, None, None), lay.tables[0]
 
 
-def paged_head(weights: Weights, prompt: np.ndarray, k: int, pool: page_pool.PagedKV, pages: np.ndarray, loops: int,
-               window: int, seed: int) -> KVCache:
-    """prompt[k:-1] prefilled by the paged step (the programs `generate` runs) into `pool`, whose
-    pages [R] hold the positions before k, then positions [0, len(prompt) - 1) gathered into the
+def paged_prefix(weights: Weights, prompt: np.ndarray, k: int, pool: page_pool.PagedKV, pages: np.ndarray,
+                 loops: int, window: int, exit: Exit | None, seed: int) -> tuple[KVCache, jax.Array, jax.Array]:
+    """prompt[k:] prefilled by the paged step (`generate`'s step, keeping the last token's depth
+    states) into `pool`, whose pages [R] hold the positions before k, then gathered into the
     prefix's dense segment (`page_pool.to_segment`: its window's ring, its local layers' rings).
-    The last token is left to a dense prefill there, for its logits and depth states."""
+    Returns (segment, next-token logits [V], depth states [n_pre + loops, D])."""
     c, n = weights.config, len(prompt)
-    if n - 1 > k:
-        state = St.requests_of(np.zeros((1, c.vocab_size), bool), Knobs.make(1, seeds=[seed], max_tokens=1),
-                               d_model=c.d_model, dtype=c.compute_dtype)
-        pool = paged_decode.prefill(weights.params, c, pool, state, pages[None], k, [prompt[k:-1]], None, loops,
-                                    window, chunk=PREFILL_CHUNK).pool
+    state = St.requests_of(np.zeros((1, c.vocab_size), bool), Knobs.make(1, seeds=[seed], max_tokens=1),
+                           d_model=c.d_model, dtype=c.compute_dtype)
+    fill = paged_decode.prefill(weights.params, c, pool, state, pages[None], k, [prompt[k:]], None, loops, window,
+                                exit, chunk=PREFILL_CHUNK, keep_depths=True)
     rings, ring = ring_plan(c, n, window)
-    return SHARED.to_segment(pool, jnp.asarray(pages), jnp.int32(n - 1), capacity=kvc.segment_capacity(n, window),
-                             rings=rings, ring_capacity=ring)
+    own = SHARED.to_segment(fill.pool, jnp.asarray(pages), jnp.int32(n), capacity=kvc.segment_capacity(n, window),
+                            rings=rings, ring_capacity=ring)
+    return own, fill.logits[0], fill.depths[0]
 
 
 def extend_prefix(source: PrefixCache, k: int, prompt, exit: Exit | None = None) -> PrefixCache:
@@ -190,13 +191,9 @@ def extend_prefix(source: PrefixCache, k: int, prompt, exit: Exit | None = None)
                          f"(a prompt of {len(prompt)} tokens, the source's ring or window is shorter)")
     pool, pages = prefix_pool(w, len(prompt), loops)
     pool = SHARED.load_segment(pool, source.cache, jnp.asarray(pages), jnp.int32(0), jnp.int32(k))
-    own = paged_head(w, prompt, k, pool, pages, loops, window, source.seed)
-    at = len(prompt) - 1
-    out = programs.prefill(w.params, w.config, jnp.asarray(pad(prompt[at:])), jnp.int32(1), jnp.int32(at),
-                           (), own, loops=loops, window=window, exit=exit, seed=jnp.uint32(source.seed),
-                           keep_states=True)
+    own, logits, depths = paged_prefix(w, prompt, k, pool, pages, loops, window, exit, source.seed)
     seen = jnp.asarray(programs.token_mask([prompt], w.config.vocab_size)[0])
-    return _wrap(w, out.own, prompt, loops, window, out.logits, seen, out.depth_states, seed=source.seed)
+    return _wrap(w, own, prompt, loops, window, logits, seen, depths, seed=source.seed)
 
 
 # ---- decoding --------------------------------------------------------------------------------

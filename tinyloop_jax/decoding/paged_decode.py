@@ -135,28 +135,33 @@ def collapse(pool: page_pool.PagedKV, loops: int) -> page_pool.PagedKV:
 
 class Prefilled(NamedTuple):
     """What `prefill` returns: each row's first token and the stop sequence it ends (-1: none),
-    the passes its prompt ran (None: every pass), the pool and the request rows."""
+    the passes its prompt ran (None: every pass), the pool and the request rows; with
+    keep_depths, each prompt's last token's logits [N, V] and depth states [N, n_pre + loops, D]."""
     first: jax.Array
     stop: jax.Array
     depth: jax.Array | None
     pool: page_pool.PagedKV
     state: St.Requests
+    logits: jax.Array | None = None
+    depths: jax.Array | None = None
 
 
 def prefill(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: St.Requests, tables: np.ndarray,
             prefix_len: int, suffixes: list, prior_logits: jax.Array, loops: int, window: int,
             exit: exits.Exit | None = None, chunk: int = 0, adaptive: bool = False, exits: bool = False,
-            windows: np.ndarray | None = None, masks: np.ndarray | None = None) -> Prefilled:
+            windows: np.ndarray | None = None, masks: np.ndarray | None = None, keep_depths: bool = False) -> Prefilled:
     """N rows' suffixes (row i's prompt after the shared prefix_len positions; possibly empty)
     into their pages (tables [N, R]) by the step's chunk group over the call's rows in order,
     `chunk` tokens of each a step (0: each whole); their first tokens chosen in the step that
     ends them (a row with no suffix: from the prefix's prior_logits [V]). adaptive: the passes
     each prompt ran are kept (every pass, or with `exits` each prompt one chunk exiting as a
     whole at its row's exit rule, `step.step(in_prefill=True)`); windows [N]: each row's cache_window;
-    masks [N, W]: the tokens each row's first may be (structured output; None: any)."""
+    masks [N, W]: the tokens each row's first may be (structured output; None: any); keep_depths:
+    each prompt's last token's logits and depth states too (`step.step`; every row's suffix
+    non-empty)."""
     N = len(suffixes)
     lens = np.array([len(x) for x in suffixes], np.int32)
-    first = stop = None
+    first = stop = logits = depths = None
     depth = jnp.full((N,), loops, jnp.int32) if adaptive else None
     if (lens == 0).any():  # the prefix alone: its logits choose
         got, state = SHARED.start_rows(state, None, jnp.broadcast_to(prior_logits, (N, cfg.vocab_size)),
@@ -173,13 +178,16 @@ def prefill(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: St
                            final, masks)
         got, _, pool, state = (SHARED.step(params, cfg, pool, state, chunks, None, loops=loops, in_prefill=True)
                                if exits else SHARED.step(params, cfg, pool, state, chunks, None, loops=loops, exit=exit,
-                                                         window=window))
+                                                         window=window, keep_depths=keep_depths))
         if exits:
             depth = jnp.where(jnp.asarray(final), got.passes, depth)
         live = jnp.asarray(final)
         first = got.tokens if first is None else jnp.where(live, got.tokens, first)
         stop = got.stops if stop is None else jnp.where(live, got.stops, stop)
-    return Prefilled(first, stop, depth, pool, state)
+        if keep_depths:
+            logits = got.logits if logits is None else jnp.where(live[:, None], got.logits, logits)
+            depths = got.depths if depths is None else jnp.where(live[:, None, None], got.depths, depths)
+    return Prefilled(first, stop, depth, pool, state, logits, depths)
 
 
 @dataclass(frozen=True)

@@ -57,11 +57,16 @@ class Requests:
 @struct.dataclass
 class Emitted:
     """Tokens a program chose, and for each the stop sequence it ended (an index into its
-    request's stop_sequences; -1: none); a prompt that exited as a whole: the passes it ran."""
+    request's stop_sequences; -1: none); a prompt that exited as a whole: the passes it ran; a
+    prefix's chunk: its last token's logits and depth states."""
 
     tokens: Annotated[jax.Array, "int32[b] | int32[b, n]"]
     stops: Annotated[jax.Array, "int32[b] | int32[b, n]"]
     passes: Annotated[jax.Array, "int32[b]"] | None = None
+    # a chunk's last token, what a prefix keeps (`step(keep_depths=True)`): its next-token logits
+    # (raw) and its stream after each pre block and pass
+    logits: Annotated[jax.Array, "float32[b, V]"] | None = None
+    depths: Annotated[jax.Array, "[b, n_pre + loops, D]"] | None = None
 
 
 def empty_rows(rows: int, vocab: int, d_model: int, dtype=jnp.float32) -> Requests:
@@ -140,7 +145,7 @@ def _record(state: Requests, slot: jax.Array, tok: jax.Array, live: jax.Array) -
 
 def step(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Requests, chunks: Chunks | None,
          decodes: Decodes | None, loops: int, exit: exits.Exit | None = None, window: int = 0,
-         in_prefill: bool = False):
+         in_prefill: bool = False, keep_depths: bool = False):
     """One step: the chunks' tokens and each decode row's last token through the model at depth
     `loops`, written into the pages; then a token for every decode row and every final chunk.
     window: a static cache_window for every row (else each row's, rows.window). in_prefill (static;
@@ -148,6 +153,8 @@ def step(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Reque
     at its request's exit rule (`paged_adaptive.forward`: the passes it ran in `Emitted.passes`,
     its last state the request's warm state), each pass run `cache.EXIT_BLOCK` positions at a
     time over as many blocks as the prompts fill, so one chunk length serves every prompt.
+    keep_depths (static; chunks alone): the chunks' `Emitted` also holds their last tokens'
+    logits and depth states (a prefix built on pages: `functional.build_prefix`).
     Returns (the chunks' `Emitted` [b], the decode rows' [b'] (None for an absent group), pool,
     state)."""
     if in_prefill:
@@ -168,11 +175,16 @@ def step(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Reque
         groups.append(decodes.rows)
         tokens.append(_take(state.rows.last, decodes.slot)[:, None])
         seeds.append(_take(state.req.seed, decodes.slot))
-    xs, pool, states = paged.forward(params, cfg, pool, tuple(groups), tuple(tokens), loops, window, exit,
-                                     tuple(seeds), keep_state=True,
-                                     prompts=(True,) * (chunks is not None) + (False,) * (decodes is not None))
+    if keep_depths and (chunks is None or decodes is not None):
+        raise ValueError("keep_depths keeps prompt chunks' depth states: chunks alone")
+    xs, pool, states, *depths = paged.forward(
+        params, cfg, pool, tuple(groups), tuple(tokens), loops, window, exit, tuple(seeds), keep_state=True,
+        prompts=(True,) * (chunks is not None) + (False,) * (decodes is not None), keep_depths=keep_depths)
     if decodes is None:
-        ctok, state = _first_tokens(params, cfg, state, chunks, xs[0], states[0])
+        warm, logits = _chunk_ends(params, cfg, chunks, xs[0], states[0])
+        ctok, state = start_rows(state, chunks.slot, logits, chunks.final, warm, chunks.mask)
+        if keep_depths:
+            ctok = ctok.replace(logits=logits, depths=depths[0])
         return ctok, None, pool, state
     dlogits = tf.lm_head(params, cfg, xs[-1][:, 0])
     if chunks is None:
@@ -202,13 +214,6 @@ def _chunk_ends(params, cfg, chunks: Chunks, x: jax.Array, loop_state: jax.Array
     last = jnp.maximum(chunks.rows.n_new - 1, 0)
     warm = jnp.take_along_axis(loop_state, last[:, None, None], axis=1)[:, 0]
     return warm, paged.last_logits(params, cfg, x, chunks.rows)
-
-
-def _first_tokens(params, cfg, state: Requests, chunks: Chunks, x: jax.Array, loop_state: jax.Array):
-    """The chunks' first tokens (meaningful for final chunks, which keep them as `last`, and
-    their last loop state as `warm`), as `Emitted`."""
-    warm, logits = _chunk_ends(params, cfg, chunks, x, loop_state)
-    return start_rows(state, chunks.slot, logits, chunks.final, warm, chunks.mask)
 
 
 def _start_inputs(state: Requests, slot: jax.Array | None, live: jax.Array, mask: jax.Array | None):

@@ -219,25 +219,35 @@ def block(x: jax.Array, blk, cfg: ModelConfig, groups: tuple, store: dict, index
     return y, (stores[0] if single else tuple(stores))
 
 
-def run_pre(params: Params, cfg: ModelConfig, x: jax.Array, groups: tuple, pool: PagedKV, window: int):
+def run_pre(params: Params, cfg: ModelConfig, x: jax.Array, groups: tuple, pool: PagedKV, window: int, keep=None):
     """The step's streams x [N, D] through the pre blocks, their K/V written into the pool's
-    pre layers. Returns (x, pool). Blocks stacked (`model.stack`) over a stacked pool run in a
-    layer loop: one block in the program, whatever the depth."""
+    pre layers. Returns (x, pool), and with keep(x) -> [b, D] (some positions' streams) also
+    those after each block [n_pre, b, D]. Blocks stacked (`model.stack`) over a stacked pool run
+    in a layer loop: one block in the program, whatever the depth."""
+    kept = []
     if is_stacked(pool.pre):  # the pool's pre layers one stack, layer i at index (i,)
         def one(i, blk, carry):
-            return block(carry[0], blk, cfg, groups, carry[1], (i,), window, pool.kv_mode)
-        carry = (x, pool.pre.tree)
+            x, store = block(carry[0], blk, cfg, groups, carry[1], (i,), window, pool.kv_mode)
+            return x, store, None if keep is None else carry[2].at[i].set(keep(x))
+        carry = (x, pool.pre.tree, None if keep is None else
+                 jnp.zeros((len(params.pre), *jax.eval_shape(keep, x).shape), x.dtype))
         if is_stacked(params.pre):  # the blocks stacked too: a layer loop
             carry = jax.lax.fori_loop(0, len(params.pre), lambda i, c: one(i, params.pre.at(i), c), carry)
         else:  # blocks that differ (packed formats): unrolled
             for j, blk in enumerate(params.pre):
                 carry = one(j, blk, carry)
-        return carry[0], pool.replace(pre=Stacked(carry[1]))
+        pool = pool.replace(pre=Stacked(carry[1]))
+        return (carry[0], pool) if keep is None else (carry[0], pool, carry[2])
     pre = []
     for j, (blk, store) in enumerate(zip(params.pre, pool.pre)):
         x, store = block(x, blk, cfg, groups, store, None, window, pool.kv_mode, pool.map_of(j))
         pre.append(store)
-    return x, pool.replace(pre=tuple(pre))
+        if keep is not None:
+            kept.append(keep(x))
+    pool = pool.replace(pre=tuple(pre))
+    if keep is None:
+        return x, pool
+    return x, pool, jnp.stack(kept) if kept else jnp.zeros((0, *jax.eval_shape(keep, x).shape), x.dtype)
 
 
 def cfg_loop(store: dict) -> range:
@@ -265,7 +275,8 @@ def as_groups(rows, tokens) -> tuple[tuple, tuple]:
 
 @exact
 def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops: int, window: int,
-            exit: exits.Exit | None = None, seeds=None, keep_state: bool = False, prompts: tuple = ()):
+            exit: exits.Exit | None = None, seeds=None, keep_state: bool = False, prompts: tuple = (),
+            keep_depths: bool = False):
     """One step: groups of rows, each `Rows` [b, R] with its tokens [b, T] (row i's first
     n_new[i] real, at positions start[i] + t), through every layer at depth `loops` (static, or
     traced: a speculative draft's), their K/V written into the rows' pages. `rows`, `tokens` (and
@@ -274,7 +285,9 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
     logits come from, [b, T, D] per group (a tuple for tuples), the pool); keep_state: also the
     streams after the last pass (before the coda; injection models: the loop state), the same way.
     prompts: per group, whether it is a prompt chunk — on an engine's compact pool (`kv_share`)
-    a prompt group's loop layers are its pass slots (every pass), the others' the compact ones."""
+    a prompt group's loop layers are its pass slots (every pass), the others' the compact ones.
+    keep_depths: also the first group's rows' last fed tokens' streams after each pre block and
+    pass [b, n_pre + loops, D] (a prefix's depth states), last in what is returned."""
     single = isinstance(rows, Rows)
     rows, tokens = as_groups(rows, tokens)
     share = pool.share
@@ -294,7 +307,12 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
         x = x * cfg.embed_scale
     x = unreal_zeroed(x, groups)
 
-    x, pool = run_pre(params, cfg, x, groups, pool, window)
+    keep = None
+    if keep_depths:  # the first group's rows' last real tokens in the step's stream
+        g0 = groups[0]
+        at = jnp.arange(g0.pos.shape[0]) * g0.pos.shape[1] + jnp.maximum(g0.rows.n_new - 1, 0)
+        keep = lambda x: x[at]  # noqa: E731
+    x, pool, *pre_kept = run_pre(params, cfg, x, groups, pool, window, keep)
     e = None
     if inject:
         seeds = (seeds,) if single else (seeds or (None,) * len(groups))
@@ -312,16 +330,22 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
         return block(y, blk, cfg, groups, store, None, window, pool.kv_mode)
 
     if any(prompts) and pool.aside is not None and pool.loop_of is None:  # a mixed step on a compact pool
+        if keep_depths:
+            raise ValueError("keep_depths: a prompt's depth states are kept on a pool without pass slots")
         x, (loop, aside), pick = mixed_passes(params, cfg, pool, groups, tuple(prompts), x, e, loops, window,
                                               exit if gated else None)
         pool = pool.replace(aside=aside)
     else:
-        x, loop, _, pick = tf.run_passes(params, cfg, x, e, loops, pool.loop, loop_block, exit if gated else None,
-                                         slot=share.slot, settle=settle(share, pool.kv_mode, groups, loops, pool.loop))
+        x, loop, passes, pick = tf.run_passes(params, cfg, x, e, loops, pool.loop, loop_block,
+                                              exit if gated else None, keep, slot=share.slot,
+                                              settle=settle(share, pool.kv_mode, groups, loops, pool.loop))
     y, post = tf.coda(params, cfg, x, pool.post, post_block)
     pool = placed(pool.replace(loop=loop, post=tuple(post)), cfg.mesh)
     out = split(pick if gated else y, groups, single)
-    return (out, pool, split(x, groups, single)) if keep_state else (out, pool)
+    got = (out, pool, split(x, groups, single)) if keep_state else (out, pool)
+    if keep_depths:  # [n_pre + loops, b, D] -> [b, n_pre + loops, D]
+        got += (jnp.concatenate([pre_kept[0], passes]).transpose(1, 0, 2),)
+    return got
 
 
 def mixed_passes(params: Params, cfg: ModelConfig, pool: PagedKV, groups: tuple, prompts: tuple, x, e, loops: int,

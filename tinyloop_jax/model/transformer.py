@@ -292,9 +292,9 @@ class Settle(NamedTuple):
 def run_passes(params: Params, cfg: ModelConfig, x: jax.Array, e: jax.Array | None, loops, stack, loop_block,
                exit: Exit | None = None, keep=None, slot=lambda i: i, settle: Settle | None = None):
     """Passes 0..loops-1 (`one_pass`; loops static, or traced) under `fori_loop`, with the early
-    exit's pick among the passes' outputs (`exit`: a gate model's) and keep(x) -> [D], one
-    position's stream after each pass; slot / settle: a compact store's (`kv_share`). Returns
-    (x after the last pass, stack, kept [loops, D] | None, the exit's pick [N, D] | None)."""
+    exit's pick among the passes' outputs (`exit`: a gate model's) and keep(x) -> [D] (or [b, D]),
+    one position's (or b positions') stream after each pass; slot / settle: a compact store's (`kv_share`). Returns
+    (x after the last pass, stack, kept [loops, ...] | None, the exit's pick [N, D] | None)."""
     def body(i, carry):
         x, stack, kept, sel, acc = carry
         x, stack = one_pass(params, cfg, i, x, e, stack, loop_block, slot)
@@ -306,7 +306,7 @@ def run_passes(params: Params, cfg: ModelConfig, x: jax.Array, e: jax.Array | No
             acc = settle.after(i, stack, acc)
         return x, stack, kept, sel, acc
 
-    kept = jnp.zeros((loops, x.shape[1]), x.dtype) if keep is not None else None
+    kept = jnp.zeros((loops, *jax.eval_shape(keep, x).shape), x.dtype) if keep is not None else None
     sel = ExitCarry.start(x) if exit is not None else None
     x, stack, kept, sel, acc = jax.lax.fori_loop(0, loops, body, (x, stack, kept, sel,
                                                                  None if settle is None else settle.start))
