@@ -8,7 +8,7 @@ import pytest
 import tinyloop_jax as tl
 from tinyloop_jax.api import functional as F
 from tinyloop_jax.api.prefix import tree_equal
-from conftest import prompt_of, tiny_config
+from conftest import TINY, prompt_of, tiny_config
 from test_model_io import flip_a_byte
 
 CLOSE = dict(atol=1e-3, rtol=1e-2)
@@ -216,3 +216,46 @@ def test_bad_prefix_checkpoints_raise(models, tmp_path):
     shutil.rmtree(tmp_path / "q" / "arrays")
     with pytest.raises(RuntimeError, match="truncated|corrupted"):
         tl.PrefixCache.load(tmp_path / "q", model)
+
+
+# A model of local layers (windows of their own: the dense segment keeps them in rings)
+LOCAL = dict(block="llama", vocab_size=96, d_model=64, n_heads=4, n_kv_heads=1, head_dim=32, intermediate_size=96,
+             n_pre_blocks=3, loop_blocks=1, default_loops=2, max_seq_len=256, qk_norm=True, layer_windows=(6, 0, 6, 0),
+             rope_theta=1e6, rope_local_theta=1e4)
+
+
+@pytest.mark.parametrize("cfg,window,rings", [(dict(TINY, kv_mode="fp32"), 16, False),
+                                              (dict(LOCAL, kv_mode="fp32"), 0, True),
+                                              (dict(LOCAL, kv_mode="int8-h"), 24, True)],
+                         ids=["window", "rings", "rings-h-window"])
+def test_a_prefix_built_on_pages_equals_the_dense_prefill(cfg, window, rings):
+    """A prefix is built by the paged step and gathered from its pages (`page_pool.to_segment`);
+    the dense prefill (a `keep_state` prefix's, which runs no page) is the reference: the same
+    positions in the same slots (a window's ring, the local layers' rings), stored values within
+    the equivalence bound (a quantized one within a step), logits and depth states too. The
+    dense segment loaded into pages and gathered back is itself, bit for bit."""
+    import jax
+    import jax.numpy as jnp
+    from tinyloop_jax.decoding.compiled import SHARED
+
+    w = tl.Model.random(tl.ModelConfig(**cfg), seed=2).weights
+    prompt = prompt_of(70, seed=5, vocab=cfg["vocab_size"])
+    paged = F.build_prefix(w, prompt, cache_window=window)
+    dense = F.build_prefix(w, prompt, cache_window=window, keep_state=True)
+    assert paged.cache.rings == dense.cache.rings and bool(dense.cache.rings) == rings
+    for a, b in zip(jax.tree.leaves(paged.cache), jax.tree.leaves(dense.cache)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape and a.dtype == b.dtype
+        if a.dtype == np.int32:  # the positions each slot holds
+            assert np.array_equal(a, b)
+        elif np.issubdtype(a.dtype, np.integer):  # quantized values
+            assert np.abs(a.astype(np.int32) - b.astype(np.int32)).max() <= 1
+        else:
+            np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), **CLOSE)
+    np.testing.assert_allclose(np.asarray(paged.logits), np.asarray(dense.logits), **CLOSE)
+    np.testing.assert_allclose(np.asarray(paged.depth_states), np.asarray(dense.depth_states), **CLOSE)
+    pool, pages = F.prefix_pool(w, len(prompt), dense.loops)
+    pool = SHARED.load_segment(pool, dense.cache, jnp.asarray(pages), jnp.int32(0), jnp.int32(len(prompt)))
+    back = SHARED.to_segment(pool, jnp.asarray(pages), jnp.int32(len(prompt)), capacity=dense.cache.capacity,
+                             rings=dense.cache.rings, ring_capacity=dense.cache.ring_capacity if rings else 0)
+    assert tree_equal(back, dense.cache)

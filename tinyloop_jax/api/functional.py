@@ -174,6 +174,8 @@ def paged_prefix(weights: Weights, prompt: np.ndarray, k: int, pool: page_pool.P
     fill = paged_decode.prefill(weights.params, c, pool, state, pages[None], k, [prompt[k:]], None, loops, window,
                                 exit, chunk=PREFILL_CHUNK, keep_depths=True)
     rings, ring = ring_plan(c, n, window)
+    # the segment beside the pages it is gathered from: checked once they exist
+    kvc.check_fits(prefix_nbytes(weights, n, loops, window), f"a prefix of {n} tokens beside its pages")
     own = SHARED.to_segment(fill.pool, jnp.asarray(pages), jnp.int32(n), capacity=kvc.segment_capacity(n, window),
                             rings=rings, ring_capacity=ring)
     return own, fill.logits[0], fill.depths[0]
