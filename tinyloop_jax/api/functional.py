@@ -159,6 +159,10 @@ def prefix_pool(weights: Weights, n_tokens: int, loops: int) -> tuple[page_pool.
     as the dense segment holds them). Returns (pool, its page table [R])."""
     c = weights.config
     lay = paged_decode.layout(0, n_tokens, 1)
+    pages = lay.n_pages * page_pool.page_nbytes(c.storage, c.n_cache_layers(loops), c.n_kv_heads, page_pool.PAGE_SIZE,
+                                                c.head_dim, c.d_model)
+    # the pages and the dense segment gathered from them, checked before either is allocated
+    kvc.check_fits(pages + prefix_nbytes(weights, n_tokens, loops), f"a prefix of {n_tokens} tokens and its pages")
     return SHARED.empty_pool(c, loops, lay.n_pages, page_pool.PAGE_SIZE, c.storage, None, None), lay.tables[0]
 
 
@@ -174,8 +178,6 @@ def paged_prefix(weights: Weights, prompt: np.ndarray, k: int, pool: page_pool.P
     fill = paged_decode.prefill(weights.params, c, pool, state, pages[None], k, [prompt[k:]], None, loops, window,
                                 exit, chunk=PREFILL_CHUNK, keep_depths=True)
     rings, ring = ring_plan(c, n, window)
-    # the segment beside the pages it is gathered from: checked once they exist
-    kvc.check_fits(prefix_nbytes(weights, n, loops, window), f"a prefix of {n} tokens beside its pages")
     own = SHARED.to_segment(fill.pool, jnp.asarray(pages), jnp.int32(n), capacity=kvc.segment_capacity(n, window),
                             rings=rings, ring_capacity=ring)
     return own, fill.logits[0], fill.depths[0]
