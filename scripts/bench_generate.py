@@ -16,6 +16,10 @@ Rows (medians of --repeats after a warm-up call of each):
   prefix build            ms of build_prefix_cache on SmolLM2 at 100 / 300 / 1,000 random tokens, and
                           of extending a 900-token prefix to 1,000 (`functional.extend_prefix`, a
                           PrefixStore's hit); `--prefixes-only` runs these rows alone
+  scoring                 ms of Model.score at 100 / 300 / 1,000 random tokens (its first call,
+                          compiles included, and top_logprobs=5 at 300) and of held-out bits per
+                          byte over 8 windows of 256 tokens (`evaluate.bits_per_byte`);
+                          `--scores-only` runs these rows alone
   kv modes                decode tok/s of generate_from_prefix_cache per KV mode on a random looped
                           model (D 384, 2 pre blocks, loops 8, a 1024-token prefix;
                           `bench_kv_modes.decode_speed`)
@@ -45,10 +49,13 @@ def main():
     ap.add_argument("--activations", default="float32", choices=["float32", "int8"],
                     help="what the packed weights multiply (`Model`'s activations)")
     ap.add_argument("--prefixes-only", action="store_true", help="only the prefix-build rows")
+    ap.add_argument("--scores-only", action="store_true", help="only the scoring rows")
     args = ap.parse_args()
     model = tl.Model.from_pretrained("smollm2", activations=args.activations)
     if args.prefixes_only:
         return report(args, prefix_rows(model, args.repeats))
+    if args.scores_only:
+        return report(args, score_rows(model, args.repeats))
     tok = tl.load_tokenizer("smollm2")
     chat = lambda q: tok.apply_chat_template([dict(role="system", content=SYSTEM),  # noqa: E731
                                                dict(role="user", content=q)], tokenize=True,
@@ -86,7 +93,7 @@ def main():
         speed, _ = decode_speed(tl.Model(params, tl.ModelConfig(**dict(base.to_dict(), kv_mode=mode))), prompt,
                                 suffix, args.repeats)
         rows.append((f"kv mode {mode}: decode tok/s", speed))
-    report(args, rows + prefix_rows(model, args.repeats))
+    report(args, rows + prefix_rows(model, args.repeats) + score_rows(model, args.repeats))
 
 
 def prefix_rows(model, repeats: int) -> list:
@@ -101,6 +108,28 @@ def prefix_rows(model, repeats: int) -> list:
     source = model.build_prefix_cache(ids[:900])
     t = median_time(lambda: F.extend_prefix(source, 900, ids).logits.block_until_ready(), repeats)
     return rows + [("extend a 900-token prefix to 1,000: ms", t * 1e3)]
+
+
+def score_rows(model, repeats: int) -> list:
+    """Scoring (ms): `Model.score` at three lengths, its first call, with top log-probabilities,
+    and a batch of held-out bits per byte."""
+    import time
+
+    import numpy as np
+    from tinyloop_jax.api.evaluate import bits_per_byte
+    rng, rows = np.random.default_rng(1), []
+    ids = {n: rng.integers(10, 40000, n).astype(np.int32) for n in (100, 300, 1000)}
+    t = time.perf_counter()
+    model.score(ids[100])
+    rows.append(("score, 100 tokens, first call (compiles): ms", (time.perf_counter() - t) * 1e3))
+    for n, top in ((100, 0), (300, 0), (1000, 0), (300, 5)):
+        t = median_time(lambda: model.score(ids[n], top_logprobs=top), repeats)
+        rows.append((f"score, {n} tokens{f', top {top}' if top else ''}: ms", t * 1e3))
+    w = model.weights
+    data = rng.integers(10, 40000, 8 * 256).astype(np.int32)
+    t = median_time(lambda: bits_per_byte(w.params, w.config, data, w.config.default_loops, seq_len=256, batch=8),
+                    repeats)
+    return rows + [("bits per byte, 8 windows of 256 tokens: ms", t * 1e3)]
 
 
 def report(args, rows: list) -> None:

@@ -56,6 +56,9 @@ def same_calls(tag: str, single: tl.Model, m: tl.Model, full: bool) -> None:
                                                                                       "model") == 1)
     if not full:
         return
+    a, b = m.score(p, top_logprobs=2), single.score(p, top_logprobs=2)
+    ok(f"{tag} score", np.allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=1e-5) and (a.top_ids == b.top_ids).all(),
+       np.abs(a.logprobs - b.logprobs).max())
     ok(f"{tag} speculative", m.generate(p, max_tokens=8, draft_loops=1, lookahead=2)
        == single.generate(p, max_tokens=8))
     ok(f"{tag} sampled", m.generate(p, max_tokens=8, temperature=0.8, seed=3)

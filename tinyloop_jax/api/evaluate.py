@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 
 from . import functional as F
-from ..decoding import programs
 from ..model.config import ModelConfig
 from ..model.params import Params, Weights
 
@@ -14,12 +12,11 @@ from ..model.params import Params, Weights
 def _nll_bits(params: Params, cfg: ModelConfig, seqs: np.ndarray, loops: int, window: int,
               n_valid: np.ndarray) -> np.ndarray:
     """Each sequence's next-token negative log-likelihood in bits, summed over positions
-    1..n_valid[b]-1 of seqs [B, T] (padded past n_valid [B]), by `programs.score` (the
+    1..n_valid[b]-1 of seqs [B, T] (padded past n_valid [B]), by `functional.score` (the
     log-probabilities `Model.score` gives) at depth `loops` under a cache_window `window`."""
-    B, T = seqs.shape
-    own = F.empty_cache(Weights.create(params, cfg), T, loops, batch=B)
-    lp = np.asarray(programs.score(params, cfg, jnp.asarray(seqs), jnp.asarray(n_valid, jnp.int32), own, loops=loops,
-                                   top=0, window=window).logprobs, np.float64)
+    T = seqs.shape[1]
+    lp = np.asarray(F.score(Weights.create(params, cfg), seqs, n_valid, loops, cache_window=window).logprobs,
+                    np.float64)
     real = (np.arange(T)[None, :] >= 1) & (np.arange(T)[None, :] < np.asarray(n_valid)[:, None])
     return -(lp * real).sum(axis=1) / np.log(2.0)
 

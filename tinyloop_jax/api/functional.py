@@ -36,6 +36,7 @@ from ..decoding.compiled import SHARED
 from ..model.params import Weights
 from .prefix import PrefixCache, prefix_at_depth  # noqa: F401 - prefix_at_depth is part of this API
 from ..decoding.sampling import Knobs
+from ..decoding.scoring import Scores
 from ..decoding.speculative import Speculation
 from ..model.exits import Exit
 
@@ -198,6 +199,43 @@ def extend_prefix(source: PrefixCache, k: int, prompt, exit: Exit | None = None)
     own, logits, depths = paged_prefix(w, prompt, k, pool, pages, loops, window, exit, source.seed)
     seen = jnp.asarray(programs.token_mask([prompt], w.config.vocab_size)[0])
     return _wrap(w, own, prompt, loops, window, logits, seen, depths, seed=source.seed)
+
+
+# ---- scoring ---------------------------------------------------------------------------------
+
+def score(weights: Weights, seqs: np.ndarray, n_valid: np.ndarray, loops: int, top: int = 0, cache_window: int = 0,
+          exit: Exit | None = None, seed: int = 0) -> Scores:
+    """B sequences seqs [B, T] (row b real up to n_valid [B]) scored by the step over pages of
+    their own, `PREFILL_CHUNK` positions a step (`step.step(targets=...)`): `Scores` [B, T, ...]
+    on the device, row i about token i given the tokens before it (row 0 zeros), at depth
+    `loops`; every position attends within cache_window (0: all). `seed`: injection models'
+    initial states. Rows past n_valid hold what their padding scored."""
+    c = weights.config
+    seqs, n_valid = np.asarray(seqs, np.int32), np.asarray(n_valid, np.int32)
+    extra = sharding.rows(c.mesh, len(seqs)) - len(seqs)  # (split over 'data': filler rows)
+    seqs, n_valid = np.pad(seqs, ((0, extra), (0, 0))), np.pad(n_valid, (0, extra))
+    (N, T), chunk = seqs.shape, min(PREFILL_CHUNK, kvc.bucket(seqs.shape[1]))
+    lay = paged_decode.layout(0, T, N, window=page_pool.local_window(c), step=chunk)
+    kvc.check_fits(paged_decode.pool_nbytes(c, loops, lay), f"scoring {N} sequence(s) of {T} tokens at loops={loops}")
+    compact = not c.share.full  # (the prompts on pass slots)
+    pool = paged_decode.empty_pool(c, loops, lay.n_pages, lay, compact=compact)
+    pool = page_pool.swap(pool) if compact else pool
+    state = St.requests_of(np.zeros((N, c.vocab_size), bool), Knobs.make(N, seeds=[seed] * N, max_tokens=1),
+                           d_model=c.d_model, dtype=c.compute_dtype)
+    nxt = np.pad(seqs[:, 1:], ((0, 0), (0, 1)))  # position j is scored at token j + 1
+    parts = []
+    for at in range(0, T, chunk):
+        n_new = np.clip(n_valid - at, 0, chunk).astype(np.int32)
+        width, k = kvc.bucket(max(int(n_new.max()), 1)), min(chunk, T - at)
+        tokens, targets = (np.pad(a[:, at:at + width], ((0, 0), (0, width - min(width, T - at)))) for a in (seqs, nxt))
+        chunks = St.Chunks(paged.Rows(lay.tables, np.full((N,), at, np.int32), n_new), tokens, None, n_new > 0)
+        got, _, pool, state = SHARED.step(weights.params, c, pool, state, chunks, None, loops=loops, exit=exit,
+                                          window=cache_window, targets=jnp.asarray(targets), top=top)
+        parts.append(jax.tree.map(lambda a: jnp.pad(a[:, :k], ((0, 0), (0, k - min(k, a.shape[1])))
+                                                    + ((0, 0),) * (a.ndim - 2)), got.scores))
+    # row i about token i: position i - 1's score, and zeros for the first
+    return Scores(*(jnp.concatenate([jnp.zeros_like(a[:len(a) - extra, :1]), a[:len(a) - extra, :-1]], axis=1)
+                    for a in (jnp.concatenate(p, axis=1) for p in zip(*parts))))
 
 
 # ---- decoding --------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from . import validation as check
 from ..model.config import ModelConfig, check_kv_mode
 from ..decoding.paged_decode import Decoded
 from ..decoding.sampling import Knobs, SamplingParams
+from ..decoding.scoring import Scores
 from ..model.params import (Params, Weights, check_shapes, check_weight_mode, nbytes, quantize_params, with_layers)
 from ..model.init import random_params
 from .prefix import PrefixCache, ResumeHandle
@@ -264,7 +265,7 @@ class Model:
                               cache_window=window, exit=ex)
         return sharding.to_host(logits, np.float32)
 
-    def score(self, tokens, loops: int | None = None, top_logprobs: int = 0, seed: int = 0) -> programs.Scores:
+    def score(self, tokens, loops: int | None = None, top_logprobs: int = 0, seed: int = 0) -> Scores:
         """How likely the model finds `tokens` [n], by one from-scratch forward: numpy
         `Scores(logprobs [n], top_ids [n, top_logprobs], top_logprobs [n, top_logprobs])`, row i
         about token i given tokens[:i] (row 0 is zeros: nothing predicts the first token).
@@ -280,11 +281,9 @@ class Model:
             raise ValueError(f"top_logprobs must be an int in [0, vocab_size={w.config.vocab_size}], "
                              f"got {top_logprobs!r}")
         self._check_length(len(tokens), "tokens")
-        out = programs.score(w.params, w.config, jnp.asarray(F.pad(tokens))[None], jnp.int32([len(tokens)]),
-                             F.empty_cache(w, len(tokens), loops, batch=1), loops=loops, top=int(top_logprobs),
-                             exit=self.exit_for(loops), seed=jnp.uint32(check.seed(seed)))
-        n = len(tokens)
-        return programs.Scores(*(sharding.to_host(a)[0, :n] for a in out))
+        out = F.score(w, F.pad(tokens)[None], np.int32([len(tokens)]), loops, int(top_logprobs),
+                      exit=self.exit_for(loops), seed=check.seed(seed))
+        return Scores(*(sharding.to_host(a)[0, :len(tokens)] for a in out))
 
     def generate(self, prompt, max_tokens: int = 32, loops: int | None = None, temperature: float = 0.0,
                  top_k: int = 50, top_p: float = 1.0, cache_window: int = 0, repetition_penalty: float = 1.0,

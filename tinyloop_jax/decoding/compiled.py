@@ -30,7 +30,7 @@ JIT_OPTIONS = dict(
     admit=(St.admit, dict(donate_argnames=("state",))),
     start_rows=(St.start_rows, dict(donate_argnames=("state",))),
     # the step body and its loop
-    step=(St.step, dict(static_argnames=("cfg", "loops", "window", "in_prefill", "keep_depths"),
+    step=(St.step, dict(static_argnames=("cfg", "loops", "window", "in_prefill", "keep_depths", "top"),
                      donate_argnames=STATE)),
     decode_forward=(St.decode_forward, dict(static_argnames=("cfg", "loops", "window"), donate_argnames=POOL)),
     decode_choose=(St.decode_choose, dict(donate_argnames=("state",))),

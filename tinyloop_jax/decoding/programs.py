@@ -1,5 +1,5 @@
-"""Jitted programs over dense segments: chunked prefill (prefixes), scoring (a sequence's
-log-probabilities: `Model.score` and held-out bits per byte), the prefix operations.
+"""Jitted programs over dense segments: chunked prefill (a `KVCache`'s, `keep_state` prefixes),
+a prefix's logits at another depth.
 
 Programs take the segment they write (`own`) as a donated argument, so XLA updates its buffers
 in place; read-only segments (`ro`, a shared prefix) are plain arguments and never written.
@@ -60,52 +60,6 @@ def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Ar
                         exit=exit, seed=seed)
     return Fill(tf.last_logits(params, cfg, out.exit_x, n_valid), out.own, out.states if keep_states else None,
                 out.x if keep_x else None)
-
-
-class Scores(NamedTuple):
-    """What `score` returns: row i is about token i, predicted from the tokens before it (row 0,
-    which nothing predicts, holds zeros)."""
-    logprobs: Annotated[jax.Array, "float32[T]"]  # log p(tokens[i] | tokens[:i])
-    top_ids: Annotated[jax.Array, "int32[T, K]"]  # the K likeliest tokens at position i, likeliest first
-    top_logprobs: Annotated[jax.Array, "float32[T, K]"]
-
-
-# positions whose [V] log-probabilities exist at once while scoring (a long prompt of a large
-# vocabulary would otherwise hold T x V floats)
-SCORE_BLOCK = 128
-
-
-@partial(jax.jit, static_argnames=("cfg", "loops", "top", "window"))
-def score(params: Params, cfg: ModelConfig, tokens: jax.Array, n_valid: jax.Array, own: KVCache, loops: int, top: int,
-          exit: exits.Exit | None = None, seed: jax.Array | None = None, window: int = 0) -> Scores:
-    """Each real token's log-probability under the model (the log-softmax of the raw logits, no
-    sampling knobs) and the `top` likeliest tokens at its position, for B sequences at once:
-    tokens [B, T] (row b real up to n_valid [B], bucket-padded), each by one forward into its
-    empty segment of `own` (a segment per row: `empty_cache(batch=B)`). window: a cache_window
-    every position attends within. `Model.score` scores one; held-out bits per byte
-    (`evaluate`) several windows a call. Returns `Scores` [B, ...]."""
-    def one(tokens, n_valid, own):
-        x, _ = tf.forward(params, cfg, tokens, n_valid, jnp.int32(0), (), own, loops, window, exit, seed)
-        T = x.shape[0]
-        blocks = max(1, T // SCORE_BLOCK)
-        nxt = jnp.roll(tokens, -1).reshape(blocks, -1)  # position j predicts token j + 1
-
-        def block(args):
-            xb, tb = args
-            lp = jax.nn.log_softmax(tf.lm_head(params, cfg, xb), axis=-1)  # [t, V]
-            chosen = jnp.take_along_axis(lp, tb[:, None], axis=-1)[:, 0]
-            top_lp, top_ids = jax.lax.top_k(lp, top) if top else (lp[:, :0], jnp.zeros((lp.shape[0], 0), jnp.int32))
-            return chosen, top_ids.astype(jnp.int32), top_lp
-
-        chosen, top_ids, top_lp = jax.lax.map(block, (x.reshape(blocks, -1, x.shape[-1]), nxt))
-
-        def shift(a):  # [blocks, t, ...] -> [T, ...], row i about token i
-            a = a.reshape(T, *a.shape[2:])
-            return jnp.concatenate([jnp.zeros_like(a[:1]), a[:-1]])
-
-        return Scores(shift(chosen), shift(top_ids), shift(top_lp))
-
-    return jax.vmap(one)(tokens, n_valid, own)
 
 
 # ---- prefix operations -----------------------------------------------------------------------

@@ -27,6 +27,7 @@ from flax import struct
 from . import grammar as G
 from . import row_state as R
 from .row_state import RowState
+from .scoring import Scores, chunk_scores
 from .sampling import Knobs, select_tokens, stop_match
 from .speculative import DRAFT_STREAM, fold_in, round_paged
 from ..model import adaptive as ad
@@ -67,6 +68,7 @@ class Emitted:
     # (raw) and its stream after each pre block and pass
     logits: Annotated[jax.Array, "float32[b, V]"] | None = None
     depths: Annotated[jax.Array, "[b, n_pre + loops, D]"] | None = None
+    scores: Scores | None = None  # a scored chunk's positions (`step(targets=...)`), [b, T, ...]
 
 
 def empty_rows(rows: int, vocab: int, d_model: int, dtype=jnp.float32) -> Requests:
@@ -145,7 +147,7 @@ def _record(state: Requests, slot: jax.Array, tok: jax.Array, live: jax.Array) -
 
 def step(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Requests, chunks: Chunks | None,
          decodes: Decodes | None, loops: int, exit: exits.Exit | None = None, window: int = 0,
-         in_prefill: bool = False, keep_depths: bool = False):
+         in_prefill: bool = False, keep_depths: bool = False, targets: jax.Array | None = None, top: int = 0):
     """One step: the chunks' tokens and each decode row's last token through the model at depth
     `loops`, written into the pages; then a token for every decode row and every final chunk.
     window: a static cache_window for every row (else each row's, rows.window). in_prefill (static;
@@ -154,9 +156,10 @@ def step(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Reque
     its last state the request's warm state), each pass run `cache.EXIT_BLOCK` positions at a
     time over as many blocks as the prompts fill, so one chunk length serves every prompt.
     keep_depths (static; chunks alone): the chunks' `Emitted` also holds their last tokens'
-    logits and depth states (a prefix built on pages: `functional.build_prefix`).
-    Returns (the chunks' `Emitted` [b], the decode rows' [b'] (None for an absent group), pool,
-    state)."""
+    logits and depth states (a prefix built on pages: `functional.build_prefix`). targets [b, T]
+    (chunks alone): no token chosen, each position scored at its target, with its `top` (static)
+    likeliest (`Emitted.scores`, `scoring.chunk_scores`). Returns (the chunks' `Emitted` [b],
+    the decode rows' [b'] (None for an absent group), pool, state)."""
     if in_prefill:
         if decodes is not None:
             raise ValueError("a prompt exiting as a whole runs alone (decodes must be None)")
@@ -175,11 +178,14 @@ def step(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Reque
         groups.append(decodes.rows)
         tokens.append(_take(state.rows.last, decodes.slot)[:, None])
         seeds.append(_take(state.req.seed, decodes.slot))
-    if keep_depths and (chunks is None or decodes is not None):
-        raise ValueError("keep_depths keeps prompt chunks' depth states: chunks alone")
+    if (keep_depths or targets is not None) and (chunks is None or decodes is not None):
+        raise ValueError("keep_depths and targets are about prompt chunks: chunks alone")
     xs, pool, states, *depths = paged.forward(
         params, cfg, pool, tuple(groups), tuple(tokens), loops, window, exit, tuple(seeds), keep_state=True,
         prompts=(True,) * (chunks is not None) + (False,) * (decodes is not None), keep_depths=keep_depths)
+    if targets is not None:
+        none = jnp.full(chunks.final.shape, -1, jnp.int32)
+        return Emitted(none, none, scores=chunk_scores(params, cfg, xs[0], targets, top)), None, pool, state
     if decodes is None:
         warm, logits = _chunk_ends(params, cfg, chunks, xs[0], states[0])
         ctok, state = start_rows(state, chunks.slot, logits, chunks.final, warm, chunks.mask)
