@@ -81,7 +81,8 @@ def test_turns_equal_generate_and_the_pool_grows():
 def test_prefix_of_the_pages_equals_a_recompute(kv_mode):
     """Two turns in a quantized and an h mode: the answers equal generate's; the dense prefix
     made from the pages (the h mode's: prefilled again) equals a from-scratch prefix, its
-    depth states too; reading it equals reading the recompute."""
+    depth states too; reading it equals reading the recompute; a third turn after it reads the
+    kept pages."""
     model = tiny_model(kv_mode)
     conv = tl.Conversation(model, CharChat(), max_tokens=10)
     kept = check_turns(model, conv, [question(30, 3), question(12, 4)], 10)
@@ -90,6 +91,11 @@ def test_prefix_of_the_pages_equals_a_recompute(kv_mode):
     np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), atol=1e-3, rtol=1e-2)
     np.testing.assert_allclose(np.asarray(got.depth_states), np.asarray(want.depth_states), atol=1e-3, rtol=1e-2)
     assert model.generate_from_prefix_cache(got, max_tokens=6) == model.generate_from_prefix_cache(want, max_tokens=6)
+    # the prefix was made from a copy: the kept pages serve the next turn as they were
+    q = question(9, 5)
+    ids = conv.tokenizer.apply_chat_template(list(conv.messages) + [dict(role="user", content=q)]).tolist()
+    assert "".join(conv.send(q)) == conv.tokenizer.decode(greedy(model, ids, 10))
+    assert conv.turns[-1].reused_tokens == len(kept) - 1
 
 
 def test_an_abandoned_turn_leaves_the_conversation_as_it_was():

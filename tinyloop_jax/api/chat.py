@@ -322,18 +322,18 @@ class Conversation:
                     break
 
     def _dense(self, kept: Kept) -> PrefixCache:
-        """`prefix`: the kept pages as a dense segment, then the last token prefilled into it."""
+        """`prefix`: the last token prefilled into a copy of the kept pages (the kept pool stays
+        as the next turn expects it) by the step that builds any prefix, then gathered into a
+        dense segment (`functional.paged_prefix`)."""
         w, c = self.model.weights, self.model.weights.config
         tokens, n = kept.tokens, len(kept.tokens)
         seed = int(self.params.seed)
         if kept.pool.kv_mode != c.storage:
             return F.build_prefix(w, tokens, self.loops, exit=self._exit, seed=seed)
-        seg = SHARED.to_segment(kept.pool, jnp.arange(kept.pool.n_pages, dtype=jnp.int32), jnp.int32(kept.fed),
-                                capacity=kvc.bucket(n))
+        pool = SHARED.grow(kept.pool, max(kept.pool.n_pages, -(-n // page_pool.PAGE_SIZE)))  # (a copy)
+        own, logits, depths = F.paged_prefix(w, tokens, kept.fed, pool, np.arange(pool.n_pages, dtype=np.int32),
+                                             self.loops, 0, self._exit, seed)
         seen = jnp.asarray(programs.token_mask([tokens], c.vocab_size)[0])
-        fill = programs.prefill(w.params, c, jnp.asarray(F.pad(tokens[kept.fed:])), jnp.int32(1), jnp.int32(kept.fed),
-                                (), seg, loops=self.loops, window=0, exit=self._exit, seed=jnp.uint32(seed),
-                                keep_states=True)
-        return PrefixCache(cache=fill.own, prompt=tokens, loops=self.loops, cache_window=0, logits=fill.logits,
-                           seen=seen, depth_states=fill.depth_states, weights=w, seed=seed)
+        return PrefixCache(cache=own, prompt=tokens, loops=self.loops, cache_window=0, logits=logits, seen=seen,
+                           depth_states=depths, weights=w, seed=seed)
 
