@@ -13,7 +13,8 @@ Rows (medians of --repeats after a warm-up call of each):
   speculative             tokens/s of generate(draft_loops=) on the bundled looped model
   conversation            tokens/s of a 4-turn `Conversation` on SmolLM2 (answers streamed; wall
                           time of the whole chat, prefills included)
-  prefix build            ms of build_prefix_cache on SmolLM2 at 100 / 300 / 1,000 random tokens, and
+  prefix build            ms of build_prefix_cache on SmolLM2 at 100 / 300 / 1,000 random tokens (and
+                          at 300 with keep_state), and
                           of extending a 900-token prefix to 1,000 (`functional.extend_prefix`, a
                           PrefixStore's hit); `--prefixes-only` runs these rows alone
   scoring                 ms of Model.score at 100 / 300 / 1,000 random tokens (its first call,
@@ -105,6 +106,9 @@ def prefix_rows(model, repeats: int) -> list:
         ids = rng.integers(10, 40000, n).astype(np.int32)
         t = median_time(lambda: model.build_prefix_cache(ids).logits.block_until_ready(), repeats)
         rows.append((f"build_prefix_cache, {n} tokens: ms", t * 1e3))
+        if n == 300:  # and keeping every position's stream (a prefix that may go deeper)
+            t = median_time(lambda: model.build_prefix_cache(ids, keep_state=True).logits.block_until_ready(), repeats)
+            rows.append((f"build_prefix_cache, {n} tokens, keep_state: ms", t * 1e3))
     source = model.build_prefix_cache(ids[:900])
     t = median_time(lambda: F.extend_prefix(source, 900, ids).logits.block_until_ready(), repeats)
     return rows + [("extend a 900-token prefix to 1,000: ms", t * 1e3)]

@@ -8,7 +8,7 @@ import pytest
 import tinyloop_jax as tl
 from tinyloop_jax.api import functional as F
 from tinyloop_jax.api.prefix import tree_equal
-from conftest import TINY, prompt_of, tiny_config
+from conftest import HUGINN, TINY, prompt_of, tiny_config
 from test_model_io import flip_a_byte
 
 CLOSE = dict(atol=1e-3, rtol=1e-2)
@@ -226,22 +226,33 @@ LOCAL = dict(block="llama", vocab_size=96, d_model=64, n_heads=4, n_kv_heads=1, 
 
 @pytest.mark.parametrize("cfg,window,rings", [(dict(TINY, kv_mode="fp32"), 16, False),
                                               (dict(LOCAL, kv_mode="fp32"), 0, True),
-                                              (dict(LOCAL, kv_mode="int8-h"), 24, True)],
-                         ids=["window", "rings", "rings-h-window"])
+                                              (dict(LOCAL, kv_mode="int8-h"), 24, True),
+                                              (dict(HUGINN), 0, False)],
+                         ids=["window", "rings", "rings-h-window", "injection"])
 def test_a_prefix_built_on_pages_equals_the_dense_prefill(cfg, window, rings):
     """A prefix is built by the paged step and gathered from its pages (`page_pool.to_segment`);
-    the dense prefill (a `keep_state` prefix's, which runs no page) is the reference: the same
+    the dense prefill (`programs.prefill`, which runs no page) is the reference: the same
     positions in the same slots (a window's ring, the local layers' rings), stored values within
-    the equivalence bound (a quantized one within a step), logits and depth states too. The
-    dense segment loaded into pages and gathered back is itself, bit for bit."""
+    the equivalence bound (a quantized one within a step), logits, depth states and the stream
+    `keep_state` keeps (an injection model's (state | e) carry) too. The dense segment loaded
+    into pages and gathered back is itself, bit for bit."""
+    from types import SimpleNamespace
+
     import jax
     import jax.numpy as jnp
+    from tinyloop_jax.decoding import programs
     from tinyloop_jax.decoding.compiled import SHARED
 
     w = tl.Model.random(tl.ModelConfig(**cfg), seed=2).weights
     prompt = prompt_of(70, seed=5, vocab=cfg["vocab_size"])
-    paged = F.build_prefix(w, prompt, cache_window=window)
-    dense = F.build_prefix(w, prompt, cache_window=window, keep_state=True)
+    paged = F.build_prefix(w, prompt, cache_window=window, keep_state=True)
+    loops, n = w.config.default_loops, len(prompt)
+    out = programs.prefill(w.params, w.config, jnp.asarray(F.pad(prompt)), jnp.int32(n), jnp.int32(0), (),
+                           F.empty_cache(w, n, loops, window), loops=loops, window=window, keep_states=True,
+                           keep_x=True)
+    dense = SimpleNamespace(cache=out.own, logits=out.logits, depth_states=out.depth_states, loops=loops)
+    assert paged.state.shape == out.x.shape
+    np.testing.assert_allclose(np.asarray(paged.state)[:n], np.asarray(out.x)[:n], **CLOSE)
     assert paged.cache.rings == dense.cache.rings and bool(dense.cache.rings) == rings
     for a, b in zip(jax.tree.leaves(paged.cache), jax.tree.leaves(dense.cache)):
         a, b = np.asarray(a), np.asarray(b)

@@ -331,7 +331,7 @@ class Conversation:
         if kept.pool.kv_mode != c.storage:
             return F.build_prefix(w, tokens, self.loops, exit=self._exit, seed=seed)
         pool = SHARED.grow(kept.pool, max(kept.pool.n_pages, -(-n // page_pool.PAGE_SIZE)))  # (a copy)
-        own, logits, depths = F.paged_prefix(w, tokens, kept.fed, pool, np.arange(pool.n_pages, dtype=np.int32),
+        own, logits, depths, _ = F.paged_prefix(w, tokens, kept.fed, pool, np.arange(pool.n_pages, dtype=np.int32),
                                              self.loops, 0, self._exit, seed)
         seen = jnp.asarray(programs.token_mask([tokens], c.vocab_size)[0])
         return PrefixCache(cache=own, prompt=tokens, loops=self.loops, cache_window=0, logits=logits, seen=seen,

@@ -135,16 +135,12 @@ def build_prefix(weights: Weights, prompt, loops: int | None = None, cache_windo
     prompt = np.asarray(prompt, np.int32)
     weights.config.check_positions(len(prompt), "the prompt")
     seen = jnp.asarray(programs.token_mask([prompt], weights.config.vocab_size)[0])
-    if not keep_state:
-        pool, pages = prefix_pool(weights, len(prompt), loops)
-        own, logits, depths = paged_prefix(weights, prompt, 0, pool, pages, loops, cache_window, exit, seed)
-        return _wrap(weights, own, prompt, loops, cache_window, logits, seen, depths, seed=seed)
-    # every position's stream after the last pass kept too: one dense prefill of the whole prompt
-    own = empty_cache(weights, len(prompt), loops, cache_window)
-    out = programs.prefill(weights.params, weights.config, jnp.asarray(pad(prompt)), jnp.int32(len(prompt)),
-                           jnp.int32(0), (), own, loops=loops, window=cache_window, exit=exit, seed=jnp.uint32(seed),
-                           keep_states=True, keep_x=True)
-    return _wrap(weights, out.own, prompt, loops, cache_window, out.logits, seen, out.depth_states, out.x, seed)
+    pool, pages = prefix_pool(weights, len(prompt), loops, keep_state)
+    own, logits, depths, stream = paged_prefix(weights, prompt, 0, pool, pages, loops, cache_window, exit, seed)
+    state = None  # (keep_state: [bucket(P), D | 2D], its padding zeros)
+    if keep_state:
+        state = jnp.pad(stream, ((0, kvc.bucket(len(prompt)) - len(prompt)), (0, 0)))
+    return _wrap(weights, own, prompt, loops, cache_window, logits, seen, depths, state, seed)
 
 
 # A long prompt's prefill runs in chunks of this many tokens: attention's [T, T] scores of one
@@ -153,26 +149,33 @@ def build_prefix(weights: Weights, prompt, loops: int | None = None, cache_windo
 PREFILL_CHUNK = 512
 
 
-def prefix_pool(weights: Weights, n_tokens: int, loops: int) -> tuple[page_pool.PagedKV, np.ndarray]:
+def prefix_pool(weights: Weights, n_tokens: int, loops: int,
+                keep_state: bool = False) -> tuple[page_pool.PagedKV, np.ndarray]:
     """A prefix's pages while it is built: room for its n_tokens positions, every layer on the
     pages (no local slots: the dense segment's rings are gathered from them), stored in the
     model's mode (an h mode's segment holds h; a compact `kv_share`'s prompts run every pass,
-    as the dense segment holds them). Returns (pool, its page table [R])."""
+    as the dense segment holds them). keep_state: room for every position's stream beside them.
+    Returns (pool, its page table [R])."""
     c = weights.config
     lay = paged_decode.layout(0, n_tokens, 1)
     pages = lay.n_pages * page_pool.page_nbytes(c.storage, c.n_cache_layers(loops), c.n_kv_heads, page_pool.PAGE_SIZE,
                                                 c.head_dim, c.d_model)
-    # the pages and the dense segment gathered from them, checked before either is allocated
-    kvc.check_fits(pages + prefix_nbytes(weights, n_tokens, loops), f"a prefix of {n_tokens} tokens and its pages")
+    # the pages and the dense segment gathered from them (and the streams), checked before either is allocated
+    per_token = c.d_model * (1 + (c.injection != "none")) * jnp.dtype(c.compute_dtype).itemsize
+    stream = kvc.bucket(n_tokens) * per_token if keep_state else 0
+    kvc.check_fits(pages + prefix_nbytes(weights, n_tokens, loops) + stream,
+                   f"a prefix of {n_tokens} tokens and its pages")
     return SHARED.empty_pool(c, loops, lay.n_pages, page_pool.PAGE_SIZE, c.storage, None, None), lay.tables[0]
 
 
 def paged_prefix(weights: Weights, prompt: np.ndarray, k: int, pool: page_pool.PagedKV, pages: np.ndarray,
-                 loops: int, window: int, exit: Exit | None, seed: int) -> tuple[KVCache, jax.Array, jax.Array]:
+                 loops: int, window: int, exit: Exit | None,
+                 seed: int) -> tuple[KVCache, jax.Array, jax.Array, jax.Array]:
     """prompt[k:] prefilled by the paged step (`generate`'s step, keeping the last token's depth
     states) into `pool`, whose pages [R] hold the positions before k, then gathered into the
     prefix's dense segment (`page_pool.to_segment`: its window's ring, its local layers' rings).
-    Returns (segment, next-token logits [V], depth states [n_pre + loops, D])."""
+    Returns (segment, next-token logits [V], depth states [n_pre + loops, D], every fed
+    position's stream after the last pass [P - k, D | 2D])."""
     c, n = weights.config, len(prompt)
     state = St.requests_of(np.zeros((1, c.vocab_size), bool), Knobs.make(1, seeds=[seed], max_tokens=1),
                            d_model=c.d_model, dtype=c.compute_dtype)
@@ -181,7 +184,7 @@ def paged_prefix(weights: Weights, prompt: np.ndarray, k: int, pool: page_pool.P
     rings, ring = ring_plan(c, n, window)
     own = SHARED.to_segment(fill.pool, jnp.asarray(pages), jnp.int32(n), capacity=kvc.segment_capacity(n, window),
                             rings=rings, ring_capacity=ring)
-    return own, fill.logits[0], fill.depths[0]
+    return own, fill.logits[0], fill.depths[0], fill.stream[0]
 
 
 def extend_prefix(source: PrefixCache, k: int, prompt, exit: Exit | None = None) -> PrefixCache:
@@ -196,7 +199,7 @@ def extend_prefix(source: PrefixCache, k: int, prompt, exit: Exit | None = None)
                          f"(a prompt of {len(prompt)} tokens, the source's ring or window is shorter)")
     pool, pages = prefix_pool(w, len(prompt), loops)
     pool = SHARED.load_segment(pool, source.cache, jnp.asarray(pages), jnp.int32(0), jnp.int32(k))
-    own, logits, depths = paged_prefix(w, prompt, k, pool, pages, loops, window, exit, source.seed)
+    own, logits, depths, _ = paged_prefix(w, prompt, k, pool, pages, loops, window, exit, source.seed)
     seen = jnp.asarray(programs.token_mask([prompt], w.config.vocab_size)[0])
     return _wrap(w, own, prompt, loops, window, logits, seen, depths, seed=source.seed)
 

@@ -136,7 +136,8 @@ def collapse(pool: page_pool.PagedKV, loops: int) -> page_pool.PagedKV:
 class Prefilled(NamedTuple):
     """What `prefill` returns: each row's first token and the stop sequence it ends (-1: none),
     the passes its prompt ran (None: every pass), the pool and the request rows; with
-    keep_depths, each prompt's last token's logits [N, V] and depth states [N, n_pre + loops, D]."""
+    keep_depths, each prompt's last token's logits [N, V] and depth states [N, n_pre + loops, D],
+    and every position's stream after the last pass [N, longest, D | 2D] (`step.Emitted.stream`)."""
     first: jax.Array
     stop: jax.Array
     depth: jax.Array | None
@@ -144,6 +145,7 @@ class Prefilled(NamedTuple):
     state: St.Requests
     logits: jax.Array | None = None
     depths: jax.Array | None = None
+    stream: jax.Array | None = None
 
 
 def prefill(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: St.Requests, tables: np.ndarray,
@@ -162,6 +164,7 @@ def prefill(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: St
     N = len(suffixes)
     lens = np.array([len(x) for x in suffixes], np.int32)
     first = stop = logits = depths = None
+    streams = []
     depth = jnp.full((N,), loops, jnp.int32) if adaptive else None
     if (lens == 0).any():  # the prefix alone: its logits choose
         got, state = SHARED.start_rows(state, None, jnp.broadcast_to(prior_logits, (N, cfg.vocab_size)),
@@ -187,7 +190,9 @@ def prefill(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: St
         if keep_depths:
             logits = got.logits if logits is None else jnp.where(live[:, None], got.logits, logits)
             depths = got.depths if depths is None else jnp.where(live[:, None, None], got.depths, depths)
-    return Prefilled(first, stop, depth, pool, state, logits, depths)
+            streams.append(got.stream[:, :int(n_new.max())])
+    return Prefilled(first, stop, depth, pool, state, logits, depths,
+                     jnp.concatenate(streams, axis=1) if keep_depths else None)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from ..model import cache as kvc
 from ..model import paged
 from ..model import page_pool
 from ..model import paged_adaptive as pa
+from ..model import recurrence as rec
 from ..model import transformer as tf
 from ..model import exits
 from ..model.config import ModelConfig
@@ -68,6 +69,7 @@ class Emitted:
     # (raw) and its stream after each pre block and pass
     logits: Annotated[jax.Array, "float32[b, V]"] | None = None
     depths: Annotated[jax.Array, "[b, n_pre + loops, D]"] | None = None
+    stream: Annotated[jax.Array, "[b, T, D | 2D]"] | None = None  # every position's after the last pass (`Run.x`)
     scores: Scores | None = None  # a scored chunk's positions (`step(targets=...)`), [b, T, ...]
 
 
@@ -156,7 +158,8 @@ def step(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Reque
     its last state the request's warm state), each pass run `cache.EXIT_BLOCK` positions at a
     time over as many blocks as the prompts fill, so one chunk length serves every prompt.
     keep_depths (static; chunks alone): the chunks' `Emitted` also holds their last tokens'
-    logits and depth states (a prefix built on pages: `functional.build_prefix`). targets [b, T]
+    logits and depth states and every position's stream after the last pass (injection models:
+    the (state | e) carry; a prefix built on pages: `functional.build_prefix`). targets [b, T]
     (chunks alone): no token chosen, each position scored at its target, with its `top` (static)
     likeliest (`Emitted.scores`, `scoring.chunk_scores`). Returns (the chunks' `Emitted` [b],
     the decode rows' [b'] (None for an absent group), pool, state)."""
@@ -190,7 +193,8 @@ def step(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: Reque
         warm, logits = _chunk_ends(params, cfg, chunks, xs[0], states[0])
         ctok, state = start_rows(state, chunks.slot, logits, chunks.final, warm, chunks.mask)
         if keep_depths:
-            ctok = ctok.replace(logits=logits, depths=depths[0])
+            d, e = depths
+            ctok = ctok.replace(logits=logits, depths=d, stream=states[0] if e is None else rec.carry(states[0], e))
         return ctok, None, pool, state
     dlogits = tf.lm_head(params, cfg, xs[-1][:, 0])
     if chunks is None:

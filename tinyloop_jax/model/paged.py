@@ -287,7 +287,8 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
     prompts: per group, whether it is a prompt chunk — on an engine's compact pool (`kv_share`)
     a prompt group's loop layers are its pass slots (every pass), the others' the compact ones.
     keep_depths: also the first group's rows' last fed tokens' streams after each pre block and
-    pass [b, n_pre + loops, D] (a prefix's depth states), last in what is returned."""
+    pass [b, n_pre + loops, D] (a prefix's depth states) and, for injection models, its input
+    to every pass [b, T, D] (else None): last in what is returned."""
     single = isinstance(rows, Rows)
     rows, tokens = as_groups(rows, tokens)
     share = pool.share
@@ -344,7 +345,8 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
     out = split(pick if gated else y, groups, single)
     got = (out, pool, split(x, groups, single)) if keep_state else (out, pool)
     if keep_depths:  # [n_pre + loops, b, D] -> [b, n_pre + loops, D]
-        got += (jnp.concatenate([pre_kept[0], passes]).transpose(1, 0, 2),)
+        got += (jnp.concatenate([pre_kept[0], passes]).transpose(1, 0, 2),
+                None if e is None else split(e, groups, False)[0])
     return got
 
 
