@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import tinyloop_jax as tl
-from tinyloop_jax.decoding import programs as engine
+from tinyloop_jax.decoding import paged_decode
 from conftest import prompt_of, tiny_model
 
 CLOSE = dict(atol=1e-3, rtol=1e-2)
@@ -45,9 +45,9 @@ def test_deeper_from_kept_state_runs_only_new_iterations(model, window, monkeypa
     shallow = model.build_prefix_cache(prompt, loops=2, cache_window=window, keep_state=True)
     assert shallow.keeps_state and shallow.nbytes > shallow.cache.nbytes
     ran = []
-    run = engine.prefill  # a stream in (no embedding): the passes past the kept depth, from its state
-    monkeypatch.setattr(engine, "prefill", lambda *a, **kw: (ran.append(kw["loops"]) if a[2].ndim == 2 else None)
-                        or run(*a, **kw))
+    run = paged_decode.fill_prefix  # streams in (no embedding): the passes past the kept depth, from its state
+    monkeypatch.setattr(paged_decode, "fill_prefix",
+                        lambda *a, **kw: (ran.append(a[6]) if np.ndim(a[5]) == 2 else None) or run(*a, **kw))
     for d in (3, 5):
         got = shallow.at_depth(d)
         assert ran[-1] == d - 2  # only the passes past the kept depth ran

@@ -20,6 +20,7 @@ from safetensors.numpy import load_file
 
 import tinyloop_jax as tl
 from tinyloop_jax.api import functional as F
+from tinyloop_jax.decoding import paged_decode
 from tinyloop_jax.api.prefix import tree_equal
 from tinyloop_jax.formats import hub
 from tinyloop_jax.model import cache as kvc
@@ -204,7 +205,7 @@ def test_a_long_prompt_is_prefilled_in_chunks(golden, monkeypatch, chunk):
     """A prefix longer than `PREFILL_CHUNK` is prefilled a chunk at a time (local layers reading
     their ring beside each chunk): transformers' logits, and a store's extension (itself in
     chunks) equals building it whole."""
-    monkeypatch.setattr(F, "PREFILL_CHUNK", chunk)
+    monkeypatch.setattr(paged_decode, "PREFILL_CHUNK", chunk)
     m = tl.Model.from_pretrained(TINY, kv_mode="fp32", dtype="float32")
     p, want = golden["prompt_40"], golden["logits_40"]
     prefix = m.build_prefix_cache(p[:37])
@@ -222,7 +223,7 @@ def test_generate_keeps_local_layers_in_rings(golden, monkeypatch, window, chunk
     step: a prompt chunk of `PREFILL_CHUNK`, 8 here to cut the prompts in pieces): long answers,
     from a prefix and for a batch of suffixes of several lengths, equal every layer on pages —
     the tiny Gemma (window 8, within a page) and a random one whose window spans pages (40)."""
-    monkeypatch.setattr(F, "PREFILL_CHUNK", chunk)
+    monkeypatch.setattr(paged_decode, "PREFILL_CHUNK", chunk)
     if window == 8:
         m, p = tl.Model.from_pretrained(TINY, kv_mode="fp32", dtype="float32"), golden["prompt_40"]
     else:

@@ -7,6 +7,7 @@ import pytest
 
 import tinyloop_jax as tl
 from tinyloop_jax.api import functional as F
+from tinyloop_jax.decoding import paged_decode
 from tinyloop_jax.api.prefix import tree_equal
 from conftest import HUGINN, TINY, prompt_of, tiny_config
 from test_model_io import flip_a_byte
@@ -87,14 +88,20 @@ def test_prefix_unchanged_after_serial_and_threaded_reuse(models):
 @pytest.mark.parametrize("mode,window", [("fp32", 0), ("fp16", 9)])
 def test_long_prompts_are_prefilled_in_chunks(models, monkeypatch, mode, window):
     """Past `PREFILL_CHUNK` tokens a prefix is prefilled a chunk at a time (8 here): the same
-    logits as one forward of the whole prompt, under a window too."""
-    monkeypatch.setattr(F, "PREFILL_CHUNK", 8)
+    logits as one forward of the whole prompt, under a window too; so are a kept stream's
+    deeper passes (`at_depth` past the prefix's loops), read alone and with a suffix."""
+    monkeypatch.setattr(paged_decode, "PREFILL_CHUNK", 8)
     model, p = models[mode], prompt_of(29, seed=8)
     prefix = model.build_prefix_cache(p[:27], loops=2, cache_window=window)
     np.testing.assert_allclose(np.asarray(prefix.logits), model.next_token_logits(p[:27], loops=2,
                                                                                  cache_window=window), **CLOSE)
     np.testing.assert_allclose(model.next_token_logits_from_prefix(prefix, p[27:]),
                                model.next_token_logits(p, loops=2, cache_window=window), **CLOSE)
+    deep = model.build_prefix_cache(p[:27], loops=2, cache_window=window, keep_state=True).at_depth(4)
+    np.testing.assert_allclose(np.asarray(deep.logits), model.next_token_logits(p[:27], loops=4, cache_window=window),
+                               **CLOSE)
+    np.testing.assert_allclose(model.next_token_logits_from_prefix(deep, p[27:]),
+                               model.next_token_logits(p, loops=4, cache_window=window), **CLOSE)
 
 
 @pytest.mark.parametrize("window", [0, 9])

@@ -10,6 +10,7 @@ import tinyloop_jax as tl
 from conftest import forward_seq, huginn_model, ouro_model, prompt_of, tiny_config, tiny_model
 from test_gemma3 import LOOPED
 from tinyloop_jax.api import functional as F
+from tinyloop_jax.decoding import paged_decode
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -77,7 +78,7 @@ def test_scoring_in_chunks_equals_the_cache_free_forward(layout, monkeypatch):
     log-probability and top tokens equal the log-softmax of the cache-free forward's logits
     (`transformer.forward_seq`), for an injection model with a seed, local layers, a compact
     kv_share, an h mode and a cache window."""
-    monkeypatch.setattr(F, "PREFILL_CHUNK", 16)
+    monkeypatch.setattr(paged_decode, "PREFILL_CHUNK", 16)
     model, window = _layout(layout)
     w, seed = model.weights, 5
     loops = w.config.default_loops

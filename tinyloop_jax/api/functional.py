@@ -143,48 +143,28 @@ def build_prefix(weights: Weights, prompt, loops: int | None = None, cache_windo
     return _wrap(weights, own, prompt, loops, cache_window, logits, seen, depths, state, seed)
 
 
-# A long prompt's prefill runs in chunks of this many tokens: attention's [T, T] scores of one
-# chunk would grow with the square of the prompt (a 32 k-token prompt: gigabytes a layer), and a
-# chunk's windowed layers read only their ring beside it.
-PREFILL_CHUNK = 512
-
 
 def prefix_pool(weights: Weights, n_tokens: int, loops: int,
                 keep_state: bool = False) -> tuple[page_pool.PagedKV, np.ndarray]:
-    """A prefix's pages while it is built: room for its n_tokens positions, every layer on the
-    pages (no local slots: the dense segment's rings are gathered from them), stored in the
-    model's mode (an h mode's segment holds h; a compact `kv_share`'s prompts run every pass,
-    as the dense segment holds them). keep_state: room for every position's stream beside them.
-    Returns (pool, its page table [R])."""
+    """A prefix's pages while it is built (`paged_decode.prefix_pool`), checked beside the dense
+    segment gathered from them and, with keep_state, every position's stream."""
     c = weights.config
-    lay = paged_decode.layout(0, n_tokens, 1)
-    pages = lay.n_pages * page_pool.page_nbytes(c.storage, c.n_cache_layers(loops), c.n_kv_heads, page_pool.PAGE_SIZE,
-                                                c.head_dim, c.d_model)
-    # the pages and the dense segment gathered from them (and the streams), checked before either is allocated
     per_token = c.d_model * (1 + (c.injection != "none")) * jnp.dtype(c.compute_dtype).itemsize
-    stream = kvc.bucket(n_tokens) * per_token if keep_state else 0
-    kvc.check_fits(pages + prefix_nbytes(weights, n_tokens, loops) + stream,
-                   f"a prefix of {n_tokens} tokens and its pages")
-    return SHARED.empty_pool(c, loops, lay.n_pages, page_pool.PAGE_SIZE, c.storage, None, None), lay.tables[0]
+    beside = prefix_nbytes(weights, n_tokens, loops) + (kvc.bucket(n_tokens) * per_token if keep_state else 0)
+    return paged_decode.prefix_pool(c, n_tokens, loops, beside, f"a prefix of {n_tokens} tokens and its pages")
 
 
 def paged_prefix(weights: Weights, prompt: np.ndarray, k: int, pool: page_pool.PagedKV, pages: np.ndarray,
                  loops: int, window: int, exit: Exit | None,
                  seed: int) -> tuple[KVCache, jax.Array, jax.Array, jax.Array]:
-    """prompt[k:] prefilled by the paged step (`generate`'s step, keeping the last token's depth
-    states) into `pool`, whose pages [R] hold the positions before k, then gathered into the
-    prefix's dense segment (`page_pool.to_segment`: its window's ring, its local layers' rings).
-    Returns (segment, next-token logits [V], depth states [n_pre + loops, D], every fed
-    position's stream after the last pass [P - k, D | 2D])."""
+    """prompt[k:] prefilled into `pool`, whose pages [R] hold the positions before k, and
+    gathered into the prefix's dense segment with its window's ring and its local layers' rings
+    (`paged_decode.fill_prefix`). Returns (segment, next-token logits [V], depth states
+    [n_pre + loops, D], every fed position's stream after the last pass [P - k, D | 2D])."""
     c, n = weights.config, len(prompt)
-    state = St.requests_of(np.zeros((1, c.vocab_size), bool), Knobs.make(1, seeds=[seed], max_tokens=1),
-                           d_model=c.d_model, dtype=c.compute_dtype)
-    fill = paged_decode.prefill(weights.params, c, pool, state, pages[None], k, [prompt[k:]], None, loops, window,
-                                exit, chunk=PREFILL_CHUNK, keep_depths=True)
     rings, ring = ring_plan(c, n, window)
-    own = SHARED.to_segment(fill.pool, jnp.asarray(pages), jnp.int32(n), capacity=kvc.segment_capacity(n, window),
-                            rings=rings, ring_capacity=ring)
-    return own, fill.logits[0], fill.depths[0], fill.stream[0]
+    return paged_decode.fill_prefix(weights.params, c, pool, pages, k, np.asarray(prompt[k:]), loops, window, exit,
+                                    seed, paged_decode.PREFILL_CHUNK, kvc.segment_capacity(n, window), rings, ring)
 
 
 def extend_prefix(source: PrefixCache, k: int, prompt, exit: Exit | None = None) -> PrefixCache:
@@ -217,7 +197,7 @@ def score(weights: Weights, seqs: np.ndarray, n_valid: np.ndarray, loops: int, t
     seqs, n_valid = np.asarray(seqs, np.int32), np.asarray(n_valid, np.int32)
     extra = sharding.rows(c.mesh, len(seqs)) - len(seqs)  # (split over 'data': filler rows)
     seqs, n_valid = np.pad(seqs, ((0, extra), (0, 0))), np.pad(n_valid, (0, extra))
-    (N, T), chunk = seqs.shape, min(PREFILL_CHUNK, kvc.bucket(seqs.shape[1]))
+    (N, T), chunk = seqs.shape, min(paged_decode.PREFILL_CHUNK, kvc.bucket(seqs.shape[1]))
     lay = paged_decode.layout(0, T, N, window=page_pool.local_window(c), step=chunk)
     kvc.check_fits(paged_decode.pool_nbytes(c, loops, lay), f"scoring {N} sequence(s) of {T} tokens at loops={loops}")
     compact = not c.share.full  # (the prompts on pass slots)
@@ -301,7 +281,7 @@ def decode(weights: Weights, prefix: PrefixCache | None, suffixes: list, request
         pool = paged_decode.load_prefix(weights.params, c, pool, prefix.cache, P, lay)
     seen = jnp.asarray(programs.token_mask(suffixes, c.vocab_size)) | prior_seen
     state = St.requests_of(seen, request, d_model=c.d_model, dtype=c.compute_dtype, pol=pol, warm=warm)
-    chunk = PREFILL_CHUNK if lay.slot_of is not None else 0  # (a ring: chunks it holds)
+    chunk = paged_decode.PREFILL_CHUNK if lay.slot_of is not None else 0  # (a ring: chunks it holds)
     matchers = masks = None
     if grammars is not None and any(g is not None for g in grammars):
         from ..decoding.grammar import fill_masks
@@ -336,7 +316,7 @@ def call_layout(c, prefix_len: int, longest: int, max_new: int, n_rows: int,
     a verify chunk."""
     room = own_room(longest, max_new, 0, speculation)[0]
     window = page_pool.local_window(c)
-    step = max(min(longest, PREFILL_CHUNK), speculation.lookahead + 1 if speculation is not None else 1)
+    step = max(min(longest, paged_decode.PREFILL_CHUNK), speculation.lookahead + 1 if speculation is not None else 1)
     return paged_decode.layout(prefix_len, room, n_rows, window=window, step=step)
 
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..decoding import programs
+from ..decoding import paged_decode, programs
 from ..formats import prefix_checkpoint
 from ..model import cache as kvc
 from ..model import sharding
@@ -130,14 +130,16 @@ def prefix_at_depth(prefix: PrefixCache, loops: int, exit: Exit | None = None) -
     if prefix.state is None:
         raise RuntimeError(f"loops={loops} is deeper than the prefix's loops={prefix.loops} and the prefix "
                            f"did not keep its loop state; build it with keep_state=True (or rebuild at loops={loops})")
-    extra = loops - prefix.cache.passes
-    own = kvc.empty(c.kv_mode, 0, extra, c.n_kv_heads, prefix.cache.capacity, c.head_dim,
-                    loop_blocks=c.loop_blocks, d_model=c.d_model, n_post=c.n_post_blocks, mesh=c.mesh)
+    extra, n, cache = loops - prefix.cache.passes, len(prefix), prefix.cache
     # the extra passes from the stream after the last one, nothing before them re-run (the coda,
-    # if any, runs again at the new depth into own's coda layers)
-    out = programs.prefill(w.params, c, prefix.state, jnp.int32(len(prefix)), jnp.int32(0), (), own, loops=extra,
-                           window=prefix.cache_window, keep_states=True, keep_x=True)
-    logits, own, state, states = out.logits, out.own, out.x, out.depth_states
+    # if any, runs again at the new depth), on pages of their own (their pre layers unused)
+    grown = kvc.cache_nbytes(c.kv_mode, c.n_cache_layers(extra), c.n_kv_heads, cache.capacity, c.head_dim, c.d_model)
+    pool, pages = paged_decode.prefix_pool(c, n, extra, grown + prefix.state.nbytes,
+                                           f"{extra} more passes of a prefix of {n} tokens")
+    own, logits, states, stream = paged_decode.fill_prefix(
+        w.params, c, pool, pages, 0, np.asarray(prefix.state[:n]), extra, prefix.cache_window, None, prefix.seed,
+        paged_decode.PREFILL_CHUNK, cache.capacity, cache.rings, cache.ring_capacity)
+    state = jnp.pad(stream, ((0, prefix.state.shape[0] - n), (0, 0)))
     states = jnp.concatenate([prefix.depth_states, states])
     if c.early_exit_gate:
         logits = programs.prefix_logits(w.params, c, states, loops=loops, exit=exit)

@@ -43,6 +43,12 @@ from .compiled import SHARED
 from .sampling import Knobs
 
 
+# A long prompt's prefill runs in chunks of this many tokens: attention's [T, T] scores of one
+# chunk would grow with the square of the prompt (a 32 k-token prompt: gigabytes a layer), and a
+# chunk's windowed layers read only their ring beside it.
+PREFILL_CHUNK = 512
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where a call's rows live: page tables [N, R] (the prefix's `shared` full pages first in
@@ -157,12 +163,14 @@ def prefill(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: St
     `chunk` tokens of each a step (0: each whole); their first tokens chosen in the step that
     ends them (a row with no suffix: from the prefix's prior_logits [V]). adaptive: the passes
     each prompt ran are kept (every pass, or with `exits` each prompt one chunk exiting as a
-    whole at its row's exit rule, `step.step(in_prefill=True)`); windows [N]: each row's cache_window;
+    whole at its row's exit rule, `step.step(in_prefill=True)`); a suffix may be streams entering
+    the passes [n, D | 2D] instead of ids (`fill_prefix`); windows [N]: each row's cache_window;
     masks [N, W]: the tokens each row's first may be (structured output; None: any); keep_depths:
     each prompt's last token's logits and depth states too (`step.step`; every row's suffix
     non-empty)."""
     N = len(suffixes)
     lens = np.array([len(x) for x in suffixes], np.int32)
+    stream = np.ndim(suffixes[0]) == 2  # streams entering the passes [n, D | 2D] (`fill_prefix`), not ids
     first = stop = logits = depths = None
     streams = []
     depth = jnp.full((N,), loops, jnp.int32) if adaptive else None
@@ -174,7 +182,8 @@ def prefill(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: St
     for at in range(0, int(lens.max()), step):
         n_new = np.clip(lens - at, 0, step).astype(np.int32)
         final = (lens > at) & (lens <= at + step)
-        tokens = np.zeros((N, (kvc.exit_length if exits else kvc.bucket)(int(n_new.max()))), np.int32)
+        width = (kvc.exit_length if exits else kvc.bucket)(int(n_new.max()))
+        tokens = np.zeros((N, width, *np.shape(suffixes[0])[1:]), suffixes[0].dtype if stream else np.int32)
         for i, x in enumerate(suffixes):
             tokens[i, :n_new[i]] = x[at:at + n_new[i]]
         chunks = St.Chunks(paged.Rows(tables, np.full((N,), prefix_len + at, np.int32), n_new, windows), tokens, None,
@@ -193,6 +202,42 @@ def prefill(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, state: St
             streams.append(got.stream[:, :int(n_new.max())])
     return Prefilled(first, stop, depth, pool, state, logits, depths,
                      jnp.concatenate(streams, axis=1) if keep_depths else None)
+
+
+def prefix_pool(cfg: ModelConfig, n_tokens: int, loops: int, beside: int = 0,
+                what: str = "a prefix's pages") -> tuple[page_pool.PagedKV, np.ndarray]:
+    """A prefix's pages while it is built: room for its n_tokens positions at depth `loops`,
+    every layer on the pages (no local slots: the dense segment's rings are gathered from
+    them), stored in the model's mode (an h mode's segment holds h; a compact `kv_share`'s
+    prompts run every pass, as the dense segment holds them). The pages and `beside` bytes more
+    (what is built with them) are checked to fit before anything is allocated. Returns (pool,
+    its page table [R])."""
+    lay = layout(0, n_tokens, 1)
+    pages = lay.n_pages * page_pool.page_nbytes(cfg.storage, cfg.n_cache_layers(loops), cfg.n_kv_heads,
+                                                page_pool.PAGE_SIZE, cfg.head_dim, cfg.d_model)
+    kvc.check_fits(pages + beside, what)
+    return SHARED.empty_pool(cfg, loops, lay.n_pages, page_pool.PAGE_SIZE, cfg.storage, None, None), lay.tables[0]
+
+
+def fill_prefix(params: Params, cfg: ModelConfig, pool: page_pool.PagedKV, pages: np.ndarray, k: int,
+                inputs: np.ndarray, loops: int, window: int, exit: exits.Exit | None, seed: int, chunk: int,
+                capacity: int, rings: tuple = (), ring_capacity: int = 0):
+    """One prompt's positions k.. fed by the step (`prefill`, `chunk` a step, keeping the last
+    token's depth states and every position's stream) into `pool`, whose pages [R] hold the
+    positions before k, then gathered into a dense segment of `capacity` slots (its local
+    layers' rings: `rings`, `ring_capacity`; `page_pool.to_segment`). inputs: token ids [n - k],
+    or streams entering the passes [n - k, D | 2D] (a deeper prefix's: `loops` more passes
+    from the stream a prefix kept, the pre layers not run). Returns (segment, next-token logits
+    [V], depth states [n_pre + loops, D] (streams: [loops, D]), every fed position's stream after
+    the last pass [n - k, D | 2D])."""
+    n = k + len(inputs)
+    state = St.requests_of(np.zeros((1, cfg.vocab_size), bool), Knobs.make(1, seeds=[seed], max_tokens=1),
+                           d_model=cfg.d_model, dtype=cfg.compute_dtype)
+    fill = prefill(params, cfg, pool, state, pages[None], k, [inputs], None, loops, window, exit, chunk=chunk,
+                   keep_depths=True)
+    own = SHARED.to_segment(fill.pool, jnp.asarray(pages), jnp.int32(n), capacity=capacity, rings=rings,
+                            ring_capacity=ring_capacity)
+    return own, fill.logits[0], fill.depths[0], fill.stream[0]
 
 
 @dataclass(frozen=True)

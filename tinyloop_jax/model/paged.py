@@ -281,8 +281,9 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
     n_new[i] real, at positions start[i] + t), through every layer at depth `loops` (static, or
     traced: a speculative draft's), their K/V written into the rows' pages. `rows`, `tokens` (and
     `seeds`: [b] uint32 each, the injection models' initial states; None: 0) are one group or
-    tuples of groups. Returns (the streams the
-    logits come from, [b, T, D] per group (a tuple for tuples), the pool); keep_state: also the
+    tuples of groups; float tokens [b, T, D] (injection models: the (state | e) carry [b, T, 2D])
+    are streams entering the passes, the pre blocks not run (a deeper prefix's passes). Returns
+    (the streams the logits come from, [b, T, D] per group (a tuple for tuples), the pool); keep_state: also the
     streams after the last pass (before the coda; injection models: the loop state), the same way.
     prompts: per group, whether it is a prompt chunk — on an engine's compact pool (`kv_share`)
     a prompt group's loop layers are its pass slots (every pass), the others' the compact ones.
@@ -302,20 +303,27 @@ def forward(params: Params, cfg: ModelConfig, pool: PagedKV, rows, tokens, loops
             raise ValueError(f"a compact pool of {pool.passes} slots is not kv_share={share}'s at loops={loops}")
     groups = tuple(Group.of(r, t.shape[1], pool) for r, t in zip(rows, tokens))
     pos = jnp.concatenate([g.pos.reshape(-1) for g in groups])
-    x = over_data(embed(params, jnp.concatenate([t.reshape(-1) for t in tokens]), pos, cfg), cfg.mesh)
     inject = rec.injected(cfg)
-    if inject and cfg.embed_scale != 1.0:
-        x = x * cfg.embed_scale
-    x = unreal_zeroed(x, groups)
+    entering = jnp.issubdtype(tokens[0].dtype, jnp.floating)  # streams entering the passes: no pre blocks
+    if entering:
+        x = jnp.concatenate([t.reshape(g.size, -1) for g, t in zip(groups, tokens)])
+    else:
+        x = embed(params, jnp.concatenate([t.reshape(-1) for t in tokens]), pos, cfg)
+        x = x * cfg.embed_scale if inject and cfg.embed_scale != 1.0 else x
+    x = unreal_zeroed(over_data(x, cfg.mesh), groups)
 
     keep = None
     if keep_depths:  # the first group's rows' last real tokens in the step's stream
         g0 = groups[0]
         at = jnp.arange(g0.pos.shape[0]) * g0.pos.shape[1] + jnp.maximum(g0.rows.n_new - 1, 0)
         keep = lambda x: x[at]  # noqa: E731
-    x, pool, *pre_kept = run_pre(params, cfg, x, groups, pool, window, keep)
     e = None
-    if inject:
+    if entering:  # a deeper prefix's: (state | e) for injection models
+        x, e = rec.split_carry(x) if inject else (x, None)
+        pre_kept = [jnp.zeros((0, *keep(x).shape), x.dtype)] if keep_depths else []
+    else:
+        x, pool, *pre_kept = run_pre(params, cfg, x, groups, pool, window, keep)
+    if inject and not entering:
         seeds = (seeds,) if single else (seeds or (None,) * len(groups))
         states = []
         for g, sd in zip(groups, seeds):
