@@ -143,7 +143,6 @@ def build_prefix(weights: Weights, prompt, loops: int | None = None, cache_windo
     return _wrap(weights, own, prompt, loops, cache_window, logits, seen, depths, state, seed)
 
 
-
 def prefix_pool(weights: Weights, n_tokens: int, loops: int,
                 keep_state: bool = False) -> tuple[page_pool.PagedKV, np.ndarray]:
     """A prefix's pages while it is built (`paged_decode.prefix_pool`), checked beside the dense
@@ -205,17 +204,19 @@ def score(weights: Weights, seqs: np.ndarray, n_valid: np.ndarray, loops: int, t
     pool = page_pool.swap(pool) if compact else pool
     state = St.requests_of(np.zeros((N, c.vocab_size), bool), Knobs.make(N, seeds=[seed] * N, max_tokens=1),
                            d_model=c.d_model, dtype=c.compute_dtype)
-    nxt = np.pad(seqs[:, 1:], ((0, 0), (0, 1)))  # position j is scored at token j + 1
+    # position j is scored at token j + 1; both padded so that any chunk's slice is whole
+    ids, nxt = np.pad(seqs, ((0, 0), (0, chunk))), np.pad(seqs[:, 1:], ((0, 0), (0, chunk + 1)))
     parts = []
     for at in range(0, T, chunk):
         n_new = np.clip(n_valid - at, 0, chunk).astype(np.int32)
         width, k = kvc.bucket(max(int(n_new.max()), 1)), min(chunk, T - at)
-        tokens, targets = (np.pad(a[:, at:at + width], ((0, 0), (0, width - min(width, T - at)))) for a in (seqs, nxt))
-        chunks = St.Chunks(paged.Rows(lay.tables, np.full((N,), at, np.int32), n_new), tokens, None, n_new > 0)
+        chunks = St.Chunks(paged.Rows(lay.tables, np.full((N,), at, np.int32), n_new), ids[:, at:at + width], None,
+                           n_new > 0)
         got, _, pool, state = SHARED.step(weights.params, c, pool, state, chunks, None, loops=loops, exit=exit,
-                                          window=cache_window, targets=jnp.asarray(targets), top=top)
-        parts.append(jax.tree.map(lambda a: jnp.pad(a[:, :k], ((0, 0), (0, k - min(k, a.shape[1])))
-                                                    + ((0, 0),) * (a.ndim - 2)), got.scores))
+                                          window=cache_window, targets=jnp.asarray(nxt[:, at:at + width]), top=top)
+        # the chunk's k positions (a chunk whose rows all end early: zeros past them)
+        parts.append(jax.tree.map(lambda a: jnp.pad(a[:, :k], [(0, 0), (0, k - min(k, a.shape[1]))]
+                                                    + [(0, 0)] * (a.ndim - 2)), got.scores))
     # row i about token i: position i - 1's score, and zeros for the first
     return Scores(*(jnp.concatenate([jnp.zeros_like(a[:len(a) - extra, :1]), a[:len(a) - extra, :-1]], axis=1)
                     for a in (jnp.concatenate(p, axis=1) for p in zip(*parts))))
